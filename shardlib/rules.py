@@ -1,0 +1,246 @@
+"""Logical-axis rules: ordered tables mapping a tensor's logical axis names to mesh axes.
+
+A rule table is data: ``(("embed", "fsdp"), ("embed", None), ("mlp", "tensor"), ...)``. For each
+dimension, the first rule for its logical name that *can* apply wins: its mesh axes must not be
+used by an earlier dimension of the same tensor, and their size must divide the dimension. A
+rule that cannot apply is skipped with a note, and a dimension no rule could shard stays
+replicated; every such fallback is recorded on the leaf so that `report` can say why a tensor is
+replicated and `check_replication` can refuse it.
+
+Trees without annotations (someone else's model) get their logical names from regex path rules,
+also first match wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = Sequence[tuple[str, MeshAxes]]
+Logical = tuple[str | None, ...]
+PathRules = Sequence[tuple[str, Logical | None]]
+
+
+class RuleError(ValueError):
+    """A rule table or annotation that cannot be applied to this mesh or tree."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    """Where one tensor lives: its path, shape, logical names, spec, and why it is not sharded."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    logical: Logical | None
+    spec: P
+    notes: tuple[str, ...] = ()
+
+    def shards(self, mesh: Mesh) -> int:
+        return math.prod(mesh.shape[a] for entry in self.spec if entry for a in _as_tuple(entry))
+
+    def bytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+    def bytes_per_device(self, mesh: Mesh) -> int:
+        return self.bytes() // self.shards(mesh)
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def validate_rules(rules: Rules, mesh: Mesh, *, table: str = "rules") -> None:
+    """Refuse rules that name mesh axes the mesh does not have."""
+    for name, axes in rules:
+        for axis in _as_tuple(axes):
+            if axis not in mesh.shape:
+                raise RuleError(
+                    f"{table}: rule {name!r} -> {axes!r} names mesh axis {axis!r}, which is not in the mesh "
+                    f"(axes: {', '.join(mesh.shape)})"
+                )
+
+
+def spec_for(
+    logical: Logical | None, shape: Sequence[int], rules: Rules, mesh: Mesh, *, path: str = "?"
+) -> tuple[P, tuple[str, ...]]:
+    """Resolve one tensor's logical names to a PartitionSpec, with notes on every fallback."""
+    if logical is None:
+        return P(*(None,) * len(shape)), ("no logical axis names (unannotated; add path rules)",)
+    if len(logical) != len(shape):
+        raise RuleError(f"{path}: {len(logical)} logical axes {logical} for a tensor of shape {tuple(shape)}")
+    used: set[str] = set()
+    entries: list[MeshAxes] = []
+    notes: list[str] = []
+    for dim, (name, size) in enumerate(zip(logical, shape)):
+        chosen: tuple[str, ...] = ()
+        for rule_name, axes in rules:
+            if rule_name != name:
+                continue
+            axes = tuple(a for a in _as_tuple(axes) if mesh.shape[a] > 1)
+            if not axes:  # explicit replication (or only size-1 axes): the table's own fallback
+                break
+            clash = used.intersection(axes)
+            n = math.prod(mesh.shape[a] for a in axes)
+            if clash:
+                notes.append(f"dim {dim} ({name}): {'/'.join(sorted(clash))} already shards another dim")
+            elif size % n:
+                notes.append(f"dim {dim} ({name}={size}) not divisible by {'x'.join(axes)}={n}")
+            else:
+                chosen = axes
+                break
+        used.update(chosen)
+        entries.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+    return P(*entries), tuple(notes)
+
+
+def path_str(path: Sequence[Any]) -> str:
+    """``(DictKey('blocks'), DictKey('w_up'))`` -> ``"blocks/w_up"``."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def logical_from_paths(tree: Any, path_rules: PathRules) -> Any:
+    """Logical names for an unannotated pytree from regex rules on its paths (first match wins)."""
+    compiled = [(re.compile(pattern), logical) for pattern, logical in path_rules]
+
+    def lookup(path, leaf):
+        name = path_str(path)
+        for pattern, logical in compiled:
+            if pattern.search(name):
+                if logical is not None and len(logical) != np.ndim(leaf):
+                    raise RuleError(
+                        f"path rule {pattern.pattern!r} gives {len(logical)} names {logical} to {name!r} "
+                        f"of shape {tuple(np.shape(leaf))}"
+                    )
+                return logical
+        return None
+
+    return jax.tree_util.tree_map_with_path(lookup, tree)
+
+
+def layout_tree(abstract: Any, logical: Any, rules: Rules, mesh: Mesh, *, table: str = "rules") -> Any:
+    """A pytree of `LeafLayout` for ``abstract`` (arrays or ShapeDtypeStructs) under ``rules``."""
+    validate_rules(rules, mesh, table=table)
+    logical_leaves = jax.tree.leaves(logical, is_leaf=lambda x: x is None or isinstance(x, tuple))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    if len(logical_leaves) != len(flat):
+        raise RuleError(f"logical axes tree has {len(logical_leaves)} leaves, the parameter tree {len(flat)}")
+    layouts = []
+    for (path, leaf), names in zip(flat, logical_leaves):
+        name = path_str(path)
+        spec, notes = spec_for(names, leaf.shape, rules, mesh, path=name)
+        layouts.append(LeafLayout(name, tuple(leaf.shape), np.dtype(leaf.dtype), names, spec, notes))
+    return jax.tree.unflatten(treedef, layouts)
+
+
+def is_layout(x: Any) -> bool:
+    return isinstance(x, LeafLayout)
+
+
+def shardings(layouts: Any, mesh: Mesh) -> Any:
+    return jax.tree.map(lambda l: NamedSharding(mesh, l.spec), layouts, is_leaf=is_layout)
+
+
+def specs(layouts: Any) -> Any:
+    return jax.tree.map(lambda l: l.spec, layouts, is_leaf=is_layout)
+
+
+def replicated_leaves(layouts: Any, mesh: Mesh) -> list[LeafLayout]:
+    """Leaves that ended up on every device although a rule (or nothing) wanted them sharded."""
+    return [l for l in jax.tree.leaves(layouts, is_leaf=is_layout) if l.notes and l.shards(mesh) == 1]
+
+
+def check_replication(layouts: Any, mesh: Mesh, max_bytes: int) -> None:
+    """Raise if an unintentionally replicated tensor is larger than ``max_bytes``."""
+    offenders = [l for l in replicated_leaves(layouts, mesh) if l.bytes() > max_bytes]
+    if offenders:
+        lines = "\n".join(f"  {l.path} {l.shape}: {'; '.join(l.notes)}" for l in offenders)
+        raise RuleError(
+            f"{len(offenders)} tensor(s) larger than {max_bytes} bytes would be replicated on every device:\n{lines}\n"
+            "change the model dimensions, the mesh, or add a fallback rule; or raise the replication limit"
+        )
+
+
+def report(layouts: Any, mesh: Mesh) -> str:
+    """One line per tensor: path, shape, logical names, spec, bytes per device, and why replicated."""
+    from shardlib.report import format_bytes, format_table
+
+    rows = [
+        {
+            "path": l.path,
+            "shape": "x".join(map(str, l.shape)) or "scalar",
+            "logical": ",".join(str(n) for n in l.logical) if l.logical is not None else "-",
+            "spec": str(tuple(l.spec)),
+            "per device": format_bytes(l.bytes_per_device(mesh)),
+            "note": "; ".join(l.notes),
+        }
+        for l in jax.tree.leaves(layouts, is_leaf=is_layout)
+    ]
+    return format_table(rows, ["path", "shape", "logical", "spec", "per device", "note"])
+
+
+def logical_axes_of(tree: Any) -> Any:
+    """Logical names stored on an annotated tree: Flax NNX Variables or linen LogicallyPartitioned boxes.
+
+    Returns a tree of tuples (or None for unannotated leaves) with the structure of the *unboxed*
+    values.
+    """
+    from flax import linen as nn
+    from flax import nnx
+
+    def names(x):
+        if isinstance(x, nnx.Variable):
+            meta = x.get_metadata()
+            found = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
+            return tuple(found) if found is not None else None
+        if isinstance(x, nn.LogicallyPartitioned):
+            return tuple(x.names)
+        return None
+
+    is_box = lambda x: isinstance(x, (nnx.Variable, nn.LogicallyPartitioned))
+    return jax.tree.map(names, tree, is_leaf=is_box)
+
+
+def unbox(tree: Any) -> Any:
+    """Plain arrays from NNX Variables / linen boxes."""
+    from flax import linen as nn
+    from flax import nnx
+
+    def value(x):
+        if isinstance(x, nnx.Variable):
+            return x.get_value()
+        if isinstance(x, nn.LogicallyPartitioned):
+            return x.value
+        return x
+
+    return jax.tree.map(value, tree, is_leaf=lambda x: isinstance(x, (nnx.Variable, nn.LogicallyPartitioned)))
+
+
+def merge_rules(*tables: Rules) -> tuple[tuple[str, MeshAxes], ...]:
+    """Concatenate rule tables (earlier tables win, since first match wins)."""
+    return tuple(rule for table in tables for rule in table)
+
+
+def rules_as_dict(rules: Rules) -> Mapping[str, list[MeshAxes]]:
+    out: dict[str, list[MeshAxes]] = {}
+    for name, axes in rules:
+        out.setdefault(name, []).append(axes)
+    return out

@@ -1,0 +1,102 @@
+"""Parallelism strategies as data: rule tables plus the few knobs the train step needs.
+
+``param_rules`` place the parameters (their storage layout), ``state_rules`` place the optimizer
+state and the reduced gradients, ``activation_rules`` place activations inside the step (only
+model-parallel axes: the batch axes are manual there). The compute layout of a weight is its
+storage layout with the batch axes removed: where they differ (ZeRO-3 / FSDP) the step gathers
+the weight before use and reduce-scatters its gradient, as the ZeRO paper prescribes.
+
+  strategy  params             grads / optimizer state   collectives per step
+  dp        replicated         replicated                all-reduce grads            2 Psi
+  zero1     replicated         sharded                   reduce-scatter + all-gather 2 Psi
+  zero2     replicated         sharded, also the         same as zero1               2 Psi
+                               accumulation buffer
+  zero3     sharded            sharded                   gather fwd + bwd + r-s      3 Psi
+  tp        split on heads/mlp/vocab (Megatron column/row parallel), batch over data
+  fsdp_tp   zero3 over fsdp x tp over tensor (2-D)
+  hsdp      zero3 within fsdp, replicated across data (all-reduce over data)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from shardlib.rules import Rules
+
+# Megatron-style tensor parallelism: attention heads and the MLP hidden dimension are split, so
+# the in-projections are column-parallel and the out-projections row-parallel; the vocabulary of
+# the embedding and the output head is split too.
+TENSOR_RULES: Rules = (
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+)
+
+# Batch dimension of inputs and activations: split over every data-parallel axis.
+BATCH_RULES: Rules = (("batch", ("data", "fsdp")),)
+
+# ZeRO sharding of weights over all data-parallel devices: prefer the model dimension, fall back
+# to another dimension when it does not divide (each fallback is reported by rules.report).
+ZERO_RULES: Rules = (
+    ("embed", ("data", "fsdp")),
+    ("mlp", ("data", "fsdp")),
+    ("heads", ("data", "fsdp")),
+    ("kv_heads", ("data", "fsdp")),
+    ("vocab", ("data", "fsdp")),
+    ("head_dim", ("data", "fsdp")),
+)
+
+# Hybrid sharding: shard within the fsdp axis only, replicate across data.
+HSDP_RULES: Rules = tuple((name, "fsdp") for name, _ in ZERO_RULES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """How parameters, optimizer state and batches are laid out over the mesh."""
+
+    name: str
+    param_rules: Rules
+    state_rules: Rules
+    activation_rules: Rules = TENSOR_RULES
+    batch_rules: Rules = BATCH_RULES
+    default_mesh: Mapping[str, int] = dataclasses.field(default_factory=lambda: {"data": -1})
+    # ZeRO-2: reduce-scatter each microbatch's gradient into a sharded accumulation buffer
+    # (instead of accumulating full local gradients and reducing once, as dp / zero1 do).
+    shard_grad_buffer: bool = False
+    summary: str = ""
+
+    def with_rules(self, **changes) -> "Strategy":
+        return dataclasses.replace(self, **changes)
+
+
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy("dp", param_rules=(), state_rules=(), default_mesh={"data": -1},
+                 summary="replicate everything, all-reduce gradients"),
+        Strategy("zero1", param_rules=(), state_rules=ZERO_RULES, default_mesh={"data": -1},
+                 summary="shard optimizer state"),
+        Strategy("zero2", param_rules=(), state_rules=ZERO_RULES, default_mesh={"data": -1},
+                 shard_grad_buffer=True, summary="shard optimizer state and gradients"),
+        Strategy("zero3", param_rules=ZERO_RULES, state_rules=ZERO_RULES, default_mesh={"fsdp": -1},
+                 shard_grad_buffer=True, summary="shard parameters, gradients and optimizer state (FSDP)"),
+        Strategy("tp", param_rules=TENSOR_RULES, state_rules=TENSOR_RULES, default_mesh={"tensor": -1},
+                 summary="Megatron tensor parallelism"),
+        Strategy("fsdp_tp", param_rules=TENSOR_RULES + HSDP_RULES, state_rules=TENSOR_RULES + HSDP_RULES,
+                 default_mesh={"fsdp": -1, "tensor": 2}, shard_grad_buffer=True,
+                 summary="FSDP over fsdp x tensor parallelism over tensor"),
+        Strategy("hsdp", param_rules=HSDP_RULES, state_rules=HSDP_RULES, default_mesh={"data": 2, "fsdp": -1},
+                 shard_grad_buffer=True, summary="FSDP within fsdp, replicated across data"),
+    )
+}
+
+
+def get_strategy(name: str | Strategy) -> Strategy:
+    if isinstance(name, Strategy):
+        return name
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}") from None
