@@ -2,10 +2,11 @@
 
 * ``constrain(x, ("batch", "seq", "embed"))`` pins an activation to the strategy's compute
   layout (tensor-parallel axes only: batch axes are manual inside the train step).
-* ``gather_layer(layer_state)`` is called at the top of a scanned layer body. Under ZeRO-3 /
-  FSDP it all-gathers that one layer's parameter shards, so full weights exist only while the
-  layer runs (and, under remat, are gathered again in the backward pass); its transpose is the
-  reduce-scatter of the gradients. Everywhere else it returns its input unchanged.
+* ``gather_layer(state)`` is called by a model that gathers its own parameters (``Model.
+  gathers_params``): at the top of a scanned layer body, and inside rematerialised functions
+  for the parameters outside the scan. Under ZeRO-3 / FSDP it all-gathers those shards, so full
+  weights exist only while that layer runs and are gathered again in the backward pass; its
+  transpose is the reduce-scatter of the gradients. Everywhere else it returns its input.
 
 Both are no-ops outside a shardlib step, so the same model runs eagerly on one device.
 """
@@ -21,7 +22,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-SPEC_METADATA = "shardlib_spec"  # Variable metadata: the parameter's storage spec (manual axes only)
+SPEC_METADATA = "shardlib_spec"  # Variable metadata: (path, storage spec over the manual axes)
 
 
 @dataclasses.dataclass
@@ -30,7 +31,7 @@ class ComputeContext:
 
     activation_spec: Callable[[Sequence[str | None], tuple[int, ...]], P]
     manual_axes: tuple[str, ...]
-    layer_gathers: int = 0  # how many times gather_layer ran during tracing (checked by the engine)
+    gathered: set[str] = dataclasses.field(default_factory=set)  # paths gather_layer saw (checked by the step)
 
 
 _CONTEXT: contextvars.ContextVar[ComputeContext | None] = contextvars.ContextVar(
@@ -68,25 +69,25 @@ def all_gather_spec(x: jax.Array, spec: Sequence[Any]) -> jax.Array:
     return x
 
 
-def _gather_variable(variable: Any) -> Any:
-    spec = variable.get_metadata().get(SPEC_METADATA) if hasattr(variable, "get_metadata") else None
-    if not spec:
+def _gather_variable(variable: Any, ctx: ComputeContext) -> Any:
+    stamp = variable.get_metadata().get(SPEC_METADATA) if hasattr(variable, "get_metadata") else None
+    if not stamp:
         return variable
-    value = variable.get_value() if hasattr(variable, "get_value") else variable.value
-    spec = tuple(spec)
+    path, spec = stamp
+    ctx.gathered.add(path)
+    value = variable.get_value()
     if len(spec) == value.ndim + 1:  # a slice of a scanned stack: drop the 'layers' entry
         spec = spec[1:]
     if len(spec) != value.ndim:
-        raise ValueError(f"gather_layer: spec {spec} does not fit a parameter of shape {value.shape}")
+        raise ValueError(f"gather_layer: {path} has spec {spec}, which does not fit a value of shape {value.shape}")
     return variable.replace(all_gather_spec(value, spec))
 
 
-def gather_layer(layer_state: Any) -> Any:
-    """Gather one scanned layer's parameter shards (ZeRO-3); identity otherwise."""
+def gather_layer(state: Any) -> Any:
+    """Gather the parameter shards in ``state`` (a Variable, a State, a module's state) under ZeRO-3."""
     ctx = _CONTEXT.get()
     if ctx is None:
-        return layer_state
-    ctx.layer_gathers += 1
+        return state
     from flax import nnx  # local: keep `import shardlib.hooks` light
 
-    return jax.tree.map(_gather_variable, layer_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return jax.tree.map(lambda v: _gather_variable(v, ctx), state, is_leaf=lambda v: isinstance(v, nnx.Variable))

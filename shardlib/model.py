@@ -26,16 +26,18 @@ class Model:
     """A trainable model as data.
 
     init(key) -> params; loss(params, batch, specs) -> (mean loss over the batch, aux scalars),
-    where ``specs`` (a tree of PartitionSpecs over the manual batch axes, or None) lets a scanned
-    model gather its own layers with `shardlib.hooks.gather_layer`. ``layer_gather`` says it does:
-    then leaves whose first logical axis is ``"layers"`` are passed to ``loss`` as local shards.
+    where ``specs`` (a tree of PartitionSpecs over the manual batch axes, or None) lets a model
+    gather its own parameters with `shardlib.hooks.gather_layer`, one layer at a time.
+    ``gathers_params`` says it does: then ``loss`` receives the local shards, and the step checks
+    that every sharded parameter went through ``gather_layer``. Otherwise the step gathers the
+    whole model before the forward pass (correct for any model, but all weights are alive at once).
     ``apply(params, inputs)`` gives the model's outputs (used for sampling); optional.
     """
 
     init: Callable[[jax.Array], Params]
     loss: Callable[[Params, Batch, Any], LossOut]
     logical_axes: Params
-    layer_gather: bool = False
+    gathers_params: bool = False
     apply: Callable[[Params, Any], Any] | None = None
 
     def abstract(self) -> Params:
@@ -67,14 +69,14 @@ def from_nnx(
     make: Callable[[Any], Any],
     loss_fn: Callable[[Any, Batch], Any],
     *,
-    layer_gather: bool = False,
+    gathers_params: bool = False,
 ) -> Model:
     """Adapt ``make(rngs) -> nnx.Module`` and ``loss_fn(module, batch)``.
 
     Only ``nnx.Param`` variables are trained; logical names come from their ``out_sharding``
-    metadata (``nnx.with_partitioning``). Set ``layer_gather=True`` when the module's scanned
-    layer body calls `shardlib.hooks.gather_layer` (as `models.gpt` does), so ZeRO-3 gathers one
-    layer at a time instead of the whole model.
+    metadata (``nnx.with_partitioning``). Set ``gathers_params=True`` when the module calls
+    `shardlib.hooks.gather_layer` on all its parameters (as `models.gpt` does: per layer inside
+    its scan), so ZeRO-3 gathers one layer at a time instead of the whole model.
     """
     from flax import nnx
     from flax.nnx import traversals
@@ -104,14 +106,14 @@ def from_nnx(
         for path, variable in template.items():
             bound = variable.replace(values[path])
             if path in spec_of:
-                bound.set_metadata(**{SPEC_METADATA: tuple(spec_of[path])})
+                bound.set_metadata(**{SPEC_METADATA: ("/".join(map(str, path)), tuple(spec_of[path]))})
             flat[path] = bound
         return nnx.merge(graphdef, nnx.State(traversals.unflatten_mapping(flat)), rest)
 
     def loss(params, batch, specs=None):
         return _loss_out(loss_fn(bind(params, specs), batch))
 
-    return Model(init=init, loss=loss, logical_axes=logical, layer_gather=layer_gather,
+    return Model(init=init, loss=loss, logical_axes=logical, gathers_params=gathers_params,
                  apply=lambda params, inputs: bind(params)(inputs))
 
 

@@ -25,16 +25,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlib import hooks
 from shardlib import rules as rules_lib
 from shardlib.layout import Layout, restrict, spec_axes
 from shardlib.model import Model
-
-_GATHERED = "shardlib_gathered_param"
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -76,16 +72,10 @@ class TrainProgram:
         return self.step.lower(state, batch).compile()
 
 
-def _gather_specs(layout: Layout, model: Model) -> tuple[Any, Any]:
-    """Per leaf, the manual axes to gather before the loss, and the specs passed to a scanned model."""
-    manual = layout.manual(layout.params)
-
-    def upfront(leaf, spec):
-        stacked = model.layer_gather and leaf.logical is not None and leaf.logical[:1] == ("layers",)
-        return P(*(None,) * len(spec)) if stacked else spec
-
-    leaves = jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout)
-    return jax.tree.unflatten(jax.tree.structure(manual), [upfront(l, s) for l, s in zip(leaves, jax.tree.leaves(manual))]), manual
+def _sharded_paths(layout: Layout) -> list[str]:
+    """Parameters whose storage is split over a batch axis: the ones ZeRO-3 must gather."""
+    return [l.path for l in jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout)
+            if spec_axes(restrict(l.spec, layout.batch_axes))]
 
 
 def _reduce_grad(grad: jax.Array, param_spec: P, state_spec: P, batch_axes: tuple[str, ...]) -> jax.Array:
@@ -135,12 +125,9 @@ def build(
     state_shardings = layout.state_shardings()
     manual_params = layout.manual(layout.params)
     manual_state = layout.manual(layout.state)
-    upfront_specs, layer_specs = _gather_specs(layout, model)
+    must_gather = _sharded_paths(layout)
     replicated = NamedSharding(mesh, P())
     ctx_args = dict(activation_spec=_activation_spec(layout), manual_axes=batch_axes)
-    has_stacked_gathers = any(
-        spec_axes(s) for s, u in zip(jax.tree.leaves(layer_specs), jax.tree.leaves(upfront_specs)) if s != u
-    )
 
     # ---- init: parameters and optimizer state are created directly in their shards.
     abstract_params = model.abstract()
@@ -159,25 +146,19 @@ def build(
 
     # ---- per-device loss: gather what storage shards, run the model, average over the batch axes.
     def local_loss(params, batch):
-        def gather(p, spec):
-            return checkpoint_name(hooks.all_gather_spec(p, spec), _GATHERED)
-
-        full = jax.tree.map(gather, params, upfront_specs)
         ctx = hooks.ComputeContext(**ctx_args)
+        if not model.gathers_params:  # whole model gathered up front (any model)
+            params = jax.tree.map(hooks.all_gather_spec, params, manual_params)
         with hooks.compute_context(ctx):
-            loss, aux = model.loss(full, batch, layer_specs if model.layer_gather else None)
-        if has_stacked_gathers and ctx.layer_gathers == 0:
+            loss, aux = model.loss(params, batch, manual_params if model.gathers_params else None)
+        missed = [p for p in must_gather if p not in ctx.gathered] if model.gathers_params else []
+        if missed:
             raise ValueError(
-                "the model declares layer_gather=True but its scanned layers never called "
-                "shardlib.hooks.gather_layer, so their parameter shards were used ungathered"
+                f"the model declares gathers_params=True but never passed {', '.join(missed)} through "
+                "shardlib.hooks.gather_layer, so it would compute with parameter shards; gather them, "
+                "or build the model with gathers_params=False"
             )
         return loss / n_batch, jax.tree.map(lambda a: a / n_batch, aux)
-
-    # Under ZeRO-3 the gathered weights are not kept for the backward pass: they are gathered
-    # again (3 Psi of traffic, 1 layer of full weights alive at a time), everything else is saved.
-    local_loss_remat = jax.checkpoint(
-        local_loss, policy=jax.checkpoint_policies.save_anything_except_these_names(_GATHERED)
-    )
 
     def grads_body(params, batch):
         def make_varying(p, spec):
@@ -185,7 +166,7 @@ def build(
             return jax.lax.pcast(p, missing, to="varying") if missing else p
 
         params = jax.tree.map(make_varying, params, manual_params)
-        (loss, aux), grads = jax.value_and_grad(local_loss_remat, has_aux=True)(params, batch)
+        (loss, aux), grads = jax.value_and_grad(local_loss, has_aux=True)(params, batch)
         grads = jax.tree.map(lambda g, ps, ss: _reduce_grad(g, ps, ss, batch_axes), grads, manual_params, manual_state)
         return jax.lax.psum(loss, batch_axes), jax.lax.psum(aux, batch_axes), grads
 

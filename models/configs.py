@@ -1,0 +1,100 @@
+"""Decoder configurations and the closed-form numbers derived from them.
+
+Parameter counts and FLOPs come from formulas, not from building a model, so planning a 13B
+run costs nothing; tests check the formulas against the real (abstract) model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """A GPT/Llama-style decoder: RMSNorm, rotary attention (optionally GQA), SwiGLU MLP."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_ff: int
+    n_kv_heads: int | None = None  # None: same as n_heads (plain multi-head attention)
+    max_seq_len: int = 1024
+    rope_theta: float = 10_000.0
+    compute_dtype: Any = "float32"  # anything jnp.dtype accepts; params stay float32
+    remat: bool = True
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+CONFIGS: dict[str, GPTConfig] = {
+    # For tests: every dimension is small and divisible by 4 or 8.
+    "tiny": GPTConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=64),
+    # Default CLI run: byte-level, ~3.5M params, learns visibly within a few hundred CPU steps.
+    "small": GPTConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=8, d_ff=768, max_seq_len=128),
+    # GPT-2 small shapes; SwiGLU with d_ff=2048 (= 8/3 d) has GPT-2's 85M non-embedding params.
+    # The head is untied, so the total is ~162M rather than GPT-2's 124M.
+    "gpt2-small": GPTConfig(
+        vocab_size=50304, d_model=768, n_layers=12, n_heads=12, d_ff=2048, max_seq_len=1024
+    ),
+    # TinyLlama-1.1B shapes (grouped-query attention, 4 kv heads).
+    "1b": GPTConfig(
+        vocab_size=32000, d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, d_ff=5632, max_seq_len=2048
+    ),
+    "llama-7b": GPTConfig(
+        vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, d_ff=11008, max_seq_len=2048, norm_eps=1e-6
+    ),
+    "13b": GPTConfig(
+        vocab_size=32000, d_model=5120, n_layers=40, n_heads=40, d_ff=13824, max_seq_len=2048, norm_eps=1e-6
+    ),
+}
+
+
+def get_config(name: str) -> GPTConfig:
+    """The named configuration; an unknown name lists the known ones."""
+    try:
+        return CONFIGS[name]
+    except KeyError:
+        raise ValueError(f"unknown model config {name!r}; known configs: {', '.join(CONFIGS)}") from None
+
+
+def _layer_params(config: GPTConfig) -> int:
+    d, hd = config.d_model, config.head_dim
+    attention = d * hd * (2 * config.n_heads + 2 * config.n_kv_heads)  # wq, wo, wk, wv
+    mlp = 3 * d * config.d_ff  # w_gate, w_up, w_down
+    norms = 2 * d
+    return attention + mlp + norms
+
+
+def param_count(config: GPTConfig) -> int:
+    """Exact number of parameters of ``GPT(config)``."""
+    embeddings = 2 * config.vocab_size * config.d_model  # untied input table and output head
+    return embeddings + config.n_layers * _layer_params(config) + config.d_model  # + final norm
+
+
+def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> float:
+    """Training FLOPs per token (forward + backward), the PaLM appendix B estimate.
+
+    ``6 N + 12 L H Q T``: N counts every parameter that takes part in a matmul (all of them
+    except the input embedding table, which is a lookup), L layers, H heads of size Q, T the
+    sequence length. The attention term counts the full T x T score matrix (no causal
+    discount), as PaLM and most MFU reports do. Remat recomputation is not counted.
+    """
+    seq_len = config.max_seq_len if seq_len is None else seq_len
+    n_matmul = param_count(config) - config.vocab_size * config.d_model
+    attention = 12 * config.n_layers * config.n_heads * config.head_dim * seq_len
+    return float(6 * n_matmul + attention)

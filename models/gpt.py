@@ -1,0 +1,265 @@
+"""A GPT/Llama-style decoder in Flax NNX whose every parameter carries logical axis names.
+
+The blocks are stacked (leading ``"layers"`` axis) and run with ``jax.lax.scan`` so that a
+strategy can gather one layer's weights at a time (``shardlib.hooks.gather_layer``) and XLA
+compiles one block instead of ``n_layers`` copies. Parameters stay float32; matmuls run in
+``config.compute_dtype``; norm statistics, softmax and logits are float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from models.configs import GPTConfig
+from shardlib.hooks import constrain, gather_layer
+
+RESIDUAL = ("batch", "seq", "embed")
+Initializer = Any  # jax.nn.initializers.Initializer
+
+
+def _param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], names: Sequence[str]) -> nnx.Param:
+    """A float32 parameter with one logical axis name per dimension."""
+    if len(names) != len(shape):
+        raise ValueError(f"{len(names)} logical names {tuple(names)} for a parameter of shape {tuple(shape)}")
+    return nnx.Param(init(rngs.params(), tuple(shape), jnp.float32), out_sharding=tuple(names))
+
+
+def _fan_in(in_axis: int | Sequence[int], out_axis: int | Sequence[int], scale: float = 1.0) -> Initializer:
+    """Variance ``scale / fan_in`` for multi-dimensional einsum kernels."""
+    return nnx.initializers.variance_scaling(scale, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """(sin, cos), each float32[seq_len, head_dim // 2], for rotary position embeddings."""
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.sin(angles), jnp.cos(angles)
+
+
+def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    """Rotate the two halves of each head (x: [batch, seq, heads, head_dim]) by position."""
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    sin, cos = sin[None, :, None, :], cos[None, :, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm; statistics in float32 whatever the activation dtype."""
+
+    def __init__(self, dim: int, *, eps: float, rngs: nnx.Rngs):
+        self.eps = eps
+        self.scale = _param(rngs, nnx.initializers.ones, (dim,), ("embed",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...]).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal self-attention with rotary embeddings; ``n_kv_heads < n_heads`` gives GQA."""
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+        d, h, kv, hd = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
+        qkv_init = _fan_in(in_axis=0, out_axis=(1, 2))
+        self.wq = _param(rngs, qkv_init, (d, h, hd), ("embed", "heads", "head_dim"))
+        self.wk = _param(rngs, qkv_init, (d, kv, hd), ("embed", "kv_heads", "head_dim"))
+        self.wv = _param(rngs, qkv_init, (d, kv, hd), ("embed", "kv_heads", "head_dim"))
+        # Residual-branch outputs scaled by 1/sqrt(2 L) (GPT-2) so the stream's variance stays O(1).
+        out_init = _fan_in(in_axis=(0, 1), out_axis=2, scale=1.0 / (2 * config.n_layers))
+        self.wo = _param(rngs, out_init, (h, hd, d), ("heads", "head_dim", "embed"))
+
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+        dtype = x.dtype
+        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dtype))
+        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dtype))
+        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dtype))
+        q = constrain(apply_rope(q, sin, cos), ("batch", "seq", "heads", "head_dim"))
+        k = constrain(apply_rope(k, sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+
+        batch, seq, heads, head_dim = q.shape
+        kv_heads = k.shape[2]
+        q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # query groups share a kv head
+        scores = jnp.einsum("btngk,bsnk->bngts", q, k, preferred_element_type=jnp.float32)
+        scores = scores / math.sqrt(head_dim)
+        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        out = jnp.einsum("bngts,bsnk->btngk", probs, v).reshape(batch, seq, heads, head_dim)
+        out = constrain(out, ("batch", "seq", "heads", "head_dim"))
+        return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dtype))
+
+
+class SwiGLU(nnx.Module):
+    """Gated MLP: ``w_down(silu(x w_gate) * (x w_up))``."""
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+        d, f = config.d_model, config.d_ff
+        self.w_gate = _param(rngs, _fan_in(0, 1), (d, f), ("embed", "mlp"))
+        self.w_up = _param(rngs, _fan_in(0, 1), (d, f), ("embed", "mlp"))
+        self.w_down = _param(rngs, _fan_in(0, 1, scale=1.0 / (2 * config.n_layers)), (f, d), ("mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = x.dtype
+        gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dtype))
+        up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dtype))
+        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+        return jnp.einsum("btf,fd->btd", hidden, self.w_down[...].astype(dtype))
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: attention then MLP, each added to the residual stream."""
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps, rngs=rngs)
+        self.attn = Attention(config, rngs=rngs)
+        self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps, rngs=rngs)
+        self.mlp = SwiGLU(config, rngs=rngs)
+
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+        x = constrain(x + self.attn(self.attn_norm(x), sin, cos), RESIDUAL)
+        return constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
+
+
+def _stacked_blocks(config: GPTConfig, rngs: nnx.Rngs) -> Block:
+    """``n_layers`` blocks as one Block whose parameters have a leading ``"layers"`` axis."""
+
+    @nnx.split_rngs(splits=config.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=config.n_layers, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs: nnx.Rngs) -> Block:
+        return Block(config, rngs=rngs)
+
+    return make(rngs)
+
+
+class GPT(nnx.Module):
+    """Decoder-only language model: tokens int32[B, T] -> logits float32[B, T, vocab]."""
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        d, vocab = config.d_model, config.vocab_size
+        self.embedding = _param(rngs, nnx.initializers.normal(1.0), (vocab, d), ("vocab", "embed"))
+        self.blocks = _stacked_blocks(config, rngs)
+        self.final_norm = RMSNorm(d, eps=config.norm_eps, rngs=rngs)
+        self.lm_head = _param(rngs, _fan_in(0, 1), (d, vocab), ("embed", "vocab"))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        config = self.config
+        dtype = jnp.dtype(config.compute_dtype)
+        # Each group of weights is gathered (under ZeRO-3) inside the function that uses it, and
+        # that function is rematerialised, so full weights are not kept for the backward pass.
+        embedding = self.embedding
+
+        def embed(tokens):
+            return jnp.take(gather_layer(embedding)[...], tokens, axis=0).astype(dtype)
+
+        x = constrain(embed(tokens), RESIDUAL)  # the lookup's backward needs no weights at all
+        sin, cos = rope_tables(tokens.shape[1], config.head_dim, config.rope_theta)
+        x = self.apply_blocks(x, sin, cos)
+        final_norm, lm_head = nnx.split(self.final_norm), self.lm_head
+
+        def head(x):
+            norm = nnx.merge(final_norm[0], gather_layer(final_norm[1]))
+            w = gather_layer(lm_head)[...].astype(dtype)
+            return jnp.einsum("btd,dv->btv", norm(x), w, preferred_element_type=jnp.float32)
+
+        if config.remat:
+            head = jax.checkpoint(head)
+        return constrain(head(x), ("batch", "seq", "vocab"))
+
+    def apply_blocks(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+        """Scan the stacked blocks over the residual stream, one layer's weights per step."""
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def body(x: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, None]:
+            block = nnx.merge(graphdef, gather_layer(layer_state))
+            return block(x, sin, cos), None
+
+        if self.config.remat:
+            body = jax.checkpoint(body, prevent_cse=False)  # prevent_cse is not needed inside scan
+        x, _ = jax.lax.scan(body, x, stacked)
+        return x
+
+
+def build(config: GPTConfig, rngs: nnx.Rngs | int = 0) -> GPT:
+    """A freshly initialised model (an int seed is turned into ``nnx.Rngs``)."""
+    return GPT(config, rngs=nnx.Rngs(rngs) if isinstance(rngs, int) else rngs)
+
+
+def next_token_loss(model: GPT, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean float32 cross-entropy of ``batch["targets"]`` given ``batch["inputs"]``; aux: accuracy."""
+    logits = model(batch["inputs"])
+    targets = batch["targets"]
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    accuracy = (jnp.argmax(logits, axis=-1) == targets).mean(dtype=jnp.float32)
+    return loss, {"accuracy": accuracy}
+
+
+def generate(
+    model: GPT,
+    prompt: jax.Array,
+    steps: int,
+    *,
+    rng: jax.Array,
+    temperature: float = 0.8,
+    top_k: int | None = None,
+) -> jax.Array:
+    """Sample ``steps`` tokens after ``prompt`` (int32[B, T0]) -> int32[B, T0 + steps].
+
+    Each step reruns the full forward pass on a fixed-length buffer (no KV cache): simple and
+    compiled once, fine for the small models this is meant for. ``temperature=0`` is greedy.
+    """
+    prompt = jnp.asarray(prompt, jnp.int32)
+    total = prompt.shape[1] + steps
+    if total > model.config.max_seq_len:
+        raise ValueError(f"prompt length {prompt.shape[1]} + steps {steps} exceeds max_seq_len {model.config.max_seq_len}")
+    if steps == 0:
+        return prompt
+    graphdef, state = nnx.split(model)
+    return _generate(graphdef, state, prompt, rng, steps, float(temperature), top_k)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
+def _generate(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    prompt: jax.Array,
+    rng: jax.Array,
+    steps: int,
+    temperature: float,
+    top_k: int | None,
+) -> jax.Array:
+    batch, prompt_len = prompt.shape
+    buffer = jnp.zeros((batch, prompt_len + steps), jnp.int32).at[:, :prompt_len].set(prompt)
+
+    def step(t: jax.Array, buffer: jax.Array) -> jax.Array:
+        logits = nnx.merge(graphdef, state)(buffer)  # causal: positions >= t do not affect t - 1
+        logits = jax.lax.dynamic_index_in_dim(logits, t - 1, axis=1, keepdims=False)
+        if temperature == 0.0:
+            token = jnp.argmax(logits, axis=-1)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+                logits = jnp.where(logits < kth, -jnp.inf, logits)
+            token = jax.random.categorical(jax.random.fold_in(rng, t), logits, axis=-1)
+        return buffer.at[:, t].set(token.astype(jnp.int32))
+
+    return jax.lax.fori_loop(prompt_len, prompt_len + steps, step, buffer)
+
+
+def trainable(config: GPTConfig) -> Any:
+    """The decoder as a `shardlib.Model` that gathers its own weights one layer at a time."""
+    from shardlib.model import from_nnx
+
+    return from_nnx(lambda rngs: GPT(config, rngs=rngs), next_token_loss, gathers_params=True)

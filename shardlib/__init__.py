@@ -1,0 +1,21 @@
+"""shardlib: device meshes, logical sharding rules and ZeRO / FSDP / TP training steps for JAX.
+
+The data flow of a run: mesh -> strategy (rule tables) -> layout of the model's parameters ->
+train program (sharded init, step, eval) -> batches -> checkpoints.
+"""
+
+from shardlib.hooks import constrain, gather_layer
+from shardlib.layout import Layout, make_layout
+from shardlib.mesh import MESH_AXES, MeshError, make_mesh, parse_mesh
+from shardlib.model import Model, from_functions, from_linen, from_nnx
+from shardlib.rules import LeafLayout, RuleError, check_replication, layout_tree, report as sharding_report
+from shardlib.step import TrainProgram, TrainState, build
+from shardlib.strategies import STRATEGIES, Strategy, get_strategy
+
+__all__ = [
+    "MESH_AXES", "STRATEGIES", "LeafLayout", "Layout", "MeshError", "Model", "RuleError", "Strategy",
+    "TrainProgram", "TrainState", "build", "check_replication", "constrain", "from_functions",
+    "from_linen", "from_nnx", "gather_layer", "get_strategy", "layout_tree", "make_layout",
+    "make_mesh", "parse_mesh", "sharding_report",
+]
+__version__ = "0.1.0"
