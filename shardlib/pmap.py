@@ -42,7 +42,7 @@ def pmap_step(model: Model, tx: optax.GradientTransformation, axis_name: str = "
         (loss, aux), grads = jax.value_and_grad(lambda p: model.loss(p, batch, None), has_aux=True)(params)
         grads = jax.lax.pmean(grads, axis_name)
         updates, opt_state = tx.update(grads, opt_state, params)
-        metrics = {"loss": jax.lax.pmean(loss, axis_name), "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": jax.lax.pmean(loss, axis_name), "grad_norm": optax.tree.norm(grads),
                    **jax.lax.pmean(aux, axis_name)}
         return optax.apply_updates(params, updates), opt_state, metrics
 

@@ -126,6 +126,9 @@ def build(
     manual_params = layout.manual(layout.params)
     manual_state = layout.manual(layout.state)
     must_gather = _sharded_paths(layout)
+    # Collectives over size-1 axes move nothing, and XLA refuses a cross-partition all-reduce over
+    # a size-1 manual axis next to auto axes: only reduce over axes that really split the batch.
+    active_axes = tuple(a for a in batch_axes if mesh.shape[a] > 1)
     replicated = NamedSharding(mesh, P())
     ctx_args = dict(activation_spec=_activation_spec(layout), manual_axes=batch_axes)
 
@@ -149,26 +152,33 @@ def build(
         ctx = hooks.ComputeContext(**ctx_args)
         if not model.gathers_params:  # whole model gathered up front (any model)
             params = jax.tree.map(hooks.all_gather_spec, params, manual_params)
+        def check_gathered(err=None):
+            missed = [p for p in must_gather if p not in ctx.gathered] if model.gathers_params else []
+            if missed:
+                raise ValueError(
+                    f"the model declares gathers_params=True but never passed {', '.join(missed)} through "
+                    "shardlib.hooks.gather_layer, so it computed with parameter shards; gather them, "
+                    "or build the model with gathers_params=False"
+                ) from err
+
         with hooks.compute_context(ctx):
-            loss, aux = model.loss(params, batch, manual_params if model.gathers_params else None)
-        missed = [p for p in must_gather if p not in ctx.gathered] if model.gathers_params else []
-        if missed:
-            raise ValueError(
-                f"the model declares gathers_params=True but never passed {', '.join(missed)} through "
-                "shardlib.hooks.gather_layer, so it would compute with parameter shards; gather them, "
-                "or build the model with gathers_params=False"
-            )
+            try:
+                loss, aux = model.loss(params, batch, manual_params if model.gathers_params else None)
+            except Exception as err:  # a shape error from an ungathered shard: say which parameter
+                check_gathered(err)
+                raise
+        check_gathered()
         return loss / n_batch, jax.tree.map(lambda a: a / n_batch, aux)
 
     def grads_body(params, batch):
         def make_varying(p, spec):
-            missing = tuple(a for a in batch_axes if a not in spec_axes(spec))
+            missing = tuple(a for a in active_axes if a not in spec_axes(spec))
             return jax.lax.pcast(p, missing, to="varying") if missing else p
 
         params = jax.tree.map(make_varying, params, manual_params)
         (loss, aux), grads = jax.value_and_grad(local_loss, has_aux=True)(params, batch)
-        grads = jax.tree.map(lambda g, ps, ss: _reduce_grad(g, ps, ss, batch_axes), grads, manual_params, manual_state)
-        return jax.lax.psum(loss, batch_axes), jax.lax.psum(aux, batch_axes), grads
+        grads = jax.tree.map(lambda g, ps, ss: _reduce_grad(g, ps, ss, active_axes), grads, manual_params, manual_state)
+        return jax.lax.psum(loss, active_axes), jax.lax.psum(aux, active_axes), grads
 
     def batch_specs(batch):
         return jax.tree.map(lambda x: restrict(layout.batch_spec(x.ndim), batch_axes), batch)
@@ -184,7 +194,7 @@ def build(
         loss, aux, grads = grads_fn(state.params, batch)
         grads = jax.lax.with_sharding_constraint(grads, state_shardings)
         params_s = jax.lax.with_sharding_constraint(state.params, state_shardings)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state.opt_state, params_s)
         new_params = jax.lax.with_sharding_constraint(optax.apply_updates(params_s, updates), param_shardings)
@@ -210,7 +220,7 @@ def build(
     def eval_fn(params, batch):
         def body(p, b):
             loss, aux = local_loss(p, b)
-            return {"loss": jax.lax.psum(loss, batch_axes), **jax.lax.psum(aux, batch_axes)}
+            return {"loss": jax.lax.psum(loss, active_axes), **jax.lax.psum(aux, active_axes)}
 
         return jax.shard_map(
             body, mesh=mesh, in_specs=(manual_params, batch_specs(batch)), out_specs=P(), axis_names=set(batch_axes)
