@@ -32,6 +32,7 @@ class ComputeContext:
     activation_spec: Callable[[Sequence[str | None], tuple[int, ...]], P]
     manual_axes: tuple[str, ...]
     gathered: set[str] = dataclasses.field(default_factory=set)  # paths gather_layer saw (checked by the step)
+    cast_to: Any = None  # compute dtype to cast gathered weights to (when the cast follows the gather)
 
 
 _CONTEXT: contextvars.ContextVar[ComputeContext | None] = contextvars.ContextVar(
@@ -80,7 +81,10 @@ def _gather_variable(variable: Any, ctx: ComputeContext) -> Any:
         spec = spec[1:]
     if len(spec) != value.ndim:
         raise ValueError(f"gather_layer: {path} has spec {spec}, which does not fit a value of shape {value.shape}")
-    return variable.replace(all_gather_spec(value, spec))
+    value = all_gather_spec(value, spec)
+    if ctx.cast_to is not None and jax.numpy.issubdtype(value.dtype, jax.numpy.floating):
+        value = value.astype(ctx.cast_to)
+    return variable.replace(value)
 
 
 def gather_layer(state: Any) -> Any:

@@ -70,16 +70,19 @@ class Layout:
     def batch_sharding(self, batch: Mapping[str, Any]) -> Any:
         return jax.tree.map(lambda x: NamedSharding(self.mesh, self.batch_spec(len(x.shape))), batch)
 
-    def check_batch(self, batch: Mapping[str, Any]) -> None:
-        """Clear error for a global batch the data-parallel devices cannot split evenly."""
-        n = self.batch_size_multiple
+    def check_batch(self, batch: Mapping[str, Any], microbatches: int = 1) -> None:
+        """Clear error for a global batch the data-parallel devices (x microbatches) cannot split evenly."""
+        n = self.batch_size_multiple * microbatches
         for name, x in batch.items():
             size = x.shape[0]
             if size % n:
-                axes = "x".join(a for a in self.batch_axes if self.mesh.shape[a] > 1)
+                axes = "x".join(a for a in self.batch_axes if self.mesh.shape[a] > 1) or "none"
+                what = f"the {self.batch_size_multiple} data-parallel devices (mesh axes {axes})"
+                if microbatches > 1:
+                    what += f" times {microbatches} microbatches"
                 raise ValueError(
-                    f"batch {name!r} has {size} rows, which the {n} data-parallel devices (mesh axes {axes}) "
-                    f"cannot split evenly; use a multiple of {n} such as {max(n, size // n * n)}"
+                    f"batch {name!r} has {size} rows, which {what} cannot split evenly; "
+                    f"use a multiple of {n} such as {max(n, size // n * n)}"
                 )
 
     def report(self) -> str:

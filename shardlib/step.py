@@ -28,6 +28,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlib import hooks
+from shardlib import precision as precision_lib
 from shardlib import rules as rules_lib
 from shardlib.layout import Layout, restrict, spec_axes
 from shardlib.model import Model
@@ -38,6 +39,7 @@ class TrainState:
     step: jax.Array
     params: Any
     opt_state: Any
+    loss_scale: Any = None  # {"scale", "good_steps"} under fp16 dynamic loss scaling, else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +118,20 @@ def build(
     layout: Layout,
     *,
     lr_schedule: Callable | None = None,
+    precision: str | precision_lib.Precision = "f32",
+    grad_accum: int = 1,
     donate: bool = True,
 ) -> TrainProgram:
-    """Compile-ready init, train step and eval step for ``model`` under ``layout``."""
+    """Compile-ready init, train step and eval step for ``model`` under ``layout``.
+
+    ``grad_accum=K`` splits each device's rows into K microbatches inside one compiled step.
+    dp / zero1 accumulate full local gradients and reduce once per step; strategies with
+    ``shard_grad_buffer`` (zero2, zero3 and its variants) reduce-scatter every microbatch into a
+    buffer that is 1/N of the gradients, trading K reductions for memory, as ZeRO-2 does.
+    """
+    policy = precision_lib.get_precision(precision)
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
     mesh, batch_axes = layout.mesh, layout.batch_axes
     n_batch = math.prod(mesh.shape[a] for a in batch_axes)
     param_shardings = layout.param_shardings()
@@ -138,20 +151,32 @@ def build(
     opt_shardings = optax.tree_utils.tree_map_params(
         tx, lambda _, sharding: sharding, abstract_opt, state_shardings, transform_non_params=lambda _: replicated
     )
-    state_sharding = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+    loss_scale = precision_lib.init_loss_scale(policy)
+    state_sharding = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
+                                loss_scale=jax.tree.map(lambda _: replicated, loss_scale))
 
     def init_fn(key):
-        params = model.init(key)
+        params = precision_lib.cast_floating(model.init(key), policy.param_dtype)
         in_state_layout = jax.lax.with_sharding_constraint(params, state_shardings)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(in_state_layout))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(in_state_layout),
+                          loss_scale=precision_lib.init_loss_scale(policy))
 
     init = jax.jit(init_fn, out_shardings=state_sharding)
 
     # ---- per-device loss: gather what storage shards, run the model, average over the batch axes.
+    cast_first = policy.casts_before_gather(mesh.devices.flat[0].platform)
+    compute = lambda tree: precision_lib.cast_floating(tree, policy.compute_dtype)
+    unsharded = lambda p, spec: p if spec_axes(spec) else compute(p)
+
     def local_loss(params, batch):
-        ctx = hooks.ComputeContext(**ctx_args)
+        ctx = hooks.ComputeContext(**ctx_args, cast_to=None if cast_first else policy.compute_dtype)
+        if cast_first:
+            params = compute(params)
         if not model.gathers_params:  # whole model gathered up front (any model)
             params = jax.tree.map(hooks.all_gather_spec, params, manual_params)
+            params = params if cast_first else compute(params)
+        elif not cast_first:  # sharded weights are cast by gather_layer, after their gather
+            params = jax.tree.map(unsharded, params, manual_params)
         def check_gathered(err=None):
             missed = [p for p in must_gather if p not in ctx.gathered] if model.gathers_params else []
             if missed:
@@ -170,14 +195,32 @@ def build(
         check_gathered()
         return loss / n_batch, jax.tree.map(lambda a: a / n_batch, aux)
 
-    def grads_body(params, batch):
+    reduce = lambda grads: jax.tree.map(
+        lambda g, ps, ss: _reduce_grad(g, ps, ss, active_axes), grads, manual_params, manual_state)
+    reduce_each_microbatch = layout.strategy.shard_grad_buffer
+
+    def grads_body(params, batch, scale):
         def make_varying(p, spec):
             missing = tuple(a for a in active_axes if a not in spec_axes(spec))
             return jax.lax.pcast(p, missing, to="varying") if missing else p
 
         params = jax.tree.map(make_varying, params, manual_params)
-        (loss, aux), grads = jax.value_and_grad(local_loss, has_aux=True)(params, batch)
-        grads = jax.tree.map(lambda g, ps, ss: _reduce_grad(g, ps, ss, active_axes), grads, manual_params, manual_state)
+
+        def microbatch(rows):
+            scaled = lambda p, b: (lambda out: (out[0] * scale, out))(local_loss(p, b))
+            (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params, rows)
+            return loss, aux, reduce(grads) if reduce_each_microbatch else grads
+
+        if grad_accum == 1:
+            loss, aux, grads = microbatch(batch)
+        else:
+            micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
+            first = microbatch(jax.tree.map(lambda x: x[0], micro))
+            add = lambda total, rows: (jax.tree.map(jnp.add, total, microbatch(rows)), None)
+            total, _ = jax.lax.scan(add, first, jax.tree.map(lambda x: x[1:], micro))
+            loss, aux, grads = jax.tree.map(lambda x: x / grad_accum, total)
+        if not reduce_each_microbatch:
+            grads = reduce(grads)
         return jax.lax.psum(loss, active_axes), jax.lax.psum(aux, active_axes), grads
 
     def batch_specs(batch):
@@ -187,12 +230,13 @@ def build(
         grads_fn = jax.shard_map(
             grads_body,
             mesh=mesh,
-            in_specs=(manual_params, batch_specs(batch)),
+            in_specs=(manual_params, batch_specs(batch), P()),
             out_specs=(P(), P(), manual_state),
             axis_names=set(batch_axes),
         )
-        loss, aux, grads = grads_fn(state.params, batch)
-        grads = jax.lax.with_sharding_constraint(grads, state_shardings)
+        scale = jnp.ones((), jnp.float32) if state.loss_scale is None else state.loss_scale["scale"]
+        loss, aux, grads = grads_fn(state.params, batch, scale)
+        grads = jax.lax.with_sharding_constraint(jax.tree.map(lambda g: g / scale, grads), state_shardings)
         params_s = jax.lax.with_sharding_constraint(state.params, state_shardings)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -203,8 +247,11 @@ def build(
             step=state.step + finite.astype(jnp.int32),
             params=jax.tree.map(keep, new_params, state.params),
             opt_state=jax.tree.map(keep, opt_state, state.opt_state),
+            loss_scale=precision_lib.update_loss_scale(state.loss_scale, finite, policy),
         )
         metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32), **aux}
+        if state.loss_scale is not None:
+            metrics["loss_scale"] = state.loss_scale["scale"]
         lr = _learning_rate(state.opt_state, state.step, lr_schedule)
         if lr is not None:
             metrics["lr"] = lr
@@ -227,23 +274,22 @@ def build(
         )(params, batch)
 
     evaluate = jax.jit(eval_fn, in_shardings=(param_shardings, None), out_shardings=replicated)
-    return TrainProgram(model, tx, layout, init, _checked(step, layout), evaluate, state_sharding)
+    return TrainProgram(model, tx, layout, init, _CheckedStep(step, layout, grad_accum), evaluate, state_sharding)
 
 
 class _CheckedStep:
-    """The jitted step, with a readable error for a batch the data axes cannot split."""
+    """The jitted step, with a readable error for a batch the data axes (and microbatches) cannot split."""
 
-    def __init__(self, jitted, layout: Layout):
-        self._jitted, self._layout = jitted, layout
+    def __init__(self, jitted, layout: Layout, grad_accum: int):
+        self._jitted, self._layout, self._grad_accum = jitted, layout, grad_accum
+
+    def _check(self, batch):
+        self._layout.check_batch(batch, microbatches=self._grad_accum)
 
     def __call__(self, state, batch):
-        self._layout.check_batch(batch)
+        self._check(batch)
         return self._jitted(state, batch)
 
     def lower(self, state, batch):
-        self._layout.check_batch(batch)
+        self._check(batch)
         return self._jitted.lower(state, batch)
-
-
-def _checked(step, layout: Layout) -> _CheckedStep:
-    return _CheckedStep(step, layout)

@@ -9,10 +9,8 @@ the weight before use and reduce-scatters its gradient, as the ZeRO paper prescr
   strategy  params             grads / optimizer state   collectives per step
   dp        replicated         replicated                all-reduce grads            2 Psi
   zero1     replicated         sharded                   reduce-scatter + all-gather 2 Psi
-  zero2     replicated         sharded                   same as zero1               2 Psi
-            (zero2 differs from zero1 only once gradients are accumulated over microbatches:
-            it then keeps the accumulation buffer sharded; without accumulation both compile
-            to the same program, since the step's gradients are transient either way)
+  zero2     replicated         sharded, and so is the    same as zero1               2 Psi
+                               accumulation buffer       (per microbatch under accumulation)
   zero3     sharded            sharded                   gather fwd + bwd + r-s      3 Psi
   tp        split on heads/mlp/vocab (Megatron column/row parallel), batch over data
   fsdp_tp   zero3 over fsdp x tp over tensor (2-D)
@@ -64,6 +62,9 @@ class Strategy:
     activation_rules: Rules = TENSOR_RULES
     batch_rules: Rules = BATCH_RULES
     default_mesh: Mapping[str, int] = dataclasses.field(default_factory=lambda: {"data": -1})
+    # Under gradient accumulation: reduce-scatter every microbatch into a sharded buffer (ZeRO-2)
+    # instead of accumulating full local gradients and reducing once per step (dp, ZeRO-1).
+    shard_grad_buffer: bool = False
     summary: str = ""
 
     def with_rules(self, **changes) -> "Strategy":
@@ -77,14 +78,17 @@ STRATEGIES: dict[str, Strategy] = {
                  summary="replicate everything, all-reduce gradients"),
         Strategy("zero1", param_rules=(), state_rules=ZERO_RULES, default_mesh={"data": -1},
                  summary="shard optimizer state"),
-        Strategy("zero2", param_rules=(), state_rules=ZERO_RULES, default_mesh={"data": -1}, summary="shard optimizer state and gradients"),
-        Strategy("zero3", param_rules=ZERO_RULES, state_rules=ZERO_RULES, default_mesh={"fsdp": -1}, summary="shard parameters, gradients and optimizer state (FSDP)"),
+        Strategy("zero2", param_rules=(), state_rules=ZERO_RULES, default_mesh={"data": -1},
+                 shard_grad_buffer=True, summary="shard optimizer state and gradients"),
+        Strategy("zero3", param_rules=ZERO_RULES, state_rules=ZERO_RULES, default_mesh={"fsdp": -1},
+                 shard_grad_buffer=True, summary="shard parameters, gradients and optimizer state (FSDP)"),
         Strategy("tp", param_rules=TENSOR_RULES, state_rules=TENSOR_RULES, default_mesh={"tensor": -1},
                  summary="Megatron tensor parallelism"),
         Strategy("fsdp_tp", param_rules=TENSOR_RULES + HSDP_RULES, state_rules=TENSOR_RULES + HSDP_RULES,
-                 default_mesh={"fsdp": -1, "tensor": 2},
+                 default_mesh={"fsdp": -1, "tensor": 2}, shard_grad_buffer=True,
                  summary="FSDP over fsdp x tensor parallelism over tensor"),
-        Strategy("hsdp", param_rules=HSDP_RULES, state_rules=HSDP_RULES, default_mesh={"data": 2, "fsdp": -1}, summary="FSDP within fsdp, replicated across data"),
+        Strategy("hsdp", param_rules=HSDP_RULES, state_rules=HSDP_RULES, default_mesh={"data": 2, "fsdp": -1},
+                 shard_grad_buffer=True, summary="FSDP within fsdp, replicated across data"),
     )
 }
 
