@@ -29,13 +29,13 @@ def restrict(spec: P, axes: Sequence[str]) -> P:
     keep = set(axes)
     out = []
     for entry in spec:
-        kept = tuple(a for a in rules_lib._as_tuple(entry) if a in keep)
+        kept = tuple(a for a in rules_lib.as_axes(entry) if a in keep)
         out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     return P(*out)
 
 
 def spec_axes(spec: P) -> set[str]:
-    return {a for entry in spec for a in rules_lib._as_tuple(entry)}
+    return {a for entry in spec for a in rules_lib.as_axes(entry)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +103,7 @@ def make_layout(
     state = rules_lib.layout_tree(abstract, model.logical_axes, strategy.state_rules, mesh, table=f"{strategy.name}.state_rules")
     rules_lib.validate_rules(strategy.batch_rules, mesh, table=f"{strategy.name}.batch_rules")
     rules_lib.validate_rules(strategy.activation_rules, mesh, table=f"{strategy.name}.activation_rules")
-    batch_axes = tuple(a for name, axes in strategy.batch_rules if name == "batch" for a in rules_lib._as_tuple(axes))
+    batch_axes = tuple(a for name, axes in strategy.batch_rules if name == "batch" for a in rules_lib.as_axes(axes))
     if max_replicated_bytes is not None:
         rules_lib.check_replication(params if strategy.param_rules else state, mesh, max_replicated_bytes)
     layout = Layout(mesh, strategy, params, state, batch_axes)

@@ -45,7 +45,7 @@ class LeafLayout:
     notes: tuple[str, ...] = ()
 
     def shards(self, mesh: Mesh) -> int:
-        return math.prod(mesh.shape[a] for entry in self.spec if entry for a in _as_tuple(entry))
+        return math.prod(mesh.shape[a] for entry in self.spec if entry for a in as_axes(entry))
 
     def bytes(self) -> int:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
@@ -54,7 +54,7 @@ class LeafLayout:
         return self.bytes() // self.shards(mesh)
 
 
-def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+def as_axes(axes: MeshAxes) -> tuple[str, ...]:
     if axes is None:
         return ()
     return (axes,) if isinstance(axes, str) else tuple(axes)
@@ -63,7 +63,7 @@ def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
 def validate_rules(rules: Rules, mesh: Mesh, *, table: str = "rules") -> None:
     """Refuse rules that name mesh axes the mesh does not have."""
     for name, axes in rules:
-        for axis in _as_tuple(axes):
+        for axis in as_axes(axes):
             if axis not in mesh.shape:
                 raise RuleError(
                     f"{table}: rule {name!r} -> {axes!r} names mesh axis {axis!r}, which is not in the mesh "
@@ -87,7 +87,7 @@ def spec_for(
         for rule_name, axes in rules:
             if rule_name != name:
                 continue
-            axes = tuple(a for a in _as_tuple(axes) if mesh.shape[a] > 1)
+            axes = tuple(a for a in as_axes(axes) if mesh.shape[a] > 1)
             if not axes:  # explicit replication (or only size-1 axes): the table's own fallback
                 break
             clash = used.intersection(axes)
@@ -217,30 +217,3 @@ def logical_axes_of(tree: Any) -> Any:
 
     is_box = lambda x: isinstance(x, (nnx.Variable, nn.LogicallyPartitioned))
     return jax.tree.map(names, tree, is_leaf=is_box)
-
-
-def unbox(tree: Any) -> Any:
-    """Plain arrays from NNX Variables / linen boxes."""
-    from flax import linen as nn
-    from flax import nnx
-
-    def value(x):
-        if isinstance(x, nnx.Variable):
-            return x.get_value()
-        if isinstance(x, nn.LogicallyPartitioned):
-            return x.value
-        return x
-
-    return jax.tree.map(value, tree, is_leaf=lambda x: isinstance(x, (nnx.Variable, nn.LogicallyPartitioned)))
-
-
-def merge_rules(*tables: Rules) -> tuple[tuple[str, MeshAxes], ...]:
-    """Concatenate rule tables (earlier tables win, since first match wins)."""
-    return tuple(rule for table in tables for rule in table)
-
-
-def rules_as_dict(rules: Rules) -> Mapping[str, list[MeshAxes]]:
-    out: dict[str, list[MeshAxes]] = {}
-    for name, axes in rules:
-        out.setdefault(name, []).append(axes)
-    return out
