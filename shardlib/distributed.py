@@ -1,0 +1,488 @@
+"""Joining a multi-process JAX job: explicit arguments, shardlib's env vars, or the cluster's own.
+
+Call :func:`initialize` first thing in ``main``, before anything touches a JAX device. Where the
+settings come from, first match wins:
+
+1. explicit arguments (``coordinator_address``, ``num_processes``, ``process_id``);
+2. ``SHARDLIB_COORDINATOR`` / ``SHARDLIB_NUM_PROCESSES`` / ``SHARDLIB_PROCESS_ID`` (set by
+   ``shardlib launch``, or by hand); ``SHARDLIB_NUM_PROCESSES=1`` alone forces one process;
+3. SLURM (``SLURM_JOB_ID`` with ``SLURM_NTASKS`` > 1), Open MPI (``OMPI_COMM_WORLD_SIZE`` > 1),
+   a Cloud TPU pod (``TPU_WORKER_HOSTNAMES`` / ``TPU_PROCESS_ADDRESSES`` naming several hosts,
+   ``MEGASCALE_COORDINATOR_ADDRESS``, or a Cloud TPU VM): ``jax.distributed.initialize()``
+   detects the rest itself;
+4. otherwise one process, and nothing to join.
+
+``SHARDLIB_LOCAL_DEVICES`` (or ``local_device_count``) is how many devices each process must
+drive: on CPU it *sets* the simulated device count, on GPU/TPU it is checked (and under
+SLURM / Open MPI picks the GPUs, see :func:`cluster_device_choice`). Either way the
+run stops with an error naming the processes when they disagree, instead of hanging in the
+first collective or silently training on fewer devices.
+
+Failure bound. Every process sends heartbeats to the coordinator (process 0). When a process
+dies, the others abort within ``SHARDLIB_HEARTBEAT_TIMEOUT`` seconds (default 30, measured
+here at ~timeout + 1 s); when process 0 dies they abort at once (its socket closes). A process
+that raises is made to exit at once (see :func:`finish`), so it counts as dead rather than
+waiting at JAX's shutdown barrier while its peers wait in a collective. Under ``shardlib launch``
+the launcher notices a death at once and SIGKILLs the rest after ``--grace`` (10 s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+ENV_COORDINATOR = "SHARDLIB_COORDINATOR"
+ENV_NUM_PROCESSES = "SHARDLIB_NUM_PROCESSES"
+ENV_PROCESS_ID = "SHARDLIB_PROCESS_ID"
+ENV_LOCAL_DEVICES = "SHARDLIB_LOCAL_DEVICES"
+ENV_HEARTBEAT_TIMEOUT = "SHARDLIB_HEARTBEAT_TIMEOUT"
+ENV_INIT_TIMEOUT = "SHARDLIB_INIT_TIMEOUT"
+ENV_SHUTDOWN_TIMEOUT = "SHARDLIB_SHUTDOWN_TIMEOUT"
+
+# Seconds. Heartbeat: a dead process is noticed within this; 30 s rides out GC pauses and network
+# blips on a real cluster yet frees a failed allocation quickly (JAX's default is 100 s).
+HEARTBEAT_TIMEOUT_S = 30
+# How long processes wait for each other to start (nodes and TPU workers start staggered).
+INIT_TIMEOUT_S = 300
+# How long a process that finished waits for the others at exit (e.g. one still saving).
+SHUTDOWN_TIMEOUT_S = 300
+
+# How long a failing process 0 waits before exiting (see finish).
+COORDINATOR_EXIT_DELAY_S = 2.0
+
+# XLA:CPU aborts a collective that some device thread joins > 40 s late; a loaded machine with
+# many simulated devices hits that (DESIGN.md), so every multi-device CPU run raises it.
+CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
+
+
+class DistributedError(ValueError):
+    """A multi-process setup that cannot work: called too late, missing settings, device mismatch."""
+
+    user_facing = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Where this process's distributed settings come from, before JAX is touched."""
+
+    source: str  # "explicit", "env", "slurm", "ompi", "tpu", "single" (or "existing": already joined)
+    coordinator: str | None = None
+    num_processes: int | None = None  # None: the cluster integration decides
+    process_id: int | None = None
+    local_devices: int | None = None  # devices each process must drive (None: whatever it sees)
+    device_ids: tuple[int, ...] | None = None  # accelerator ids for jax (None: all it can see)
+    keep_jax_device_choice: bool = False  # SLURM/MPI with several tasks a node: JAX's one GPU per task
+
+    @property
+    def multi_process(self) -> bool:
+        return self.source != "single"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessInfo:
+    """What this process joined: for the train banner and for checks."""
+
+    process_id: int
+    num_processes: int
+    local_devices: int
+    global_devices: int
+    platform: str
+    source: str
+    coordinator: str | None
+
+    def describe(self) -> str:
+        where = f" via {self.source}" + (f" (coordinator {self.coordinator})" if self.coordinator else "")
+        if self.num_processes == 1:
+            return f"1 process, {self.local_devices} {self.platform} device(s)"
+        return (
+            f"process {self.process_id} of {self.num_processes}{where}: {self.local_devices} local / "
+            f"{self.global_devices} global {self.platform} devices"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Deciding, from arguments and environment only (pure; unit-tested with fake environments)
+# --------------------------------------------------------------------------------------------
+
+
+def _int(value: Any, name: str, minimum: int) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise DistributedError(f"{name}={value!r} is not an integer") from None
+    if number < minimum:
+        raise DistributedError(f"{name}={number} must be at least {minimum}")
+    return number
+
+
+def _explicit_plan(
+    source: str, coordinator: str | None, num_processes: Any, process_id: Any, local_devices: int | None, names: Sequence[str]
+) -> Plan:
+    """Plan from explicit values (arguments or SHARDLIB_* vars); ``names`` are what to tell the user."""
+    n = _int(num_processes, names[1], 1) if num_processes is not None else None
+    if n == 1 and process_id in (None, 0, "0"):
+        return Plan("single", local_devices=local_devices)
+    missing = [name for name, value in zip(names, (coordinator, num_processes, process_id)) if value is None]
+    if missing:
+        raise DistributedError(
+            f"multi-process settings are incomplete: {', '.join(missing)} not given; set all of "
+            f"{', '.join(names)} (e.g. {names[0]}=host0:12345 {names[1]}=2 {names[2]}=0 on the first process)"
+        )
+    pid = _int(process_id, names[2], 0)
+    if pid >= n:
+        raise DistributedError(f"{names[2]}={pid} is outside [0, {n}) for {names[1]}={n}")
+    if ":" not in coordinator:
+        raise DistributedError(f"{names[0]}={coordinator!r} must be host:port, e.g. {coordinator}:12345")
+    return Plan(source, coordinator, n, pid, local_devices)
+
+
+def _tasks_per_node(env: Mapping[str, str]) -> int | None:
+    """Most tasks any node runs: SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE ('8(x2),4') or Open MPI's."""
+    for key in ("SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if env.get(key, "").isdigit():
+            return int(env[key])
+    counts = [int(m) for m in re.findall(r"(\d+)(?:\(x\d+\))?", env.get("SLURM_TASKS_PER_NODE", ""))]
+    return max(counts) if counts else None
+
+
+def _visible_accelerators(env: Mapping[str, str]) -> int | None:
+    """How many GPUs the scheduler left visible to this task (None: no restriction set)."""
+    for key in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+        if key in env:
+            return len([x for x in env[key].split(",") if x.strip()])
+    return None
+
+
+def cluster_device_choice(env: Mapping[str, str], local_devices: int | None, local_rank: int) -> tuple[tuple[int, ...] | None, bool]:
+    """Which GPUs a SLURM / Open MPI task drives: (device ids or None for all visible, keep JAX's rule).
+
+    JAX's own rule there is "one GPU per task, the one at the local rank", which is wrong for one
+    task per node (it then sees 1 GPU, not 8) and for schedulers that already bound each task's
+    GPUs (local rank 3 but only one visible GPU). shardlib instead: an expected count M splits
+    the node's GPUs by local rank unless exactly M are visible; one task per node, or fewer GPUs
+    visible than tasks on the node (bound by the scheduler), uses every visible GPU; otherwise
+    (several tasks all seeing all GPUs) it keeps JAX's one-GPU-per-task rule.
+    """
+    visible, tasks = _visible_accelerators(env), _tasks_per_node(env)
+    if local_devices is not None:
+        if visible == local_devices:
+            return tuple(range(local_devices)), False
+        return tuple(range(local_rank * local_devices, (local_rank + 1) * local_devices)), False
+    if tasks == 1 or (visible is not None and tasks is not None and visible < tasks):
+        return None, False
+    return None, True
+
+
+def _slurm_plan(env: Mapping[str, str], local_devices: int | None) -> Plan:
+    ntasks = env["SLURM_NTASKS"]
+    missing = [k for k in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NODELIST") if k not in env]
+    if missing:
+        raise DistributedError(
+            f"this is a SLURM job with SLURM_NTASKS={ntasks}, but {', '.join(missing)} is unset: the process was "
+            "not started by srun. Start one copy per task with `srun python -m shardlib.cli train ...` "
+            f"(see scripts/slurm_train.sbatch), or set {ENV_NUM_PROCESSES}=1 to run a single process"
+        )
+    ids, keep = cluster_device_choice(env, local_devices, int(env["SLURM_LOCALID"]))
+    return Plan("slurm", local_devices=local_devices, device_ids=ids, keep_jax_device_choice=keep)
+
+
+def _ompi_plan(env: Mapping[str, str], local_devices: int | None) -> Plan:
+    if "OMPI_MCA_orte_hnp_uri" not in env:  # Open MPI 5 (PRRTE) no longer exports it
+        raise DistributedError(
+            f"Open MPI started {env['OMPI_COMM_WORLD_SIZE']} processes but OMPI_MCA_orte_hnp_uri, which JAX's "
+            "Open MPI detection reads, is unset (Open MPI 5). Pass the settings explicitly: "
+            f"{ENV_COORDINATOR}=<rank-0 host>:<port> {ENV_NUM_PROCESSES}=$OMPI_COMM_WORLD_SIZE "
+            f"{ENV_PROCESS_ID}=$OMPI_COMM_WORLD_RANK"
+        )
+    ids, keep = cluster_device_choice(env, local_devices, int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
+    return Plan("ompi", local_devices=local_devices, device_ids=ids, keep_jax_device_choice=keep)
+
+
+def _on_cloud_tpu_vm() -> bool:
+    try:
+        from jax._src import cloud_tpu_init
+
+        return bool(cloud_tpu_init.running_in_cloud_tpu_vm)
+    except (ImportError, AttributeError):
+        return False
+
+
+def _tpu_pod(env: Mapping[str, str]) -> bool:
+    hosts = env.get("TPU_PROCESS_ADDRESSES") or env.get("TPU_WORKER_HOSTNAMES") or ""
+    return len([h for h in hosts.split(",") if h.strip()]) > 1 or "MEGASCALE_COORDINATOR_ADDRESS" in env
+
+
+def _expected_local(local_device_count: int | None, env: Mapping[str, str]) -> int | None:
+    """Devices per process: the argument, else SHARDLIB_LOCAL_DEVICES, else no expectation."""
+    if local_device_count is not None:
+        return _int(local_device_count, "local_device_count", 1)
+    if env.get(ENV_LOCAL_DEVICES):
+        return _int(env[ENV_LOCAL_DEVICES], ENV_LOCAL_DEVICES, 1)
+    return None
+
+
+def plan(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_count: int | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    on_tpu_vm: bool | None = None,
+) -> Plan:
+    """Decide where the settings come from (see the module docstring for the order); touches no device."""
+    env = os.environ if environ is None else environ
+    local_device_count = _expected_local(local_device_count, env)
+    args = (coordinator_address, num_processes, process_id)
+    if any(a is not None for a in args):
+        return _explicit_plan("explicit", *args, local_device_count, ("coordinator_address", "num_processes", "process_id"))
+    env_args = tuple(env.get(k) or None for k in (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID))
+    if any(a is not None for a in env_args):
+        return _explicit_plan("env", *env_args, local_device_count, (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID))
+    if "SLURM_JOB_ID" in env and env.get("SLURM_NTASKS", "1").isdigit() and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return _slurm_plan(env, local_device_count)
+    if env.get("OMPI_COMM_WORLD_SIZE", "1").isdigit() and int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        return _ompi_plan(env, local_device_count)
+    if _tpu_pod(env) or (_on_cloud_tpu_vm() if on_tpu_vm is None else on_tpu_vm):
+        return Plan("tpu", local_devices=local_device_count)
+    return Plan("single", local_devices=local_device_count)
+
+
+# --------------------------------------------------------------------------------------------
+# Joining
+# --------------------------------------------------------------------------------------------
+
+
+def backend_started() -> bool:
+    """True once anything in this process started a JAX backend (jax.devices(), an array, jit...)."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def _timeout(env: Mapping[str, str], name: str, default: int) -> int:
+    return _int(env[name], name, 1) if env.get(name) else default
+
+
+def _add_cpu_flags(local_devices: int | None) -> None:
+    """Simulated CPU device count and the CPU collective watchdog, before the backend reads them."""
+    if local_devices is not None:
+        jax.config.update("jax_num_cpu_devices", local_devices)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_cpu_collective_call_terminate_timeout_seconds" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {CPU_COLLECTIVE_TIMEOUT_FLAG}".strip()
+
+
+def _too_late(p: Plan) -> DistributedError:
+    devices = jax.devices()
+    return DistributedError(
+        f"shardlib.distributed.initialize() was called after the JAX backend started (it already sees "
+        f"{len(devices)} {devices[0].platform} device(s) as a single process), so this process cannot join the "
+        f"{p.num_processes or 'multi'}-process job found via {p.source}. Call it first thing in main, before "
+        "jax.devices(), any jnp array, jit, or a library that creates arrays at import"
+    )
+
+
+def _join(p: Plan, heartbeat_s: int, init_s: int, shutdown_s: int) -> None:
+    timeouts = dict(
+        initialization_timeout=init_s, heartbeat_timeout_seconds=heartbeat_s, shutdown_timeout_seconds=shutdown_s
+    )
+    if p.source in ("explicit", "env"):
+        jax.distributed.initialize(p.coordinator, p.num_processes, p.process_id, **timeouts)
+        return
+    ids = list(p.device_ids) if p.device_ids is not None else None
+    jax.distributed.initialize(local_device_ids=ids, **timeouts)
+    if p.source in ("slurm", "ompi") and ids is None and not p.keep_jax_device_choice:
+        # JAX narrowed this task to the GPU at its local rank; shardlib's rule is "all visible".
+        jax.config.update("jax_cuda_visible_devices", "all")
+        jax.config.update("jax_rocm_visible_devices", "all")
+
+
+def check_devices(expected_local: int | None = None) -> tuple[int, int]:
+    """Every process must drive the same number of devices (and ``expected_local``, if given).
+
+    Reads the global device list, which every process receives in full when the backend starts,
+    so this needs no collective and works exactly when counts differ (``process_allgather``
+    cannot: it reshapes the devices into processes x local count and fails with a bare
+    reshape error there).
+    """
+    devices = jax.devices()
+    per_process = Counter(d.process_index for d in devices)
+    platform = devices[0].platform
+    if len(set(per_process.values())) > 1:
+        listing = ", ".join(f"process {p} has {n}" for p, n in sorted(per_process.items()))
+        raise DistributedError(
+            f"processes disagree about their {platform} device count: {listing}. Every process must drive the "
+            "same number of devices; check CUDA_VISIBLE_DEVICES / SLURM_GPUS_PER_TASK per task, "
+            f"{ENV_LOCAL_DEVICES}, and that every node has the same accelerators (docs/multihost.md)"
+        )
+    local = jax.local_device_count()
+    if expected_local is not None and local != expected_local:
+        raise DistributedError(
+            f"process {jax.process_index()} drives {local} {platform} device(s) but {expected_local} were expected "
+            f"({ENV_LOCAL_DEVICES} / local_device_count); check CUDA_VISIBLE_DEVICES, SLURM_GPUS_PER_TASK "
+            "or --gpus-per-task, and JAX_PLATFORMS (docs/multihost.md)"
+        )
+    return local, len(devices)
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_count: int | None = None,
+    *,
+    platform: str | None = None,
+    heartbeat_timeout_s: int | None = None,
+    init_timeout_s: int | None = None,
+    shutdown_timeout_s: int | None = None,
+) -> ProcessInfo:
+    """Join the job this process belongs to (or do nothing for one process); then check devices.
+
+    Must run before anything starts the JAX backend. ``platform`` ("cpu", "gpu", "tpu") pins
+    ``jax_platforms``; ``local_device_count`` is per process (CPU: sets it; else: checked). Starts
+    the backend itself (to check device counts), so configure JAX before calling it. Calling it
+    again, or after ``jax.distributed.initialize``, only re-checks and returns the same info.
+    """
+    env = os.environ
+    joined = jax.distributed.is_initialized()
+    if joined:  # by an earlier call, or by the user with jax.distributed directly: check only
+        p = Plan("existing", local_devices=_expected_local(local_device_count, env))
+    else:
+        p = plan(coordinator_address, num_processes, process_id, local_device_count)
+        if backend_started():
+            if p.multi_process:
+                raise _too_late(p)
+        else:
+            if platform is not None:
+                jax.config.update("jax_platforms", platform)
+            _add_cpu_flags(p.local_devices)
+            if p.multi_process:
+                _join(
+                    p,
+                    heartbeat_timeout_s or _timeout(env, ENV_HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_S),
+                    init_timeout_s or _timeout(env, ENV_INIT_TIMEOUT, INIT_TIMEOUT_S),
+                    shutdown_timeout_s or _timeout(env, ENV_SHUTDOWN_TIMEOUT, SHUTDOWN_TIMEOUT_S),
+                )
+    if jax.distributed.is_initialized():
+        install_fail_fast()  # before the device check, so a process that fails it does not linger
+    local, total = check_devices(p.local_devices)
+    return ProcessInfo(
+        process_id=jax.process_index(),
+        num_processes=jax.process_count(),
+        local_devices=local,
+        global_devices=total,
+        platform=jax.devices()[0].platform,
+        source=p.source,
+        coordinator=p.coordinator,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Failing fast instead of waiting at the shutdown barrier
+# --------------------------------------------------------------------------------------------
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def finish(exit_code: int) -> int:
+    """Return ``exit_code``; but in a multi-process job, exit *now* when it is non-zero.
+
+    A normal interpreter exit runs JAX's shutdown barrier, which waits up to the shutdown
+    timeout for every other process, while they wait in their next collective for this one:
+    the whole job would stall for minutes. Exiting immediately (skipping atexit) makes this
+    process count as dead, so its peers abort within the heartbeat timeout. Use as
+    ``return distributed.finish(code)`` at the end of a command's main.
+    """
+    if exit_code and jax.distributed.is_initialized() and jax.process_count() > 1:
+        print(
+            f"shardlib: process {jax.process_index()} failed (exit code {exit_code}); exiting now so the other "
+            "processes stop instead of waiting for it",
+            file=sys.stderr,
+        )
+        _flush()
+        if jax.process_index() == 0:
+            # Process 0 hosts the coordination service: its exit aborts every peer at once. A
+            # moment's wait lets peers that hit the same error (a config error usually hits all)
+            # print their own message first.
+            time.sleep(COORDINATOR_EXIT_DELAY_S)
+        os._exit(exit_code)
+    return exit_code
+
+
+_installed = False
+
+
+def install_fail_fast() -> None:
+    """An uncaught exception prints its traceback, then exits this process at once (see finish)."""
+    global _installed
+    if _installed:
+        return
+    previous: Callable[..., Any] = sys.excepthook
+
+    def hook(kind, value, traceback):
+        previous(kind, value, traceback)
+        finish(1)
+
+    sys.excepthook = hook
+    _installed = True
+
+
+# --------------------------------------------------------------------------------------------
+# Which process owns which part of a mesh
+# --------------------------------------------------------------------------------------------
+
+
+def _span(values: Sequence[int]) -> str:
+    values = sorted(set(values))
+    if len(values) > 1 and values == list(range(values[0], values[-1] + 1)):
+        return f"{values[0]}..{values[-1]}"
+    return ",".join(map(str, values))
+
+
+def device_map(mesh: jax.sharding.Mesh) -> str:
+    """Which process owns which mesh coordinates, and which axes cross processes.
+
+    e.g. for ``data=2,fsdp=4`` over 2 processes x 4 devices::
+
+        mesh data=2 fsdp=4 over 2 processes; across processes: data; within: fsdp
+          process 0: data=0 fsdp=0..3  (devices 0,1,2,3)
+          process 1: data=1 fsdp=0..3  (devices 2048,2049,2050,2051)
+    """
+    names, devices = mesh.axis_names, mesh.devices
+    owner = np.vectorize(lambda d: d.process_index, otypes=[int])(devices)
+    shown = [i for i, n in enumerate(names) if devices.shape[i] > 1]
+    crossing = [names[i] for i in shown if np.any(np.diff(owner, axis=i) != 0)]
+    within = [names[i] for i in shown if names[i] not in crossing]
+    processes = sorted(set(owner.flat))
+    axes = " ".join(f"{names[i]}={devices.shape[i]}" for i in shown) or "single device"
+    head = f"mesh {axes} over {len(processes)} process(es)"
+    if len(processes) > 1:
+        head += f"; across processes: {', '.join(crossing) or 'none'}; within: {', '.join(within) or 'none'}"
+    lines = [head]
+    for proc in processes:
+        coords = np.argwhere(owner == proc)
+        spans = [(names[i], sorted(set(coords[:, i]))) for i in shown]
+        n_box = int(np.prod([len(v) for _, v in spans])) if spans else 1
+        if n_box == len(coords):
+            where = " ".join(f"{n}={_span(v)}" for n, v in spans) or "all"
+        else:  # not a box: list every coordinate
+            where = " ".join("(" + ",".join(str(c[i]) for i in shown) + ")" for c in coords)
+        ids = ",".join(str(devices[tuple(c)].id) for c in coords)
+        lines.append(f"  process {proc}: {where}  (devices {ids})")
+    return "\n".join(lines)
