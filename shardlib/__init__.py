@@ -5,6 +5,7 @@ train program (sharded init, step, eval) -> batches -> checkpoints.
 """
 
 from shardlib.hooks import constrain, gather_layer
+from shardlib.precision import POLICIES, Precision
 from shardlib.layout import Layout, make_layout
 from shardlib.mesh import MESH_AXES, MeshError, make_mesh, parse_mesh
 from shardlib.model import Model, from_functions, from_linen, from_nnx
@@ -12,7 +13,24 @@ from shardlib.rules import LeafLayout, RuleError, check_replication, layout_tree
 from shardlib.step import TrainProgram, TrainState, build
 from shardlib.strategies import STRATEGIES, Strategy, get_strategy
 
+# Heavier parts (Orbax, the planner) load on first use, so `import shardlib` stays quick.
+_LAZY = {
+    "Checkpointer": "shardlib.checkpoint",
+    "PreemptionGuard": "shardlib.checkpoint",
+    "load_exported": "shardlib.export",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'shardlib' has no attribute {name!r}")
+
+
 __all__ = [
+    "Checkpointer", "POLICIES", "PreemptionGuard", "Precision", "load_exported",
     "MESH_AXES", "STRATEGIES", "LeafLayout", "Layout", "MeshError", "Model", "RuleError", "Strategy",
     "TrainProgram", "TrainState", "build", "check_replication", "constrain", "from_functions",
     "from_linen", "from_nnx", "gather_layer", "get_strategy", "layout_tree", "make_layout",
