@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from shardlib import compression as compression_lib
 from shardlib import hooks
 from shardlib import precision as precision_lib
 from shardlib import rules as rules_lib
@@ -40,6 +41,7 @@ class TrainState:
     params: Any
     opt_state: Any
     loss_scale: Any = None  # {"scale", "good_steps"} under fp16 dynamic loss scaling, else None
+    grad_residual: Any = None  # per-device error-feedback residuals under int8 gradient compression
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,17 +82,32 @@ def _sharded_paths(layout: Layout) -> list[str]:
             if spec_axes(restrict(l.spec, layout.batch_axes))]
 
 
-def _reduce_grad(grad: jax.Array, param_spec: P, state_spec: P, batch_axes: tuple[str, ...]) -> jax.Array:
-    """Reduce one local gradient into its state layout over the batch axes.
+def _reduce_grad(grad: jax.Array, param_spec: P, state_spec: P, batch_axes: tuple[str, ...],
+                 method: compression_lib.Compression, residual: jax.Array | None):
+    """Reduce one local gradient into its state layout over the batch axes -> (grad, residual).
 
     Dims gathered in the forward pass were already reduce-scattered by autodiff; dims the state
     shards but storage does not are reduce-scattered here; the remaining batch axes are summed.
+    A tensor reduced twice carries its residual through the first reduction only.
     """
     for dim, (p_axes, s_axes) in enumerate(zip(param_spec, state_spec)):
         if s_axes and not p_axes:
-            grad = jax.lax.psum_scatter(grad, s_axes, scatter_dimension=dim, tiled=True)
+            grad, residual = compression_lib.compressed_psum_scatter(
+                grad, rules_lib.as_axes(s_axes), dim, method, residual)
+            method, residual_out, residual = _second_pass(method), residual, None
+            break
+    else:
+        residual_out = None
     rest = tuple(a for a in batch_axes if a not in spec_axes(param_spec) | spec_axes(state_spec))
-    return jax.lax.psum(grad, rest) if rest else grad
+    if rest:
+        grad, new = compression_lib.compressed_psum(grad, rest, method, residual)
+        residual_out = new if residual_out is None else residual_out
+    return grad, residual_out if residual_out is not None else residual
+
+
+def _second_pass(method: compression_lib.Compression) -> compression_lib.Compression:
+    """A residual belongs to one reduction: a stateful method's second reduction falls back to bf16."""
+    return compression_lib.get_compression("bf16") if method.needs_residual else method
 
 
 def _activation_spec(layout: Layout) -> Callable:
@@ -120,6 +137,7 @@ def build(
     lr_schedule: Callable | None = None,
     precision: str | precision_lib.Precision = "f32",
     grad_accum: int = 1,
+    grad_compression: str | compression_lib.Compression = "none",
     donate: bool = True,
 ) -> TrainProgram:
     """Compile-ready init, train step and eval step for ``model`` under ``layout``.
@@ -128,8 +146,13 @@ def build(
     dp / zero1 accumulate full local gradients and reduce once per step; strategies with
     ``shard_grad_buffer`` (zero2, zero3 and its variants) reduce-scatter every microbatch into a
     buffer that is 1/N of the gradients, trading K reductions for memory, as ZeRO-2 does.
+
+    ``grad_compression`` ("none", "bf16", "int8") compresses the gradient reductions the step
+    writes (dp, zero1, zero2, tp, and the data-axis all-reduce of hsdp); int8 keeps per-device
+    error-feedback residuals in the train state.
     """
     policy = precision_lib.get_precision(precision)
+    method = compression_lib.get_compression(grad_compression)
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
     mesh, batch_axes = layout.mesh, layout.batch_axes
@@ -139,6 +162,12 @@ def build(
     manual_params = layout.manual(layout.params)
     manual_state = layout.manual(layout.state)
     must_gather = _sharded_paths(layout)
+    if method.name != "none" and must_gather:
+        raise ValueError(
+            f"grad_compression={method.name!r} cannot compress {layout.strategy.name}'s gradient reduce-scatter: "
+            "it is the transpose of the weight all-gather, derived by autodiff; use precision='bf16', which "
+            "gathers and reduce-scatters in bfloat16, or a strategy that keeps parameters unsharded (dp, zero1, zero2)"
+        )
     # Collectives over size-1 axes move nothing, and XLA refuses a cross-partition all-reduce over
     # a size-1 manual axis next to auto axes: only reduce over axes that really split the batch.
     active_axes = tuple(a for a in batch_axes if mesh.shape[a] > 1)
@@ -152,14 +181,25 @@ def build(
         tx, lambda _, sharding: sharding, abstract_opt, state_shardings, transform_non_params=lambda _: replicated
     )
     loss_scale = precision_lib.init_loss_scale(policy)
+    n_active = math.prod(mesh.shape[a] for a in active_axes)
+    per_device = P(active_axes or None)  # leading axis: one residual per data-parallel device
+
+    def zero_residuals(params):
+        if not method.needs_residual:
+            return None
+        return jax.tree.map(lambda p: jnp.zeros((n_active, *p.shape), jnp.float32), params)
+
+    residual_sharding = (jax.tree.map(lambda _: NamedSharding(mesh, per_device), abstract_params)
+                         if method.needs_residual else None)
     state_sharding = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
-                                loss_scale=jax.tree.map(lambda _: replicated, loss_scale))
+                                loss_scale=jax.tree.map(lambda _: replicated, loss_scale),
+                                grad_residual=residual_sharding)
 
     def init_fn(key):
         params = precision_lib.cast_floating(model.init(key), policy.param_dtype)
         in_state_layout = jax.lax.with_sharding_constraint(params, state_shardings)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(in_state_layout),
-                          loss_scale=precision_lib.init_loss_scale(policy))
+                          loss_scale=precision_lib.init_loss_scale(policy), grad_residual=zero_residuals(params))
 
     init = jax.jit(init_fn, out_shardings=state_sharding)
 
@@ -195,47 +235,66 @@ def build(
         check_gathered()
         return loss / n_batch, jax.tree.map(lambda a: a / n_batch, aux)
 
-    reduce = lambda grads: jax.tree.map(
-        lambda g, ps, ss: _reduce_grad(g, ps, ss, active_axes), grads, manual_params, manual_state)
+    def reduce(grads, residuals):
+        flat, treedef = jax.tree.flatten(grads)
+        rows = zip(flat, treedef.flatten_up_to(manual_params), treedef.flatten_up_to(manual_state),
+                   treedef.flatten_up_to(residuals) if residuals is not None else [None] * len(flat))
+        out = [_reduce_grad(g, ps, ss, active_axes, method, r) for g, ps, ss, r in rows]
+        residuals = treedef.unflatten([r for _, r in out]) if method.needs_residual else None
+        return treedef.unflatten([g for g, _ in out]), residuals
+
     reduce_each_microbatch = layout.strategy.shard_grad_buffer
 
-    def grads_body(params, batch, scale):
+    def grads_body(params, batch, scale, residuals):
         def make_varying(p, spec):
             missing = tuple(a for a in active_axes if a not in spec_axes(spec))
             return jax.lax.pcast(p, missing, to="varying") if missing else p
 
         params = jax.tree.map(make_varying, params, manual_params)
+        if residuals is not None:
+            residuals = jax.tree.map(lambda r: r[0], residuals)
 
-        def microbatch(rows):
+        def microbatch(rows, residuals):
             scaled = lambda p, b: (lambda out: (out[0] * scale, out))(local_loss(p, b))
             (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params, rows)
-            return loss, aux, reduce(grads) if reduce_each_microbatch else grads
+            if reduce_each_microbatch:
+                grads, residuals = reduce(grads, residuals)
+            return (loss, aux, grads), residuals
 
         if grad_accum == 1:
-            loss, aux, grads = microbatch(batch)
+            (loss, aux, grads), residuals = microbatch(batch, residuals)
         else:
             micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
-            first = microbatch(jax.tree.map(lambda x: x[0], micro))
-            add = lambda total, rows: (jax.tree.map(jnp.add, total, microbatch(rows)), None)
-            total, _ = jax.lax.scan(add, first, jax.tree.map(lambda x: x[1:], micro))
+            first = microbatch(jax.tree.map(lambda x: x[0], micro), residuals)
+
+            def add(carry, rows):
+                total, residuals = carry
+                out, residuals = microbatch(rows, residuals)
+                return (jax.tree.map(jnp.add, total, out), residuals), None
+
+            (total, residuals), _ = jax.lax.scan(add, first, jax.tree.map(lambda x: x[1:], micro))
             loss, aux, grads = jax.tree.map(lambda x: x / grad_accum, total)
         if not reduce_each_microbatch:
-            grads = reduce(grads)
-        return jax.lax.psum(loss, active_axes), jax.lax.psum(aux, active_axes), grads
+            grads, residuals = reduce(grads, residuals)
+        if residuals is not None:
+            residuals = jax.tree.map(lambda r: r[None], residuals)
+        return jax.lax.psum(loss, active_axes), jax.lax.psum(aux, active_axes), grads, residuals
 
     def batch_specs(batch):
         return jax.tree.map(lambda x: restrict(layout.batch_spec(x.ndim), batch_axes), batch)
+
+    residual_specs = jax.tree.map(lambda _: per_device, abstract_params) if method.needs_residual else None
 
     def step_fn(state: TrainState, batch):
         grads_fn = jax.shard_map(
             grads_body,
             mesh=mesh,
-            in_specs=(manual_params, batch_specs(batch), P()),
-            out_specs=(P(), P(), manual_state),
+            in_specs=(manual_params, batch_specs(batch), P(), residual_specs),
+            out_specs=(P(), P(), manual_state, residual_specs),
             axis_names=set(batch_axes),
         )
         scale = jnp.ones((), jnp.float32) if state.loss_scale is None else state.loss_scale["scale"]
-        loss, aux, grads = grads_fn(state.params, batch, scale)
+        loss, aux, grads, residuals = grads_fn(state.params, batch, scale, state.grad_residual)
         grads = jax.lax.with_sharding_constraint(jax.tree.map(lambda g: g / scale, grads), state_shardings)
         params_s = jax.lax.with_sharding_constraint(state.params, state_shardings)
         grad_norm = optax.tree.norm(grads)
@@ -248,6 +307,7 @@ def build(
             params=jax.tree.map(keep, new_params, state.params),
             opt_state=jax.tree.map(keep, opt_state, state.opt_state),
             loss_scale=precision_lib.update_loss_scale(state.loss_scale, finite, policy),
+            grad_residual=jax.tree.map(keep, residuals, state.grad_residual),
         )
         metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32), **aux}
         if state.loss_scale is not None:
