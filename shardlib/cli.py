@@ -3,6 +3,10 @@
 A subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``. Modules are
 imported only when their command runs, so ``shardlib --help`` is instant and simulated CPU
 devices can be configured before JAX starts.
+
+Mistakes in the command line (an unknown flag or choice, a mesh that does not fit, a missing
+data file) print ONE line, ``shardlib CMD: error: ...`` naming the flag and the fix, and exit
+with status 2; no usage dump, no traceback. Bugs still raise with a traceback.
 """
 
 from __future__ import annotations
@@ -19,9 +23,28 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("shardlib.export", "write consolidated weights from a checkpoint"),
 }
 
+USAGE_EXIT = 2
+
 
 class UsageError(Exception):
     """A bad flag: printed as one line, exit code 2, no traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError instead of printing usage and exiting."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _fail(command: str, err: BaseException) -> int:
+    prog = f"shardlib {command}" if command else "shardlib"
+    print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
+    return USAGE_EXIT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,20 +56,63 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
-    if argv[0] not in COMMANDS:
-        parser.error(f"unknown command {argv[0]!r}; choose one of {', '.join(COMMANDS)}")
     name, rest = argv[0], argv[1:]
-    module = importlib.import_module(COMMANDS[name][0])
-    command_parser = argparse.ArgumentParser(prog=f"shardlib {name}", description=COMMANDS[name][1])
-    module.add_arguments(command_parser)
-    args = command_parser.parse_args(rest)
+    if name not in COMMANDS:
+        return _fail("", UsageError(f"unknown command {name!r}; choose one of {', '.join(COMMANDS)}"))
     try:
-        return int(module.run(args) or 0)
-    except (UsageError, ValueError) as err:
-        if isinstance(err, ValueError) and not _is_user_facing(err):
+        module = importlib.import_module(COMMANDS[name][0])
+    except ModuleNotFoundError as err:
+        if err.name != COMMANDS[name][0]:
             raise
-        print(f"shardlib {name}: error: {err}", file=sys.stderr)
-        return 2
+        return _fail(name, UsageError(f"the {name!r} command is not available in this install ({err.name} is missing)"))
+    command_parser = _Parser(prog=f"shardlib {name}", description=COMMANDS[name][1])
+    module.add_arguments(command_parser)
+    try:
+        args = command_parser.parse_args(rest)
+    except UsageError as err:
+        return _fail(name, err)
+    except SystemExit as exit_:  # --help
+        return int(exit_.code or 0)
+    try:
+        return _finish(int(module.run(args) or 0))
+    except UsageError as err:
+        return _finish(_fail(name, err))
+    except ValueError as err:
+        if not _is_user_facing(err):
+            return _crash()
+        return _finish(_fail(name, err))
+    except KeyboardInterrupt:
+        print(f"shardlib {name}: interrupted", file=sys.stderr)
+        return _finish(130)
+    except Exception:
+        return _crash()
+
+
+def _in_multiprocess_job() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    import jax
+
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def _finish(code: int) -> int:
+    """In a multi-process job a failing process exits at once, so its peers stop waiting for it."""
+    if code and _in_multiprocess_job():
+        from shardlib.distributed import finish
+
+        return finish(code)
+    return code
+
+
+def _crash() -> int:
+    """A bug: re-raise (full traceback); in a multi-process job print it and exit at once instead."""
+    if not _in_multiprocess_job():
+        raise
+    import traceback
+
+    traceback.print_exc()
+    return _finish(1)
 
 
 def _is_user_facing(err: ValueError) -> bool:

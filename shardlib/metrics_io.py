@@ -1,0 +1,129 @@
+"""Where a training run's numbers go: ``metrics.jsonl``, TensorBoard events and a loss-curve PNG.
+
+Kept apart from the loop so the loop only says *what* happened at a step. Only process 0
+writes (metrics are global already, so the other processes would write the same numbers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain Python numbers for JSON; non-finite floats become None (JSON has no NaN)."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All records of a ``metrics.jsonl`` file, in order."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class MetricsLog:
+    """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
+
+    ``resume_step``: when a run continues from a checkpoint taken after that many steps,
+    records of later steps (written by the interrupted run after its last checkpoint) are
+    dropped first, so the file holds each step once. Steps are 1-based: record ``k`` is the
+    state after k updates.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike[str],
+        *,
+        enabled: bool = True,
+        tensorboard: bool = True,
+        resume_step: int | None = None,
+    ) -> None:
+        self.out_dir = Path(out_dir)
+        self.path = self.out_dir / "metrics.jsonl"
+        self.enabled = enabled
+        self.records: list[dict[str, Any]] = []
+        self._file = None
+        self._writer = None
+        if not enabled:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.exists():
+            self.records = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records), encoding="utf-8")
+        elif self.path.exists():
+            self.path.unlink()  # a fresh run in an old directory must not mix two runs' steps
+        self._file = open(self.path, "a", encoding="utf-8")
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(logdir=str(self.out_dir), flush_secs=10)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Log one step's record (must contain ``step``)."""
+        clean = {k: _jsonable(v) for k, v in record.items()}
+        self.records.append(clean)
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            step = int(clean["step"])
+            for key, value in clean.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._writer.add_scalar(_tb_tag(key), value, step)
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        if self._writer is not None:
+            self._writer.add_text(tag, text, step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _tb_tag(key: str) -> str:
+    """Group the curves in TensorBoard: losses together, throughput together."""
+    if key.endswith("loss"):
+        return f"loss/{key}"
+    if key in ("tokens_per_s", "step_time_s"):
+        return f"speed/{key}"
+    return f"train/{key}"
+
+
+def plot_loss_curve(records: list[Mapping[str, Any]], path: str | os.PathLike[str], title: str = "") -> Path:
+    """Train (and validation, where present) loss against step, saved as a PNG."""
+    # The object API with an explicit Agg canvas: renders without a display and leaves pyplot's
+    # global backend alone (a notebook's inline plots keep working).
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    if train:
+        ax.plot(*zip(*train), label="train", linewidth=1.2)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation", markersize=4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out)
+    return out

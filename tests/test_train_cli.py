@@ -1,0 +1,169 @@
+"""`shardlib train` end to end: every strategy, the files a run writes, resuming, and bad flags.
+
+Runs go through `shardlib.cli.main` in-process (they share the 8-device CPU backend that
+conftest starts, which is much faster than a subprocess per run); two subprocess tests check
+that a fresh process sets up its own simulated devices and that a bad flag there gives one
+line and no traceback.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import pytest
+
+from shardlib import STRATEGIES
+from shardlib.cli import main
+from shardlib.metrics_io import read_metrics
+from shardlib.train import TrainConfig, sample_text, train
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--model", "tiny", "--batch-size", "16", "--seq-len", "32", "--no-progress"]
+STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"}
+
+
+def _run(tmp_path: Path, *flags: str) -> tuple[int, Path]:
+    out = tmp_path / "run"
+    code = main(["train", *TINY, "--out", str(out), *flags])
+    return code, out
+
+
+# One strategy also runs in bf16 compute, so that path is covered without another compile.
+EXTRA = {"zero2": ["--precision", "bf16"]}
+HAVE_CHECKPOINTS = importlib.util.find_spec("shardlib.checkpoint") is not None
+# zero3, the default, is driven through the CLI by the resume test and through `train` below.
+CLI_STRATEGIES = sorted(set(STRATEGIES) - ({"zero3"} if HAVE_CHECKPOINTS else set()))
+
+
+@pytest.mark.parametrize("strategy", CLI_STRATEGIES)
+def test_every_strategy_trains_and_writes_its_files(strategy, tmp_path, capsys):
+    extra = EXTRA.get(strategy, [])
+    code, out = _run(tmp_path, "--strategy", strategy, "--steps", "3", "--eval-every", "2",
+                     "--sample-tokens", "0", *extra)
+    assert code == 0
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert STEP_KEYS <= r.keys()
+        assert math.isfinite(r["loss"]) and r["loss"] > 0 and r["step_time_s"] > 0
+    assert [("val_loss" in r) for r in records] == [False, True, True]  # every 2 steps and at the end
+    config = json.loads((out / "config.json").read_text())
+    assert config["strategy"] == strategy and config["steps"] == 3
+    assert config["precision"] == ("bf16" if extra else "f32")
+    assert (out / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert list(out.glob("events.out.tfevents.*"))
+    printed = capsys.readouterr().out
+    assert f"strategy   {strategy}" in printed and "collective bytes / step / device" in printed
+
+
+def test_training_lowers_the_loss_and_samples_text(tmp_path):
+    config = TrainConfig(model="tiny", strategy="zero3", steps=24, batch_size=16, seq_len=32, lr=1e-2,
+                         eval_every=8, sample_tokens=40, prompt="The ", out=str(tmp_path / "run"),
+                         progress=False, verbose=False)
+    result = train(config)
+    losses = [r["loss"] for r in result.records]
+    vals = [r["val_loss"] for r in result.records if "val_loss" in r]
+    assert len(losses) == 24 and len(vals) == 3
+    # Byte-level loss starts near ln(256) = 5.5 and falls by well over a nat in 24 steps.
+    assert sum(losses[-4:]) / 4 < losses[0] - 1.0
+    assert vals[-1] < vals[0] and result.final_val_loss == vals[-1]
+    assert result.sample.startswith("The ") and len(result.sample) > len("The ")
+    assert (tmp_path / "run" / "sample.txt").read_text().startswith("The ")
+    assert result.state_bytes_per_device > 0 and result.collective_bytes_per_step > 0
+    assert result.metrics_path == tmp_path / "run" / "metrics.jsonl"
+
+
+def test_sampling_slides_its_window_past_the_context():
+    # A "model" that always predicts the byte after the last one it sees, with certainty.
+    def apply(params, tokens):
+        return 1e4 * jax.nn.one_hot((tokens + 1) % 256, 256)
+
+    text = sample_text(SimpleNamespace(apply=apply), {}, "ab", 10, context=4, seed=0)
+    assert text == "abcdefghijkl"  # read at the last real byte while filling, then shifted by one
+
+
+@pytest.mark.skipif(not HAVE_CHECKPOINTS, reason="shardlib/checkpoint.py not present")
+def test_resume_continues_exactly(tmp_path):
+    flags = ["--strategy", "zero3", "--steps", "4", "--eval-every", "0", "--sample-tokens", "0", "--seed", "3"]
+    code, out = _run(tmp_path, *flags, "--ckpt-every", "2")
+    assert code == 0
+    first = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in first] == [1, 2, 3, 4] and STEP_KEYS <= first[-1].keys() and "val_loss" in first[-1]
+    assert (out / "config.json").exists() and (out / "loss_curve.png").exists() and list(out.glob("events.out.*"))
+    shutil.rmtree(out / "checkpoints" / "4")  # as if the run had died between steps 2 and 4
+    assert main(["train", *TINY, *flags, "--ckpt-every", "2", "--resume-from", str(out)]) == 0  # same run dir
+    resumed = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # steps 3-4 replaced, not duplicated
+    assert resumed[:2] == first[:2]
+    for a, b in zip(first[2:], resumed[2:]):
+        # Same state, same batches: the same numbers up to reduction order across two compiles.
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
+    assert (out / "checkpoints" / "4").is_dir()  # and it went on checkpointing there
+
+
+BAD_FLAGS = [
+    (["--strategy", "zero9"], "--strategy"),
+    (["--mesh", "data=3"], "--mesh"),
+    (["--mesh", "fsdp=4,tensor=4"], "--mesh"),
+    (["--data", "/nonexistent/corpus.txt"], "--data"),
+    (["--batch-size", "12"], "--batch-size"),  # zero3 over 8 devices needs a multiple of 8
+    (["--seq-len", "65"], "--seq-len"),  # tiny's max_seq_len is 64
+    (["--steps", "0"], "--steps"),
+    (["--bogus"], "--bogus"),
+    (["--cpu-devices", "4"], "--cpu-devices"),  # this process already runs 8 devices
+]
+
+
+@pytest.mark.parametrize("flags, named", BAD_FLAGS, ids=[f[1] + ":" + " ".join(f[0]) for f in BAD_FLAGS])
+def test_bad_flags_give_one_line(flags, named, tmp_path, capsys):
+    code = main(["train", *TINY, "--steps", "2", "--out", str(tmp_path / "run"), *flags])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("shardlib train: error: ") and named in err[0], err[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.skipif(HAVE_CHECKPOINTS, reason="checkpointing is available")
+def test_checkpoint_flags_without_checkpoint_module(tmp_path, capsys):
+    assert main(["train", *TINY, "--steps", "2", "--ckpt-every", "1", "--out", str(tmp_path)]) == 2
+    assert "--ckpt-every" in capsys.readouterr().err
+
+
+def _subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).strip(os.pathsep)
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("XLA_FLAGS", None)  # the CLI must set up its own devices and collective timeout
+    return env
+
+
+def _fresh_cli(*flags: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "shardlib.cli", "train", *flags]
+    return subprocess.run(cmd, env=_subprocess_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_fresh_process_simulates_the_requested_devices():
+    # dp over 4 simulated devices: a batch of 6 rows cannot be split, and the one-line error
+    # says how many devices the new process has (no compile needed to find out).
+    proc = _fresh_cli("--cpu-devices", "4", "--strategy", "dp", "--model", "tiny",
+                      "--batch-size", "6", "--seq-len", "32")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--batch-size" in lines[0] and "4 data-parallel devices" in lines[0], proc.stderr
+
+
+def test_fresh_process_bad_data_path_has_no_traceback(tmp_path):
+    proc = _fresh_cli("--data", str(tmp_path / "missing.txt"))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--data" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
