@@ -4,6 +4,12 @@ Run under ``shardlib launch`` (or with the SHARDLIB_* variables set by hand). Ev
 prints one line ``RESULT {json}`` with its per-step losses; the tests compare them with the
 same run in one process. ``--die-at S --victim P``: process P SIGKILLs itself before step S,
 to test that the others stop within the documented bound (``--how raise``: raise instead).
+
+``multihost_worker.py cli RECORD_DIR train FLAGS...`` runs ``shardlib.cli.main(["train", FLAGS...])``,
+the very function behind ``python -m shardlib.cli train``, with two read-only taps, and writes
+``RECORD_DIR/p<process>.json``: the window start offsets (example ids) of the rows this process
+loaded at each step, and a digest of the final TrainState (for a ``--resume-from`` run that
+trains no further steps, the restored state). See `run_cli_recorded`.
 """
 
 from __future__ import annotations
@@ -109,5 +115,82 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def state_digest(state: object) -> dict[str, dict]:
+    """Path -> sha256 of the gathered bytes, float64 sum, shape and dtype of every state leaf.
+
+    One jit reshards the whole tree to fully replicated (every process then holds all of it),
+    so the digest is the same whether the state lives on 1 process or on several.
+    """
+    import hashlib
+
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from shardlib.rules import path_str
+
+    leaves = jax.tree.leaves(state)
+    mesh = next(x.sharding.mesh for x in leaves if isinstance(getattr(x, "sharding", None), NamedSharding))
+    replicated = jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, P()))(state)
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(replicated)[0]:
+        host = np.ascontiguousarray(np.asarray(leaf.addressable_data(0)))
+        out[path_str(path)] = {"sha256": hashlib.sha256(host.tobytes()).hexdigest(), "shape": list(host.shape),
+                               "dtype": host.dtype.name, "sum": float(host.astype(np.float64).sum())}
+    return out
+
+
+def run_cli_recorded(record_dir: str, cli_args: list[str]) -> int:
+    """``shardlib.cli.main(cli_args)`` with taps on the train loader and on `train`'s result.
+
+    The loader tap is a `ByteBatches` subclass that notes, per step, the window starts of the
+    rows it returns and checks that the returned rows really are the corpus at those starts, so
+    the ids are what the process read, not a recomputation beside it. `shardlib.train.train`
+    imports ``ByteBatches`` from `shardlib.data` when it runs, and `shardlib.train.run` calls the
+    module's ``train``; both are replaced here. If train.py stops looking them up that way, the
+    record has no ids (or no file) and the tests fail loudly rather than pass.
+    """
+    import jax
+    import numpy as np
+
+    from shardlib import cli, data
+    from shardlib import train as train_module
+
+    ids: dict[int, list[int]] = {}
+
+    class RecordingBatches(data.ByteBatches):
+        def batch(self, step: int) -> data.Batch:
+            out = super().batch(step)
+            n_starts = len(self.data) - self.seq_len
+            starts = data.train_window_starts(self.seed, step, self.global_batch_size, n_starts)[self.rows]
+            expected = self.data[starts[:, None] + np.arange(self.seq_len)]
+            if not np.array_equal(out["inputs"], expected):
+                raise AssertionError(f"step {step}: the loaded rows are not the corpus windows at {starts.tolist()}")
+            ids[step] = starts.tolist()
+            return out
+
+    original_train = train_module.train
+
+    def recorded_train(config):
+        result = original_train(config)
+        record = {"process": jax.process_index(), "processes": jax.process_count(),
+                  "devices": jax.device_count(), "local_devices": jax.local_device_count(),
+                  "steps": result.steps, "ids": {str(k): v for k, v in sorted(ids.items())},
+                  "digest": state_digest(result.state)}
+        path = os.path.join(record_dir, f"p{jax.process_index()}.json")
+        os.makedirs(record_dir, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+        return result
+
+    data.ByteBatches = RecordingBatches
+    train_module.train = recorded_train
+    return cli.main(cli_args)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["cli"]:
+        if len(sys.argv) < 4:
+            sys.exit("usage: multihost_worker.py cli RECORD_DIR train FLAGS...")
+        sys.exit(run_cli_recorded(sys.argv[2], sys.argv[3:]))
     sys.exit(distributed.finish(main()))
