@@ -1,0 +1,318 @@
+"""Accelerator profiles and the roofline that turns a compiled step into an estimated step time.
+
+`shardlib plan` compiles the real step for N simulated CPU devices, so memory and communication
+volumes are exact properties of the program; *time* needs a target machine. A profile holds the
+few figures a roofline needs, each from a public data sheet (``sources``):
+
+  peak_flops        dense matmul FLOP/s per device, per compute precision
+  hbm_bytes         memory per device
+  domain_size       devices joined by the fast interconnect (an NVLink node, a TPU ICI slice)
+  intra_bandwidth   bytes/s one device can send in a ring collective inside its domain
+  inter_bandwidth   bytes/s one device can send to another domain (InfiniBand NIC, TPU DCN)
+
+The time model (deliberately simple, stated in every plan):
+
+  compute_s = hardware FLOPs per device / peak_flops[precision]
+  comm_s    = sum over collectives of (bytes this device sends per step) / bandwidth of the link
+              the collective's replica group uses (inter-domain if the group spans domains)
+  step_s    = max(compute_s, comm_s)         (collectives fully overlapped with compute)
+  serial_s  = compute_s + comm_s             (no overlap: an upper bound)
+
+Device i of the mesh (row-major over data, pipe, fsdp, tensor) is placed in domain
+i // domain_size, which is how shardlib lays meshes over hosts: outer axes cross hosts first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+GB = 1e9
+GIB = 2**30
+
+
+class HardwareError(ValueError):
+    """An unknown profile or unreadable size (shown as one line by the CLI)."""
+
+    user_facing = True
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+    """One accelerator type as the roofline sees it (all rates per device)."""
+
+    name: str
+    description: str
+    hbm_bytes: int
+    peak_flops: Mapping[str, float]  # "bf16" / "f32" -> dense FLOP/s with JAX's default matmul precision
+    domain_size: int
+    intra_bandwidth: float
+    inter_bandwidth: float | None  # None: crossing a domain is not modelled for this profile
+    sources: tuple[str, ...]
+    notes: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "hbm_bytes": self.hbm_bytes,
+            "peak_flops": dict(self.peak_flops),
+            "domain_size": self.domain_size,
+            "intra_bandwidth": self.intra_bandwidth,
+            "inter_bandwidth": self.inter_bandwidth,
+            "sources": list(self.sources),
+            "notes": self.notes,
+        }
+
+
+_NVIDIA_H100 = "https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM column)"
+_NVIDIA_H200 = "https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM column)"
+_NVIDIA_A100 = "https://www.nvidia.com/en-us/data-center/a100/ (A100 80GB SXM column)"
+_DGX_H100 = "https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html (8x ConnectX-7 400 Gb/s)"
+_DGX_A100 = "https://docs.nvidia.com/dgx/dgxa100-user-guide/introduction-to-dgxa100.html (8x ConnectX-6 200 Gb/s HDR)"
+
+# Ring bandwidth conventions: NVLink figures are quoted bidirectional (900 GB/s = 450 GB/s each
+# way through NVSwitch); a TPU ring along one torus axis sends over two ports, one each way.
+HARDWARE: dict[str, HardwareProfile] = {
+    p.name: p
+    for p in (
+        HardwareProfile(
+            name="h100",
+            description="NVIDIA H100 SXM 80GB, 8 per NVLink node, 400 Gb/s InfiniBand per GPU",
+            hbm_bytes=int(80 * GB),
+            peak_flops={"bf16": 989e12, "f32": 494e12},  # f32 matmuls run as TF32 (JAX default on GPU)
+            domain_size=8,
+            intra_bandwidth=450 * GB,
+            inter_bandwidth=50 * GB,
+            sources=(_NVIDIA_H100, _DGX_H100),
+            notes="dense (no sparsity) tensor-core peaks; NVLink 4 900 GB/s bidirectional",
+        ),
+        HardwareProfile(
+            name="h200",
+            description="NVIDIA H200 SXM 141GB, 8 per NVLink node, 400 Gb/s InfiniBand per GPU",
+            hbm_bytes=int(141 * GB),
+            peak_flops={"bf16": 989e12, "f32": 494e12},
+            domain_size=8,
+            intra_bandwidth=450 * GB,
+            inter_bandwidth=50 * GB,
+            sources=(_NVIDIA_H200, _DGX_H100),
+            notes="same compute and NVLink as H100 SXM; more and faster HBM",
+        ),
+        HardwareProfile(
+            name="a100",
+            description="NVIDIA A100 SXM 80GB, 8 per NVLink node, 200 Gb/s InfiniBand per GPU",
+            hbm_bytes=int(80 * GB),
+            peak_flops={"bf16": 312e12, "f32": 156e12},  # TF32
+            domain_size=8,
+            intra_bandwidth=300 * GB,
+            inter_bandwidth=25 * GB,
+            sources=(_NVIDIA_A100, _DGX_A100),
+            notes="NVLink 3 600 GB/s bidirectional",
+        ),
+        HardwareProfile(
+            name="tpu-v5p",
+            description="Cloud TPU v5p chip, 3D torus ICI within a slice (up to 8960 chips), DCN across slices",
+            hbm_bytes=95 * GIB,
+            peak_flops={"bf16": 459e12, "f32": 459e12},  # f32 matmuls default to one bf16 pass on TPU
+            domain_size=8960,
+            intra_bandwidth=200 * GB,  # 1200 GB/s bidirectional over 6 ports = 100 GB/s per port each way, x2
+            inter_bandwidth=50e9 / 8,  # 50 Gb/s DCN per chip
+            sources=("https://cloud.google.com/tpu/docs/v5p",),
+        ),
+        HardwareProfile(
+            name="tpu-v5e",
+            description="Cloud TPU v5e chip, 2D torus ICI within a slice (up to 256 chips), DCN across slices",
+            hbm_bytes=int(16 * GB),
+            peak_flops={"bf16": 197e12, "f32": 197e12},
+            domain_size=256,
+            intra_bandwidth=100 * GB,  # 400 GB/s bidirectional over 4 ports = 50 GB/s per port each way, x2
+            inter_bandwidth=2 * 100e9 / 8 / 8,  # 2 x 100 Gb/s NICs per 8-chip host
+            sources=("https://cloud.google.com/tpu/docs/v5e",),
+        ),
+        HardwareProfile(
+            name="tpu-v4",
+            description="Cloud TPU v4 chip, 3D torus ICI within a slice (up to 4096 chips)",
+            hbm_bytes=32 * GIB,
+            peak_flops={"bf16": 275e12, "f32": 275e12},
+            domain_size=4096,
+            intra_bandwidth=100 * GB,  # 6 ICI links of ~50 GB/s each way (TPU v4 paper, ISCA 2023); 2 per ring
+            inter_bandwidth=None,
+            sources=("https://cloud.google.com/tpu/docs/v4",
+                     "Jouppi et al., TPU v4: An Optically Reconfigurable Supercomputer for ML, ISCA 2023"),
+            notes="multi-slice (DCN) traffic is not modelled for v4",
+        ),
+    )
+}
+
+
+def get_hardware(name: str | HardwareProfile) -> HardwareProfile:
+    """The named profile; an unknown name lists the known ones."""
+    if isinstance(name, HardwareProfile):
+        return name
+    try:
+        return HARDWARE[name.lower()]
+    except KeyError:
+        raise HardwareError(f"unknown hardware {name!r} (--hardware); choose one of {', '.join(HARDWARE)}") from None
+
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """``"80GB"`` -> 80e9, ``"16GiB"`` -> 16 * 2**30, ``12345`` -> 12345 (for ``--hbm``)."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*", text.lower())
+    if not m:
+        raise HardwareError(f"cannot read {text!r} as a size (--hbm); write e.g. 80GB, 16GiB or 1.5TB")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+# ----------------------------------------------------------------------------------------------
+# Which link a collective uses: its replica groups, read from the HLO attributes
+# ----------------------------------------------------------------------------------------------
+
+_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_EXPLICIT = re.compile(r"replica_groups=\{((?:\s*\{[\d,\s]*\}\s*,?)*)\}")
+_MESH = re.compile(
+    r"replica_groups=mesh\[(?P<mesh>[^\]]*)\](?:,\s*device_ids=\((?P<ids>[^()]*(?:\([^()]*\))?)\))?\s*\{(?P<axes>[^}]*)\}")
+
+
+def _iota(dims_text: str, perm_text: str | None) -> np.ndarray:
+    """``[4,2]T(1,0)``-style device order: iota over dims, transposed by perm."""
+    dims = [int(d) for d in dims_text.split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return ids.transpose([int(p) for p in perm_text.split(",")]) if perm_text else ids
+
+
+def replica_groups(attrs: str, n_devices: int) -> list[list[int]] | None:
+    """Every replica group of a collective as device positions, or None for a form not understood.
+
+    Handles explicit lists ``{{0,1},{2,3}}``, iota ``[2,4]<=[4,2]T(1,0)``, jax's mesh form
+    ``mesh['a'=2,'b'=4] {'b'}`` and ``{}`` (all devices); ``source_target_pairs`` become one
+    two-device group per pair.
+    """
+    if "source_target_pairs=" in attrs:
+        from shardlib.report import permute_pairs
+
+        return [[a, b] for a, b in permute_pairs(attrs)]
+    m = _IOTA.search(attrs)
+    if m:
+        return _iota(m.group(3), m.group(4)).reshape(int(m.group(1)), int(m.group(2))).tolist()
+    m = _MESH.search(attrs)
+    if m:
+        names, sizes = [], []
+        for item in filter(None, (p.strip() for p in m.group("mesh").split(","))):
+            name, _, size = item.partition("=")
+            names.append(name.strip("' "))
+            sizes.append(int(size))
+        axes = [a.strip().strip("'") for a in m.group("axes").split(",") if a.strip()]
+        if any(":" in a or a not in names for a in axes):
+            return None  # sub-axis groups: not needed by shardlib's meshes
+        ids_text = (m.group("ids") or "").strip()
+        order = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", ids_text)
+        if order:
+            flat = _iota(order.group(1), order.group(2)).ravel()
+        elif ids_text:
+            flat = np.asarray([int(x) for x in ids_text.split(",")])
+        else:
+            flat = np.arange(math.prod(sizes))
+        ids = flat.reshape(sizes)
+        group_dims = [names.index(a) for a in axes]
+        other = [d for d in range(len(sizes)) if d not in group_dims]
+        size = math.prod(sizes[d] for d in group_dims)
+        return ids.transpose(other + group_dims).reshape(-1, size).tolist()
+    m = _EXPLICIT.search(attrs)
+    if m is None:
+        return None if "replica_groups=" in attrs else [list(range(n_devices))]
+    groups = [[int(t) for t in g.split(",") if t.strip()] for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
+    return groups or [list(range(n_devices))]
+
+
+def crosses_domains(groups: Sequence[Sequence[int]] | None, group_size: int | None, domain_size: int) -> bool:
+    """True if some group has devices in two domains (unknown groups: judged by their size)."""
+    if groups is None:
+        return (group_size or 1) > domain_size
+    return any(len({d // domain_size for d in g}) > 1 for g in groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkBytes:
+    """Bytes one device sends per step, split by the link they travel on."""
+
+    intra: float
+    inter: float
+    unknown_groups: int  # collectives whose replica-group form was not understood
+
+    @property
+    def total(self) -> float:
+        return self.intra + self.inter
+
+
+def link_bytes(hlo_text: str, records: Sequence[Any], n_devices: int, domain_size: int,
+               scale: Mapping[str, float] | None = None) -> LinkBytes:
+    """Split ``records`` (``report.CollectiveRecord``) of ``hlo_text`` into intra/inter-domain bytes.
+
+    ``scale`` optionally multiplies each record's bytes by name (used for the bf16 correction).
+    """
+    from shardlib.report import parse_hlo_module
+
+    module = parse_hlo_module(hlo_text)
+    attrs = {(i.computation, i.name): i.attrs for instrs in module.computations.values() for i in instrs}
+    intra = inter = 0.0
+    unknown = 0
+    for r in records:
+        nbytes = r.bytes_per_step * (scale or {}).get(r.name, 1.0)
+        if nbytes <= 0:
+            continue
+        groups = replica_groups(attrs.get((r.computation, r.name), ""), n_devices)
+        unknown += groups is None
+        if n_devices > domain_size and crosses_domains(groups, r.group_size, domain_size):
+            inter += nbytes
+        else:
+            intra += nbytes
+    return LinkBytes(intra, inter, unknown)
+
+
+# ----------------------------------------------------------------------------------------------
+# Roofline
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Roofline estimate of one training step on one device (seconds)."""
+
+    compute_s: float
+    comm_s: float
+
+    @property
+    def overlapped_s(self) -> float:
+        return max(self.compute_s, self.comm_s)
+
+    @property
+    def serial_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+
+def step_time(profile: HardwareProfile, flops_per_device: float, links: LinkBytes, precision: str) -> StepTime:
+    """Compute time at peak FLOP/s plus communication time at link bandwidth (see module doc)."""
+    if precision not in profile.peak_flops:
+        raise HardwareError(f"hardware {profile.name} has no peak for precision {precision!r}; "
+                         f"known: {', '.join(profile.peak_flops)}")
+    compute = flops_per_device / profile.peak_flops[precision]
+    comm = links.intra / profile.intra_bandwidth
+    if links.inter:
+        if profile.inter_bandwidth is None:
+            raise HardwareError(
+                f"the plan spans more than one {profile.name} domain ({profile.domain_size} devices) and the "
+                "profile has no inter-domain bandwidth; plan at most that many devices or pick another --hardware"
+            )
+        comm += links.inter / profile.inter_bandwidth
+    return StepTime(compute, comm)

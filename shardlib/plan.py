@@ -1,0 +1,666 @@
+"""`shardlib plan`: will this model train on N devices, with which strategy, how fast? Before renting them.
+
+For every candidate (strategy, mesh) the REAL training step is built and compiled for N devices
+from ShapeDtypeStructs (nothing is allocated; the command simulates N CPU devices), and read:
+
+  persistent bytes   params + optimizer state per device, from the state's shardings (the layouts),
+                     and XLA's argument bytes (the same plus the batch)
+  peak bytes         XLA's buffer assignment: arguments + outputs - donated + temporaries. (XLA:CPU's
+                     own ``peak_memory_in_bytes`` only repeats the argument bytes, so it is not used.)
+  collective bytes   sent per device per step, by kind, ring volumes (DESIGN.md), from the optimised
+                     HLO. XLA:CPU upcasts bf16 collectives to f32 there; for ``--precision bf16`` the
+                     bf16 collectives found right after SPMD partitioning are counted at 2 bytes.
+  FLOPs              analytic: models.flops_per_token x tokens (XLA counts a scan body once); the
+                     hardware also redoes the forward pass under remat (x 4/3)
+  step time          roofline on a hardware profile (shardlib.hardware): max(compute, communication)
+
+The best candidate is the fastest estimated step that fits in HBM. When none fits, the plan says
+what would: more devices, gradient accumulation, remat, or another strategy, with figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from shardlib import hardware as hw
+
+PRECISIONS: dict[str, str] = {"f32": "float32", "bf16": "bfloat16"}
+ALL_STRATEGIES: tuple[str, ...] = ("dp", "zero1", "zero2", "zero3", "tp", "fsdp_tp", "hsdp")
+REMAT_FLOPS = 4 / 3  # a rematerialised step runs the forward twice: (2 + 4 + 2) / (2 + 4)
+# XLA pass before which the CPU pipeline starts changing dtypes; the module dumped there is the
+# SPMD-partitioned program with its collectives still in their original element types.
+_PARTITIONED_DUMP_PASS = "batched_gather_scatter_normalizer"
+SCHEMA_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan that cannot be made as asked (shown as one line by the CLI)."""
+
+    user_facing = True
+
+
+@dataclasses.dataclass
+class PlanRow:
+    """One candidate (strategy x mesh): per-device memory, communication, FLOPs and estimated time.
+
+    Bytes are per device; collective bytes are sent per device per step. ``error`` is set (and the
+    figures left None) when the candidate cannot be built or compiled.
+    """
+
+    strategy: str
+    mesh: dict[str, int]
+    devices: int
+    batch_size: int
+    seq_len: int
+    precision: str
+    persistent_bytes: int | None = None
+    params_bytes: int | None = None
+    opt_state_bytes: int | None = None
+    argument_bytes: int | None = None
+    temp_bytes: int | None = None
+    peak_bytes: int | None = None
+    transient_bytes: int | None = None  # peak - persistent: activations, gathered weights, gradients
+    collective_bytes: dict[str, int] | None = None
+    collective_total_bytes: int | None = None
+    intra_domain_bytes: int | None = None
+    inter_domain_bytes: int | None = None
+    model_flops: float | None = None  # whole step, all devices, without remat recomputation
+    flops_per_device: float | None = None  # with remat recomputation
+    compute_s: float | None = None
+    comm_s: float | None = None
+    step_s: float | None = None  # max(compute, comm)
+    step_serial_s: float | None = None  # compute + comm
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    hbm_bytes: int | None = None
+    fits: bool = False
+    best: bool = False
+    compile_s: float | None = None
+    error: str | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def mesh_text(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1) or "single"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["mesh_text"] = self.mesh_text
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs: model config, devices, meshes
+# ----------------------------------------------------------------------------------------------
+
+
+def resolve_config(model: Any, precision: str = "f32", remat: bool | None = None) -> Any:
+    """A GPTConfig from a name or a config, with the plan's compute dtype (and remat) applied."""
+    from models import GPTConfig, get_config
+
+    if precision not in PRECISIONS:
+        raise PlanError(f"unknown precision {precision!r} (--precision); choose one of {', '.join(PRECISIONS)}")
+    if isinstance(model, str):
+        try:
+            config = get_config(model)
+        except ValueError as err:
+            raise PlanError(f"{err} (--model)") from None
+    elif isinstance(model, GPTConfig):
+        config = model
+    else:
+        raise PlanError(f"plan needs a model config name or a models.GPTConfig, got {type(model).__name__}")
+    changes: dict[str, Any] = {"compute_dtype": PRECISIONS[precision]}
+    if remat is not None:
+        changes["remat"] = remat
+    return dataclasses.replace(config, **changes)
+
+
+def check_strategy(name: str) -> str:
+    """The strategy's canonical name, or a PlanError naming the flag and the known strategies."""
+    from shardlib.strategies import get_strategy
+
+    try:
+        return get_strategy(name).name
+    except ValueError as err:
+        raise PlanError(f"{err} (--strategy)") from None
+
+
+def select_devices(n: int) -> list[Any]:
+    """The first ``n`` devices of the current backend, or a clear error saying how to get more."""
+    import jax
+
+    if n < 1:
+        raise PlanError(f"--devices must be at least 1, got {n}")
+    available = jax.devices()
+    if len(available) < n:
+        raise PlanError(
+            f"planning for {n} devices needs {n} JAX devices but the {available[0].platform} backend has "
+            f"{len(available)}; run `shardlib plan --devices {n}` (it simulates them on CPU), or call "
+            f"jax.config.update('jax_num_cpu_devices', {n}) right after `import jax`, before any JAX operation"
+        )
+    return list(available[:n])
+
+
+def _largest_divisor(n: int, limit: int, *also: int) -> int:
+    """Largest t <= limit dividing n and every number in ``also`` (1 if none larger)."""
+    for t in range(max(1, limit), 0, -1):
+        if n % t == 0 and all(x % t == 0 for x in also):
+            return t
+    return 1
+
+
+def default_mesh(strategy: str, devices: int, config: Any) -> dict[str, int]:
+    """The mesh a strategy gets for N devices in `--all` (its default mesh, made to divide).
+
+    tp: tensor = the largest t <= min(8, N) dividing N and the (kv) head counts, data = the rest;
+    fsdp_tp: tensor = 2 when the heads divide; hsdp: fsdp = up to 8 devices (one node), data = rest.
+    """
+    from shardlib.mesh import resolve_axis_sizes
+    from shardlib.strategies import get_strategy
+
+    strat = get_strategy(strategy)
+    heads = (config.n_heads, config.n_kv_heads)
+    if strat.name == "tp":
+        t = _largest_divisor(devices, min(8, devices), *heads)
+        if t == 1 and devices > 1:
+            raise PlanError(f"tp: no tensor-parallel size in 2..{min(8, devices)} divides {devices} devices and "
+                            f"the {config.n_heads} heads / {config.n_kv_heads} kv heads; give --mesh")
+        return {"data": devices // t, "tensor": t}
+    if strat.name == "fsdp_tp":
+        t = _largest_divisor(devices, 2, *heads)
+        if t == 1 and devices > 1:
+            raise PlanError(f"fsdp_tp: tensor=2 does not divide {devices} devices and the heads; give --mesh")
+        return {"fsdp": devices // t, "tensor": t}
+    if strat.name == "hsdp":
+        f = _largest_divisor(devices, min(8, max(1, devices // 2)))
+        return {"data": devices // f, "fsdp": f}
+    sizes = resolve_axis_sizes(strat.default_mesh, devices)
+    return {k: v for k, v in sizes.items() if v > 1} or {"data": 1}
+
+
+def peak_bytes(mem: Any) -> int:
+    """Per-device peak from ``report.MemoryStats``: XLA's own figure, or its buffer assignment if larger.
+
+    The buffer assignment (arguments + outputs - donated + temporaries) is what the program
+    holds at most; XLA:CPU's ``peak_memory_in_bytes`` reports only the argument bytes.
+    """
+    return max(mem.peak_bytes, mem.argument_bytes + mem.output_bytes - mem.alias_bytes + mem.temp_bytes)
+
+
+def _shard_bytes(tree: Any) -> int:
+    """Bytes per device of a tree of sharded ShapeDtypeStructs."""
+    import jax
+
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _full_bytes(tree: Any) -> int:
+    import jax
+
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+# ----------------------------------------------------------------------------------------------
+# The planner
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Compiled:
+    program: Any
+    compiled: Any
+    partitioned_hlo: str | None  # bf16 only: the module right after SPMD partitioning
+
+
+class Planner:
+    """Compiles candidates for one model, device count, batch and hardware; see `plan`."""
+
+    def __init__(self, model: Any, devices: int, *, batch_size: int | None = None, seq_len: int | None = None,
+                 precision: str = "f32", hardware: str | hw.HardwareProfile = "h100",
+                 hbm: str | int | None = None, remat: bool | None = None):
+        from models import param_count, trainable
+
+        self.precision = precision
+        self.config = resolve_config(model, precision, remat)
+        self.model_name = model if isinstance(model, str) else "custom"
+        self.profile = hw.get_hardware(hardware)
+        self.hbm_bytes = hw.parse_bytes(hbm) if hbm is not None else self.profile.hbm_bytes
+        self.n = devices
+        self.devices = select_devices(devices)
+        self.seq_len = seq_len or self.config.max_seq_len
+        self.batch_size = batch_size or devices
+        if self.seq_len < 1 or self.batch_size < 1:
+            raise PlanError(f"--batch-size and --seq-len must be positive, got {self.batch_size} and {self.seq_len}")
+        self.params = param_count(self.config)
+        self.model = trainable(self.config)
+        self._layouts: dict[tuple[str, str], Any] = {}
+
+    # -- one candidate ------------------------------------------------------------------------
+
+    def mesh_for(self, strategy: str, mesh: str | Mapping[str, int] | None) -> dict[str, int]:
+        from shardlib.mesh import parse_mesh, resolve_axis_sizes
+
+        if mesh is None:
+            return default_mesh(strategy, self.n, self.config)
+        sizes = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh)
+        full = resolve_axis_sizes(sizes, self.n)  # MeshError naming the mismatch with --devices
+        return {k: v for k, v in full.items() if v > 1} or {"data": 1}
+
+    def _compile(self, strategy: str, sizes: Mapping[str, int], batch_size: int) -> _Compiled:
+        import jax.numpy as jnp
+        import optax
+
+        from shardlib import build, make_layout, make_mesh
+
+        mesh = make_mesh(dict(sizes), devices=self.devices)
+        layout = make_layout(self.model, strategy, mesh)
+        self._layouts[(strategy, json.dumps(dict(sizes), sort_keys=True))] = layout
+        program = build(self.model, optax.adamw(1e-4), layout)
+        shape = ((batch_size, self.seq_len), jnp.int32)
+        batch = program.abstract_batch({"inputs": shape, "targets": shape})
+        lowered = program.step.lower(program.abstract_state(), batch)  # checks the batch divides
+        if self.precision != "bf16":
+            return _Compiled(program, lowered.compile(), None)
+        with tempfile.TemporaryDirectory(prefix="shardlib-plan-") as dump:
+            compiled = lowered.compile(compiler_options={
+                "xla_dump_to": dump, "xla_dump_hlo_pass_re": _PARTITIONED_DUMP_PASS})
+            found = sorted(glob.glob(os.path.join(dump, f"*step_fn*before_{_PARTITIONED_DUMP_PASS}.txt")))
+            text = open(found[0]).read() if found else None
+        return _Compiled(program, compiled, text)
+
+    def candidate(self, strategy: str, mesh: str | Mapping[str, int] | None = None) -> PlanRow:
+        """Compile one candidate and read its figures (errors are recorded on the row)."""
+        import jax
+
+        from models import flops_per_token
+        from shardlib.report import collective_stats, memory_stats
+
+        sizes = self.mesh_for(strategy, mesh)
+        row = PlanRow(strategy=strategy, mesh=sizes, devices=self.n, batch_size=self.batch_size,
+                      seq_len=self.seq_len, precision=self.precision, hbm_bytes=self.hbm_bytes)
+        start = time.perf_counter()
+        try:
+            built = self._compile(strategy, sizes, self.batch_size)
+        except (ValueError, jax.errors.JaxRuntimeError) as err:
+            row.error = " ".join(str(err).split())[:500]
+            return row
+        row.compile_s = time.perf_counter() - start
+        state = built.program.abstract_state()
+        row.params_bytes = _shard_bytes(state.params)
+        row.opt_state_bytes = _shard_bytes(state.opt_state)
+        row.persistent_bytes = row.params_bytes + row.opt_state_bytes + _shard_bytes(state.step)
+
+        mem = memory_stats(built.compiled)
+        row.argument_bytes, row.temp_bytes = mem.argument_bytes, mem.temp_bytes
+        row.peak_bytes = peak_bytes(mem)
+        row.transient_bytes = row.peak_bytes - row.persistent_bytes
+
+        text = built.compiled.as_text()
+        stats = collective_stats(text, num_devices=self.n)
+        by_kind = dict(stats.bytes_by_kind())
+        links = hw.link_bytes(text, stats.records, self.n, self.profile.domain_size)
+        if built.partitioned_hlo is not None:  # count bf16 collectives at 2 bytes, not XLA:CPU's 4
+            early = collective_stats(built.partitioned_hlo, num_devices=self.n)
+            narrow = [r for r in early.records if r.dtype == "bf16"]
+            for r in narrow:
+                by_kind[r.kind] = max(0, round(by_kind[r.kind] - r.bytes_per_step))
+            upcast = hw.link_bytes(built.partitioned_hlo, narrow, self.n, self.profile.domain_size)
+            links = hw.LinkBytes(max(0.0, links.intra - upcast.intra), max(0.0, links.inter - upcast.inter),
+                                 links.unknown_groups)
+            row.notes.append(f"{len(narrow)} bf16 collective(s) counted at 2 bytes/element "
+                             "(XLA:CPU runs them in f32)")
+        elif self.precision == "bf16":
+            row.notes.append("XLA's partitioned HLO was not found: bf16 collectives are counted as XLA:CPU "
+                             "runs them (f32), an upper bound")
+        if links.unknown_groups:
+            row.notes.append(f"{links.unknown_groups} collective(s) with replica groups not understood: "
+                             "placed by group size")
+        if stats.trip_count_unknown:
+            row.notes.append("a loop trip count was unknown: its collectives are counted once")
+        row.collective_bytes = by_kind
+        row.collective_total_bytes = sum(by_kind.values())
+        row.intra_domain_bytes, row.inter_domain_bytes = round(links.intra), round(links.inter)
+
+        tokens = self.batch_size * self.seq_len
+        row.model_flops = flops_per_token(self.config, self.seq_len) * tokens
+        row.flops_per_device = row.model_flops * (REMAT_FLOPS if self.config.remat else 1.0) / self.n
+        estimate = hw.step_time(self.profile, row.flops_per_device, links, self.precision)
+        row.compute_s, row.comm_s = estimate.compute_s, estimate.comm_s
+        row.step_s, row.step_serial_s = estimate.overlapped_s, estimate.serial_s
+        row.tokens_per_s = tokens / row.step_s if row.step_s > 0 else None
+        peak = self.profile.peak_flops[self.precision]
+        row.mfu = row.model_flops / (row.step_s * self.n * peak) if row.step_s > 0 else None
+        row.fits = row.peak_bytes <= self.hbm_bytes
+        replicated = self._replicated(strategy, sizes)
+        if replicated:
+            row.notes.append(f"{len(replicated)} tensor(s) replicated against the rules: {', '.join(replicated[:4])}"
+                             + (" ..." if len(replicated) > 4 else "") + " (see `shardlib inspect`)")
+        return row
+
+    def _replicated(self, strategy: str, sizes: Mapping[str, int]) -> list[str]:
+        from shardlib.rules import replicated_leaves
+
+        layout = self._layouts.get((strategy, json.dumps(dict(sizes), sort_keys=True)))
+        if layout is None:
+            return []
+        tree = layout.params if layout.strategy.param_rules else layout.state
+        return [leaf.path for leaf in replicated_leaves(tree, layout.mesh)]
+
+    # -- all candidates -----------------------------------------------------------------------
+
+    def run(self, strategies: Sequence[str] | None = None, mesh: str | Mapping[str, int] | None = None) -> list[PlanRow]:
+        """Compile every strategy (on ``mesh``, or on each strategy's default mesh) and mark the best."""
+        names = [check_strategy(name) for name in strategies or ALL_STRATEGIES]  # fail before compiling
+        if mesh is not None:
+            self.mesh_for(names[0], mesh)  # a mesh that does not match --devices: fail now
+        rows = []
+        for name in names:
+            try:
+                rows.append(self.candidate(name, mesh))
+            except PlanError as err:  # e.g. no tensor size divides the heads
+                rows.append(PlanRow(strategy=name, mesh={}, devices=self.n, batch_size=self.batch_size,
+                                    seq_len=self.seq_len, precision=self.precision, hbm_bytes=self.hbm_bytes,
+                                    error=str(err)))
+        return self.decide(rows)
+
+    def decide(self, rows: Sequence[PlanRow], hbm: str | int | None = None) -> list[PlanRow]:
+        """Set ``fits`` and ``best`` for an HBM limit (default: the planner's), without recompiling."""
+        if hbm is not None:
+            self.hbm_bytes = hw.parse_bytes(hbm)
+        for r in rows:
+            r.hbm_bytes = self.hbm_bytes
+            r.fits = r.error is None and r.peak_bytes <= self.hbm_bytes
+        mark_best(rows)
+        return list(rows)
+
+    # -- what would fit -----------------------------------------------------------------------
+
+    def advise(self, rows: Sequence[PlanRow]) -> list[dict[str, Any]]:
+        """When no candidate fits: more devices, gradient accumulation, remat, or another strategy."""
+        ok = [r for r in rows if r.error is None]
+        if not ok or any(r.fits for r in ok):
+            return []
+        hbm = self.hbm_bytes
+        state_total = self._state_total()
+        tried = {r.strategy for r in ok}
+        zero3 = next((r for r in ok if r.strategy == "zero3"), None)
+        smallest = min(ok, key=lambda r: r.peak_bytes)
+        transient = (zero3 or min(ok, key=lambda r: r.transient_bytes)).transient_bytes
+        out: list[dict[str, Any]] = []
+
+        # 1. More devices under ZeRO-3, same rows per device: 12 Psi / N' + transient <= HBM
+        #    (when N' <= N, suggestion 4 says zero3 fits on the devices there are).
+        need = math.ceil(state_total / (hbm - transient)) if transient < hbm else None
+        if need is not None and need > self.n:
+            devices = 1 << max(0, (need - 1).bit_length())
+            per_device = self.batch_size / self.n
+            out.append({
+                "kind": "devices", "strategy": "zero3", "devices": devices, "min_devices": need,
+                "persistent_bytes": state_total // devices, "transient_bytes": transient,
+                "estimated_peak_bytes": state_total // devices + transient,
+                "text": (f"zero3 on {devices} devices (at least {need}): persistent {_gib(state_total / devices)} "
+                         f"+ transient {_gib(transient)} per device <= {_gib(hbm)}, keeping {per_device:g} "
+                         f"sequence(s) per device (global batch {round(per_device * devices)})"),
+            })
+        elif need is None:
+            out.append({"kind": "devices", "strategy": "zero3", "devices": None, "transient_bytes": transient,
+                        "text": f"activations alone ({_gib(transient)} per device) exceed {_gib(hbm)}: more devices "
+                                "do not help; use fewer sequences per device or a shorter --seq-len"})
+
+        # 2. Gradient accumulation on the candidate with the smallest peak: measure transient at one row.
+        accumulation = self._accumulation(smallest)
+        if accumulation:
+            out.append(accumulation)
+
+        # 3. Remat, when the model does not rematerialise yet.
+        if not self.config.remat:
+            remat_row = Planner(dataclasses.replace(self.config, remat=True), self.n, batch_size=self.batch_size,
+                                seq_len=self.seq_len, precision=self.precision, hardware=self.profile,
+                                hbm=hbm).candidate(smallest.strategy, smallest.mesh)
+            if remat_row.error is None:
+                out.append({"kind": "remat", "strategy": smallest.strategy, "peak_bytes": remat_row.peak_bytes,
+                            "fits": remat_row.fits,
+                            "text": f"remat (recompute each block in the backward pass): {smallest.strategy} peak "
+                                    f"{_gib(smallest.peak_bytes)} -> {_gib(remat_row.peak_bytes)} per device "
+                                    f"({'fits' if remat_row.fits else 'still over'} {_gib(hbm)}), ~33% more compute"})
+
+        # 4. A strategy that was not tried.
+        if "zero3" not in tried:
+            estimate = state_total // self.n + transient
+            out.append({"kind": "strategy", "strategy": "zero3", "estimated_peak_bytes": estimate,
+                        "fits": estimate <= hbm,
+                        "text": f"zero3 shards parameters too: ~{_gib(state_total / self.n)} persistent + "
+                                f"{_gib(transient)} transient = {_gib(estimate)} per device"})
+        return out
+
+    def _state_total(self) -> int:
+        """Unsharded bytes of params + optimizer state (12 Psi for fp32 Adam)."""
+        import jax
+        import optax
+
+        params = self.model.abstract()
+        return _full_bytes(params) + _full_bytes(jax.eval_shape(optax.adamw(1e-4).init, params))
+
+    def _accumulation(self, row: PlanRow) -> dict[str, Any] | None:
+        layout = self._layouts.get((row.strategy, json.dumps(dict(row.mesh), sort_keys=True)))
+        if layout is None:
+            return None
+        rows_per_device = self.batch_size // layout.batch_size_multiple
+        if rows_per_device <= 1:
+            return {"kind": "grad_accumulation", "strategy": row.strategy, "microbatches": None,
+                    "text": f"{row.strategy} already runs one sequence per data-parallel device: gradient "
+                            "accumulation cannot shrink activations further; shorten --seq-len"}
+        import jax
+
+        from shardlib.report import memory_stats
+
+        try:
+            small = self._compile(row.strategy, row.mesh, layout.batch_size_multiple)
+        except (ValueError, jax.errors.JaxRuntimeError):  # advice is best effort; the plan itself succeeded
+            return None
+
+        mem = memory_stats(small.compiled)
+        small_peak = peak_bytes(mem)
+        per_row = (row.peak_bytes - small_peak) / (rows_per_device - 1)
+        buffer = sum(leaf.bytes_per_device(layout.mesh) for leaf in _leaves(layout.state))
+        for k in range(2, rows_per_device + 1):
+            if rows_per_device % k:
+                continue
+            estimate = small_peak + per_row * (rows_per_device // k - 1) + buffer
+            if estimate <= self.hbm_bytes:
+                return {"kind": "grad_accumulation", "strategy": row.strategy, "microbatches": k,
+                        "rows_per_microbatch": rows_per_device // k, "estimated_peak_bytes": round(estimate),
+                        "activation_bytes_per_row": round(per_row), "grad_buffer_bytes": buffer,
+                        "text": f"{row.strategy} with gradient accumulation over {k} microbatches of "
+                                f"{rows_per_device // k} sequence(s) per device: ~{_gib(estimate)} per device "
+                                f"({_gib(per_row)} of activations per sequence, {_gib(buffer)} gradient buffer)"}
+        return {"kind": "grad_accumulation", "strategy": row.strategy, "microbatches": None,
+                "estimated_peak_bytes": small_peak + buffer,
+                "text": f"even one sequence per device needs ~{_gib(small_peak + buffer)} under {row.strategy}"}
+
+
+def _leaves(tree: Any) -> list[Any]:
+    import jax
+
+    from shardlib.rules import is_layout
+
+    return jax.tree.leaves(tree, is_leaf=is_layout)
+
+
+def _gib(n: float) -> str:
+    from shardlib.report import format_bytes
+
+    return format_bytes(n)
+
+
+def mark_best(rows: Sequence[PlanRow]) -> PlanRow | None:
+    """Flag the fitting candidate with the shortest estimated step (ties: less traffic, less memory)."""
+    fitting = [r for r in rows if r.error is None and r.fits]
+    for r in rows:
+        r.best = False
+    if not fitting:
+        return None
+    # Times within 1% count as equal, so a few bytes of scalar all-reduce do not decide.
+    fastest = min(r.step_s for r in fitting)
+    fitting = [r for r in fitting if r.step_s <= fastest * 1.01]
+    least_serial = min(r.step_serial_s for r in fitting)
+    fitting = [r for r in fitting if r.step_serial_s <= least_serial * 1.01]
+    best = min(fitting, key=lambda r: r.peak_bytes)
+    best.best = True
+    return best
+
+
+def plan(model: Any, devices: int, strategies: Sequence[str] | None = None, *,
+         mesh: str | Mapping[str, int] | None = None, batch_size: int | None = None, seq_len: int | None = None,
+         precision: str = "f32", hbm: str | int | None = None, hardware: str = "h100",
+         remat: bool | None = None) -> list[PlanRow]:
+    """Compile the training step of ``model`` for each strategy on ``devices`` devices; one row each.
+
+    ``model``: a config name (``"llama-7b"``) or a ``models.GPTConfig``. ``strategies``: default all
+    seven. ``mesh``: one mesh for every strategy (default: each strategy's default mesh for N).
+    ``batch_size``: global sequences per step (default N); ``seq_len`` default the config's.
+    Needs ``devices`` JAX devices in this process (``jax_num_cpu_devices`` before JAX starts).
+    """
+    planner = Planner(model, devices, batch_size=batch_size, seq_len=seq_len, precision=precision,
+                      hardware=hardware, hbm=hbm, remat=remat)
+    return planner.run(strategies, mesh)
+
+
+def plan_document(planner: Planner, rows: Sequence[PlanRow], advice: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The one JSON document `shardlib plan --json` prints (stable keys, schema_version 1)."""
+    best = next((r for r in rows if r.best), None)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": planner.model_name,
+        "config": {k: (str(v) if not isinstance(v, (int, float, bool, type(None))) else v)
+                   for k, v in dataclasses.asdict(planner.config).items()},
+        "params": planner.params,
+        "devices": planner.n,
+        "batch_size": planner.batch_size,
+        "seq_len": planner.seq_len,
+        "precision": planner.precision,
+        "hbm_bytes": planner.hbm_bytes,
+        "hardware": planner.profile.to_dict(),
+        "candidates": [r.to_dict() for r in rows],
+        "best": None if best is None else {"strategy": best.strategy, "mesh": best.mesh},
+        "suggestions": list(advice),
+        "model_notes": MODEL_NOTES,
+    }
+
+
+MODEL_NOTES: dict[str, str] = {
+    "persistent_bytes": "params + optimizer state per device, from the train state's shardings",
+    "peak_bytes": "XLA buffer assignment of the compiled step: arguments + outputs - donated + temporaries "
+                  "(compiled by XLA:CPU; an estimate for GPU/TPU)",
+    "collective_bytes": "bytes one device sends per step, ring volumes (all-reduce 2(N-1)/N S, all-gather and "
+                        "reduce-scatter (N-1)/N S), from the optimised HLO; bf16 collectives counted at 2 bytes",
+    "flops": "model_flops = models.flops_per_token x tokens; flops_per_device adds remat's extra forward (x4/3) / N",
+    "step_s": "roofline: max(flops_per_device / peak_flops, sum of collective bytes / link bandwidth); "
+              "step_serial_s = their sum (no overlap)",
+    "best": "fits in HBM, then shortest step_s, then shortest step_serial_s (each within 1%), then smallest peak",
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="model config name (models.CONFIGS), e.g. llama-7b")
+    parser.add_argument("--devices", type=int, required=True, help="number of devices to plan for (simulated)")
+    parser.add_argument("--strategy", nargs="+", action="extend", metavar="S",
+                        help=f"strategies to compare ({', '.join(ALL_STRATEGIES)}); default: all")
+    parser.add_argument("--all", action="store_true", help="every strategy on its default mesh for N devices")
+    parser.add_argument("--mesh", help="one mesh for every strategy, e.g. data=2,fsdp=4 (default: per strategy)")
+    parser.add_argument("--batch-size", type=int, help="global sequences per step (default: one per device)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's max_seq_len)")
+    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="f32", help="compute dtype")
+    parser.add_argument("--hbm", help="memory per device, e.g. 80GB or 16GiB (default: the hardware's)")
+    parser.add_argument("--hardware", default="h100", help=f"profile for the time estimate: {', '.join(hw.HARDWARE)}")
+    parser.add_argument("--no-remat", action="store_true", help="plan without rematerialisation")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+
+
+def setup_devices(n: int) -> None:
+    """Simulate ``n`` CPU devices, if JAX has not started yet (else the backend must have >= n)."""
+    flag = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
+    if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+    import jax
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", max(n, 1))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.all and args.strategy:
+        raise PlanError("give --strategy or --all, not both")
+    hw.get_hardware(args.hardware)  # unknown hardware: fail before JAX starts
+    setup_devices(args.devices)
+    planner = Planner(args.model, args.devices, batch_size=args.batch_size, seq_len=args.seq_len,
+                      precision=args.precision, hardware=args.hardware, hbm=args.hbm,
+                      remat=False if args.no_remat else None)
+    rows = planner.run(None if args.all else args.strategy, args.mesh)
+    advice = planner.advise(rows)
+    if args.json:
+        json.dump(plan_document(planner, rows, advice), sys.stdout, indent=1)
+        print()
+    else:
+        print(render(planner, rows, advice))
+    return 0 if any(r.error is None for r in rows) else 1
+
+
+def render(planner: Planner, rows: Sequence[PlanRow], advice: Sequence[Mapping[str, Any]]) -> str:
+    """Human-readable plan: a header, one line per candidate, notes and suggestions."""
+    from shardlib.report import format_bytes, format_table
+
+    c, p = planner.config, planner.profile
+    lines = [
+        f"plan: {planner.model_name} ({planner.params / 1e6:,.1f}M params, {c.n_layers} layers, d={c.d_model}) "
+        f"on {planner.n} devices, batch {planner.batch_size} x {planner.seq_len} tokens, {planner.precision}, "
+        f"remat {'on' if c.remat else 'off'}",
+        f"hardware: {p.description}; HBM limit {format_bytes(planner.hbm_bytes)} per device",
+        "",
+    ]
+    table = []
+    for r in rows:
+        if r.error:
+            table.append({"": "", "strategy": r.strategy, "mesh": r.mesh_text if r.mesh else "-",
+                          "persistent": "error: " + r.error[:100]})
+            continue
+        table.append({
+            "": "*" if r.best else "", "strategy": r.strategy, "mesh": r.mesh_text,
+            "persistent": format_bytes(r.persistent_bytes), "args": format_bytes(r.argument_bytes),
+            "peak": format_bytes(r.peak_bytes), "comm/step": format_bytes(r.collective_total_bytes),
+            "compute ms": r.compute_s * 1e3, "comm ms": r.comm_s * 1e3,
+            "step ms": r.step_s * 1e3, "MFU": f"{r.mfu:.0%}" if r.mfu is not None else "-",
+            "fits": "yes" if r.fits else "NO",
+        })
+    lines.append(format_table(table, ["", "strategy", "mesh", "persistent", "args", "peak", "comm/step",
+                                      "compute ms", "comm ms", "step ms", "MFU", "fits"]))
+    kinds = [(r.strategy, {k: v for k, v in (r.collective_bytes or {}).items() if v}) for r in rows if not r.error]
+    lines += ["", "collective bytes per device per step, by kind:"]
+    lines += [f"  {s}: " + (", ".join(f"{k} {format_bytes(v)}" for k, v in d.items()) or "none") for s, d in kinds]
+    for r in rows:
+        for note in r.notes:
+            lines.append(f"  note ({r.strategy}): {note}")
+    best = next((r for r in rows if r.best), None)
+    lines.append("")
+    lines.append(f"best: {best.strategy} on {best.mesh_text} (* above)" if best else
+                 f"nothing fits in {format_bytes(planner.hbm_bytes)} per device. What would:")
+    lines += [f"  - {a['text']}" for a in advice]
+    lines += ["", "model: " + MODEL_NOTES["step_s"] + "; peak = " + MODEL_NOTES["peak_bytes"]]
+    return "\n".join(lines)
