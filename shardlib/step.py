@@ -299,15 +299,24 @@ def build(
         params_s = jax.lax.with_sharding_constraint(state.params, state_shardings)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = tx.update(grads, state.opt_state, params_s)
-        new_params = jax.lax.with_sharding_constraint(optax.apply_updates(params_s, updates), param_shardings)
-        keep = lambda new, old: jnp.where(finite, new, old)
+
+        def apply_update(_):
+            updates, opt_state = tx.update(grads, state.opt_state, params_s)
+            new_params = jax.lax.with_sharding_constraint(optax.apply_updates(params_s, updates), param_shardings)
+            return new_params, opt_state, residuals
+
+        def skip_update(_):
+            return state.params, state.opt_state, state.grad_residual
+
+        # A branch, not a select over the whole state: only one side runs, and no second copy
+        # of the parameters and optimizer state stays alive for the select.
+        params, opt_state, residuals = jax.lax.cond(finite, apply_update, skip_update, None)
         new_state = TrainState(
             step=state.step + finite.astype(jnp.int32),
-            params=jax.tree.map(keep, new_params, state.params),
-            opt_state=jax.tree.map(keep, opt_state, state.opt_state),
+            params=params,
+            opt_state=opt_state,
             loss_scale=precision_lib.update_loss_scale(state.loss_scale, finite, policy),
-            grad_residual=jax.tree.map(keep, residuals, state.grad_residual),
+            grad_residual=residuals,
         )
         metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32), **aux}
         if state.loss_scale is not None:
