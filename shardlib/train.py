@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from shardlib.fault import EXIT_DIVERGED  # light: imports neither JAX nor NumPy
+
 # Defaults of the bare `shardlib train`: the `small` byte-level GPT under zero3 on 8 simulated
 # CPU devices. Measured on a 2-core machine: validation loss 1.83 nats/byte after 50 steps and
 # 1.48 after 100 (the target is < 2.77), at 1.1-3 s a step depending on what else runs there.
@@ -80,6 +82,11 @@ class TrainConfig:
     ckpt_every: int = 0
     keep: int = 3
     resume_from: str | None = None
+    max_skips: int = 10
+    record_examples: bool = False
+    # Test hook (hidden flag --inject-nan-steps): these 1-based steps run with a NaN loss, to
+    # drive the non-finite guard end to end. Never set it for real training.
+    inject_nan_steps: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -105,6 +112,7 @@ class TrainResult:
     state: Any = dataclasses.field(repr=False)
     program: Any = dataclasses.field(repr=False)
     records: list[dict[str, Any]] = dataclasses.field(repr=False, default_factory=list)
+    preempted: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,13 +191,15 @@ def _check_numbers(config: TrainConfig) -> None:
     for field in ("steps", "batch_size", "seq_len", "log_every", "eval_batches"):
         if getattr(config, field) < 1:
             raise TrainConfigError(field, f"must be at least 1, got {getattr(config, field)}")
-    for field in ("eval_every", "ckpt_every", "sample_tokens", "seed"):
+    for field in ("eval_every", "ckpt_every", "sample_tokens", "seed", "max_skips"):
         if getattr(config, field) < 0:
             raise TrainConfigError(field, f"must be non-negative, got {getattr(config, field)}")
     if not config.lr > 0:
         raise TrainConfigError("lr", f"must be positive, got {config.lr}")
     if config.keep < 1:
         raise TrainConfigError("keep", f"must keep at least 1 checkpoint, got {config.keep}")
+    if any(s < 1 for s in config.inject_nan_steps):
+        raise TrainConfigError("inject_nan_steps", f"steps are 1-based, got {list(config.inject_nan_steps)}")
 
 
 def _mesh(config: TrainConfig, strategy):
@@ -383,12 +393,14 @@ def _checkpoint_dir(path: str | os.PathLike[str]) -> Path:
 
 
 def _open_checkpointer(config: TrainConfig, out_dir: Path):
-    """The run's Checkpointer, or None when neither saving nor resuming was asked for.
+    """(the run's Checkpointer, whether to resume from it); (None, False) when not checkpointing.
 
-    Saves go to ``OUT/checkpoints``; a resumed run keeps saving where it resumed from.
+    Saves go to ``OUT/checkpoints``; a resumed run keeps saving where it resumed from. A run
+    that saves into a directory already holding a complete checkpoint resumes from the latest
+    one, so a job restarted with the same command after a crash or preemption continues.
     """
     if config.ckpt_every == 0 and config.resume_from is None:
-        return None
+        return None, False
     try:
         from shardlib import checkpoint
     except ImportError:
@@ -402,7 +414,8 @@ def _open_checkpointer(config: TrainConfig, out_dir: Path):
         if not directory.is_dir():
             raise TrainConfigError("resume_from", f"no checkpoints at {directory}; pass the --out directory of a run "
                                                   "trained with --ckpt-every")
-    return checkpoint.Checkpointer(directory, every=config.ckpt_every, keep=config.keep)
+    ckpt = checkpoint.Checkpointer(directory, every=config.ckpt_every, keep=config.keep)
+    return ckpt, config.resume_from is not None or ckpt.latest_step() is not None
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,7 +433,7 @@ def train(config: TrainConfig) -> TrainResult:
     from tqdm import tqdm  # plain text bar: works in terminals, logs and notebooks without ipywidgets
 
     from models import flops_per_token, param_count, trainable
-    from shardlib import build, make_layout
+    from shardlib import build, fault, make_layout
     from shardlib.data import ByteBatches, LoaderState, to_global, val_batches
     from shardlib.metrics_io import MetricsLog, plot_loss_curve
     from shardlib.report import collective_stats, format_bytes, memory_stats, mfu, peak_flops_for
@@ -468,8 +481,8 @@ def train(config: TrainConfig) -> TrainResult:
         print(_banner(config, model_config, strategy, mesh, n_params, mem, state_bytes, out_dir, note), flush=True)
 
     # ==== CHECKPOINT HOOK (restore): the one place a run resumes; the save is marked in the loop.
-    ckpt = _open_checkpointer(config, out_dir)
-    if ckpt is not None and config.resume_from is not None:
+    ckpt, resume = _open_checkpointer(config, out_dir)
+    if resume:
         state, data_state, _ = ckpt.restore(program.abstract_state())
         loader.restore(data_state)
         start = loader.step
@@ -478,9 +491,16 @@ def train(config: TrainConfig) -> TrainResult:
     else:
         state = program.init(jax.random.key(config.seed))
         start = 0
+    # Test hook: the steps of inject_nan_steps run a step whose loss is NaN (same state layout).
+    poisoned_fn = None
+    if config.inject_nan_steps:
+        poisoned = build(fault.poisoned_model(model), _optimizer(config, model, schedule), layout, lr_schedule=schedule)
+        poisoned_fn = poisoned.compile_step(program.abstract_state(), abstract_batch)
 
     log = MetricsLog(out_dir, enabled=is_main, tensorboard=config.tensorboard,
-                     resume_step=start if config.resume_from else None)
+                     resume_step=start if resume else None)
+    examples = fault.ExampleLog(fault.examples_path(out_dir, jax.process_index(), jax.process_count()),
+                                enabled=config.record_examples, resume_step=start if resume else None)
     config_path = None
     if is_main:
         config_path = out_dir / "config.json"
@@ -501,6 +521,7 @@ def train(config: TrainConfig) -> TrainResult:
     times: list[float] = []
     last_val: float | None = None
     last_loss = math.nan
+    skips = fault.SkipCounter(config.max_skips)
 
     def finish(index: int, metrics: dict[str, jax.Array], since: float, with_eval: bool) -> float:
         """Record step ``index`` (0-based) once its metrics are ready; returns the time it ended."""
@@ -517,6 +538,7 @@ def train(config: TrainConfig) -> TrainResult:
             last_val = record["val_loss"] = evaluate(state.params)
             done = time.perf_counter()  # validation time is not charged to the next step
         log.write(record)
+        examples.write(index + 1, fault.loader_window_starts(loader, index))
         bar.update(1)
         if (index + 1) % config.log_every == 0 or with_eval or index + 1 == config.steps:
             shown = {"loss": f"{last_loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}", "step": f"{step_time:.2f}s"}
@@ -525,36 +547,66 @@ def train(config: TrainConfig) -> TrainResult:
             bar.set_postfix(shown, refresh=True)
             if not config.progress and is_main and config.verbose:
                 print(f"step {index + 1}: " + " ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
+        if skips.record(bool(record["skipped"])):  # the next step is in flight; it is never saved
+            if ckpt is not None:
+                ckpt.wait()  # a good save still in flight is the one to name
+            raise fault.DivergedError(index + 1, skips.consecutive, ckpt.latest_step() if ckpt else None,
+                                      ckpt.directory if ckpt else None)
         return done
+
+    def save(index: int, metrics: dict[str, jax.Array]) -> None:
+        ckpt.save(index + 1, state, data_state=LoaderState(step=index + 1, seed=loader.seed),
+                  config=dataclasses.asdict(config), metrics=metrics, force=True)
 
     # ---- the loop: one step in flight while the previous one is recorded (keeps the device busy).
     wall_start = time.perf_counter()
     next_batch = load(start) if start < config.steps else None
     pending: tuple[int, dict] | None = None
     since = time.perf_counter()
-    for index in range(start, config.steps):
-        state, metrics = step_fn(state, next_batch)
-        next_batch = load(index + 1) if index + 1 < config.steps else None
+    preempted_at: int | None = None
+    try:
+        with fault.preemption_guard(ckpt is not None) as guard:
+            for index in range(start, config.steps):
+                poison = poisoned_fn is not None and index + 1 in config.inject_nan_steps
+                state, metrics = (poisoned_fn if poison else step_fn)(state, next_batch)
+                next_batch = load(index + 1) if index + 1 < config.steps else None
+                if pending is not None:
+                    since = finish(*pending, since, with_eval=False)
+                    pending = None
+                last = index + 1 == config.steps
+                if last or (config.eval_every and (index + 1) % config.eval_every == 0):
+                    since = finish(index, metrics, since, with_eval=True)
+                else:
+                    pending = (index, metrics)
+                # ==== CHECKPOINT HOOK (save): state after index + 1 updates, and where the data resumes.
+                on_schedule = config.ckpt_every and ((index + 1) % config.ckpt_every == 0 or last)
+                if ckpt is not None and on_schedule:
+                    save(index, metrics)
+                if guard is not None and not last and guard.should_stop(index + 1):
+                    if pending is not None:
+                        since = finish(*pending, since, with_eval=False)
+                        pending = None
+                    if not on_schedule:
+                        save(index, metrics)
+                    preempted_at = index + 1
+                    break
         if pending is not None:
             since = finish(*pending, since, with_eval=False)
-            pending = None
-        last = index + 1 == config.steps
-        if last or (config.eval_every and (index + 1) % config.eval_every == 0):
-            since = finish(index, metrics, since, with_eval=True)
-        else:
-            pending = (index, metrics)
-        # ==== CHECKPOINT HOOK (save): state after index + 1 updates, and where the data resumes.
-        if ckpt is not None and config.ckpt_every and ((index + 1) % config.ckpt_every == 0 or last):
-            ckpt.save(index + 1, state, data_state=LoaderState(step=index + 1, seed=loader.seed),
-                      config=dataclasses.asdict(config), metrics=metrics, force=True)
-    if pending is not None:
-        since = finish(*pending, since, with_eval=False)
+    except BaseException:
+        bar.close()
+        log.close()
+        examples.close()
+        raise
+    finally:
+        if ckpt is not None:
+            ckpt.wait()  # a save in flight commits, also when the run stops on an error
+            ckpt.close()
     bar.close()
+    examples.close()
     if not times:  # resumed at or past --steps: nothing to train, still report where it stands
         last_val = evaluate(state.params)
-    if ckpt is not None:
-        ckpt.wait()
-        ckpt.close()
+    if preempted_at is not None and is_main:
+        print(fault.stop_line(preempted_at, ckpt.latest_step(), ckpt.directory), flush=True)
     wall = time.perf_counter() - wall_start
     startup = wall_start - t_begin
 
@@ -568,7 +620,7 @@ def train(config: TrainConfig) -> TrainResult:
         flops = flops_per_token(model_config, config.seq_len) * tokens_per_step
         utilisation = mfu(flops, step_time, len(jax.devices()), peak)
     sample = None
-    if config.sample_tokens and model.apply is not None:
+    if config.sample_tokens and model.apply is not None and preempted_at is None:
         sample = sample_text(model, state.params, config.prompt, config.sample_tokens,
                              context=config.seq_len, seed=config.seed)
     from shardlib.mesh import describe
@@ -599,7 +651,7 @@ def train(config: TrainConfig) -> TrainResult:
         if sample is not None:
             log.add_text("sample", sample, len(times) + start)
             (out_dir / "sample.txt").write_text(sample + "\n", encoding="utf-8")
-        if config.verbose:
+        if config.verbose and preempted_at is None:
             print(summary)
             if sample is not None:
                 print(f"\nsample (prompt {config.prompt!r}):\n{sample}\n")
@@ -611,6 +663,7 @@ def train(config: TrainConfig) -> TrainResult:
         tokens_per_s=tokens_per_s, step_time_s=step_time, param_count=n_params, state_bytes_per_device=state_bytes,
         temp_bytes_per_device=mem.temp_bytes, collective_bytes_per_step=comm.total_bytes, mfu=utilisation,
         sample=sample, summary=summary, state=state, program=program, records=log.records,
+        preempted=preempted_at is not None,
     )
 
 
@@ -657,7 +710,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="save a checkpoint every N steps and at the end (default 0: off)")
     add("--keep", type=int, default=d.keep, metavar="N", help=f"checkpoints to keep (default {d.keep})")
     add("--resume-from", default=None, metavar="DIR",
-        help="continue from the latest checkpoint of this run directory (and keep writing there)")
+        help="continue from the latest checkpoint of this run directory (and keep writing there); with "
+             "--ckpt-every, a run whose --out already holds checkpoints resumes from them by itself")
+    add("--max-skips", type=int, default=d.max_skips, metavar="K",
+        help=f"stop (exit {EXIT_DIVERGED}) after K consecutive steps with a non-finite loss or gradient, "
+             f"which are skipped; 0: never stop (default {d.max_skips})")
+    add("--record-examples", action="store_true",
+        help="write DIR/examples.jsonl: the window start offsets each step read (audits exactly-once data)")
+    add("--inject-nan-steps", default="", metavar="STEPS", help=argparse.SUPPRESS)  # test hook, e.g. "3,5-7"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -668,10 +728,26 @@ def run(args: argparse.Namespace) -> int:
         warmup_steps=args.warmup_steps, seed=args.seed, precision=args.precision, data=args.data,
         out=args.out, eval_every=args.eval_every, log_every=args.log_every, prompt=args.prompt,
         sample_tokens=args.sample_tokens, progress=not args.no_progress, tensorboard=not args.no_tensorboard,
-        ckpt_every=args.ckpt_every, keep=args.keep, resume_from=args.resume_from,
+        ckpt_every=args.ckpt_every, keep=args.keep, resume_from=args.resume_from, max_skips=args.max_skips,
+        record_examples=args.record_examples, inject_nan_steps=_nan_steps(args.inject_nan_steps),
     )
-    train(config)
+    from shardlib.fault import DivergedError
+
+    try:
+        train(config)
+    except DivergedError as err:  # not a usage error (exit 2): one line, its own status
+        print(f"shardlib train: error: {err}", file=sys.stderr, flush=True)
+        return EXIT_DIVERGED
     return 0
+
+
+def _nan_steps(text: str) -> tuple[int, ...]:
+    from shardlib.fault import parse_steps
+
+    try:
+        return parse_steps(text)
+    except ValueError:
+        raise TrainConfigError("inject_nan_steps", f"expected steps like 3,5-7, got {text!r}") from None
 
 
 if __name__ == "__main__":
