@@ -18,6 +18,7 @@ _LAZY = {
     "Checkpointer": "shardlib.checkpoint",
     "PreemptionGuard": "shardlib.checkpoint",
     "load_exported": "shardlib.export",
+    "build_local_sgd": "shardlib.local_sgd",
 }
 
 
@@ -30,7 +31,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "Checkpointer", "POLICIES", "PreemptionGuard", "Precision", "load_exported",
+    "Checkpointer", "POLICIES", "PreemptionGuard", "Precision", "build_local_sgd", "load_exported",
     "MESH_AXES", "STRATEGIES", "LeafLayout", "Layout", "MeshError", "Model", "RuleError", "Strategy",
     "TrainProgram", "TrainState", "build", "check_replication", "constrain", "from_functions",
     "from_linen", "from_nnx", "gather_layer", "get_strategy", "layout_tree", "make_layout",
