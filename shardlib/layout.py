@@ -67,6 +67,13 @@ class Layout:
         lead = None if not axes else axes[0] if len(axes) == 1 else axes
         return P(lead, *(None,) * (ndim - 1))
 
+    def abstract_batch(self, batch_shapes: Mapping[str, tuple[tuple[int, ...], Any]]) -> dict[str, jax.ShapeDtypeStruct]:
+        """``{"inputs": ((B, T), jnp.int32), ...}`` -> ShapeDtypeStructs with the batch sharding."""
+        return {
+            k: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, self.batch_spec(len(shape))))
+            for k, (shape, dtype) in batch_shapes.items()
+        }
+
     def batch_sharding(self, batch: Mapping[str, Any]) -> Any:
         return jax.tree.map(lambda x: NamedSharding(self.mesh, self.batch_spec(len(x.shape))), batch)
 

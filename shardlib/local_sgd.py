@@ -33,7 +33,7 @@ from shardlib import hooks
 from shardlib import rules as rules_lib
 from shardlib.layout import Layout, restrict, spec_axes
 from shardlib.model import Model
-from shardlib.step import build
+from shardlib.step import abstract_state, build
 
 REPLICA_AXIS = "data"
 
@@ -137,14 +137,10 @@ class LocalSGDProgram:
 
     def abstract_state(self) -> LocalSGDState:
         """ShapeDtypeStructs (with shardings) of the state: for planning and restoring."""
-        shapes = jax.eval_shape(self.init, jax.random.key(0))
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_sharding)
+        return abstract_state(self.init, self.state_sharding)
 
     def abstract_batch(self, batch_shapes: Mapping[str, tuple[tuple[int, ...], Any]]) -> dict[str, jax.ShapeDtypeStruct]:
-        return {
-            k: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, self.layout.batch_spec(len(shape))))
-            for k, (shape, dtype) in batch_shapes.items()
-        }
+        return self.layout.abstract_batch(batch_shapes)
 
     def compile_local_step(self, state: Any, batch: Any):
         self.layout.check_batch(batch)

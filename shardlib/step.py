@@ -44,6 +44,12 @@ class TrainState:
     grad_residual: Any = None  # per-device error-feedback residuals under int8 gradient compression
 
 
+def abstract_state(init: Callable[[jax.Array], Any], shardings: Any) -> Any:
+    """Shapes and dtypes of ``init``'s output with ``shardings`` attached; nothing allocated."""
+    shapes = jax.eval_shape(init, jax.random.key(0))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainProgram:
     """A model, an optimizer and a layout, compiled into init / step / eval functions."""
@@ -62,14 +68,10 @@ class TrainProgram:
 
     def abstract_state(self) -> TrainState:
         """ShapeDtypeStructs (with shardings) of the train state: for planning and restoring."""
-        shapes = jax.eval_shape(self.init, jax.random.key(0))
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_sharding)
+        return abstract_state(self.init, self.state_sharding)
 
     def abstract_batch(self, batch_shapes: Mapping[str, tuple[tuple[int, ...], Any]]) -> dict[str, jax.ShapeDtypeStruct]:
-        return {
-            k: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, self.layout.batch_spec(len(shape))))
-            for k, (shape, dtype) in batch_shapes.items()
-        }
+        return self.layout.abstract_batch(batch_shapes)
 
     def compile_step(self, state: Any, batch: Any):
         """The compiled step for (abstract or concrete) arguments: memory_analysis, as_text, cost_analysis."""
