@@ -20,7 +20,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from shardlib import console
 from shardlib.fault import EXIT_DIVERGED  # light: imports neither JAX nor NumPy
+from shardlib.sampling import sample_text
 
 # Defaults of the bare `shardlib train`: the `small` byte-level GPT under zero3 on 8 simulated
 # CPU devices. Measured on a 2-core machine: validation loss 1.83 nats/byte after 50 steps and
@@ -272,115 +274,6 @@ def _per_device_bytes(abstract: Mapping[str, Any]) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in abstract.values())
 
 
-def _gather_to_host(tree: Any) -> Any:
-    import jax
-
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        return multihost_utils.process_allgather(tree, tiled=True)
-    return jax.device_get(tree)
-
-
-def sample_text(model, params: Any, prompt: str, n_tokens: int, *, context: int, seed: int = 0,
-                temperature: float = 0.8) -> str:
-    """Continue ``prompt`` by ``n_tokens`` bytes with ``model.apply`` (one device, full params).
-
-    A fixed ``context``-long window slides over the text, so one compiled forward pass serves
-    every position: while the window is filling, logits are read at the last real token
-    (attention is causal, so later padding does not affect it); once full, it shifts by one.
-    """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from shardlib.data import decode, encode
-
-    if model.apply is None:
-        raise ValueError("sample_text: this model has no apply function (Model.apply is None)")
-    ids = encode(prompt or "\n")[-context:]
-    device = jax.local_devices()[0]
-    params = jax.device_put(_gather_to_host(params), device)
-    window = np.zeros((context,), np.int32)
-    window[: len(ids)] = ids
-
-    @jax.jit
-    def run(params, window, length, key):
-        def body(i, carry):
-            window, length, out = carry
-            logits = model.apply(params, window[None])[0, length - 1].astype(jnp.float32)
-            token = jax.random.categorical(jax.random.fold_in(key, i), logits / temperature).astype(jnp.int32)
-            full = length >= context
-            shifted = jnp.roll(window, -1).at[context - 1].set(token)
-            window = jnp.where(full, shifted, window.at[jnp.minimum(length, context - 1)].set(token))
-            return window, jnp.minimum(length + 1, context), out.at[i].set(token)
-
-        init = (window, length, jnp.zeros((n_tokens,), jnp.int32))
-        return jax.lax.fori_loop(0, n_tokens, body, init)[2]
-
-    tokens = run(params, jnp.asarray(window), jnp.int32(len(ids)), jax.random.key(seed))
-    return prompt + decode(np.asarray(tokens))
-
-
-# --------------------------------------------------------------------------------------------
-# Reporting
-# --------------------------------------------------------------------------------------------
-
-
-def _device_line(note: str | None) -> str:
-    import jax
-
-    devices = jax.devices()
-    platform = devices[0].platform
-    kinds = sorted({d.device_kind for d in devices} - {platform})
-    line = f"devices    {len(devices)} x {platform}" + (f" ({', '.join(kinds)})" if kinds else "")
-    line += f", {jax.process_count()} process(es)"
-    if platform == "cpu" and len(devices) > 1:
-        line += " [simulated]"
-    return line + (f"\n           note: {note}" if note else "")
-
-
-def _process_map() -> str | None:
-    import jax
-
-    if jax.process_count() == 1:
-        return None
-    by_process: dict[int, list[int]] = {}
-    for d in jax.devices():
-        by_process.setdefault(d.process_index, []).append(d.id)
-    return "\n".join(f"           process {p}: devices {ids}" for p, ids in sorted(by_process.items()))
-
-
-def _banner(config: TrainConfig, model_config, strategy, mesh, n_params: int, mem, state_bytes: int,
-            out_dir: Path, note: str | None) -> str:
-    from shardlib.mesh import describe
-    from shardlib.report import format_bytes
-
-    lines = [
-        f"shardlib train: {config.model} ({n_params / 1e6:.2f}M params, compute {config.precision}) "
-        f"for {config.steps} steps",
-        _device_line(note),
-    ]
-    pmap_text = _process_map()
-    if pmap_text:
-        lines.append("process map\n" + pmap_text)
-    lines += [
-        f"mesh       {describe(mesh)}",
-        f"strategy   {strategy.name}: {strategy.summary}",
-        f"batch      {config.batch_size} sequences x {config.seq_len} bytes (global)",
-        f"memory     {format_bytes(state_bytes)} params+optimizer state + {format_bytes(mem.temp_bytes)} "
-        "temporaries per device (compiled step)",
-        f"output     {out_dir}",
-    ]
-    return "\n".join(lines)
-
-
-def _summary(rows: list[tuple[str, Any]]) -> str:
-    from shardlib.report import format_table
-
-    return format_table([{"what": k, "value": v} for k, v in rows], [("what", "summary"), ("value", "")])
-
-
 # --------------------------------------------------------------------------------------------
 # Checkpointing (implemented in shardlib.checkpoint by its owner; only opened here)
 # --------------------------------------------------------------------------------------------
@@ -478,7 +371,7 @@ def train(config: TrainConfig) -> TrainResult:
     comm = collective_stats(step_fn)
     n_params = param_count(model_config)
     if is_main and config.verbose:
-        print(_banner(config, model_config, strategy, mesh, n_params, mem, state_bytes, out_dir, note), flush=True)
+        print(console.banner(config, model_config, strategy, mesh, n_params, mem, state_bytes, out_dir, note), flush=True)
 
     # ==== CHECKPOINT HOOK (restore): the one place a run resumes; the save is marked in the loop.
     ckpt, resume = _open_checkpointer(config, out_dir)
@@ -643,7 +536,7 @@ def train(config: TrainConfig) -> TrainResult:
         ("final train loss", f"{last_loss:.4f}"),
         ("final val loss", f"{last_val:.4f}" if last_val is not None else "-"),
     ]
-    summary = _summary(rows)
+    summary = console.summary_table(rows)
     curve = None
     if is_main:
         curve = plot_loss_curve(log.records, out_dir / "loss_curve.png",
