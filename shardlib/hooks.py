@@ -30,7 +30,6 @@ class ComputeContext:
     """What the step engine tells model code while it traces the per-device body."""
 
     activation_spec: Callable[[Sequence[str | None], tuple[int, ...]], P]
-    manual_axes: tuple[str, ...]
     gathered: set[str] = dataclasses.field(default_factory=set)  # paths gather_layer saw (checked by the step)
     cast_to: Any = None  # compute dtype to cast gathered weights to (when the cast follows the gather)
 

@@ -226,7 +226,7 @@ def build_local_sgd(
     activation_spec = _activation_spec(layout)
 
     def replica_loss(params, batch):
-        ctx = hooks.ComputeContext(activation_spec=activation_spec, manual_axes=batch_axes)
+        ctx = hooks.ComputeContext(activation_spec=activation_spec)
         if not model.gathers_params:
             params = jax.tree.map(hooks.all_gather_spec, params, manual_params)
         with hooks.compute_context(ctx):

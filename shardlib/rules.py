@@ -159,10 +159,6 @@ def shardings(layouts: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda l: NamedSharding(mesh, l.spec), layouts, is_leaf=is_layout)
 
 
-def specs(layouts: Any) -> Any:
-    return jax.tree.map(lambda l: l.spec, layouts, is_leaf=is_layout)
-
-
 def replicated_leaves(layouts: Any, mesh: Mesh) -> list[LeafLayout]:
     """Leaves that ended up on every device although a rule (or nothing) wanted them sharded."""
     return [l for l in jax.tree.leaves(layouts, is_leaf=is_layout) if l.notes and l.shards(mesh) == 1]

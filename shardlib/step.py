@@ -174,7 +174,7 @@ def build(
     # a size-1 manual axis next to auto axes: only reduce over axes that really split the batch.
     active_axes = tuple(a for a in batch_axes if mesh.shape[a] > 1)
     replicated = NamedSharding(mesh, P())
-    ctx_args = dict(activation_spec=_activation_spec(layout), manual_axes=batch_axes)
+    ctx_args = dict(activation_spec=_activation_spec(layout))
 
     # ---- init: parameters and optimizer state are created directly in their shards.
     abstract_params = model.abstract()

@@ -153,7 +153,7 @@ def test_model_calls_the_shardlib_hooks(tiny):
         seen.append(tuple(logical_axes))
         return P(*([None] * len(shape)))
 
-    ctx = hooks.ComputeContext(activation_spec=activation_spec, manual_axes=())
+    ctx = hooks.ComputeContext(activation_spec=activation_spec)
     with hooks.compute_context(ctx):
         jax.eval_shape(lambda m, x: m(x), tiny, tokens())
     assert ctx.gathered == set()  # outside a step no parameter carries a shardlib spec to gather
