@@ -20,6 +20,7 @@ from flax import nnx
 
 from models.configs import GPTConfig
 from shardlib.hooks import constrain, gather_layer
+from shardlib.model import Stages
 
 RESIDUAL = ("batch", "seq", "embed")
 Initializer = Any  # jax.nn.initializers.Initializer
@@ -154,18 +155,23 @@ class GPT(nnx.Module):
         self.lm_head = _param(rngs, _fan_in(0, 1), (d, vocab), ("embed", "vocab"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        config = self.config
-        dtype = jnp.dtype(config.compute_dtype)
-        # Each group of weights is gathered (under ZeRO-3) inside the function that uses it, and
-        # that function is rematerialised, so full weights are not kept for the backward pass.
-        embedding = self.embedding
+        return self.head(self.apply_blocks(self.embed(tokens)))
 
-        def embed(tokens):
-            return jnp.take(gather_layer(embedding)[...], tokens, axis=0).astype(dtype)
+    # The three pieces below are also the pipeline stages' pieces (`pipeline_stages`): the first
+    # stage embeds, every stage runs its slice of the stacked blocks, the last stage runs the head.
+    # Each group of weights is gathered (under ZeRO-3) inside the function that uses it, and that
+    # function is rematerialised, so full weights are not kept for the backward pass.
 
-        x = constrain(embed(tokens), RESIDUAL)  # the lookup's backward needs no weights at all
-        sin, cos = rope_tables(tokens.shape[1], config.head_dim, config.rope_theta)
-        x = self.apply_blocks(x, sin, cos)
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """int32[B, T] -> the residual stream [B, T, d_model] in the compute dtype."""
+        dtype = jnp.dtype(self.config.compute_dtype)
+        # The lookup's backward needs no weights at all, so it is not rematerialised.
+        x = jnp.take(gather_layer(self.embedding)[...], tokens, axis=0).astype(dtype)
+        return constrain(x, RESIDUAL)
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """Residual stream -> float32 logits [B, T, vocab]."""
+        dtype = jnp.dtype(self.config.compute_dtype)
         final_norm, lm_head = nnx.split(self.final_norm), self.lm_head
 
         def head(x):
@@ -173,12 +179,13 @@ class GPT(nnx.Module):
             w = gather_layer(lm_head)[...].astype(dtype)
             return jnp.einsum("btd,dv->btv", norm(x), w, preferred_element_type=jnp.float32)
 
-        if config.remat:
+        if self.config.remat:
             head = jax.checkpoint(head)
         return constrain(head(x), ("batch", "seq", "vocab"))
 
-    def apply_blocks(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
-        """Scan the stacked blocks over the residual stream, one layer's weights per step."""
+    def apply_blocks(self, x: jax.Array) -> jax.Array:
+        """Scan the stacked blocks (all of them, or one pipeline stage's slice) over the residual stream."""
+        sin, cos = rope_tables(x.shape[1], self.config.head_dim, self.config.rope_theta)
         graphdef, stacked = nnx.split(self.blocks)
 
         def body(x: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, None]:
@@ -198,11 +205,24 @@ def build(config: GPTConfig, rngs: nnx.Rngs | int = 0) -> GPT:
 
 def next_token_loss(model: GPT, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean float32 cross-entropy of ``batch["targets"]`` given ``batch["inputs"]``; aux: accuracy."""
-    logits = model(batch["inputs"])
-    targets = batch["targets"]
+    return _logits_loss(model(batch["inputs"]), batch["targets"])
+
+
+def _logits_loss(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
     accuracy = (jnp.argmax(logits, axis=-1) == targets).mean(dtype=jnp.float32)
     return loss, {"accuracy": accuracy}
+
+
+def pipeline_stages() -> Stages:
+    """How a pipeline cuts the decoder: embed on the first stage, slices of ``blocks`` on every
+    stage, final norm + head + loss on the last; same loss as `next_token_loss`."""
+    return Stages(
+        stacked="blocks",
+        embed=lambda model, batch: model.embed(batch["inputs"]),
+        stage=lambda model, x: model.apply_blocks(x),
+        head_loss=lambda model, x, batch: _logits_loss(model.head(x), batch["targets"]),
+    )
 
 
 def generate(
@@ -259,7 +279,9 @@ def _generate(
 
 
 def trainable(config: GPTConfig) -> Any:
-    """The decoder as a `shardlib.Model` that gathers its own weights one layer at a time."""
+    """The decoder as a `shardlib.Model` that gathers its own weights one layer at a time and can
+    be cut into pipeline stages."""
     from shardlib.model import from_nnx
 
-    return from_nnx(lambda rngs: GPT(config, rngs=rngs), next_token_loss, gathers_params=True)
+    return from_nnx(lambda rngs: GPT(config, rngs=rngs), next_token_loss, gathers_params=True,
+                    pipeline=pipeline_stages())

@@ -5,8 +5,9 @@ Three layouts per parameter:
   state    (``state``)   where its optimizer state and reduced gradient live (strategy.state_rules)
   compute                storage with the batch axes removed: what the forward pass needs
 Batch axes (``data``, ``fsdp``) are manual inside the step, so every collective over them is
-written explicitly and its volume is the ZeRO paper's; the other axes (``tensor``, ``pipe``) are
-left to XLA's GSPMD partitioner.
+written explicitly and its volume is the ZeRO paper's; so is ``pipe`` when it has more than one
+device (the layer stack is split over it and the pipeline schedule moves activations by hand);
+``tensor`` is left to XLA's GSPMD partitioner.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from shardlib import rules as rules_lib
 from shardlib.model import Model
-from shardlib.strategies import Strategy, get_strategy
+from shardlib.strategies import PIPE_AXIS, Strategy, get_strategy, pipelined
 
 
 def restrict(spec: P, axes: Sequence[str]) -> P:
@@ -58,9 +59,19 @@ class Layout:
     def state_shardings(self) -> Any:
         return rules_lib.shardings(self.state, self.mesh)
 
-    def manual(self, layouts: Any) -> Any:
-        """Specs restricted to the batch axes (shard_map in/out specs)."""
-        return jax.tree.map(lambda l: restrict(l.spec, self.batch_axes), layouts, is_leaf=rules_lib.is_layout)
+    @property
+    def pipeline_stages(self) -> int:
+        return self.mesh.shape.get(PIPE_AXIS, 1)
+
+    @property
+    def manual_axes(self) -> tuple[str, ...]:
+        """Mesh axes the step maps by hand: the batch axes, and ``pipe`` under a pipeline."""
+        return self.batch_axes + ((PIPE_AXIS,) if self.pipeline_stages > 1 else ())
+
+    def manual(self, layouts: Any, axes: Sequence[str] | None = None) -> Any:
+        """Specs restricted to ``axes`` (default: the batch axes, what the model and the reductions see)."""
+        axes = self.batch_axes if axes is None else tuple(axes)
+        return jax.tree.map(lambda l: restrict(l.spec, axes), layouts, is_leaf=rules_lib.is_layout)
 
     def batch_spec(self, ndim: int) -> P:
         axes = tuple(a for a in self.batch_axes if self.mesh.shape[a] > 1)
@@ -106,8 +117,12 @@ def make_layout(
     """Resolve the strategy's rule tables against the model's logical axes on this mesh."""
     strategy = get_strategy(strategy)
     abstract = model.abstract()
+    if mesh.shape.get(PIPE_AXIS, 1) > 1:
+        strategy = pipelined(strategy)
     params = rules_lib.layout_tree(abstract, model.logical_axes, strategy.param_rules, mesh, table=f"{strategy.name}.param_rules")
     state = rules_lib.layout_tree(abstract, model.logical_axes, strategy.state_rules, mesh, table=f"{strategy.name}.state_rules")
+    if mesh.shape.get(PIPE_AXIS, 1) > 1:
+        _check_stages(params, mesh.shape[PIPE_AXIS])
     rules_lib.validate_rules(strategy.batch_rules, mesh, table=f"{strategy.name}.batch_rules")
     rules_lib.validate_rules(strategy.activation_rules, mesh, table=f"{strategy.name}.activation_rules")
     batch_axes = tuple(a for name, axes in strategy.batch_rules if name == "batch" for a in rules_lib.as_axes(axes))
@@ -129,3 +144,21 @@ def _check_reducible(layout: Layout) -> None:
                     f"{leaf.path}: dim {dim} is stored over {p_axes} but its optimizer state over {s_axes}; "
                     "state rules must keep the storage sharding of each dim"
                 )
+
+
+def _check_stages(params: Any, stages: int) -> None:
+    """Every stacked ("layers") parameter must split evenly into the pipeline's stages."""
+    stacked = [l for l in jax.tree.leaves(params, is_leaf=rules_lib.is_layout) if l.logical and l.logical[0] == "layers"]
+    if not stacked:
+        raise rules_lib.RuleError(
+            f"the mesh has pipe={stages} but no parameter has a leading 'layers' axis to split into stages; "
+            "stack the layers (as models.gpt does) or use pipe=1"
+        )
+    for leaf in stacked:
+        n_layers = leaf.shape[0]
+        if n_layers % stages:
+            divisors = [d for d in range(1, n_layers + 1) if n_layers % d == 0]
+            raise rules_lib.RuleError(
+                f"{leaf.path} stacks {n_layers} layers, which pipe={stages} stages cannot split evenly; "
+                f"use a stage count among {divisors} (mesh axis 'pipe', --pipeline-stages)"
+            )

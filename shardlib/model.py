@@ -22,6 +22,24 @@ LossOut = tuple[jax.Array, dict[str, jax.Array]]
 
 
 @dataclasses.dataclass(frozen=True)
+class Stages:
+    """How a pipeline cuts a model whose layers are stacked along a leading axis.
+
+    ``stacked`` names the top-level entry of the parameters that holds the layer stack (leading
+    logical axis ``"layers"``); a stage receives the parameters with only its slice of that stack.
+    ``embed(p, batch) -> x`` runs on the first stage, ``stage(p, x) -> x`` on every stage (over its
+    slice of layers), ``head_loss(p, x, batch) -> (loss, aux)`` on the last. Composed in that
+    order they must equal the model's loss. `Model` holds them over parameter pytrees (with a
+    trailing ``specs`` argument, as ``Model.loss``); `from_nnx` accepts them over the module.
+    """
+
+    stacked: str
+    embed: Callable[..., Any]
+    stage: Callable[..., Any]
+    head_loss: Callable[..., LossOut]
+
+
+@dataclasses.dataclass(frozen=True)
 class Model:
     """A trainable model as data.
 
@@ -32,6 +50,7 @@ class Model:
     that every sharded parameter went through ``gather_layer``. Otherwise the step gathers the
     whole model before the forward pass (correct for any model, but all weights are alive at once).
     ``apply(params, inputs)`` gives the model's outputs (used for sampling); optional.
+    ``pipeline`` (`Stages`) lets the step split the layer stack over the ``pipe`` mesh axis.
     """
 
     init: Callable[[jax.Array], Params]
@@ -39,6 +58,7 @@ class Model:
     logical_axes: Params
     gathers_params: bool = False
     apply: Callable[[Params, Any], Any] | None = None
+    pipeline: Stages | None = None
 
     def abstract(self) -> Params:
         """Parameter shapes and dtypes, without allocating anything."""
@@ -70,13 +90,15 @@ def from_nnx(
     loss_fn: Callable[[Any, Batch], Any],
     *,
     gathers_params: bool = False,
+    pipeline: Stages | None = None,
 ) -> Model:
     """Adapt ``make(rngs) -> nnx.Module`` and ``loss_fn(module, batch)``.
 
     Only ``nnx.Param`` variables are trained; logical names come from their ``out_sharding``
     metadata (``nnx.with_partitioning``). Set ``gathers_params=True`` when the module calls
     `shardlib.hooks.gather_layer` on all its parameters (as `models.gpt` does: per layer inside
-    its scan), so ZeRO-3 gathers one layer at a time instead of the whole model.
+    its scan), so ZeRO-3 gathers one layer at a time instead of the whole model. ``pipeline``
+    gives the module-level `Stages` (functions of the bound module) for pipeline parallelism.
     """
     from flax import nnx
     from flax.nnx import traversals
@@ -113,8 +135,16 @@ def from_nnx(
     def loss(params, batch, specs=None):
         return _loss_out(loss_fn(bind(params, specs), batch))
 
+    stages = None
+    if pipeline is not None:
+        stages = Stages(
+            stacked=pipeline.stacked,
+            embed=lambda params, batch, specs=None: pipeline.embed(bind(params, specs), batch),
+            stage=lambda params, x, specs=None: pipeline.stage(bind(params, specs), x),
+            head_loss=lambda params, x, batch, specs=None: _loss_out(pipeline.head_loss(bind(params, specs), x, batch)),
+        )
     return Model(init=init, loss=loss, logical_axes=logical, gathers_params=gathers_params,
-                 apply=lambda params, inputs: bind(params)(inputs))
+                 apply=lambda params, inputs: bind(params)(inputs), pipeline=stages)
 
 
 def from_linen(module: Any, loss_fn: Callable[[Any, Batch], Any], example_input: Any) -> Model:

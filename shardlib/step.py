@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlib import compression as compression_lib
 from shardlib import hooks
+from shardlib import pipeline as pipeline_lib
 from shardlib import precision as precision_lib
 from shardlib import rules as rules_lib
 from shardlib.layout import Layout, restrict, spec_axes
@@ -140,6 +141,8 @@ def build(
     precision: str | precision_lib.Precision = "f32",
     grad_accum: int = 1,
     grad_compression: str | compression_lib.Compression = "none",
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
     donate: bool = True,
 ) -> TrainProgram:
     """Compile-ready init, train step and eval step for ``model`` under ``layout``.
@@ -152,6 +155,10 @@ def build(
     ``grad_compression`` ("none", "bf16", "int8") compresses the gradient reductions the step
     writes (dp, zero1, zero2, tp, and the data-axis all-reduce of hsdp); int8 keeps per-device
     error-feedback residuals in the train state.
+
+    When the mesh's ``pipe`` axis has S > 1 devices the layer stack is split into S stages
+    (`shardlib.pipeline`): each device's rows run as ``microbatches`` (default 2S) microbatches
+    through the ``schedule`` ("1f1b" or "gpipe"), which replaces ``grad_accum``.
     """
     policy = precision_lib.get_precision(precision)
     method = compression_lib.get_compression(grad_compression)
@@ -159,10 +166,22 @@ def build(
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
     mesh, batch_axes = layout.mesh, layout.batch_axes
     n_batch = math.prod(mesh.shape[a] for a in batch_axes)
+    n_stages = layout.pipeline_stages
+    if n_stages > 1:
+        microbatches = _check_pipeline(model, layout, grad_accum, method, microbatches)
+        schedule = pipeline_lib.get_schedule(schedule)
+    elif microbatches not in (None, grad_accum):
+        raise ValueError(f"microbatches={microbatches} applies to a pipelined mesh (pipe > 1); without one, "
+                         f"pass grad_accum={microbatches}")
+    else:
+        microbatches = grad_accum
+    manual_axes = layout.manual_axes  # batch axes, and 'pipe' when pipelined
     param_shardings = layout.param_shardings()
     state_shardings = layout.state_shardings()
-    manual_params = layout.manual(layout.params)
+    manual_params = layout.manual(layout.params)  # what the model and the reductions see
     manual_state = layout.manual(layout.state)
+    mapped_params = layout.manual(layout.params, manual_axes)  # shard_map specs (with 'pipe')
+    mapped_state = layout.manual(layout.state, manual_axes)
     must_gather = _sharded_paths(layout)
     if method.name != "none" and must_gather:
         raise ValueError(
@@ -210,15 +229,23 @@ def build(
     compute = lambda tree: precision_lib.cast_floating(tree, policy.compute_dtype)
     unsharded = lambda p, spec: p if spec_axes(spec) else compute(p)
 
-    def local_loss(params, batch):
-        ctx = hooks.ComputeContext(**ctx_args, cast_to=None if cast_first else policy.compute_dtype)
+    def compute_view(params):
+        """Parameters as the model computes with them: in the compute dtype, and fully gathered
+        up front for a model that does not gather its own (sharded weights of one that does are
+        cast by gather_layer, after their gather, unless the cast comes first)."""
         if cast_first:
             params = compute(params)
-        if not model.gathers_params:  # whole model gathered up front (any model)
+        if not model.gathers_params:
             params = jax.tree.map(hooks.all_gather_spec, params, manual_params)
-            params = params if cast_first else compute(params)
-        elif not cast_first:  # sharded weights are cast by gather_layer, after their gather
-            params = jax.tree.map(unsharded, params, manual_params)
+            return params if cast_first else compute(params)
+        return params if cast_first else jax.tree.map(unsharded, params, manual_params)
+
+    model_specs = manual_params if model.gathers_params else None
+
+    def traced_by_model(fn):
+        """Run ``fn(ctx)`` in a compute context; name any sharded parameter the model never gathered."""
+        ctx = hooks.ComputeContext(**ctx_args, cast_to=None if cast_first else policy.compute_dtype)
+
         def check_gathered(err=None):
             missed = [p for p in must_gather if p not in ctx.gathered] if model.gathers_params else []
             if missed:
@@ -230,12 +257,25 @@ def build(
 
         with hooks.compute_context(ctx):
             try:
-                loss, aux = model.loss(params, batch, manual_params if model.gathers_params else None)
+                out = fn()
             except Exception as err:  # a shape error from an ungathered shard: say which parameter
                 check_gathered(err)
                 raise
         check_gathered()
+        return out
+
+    def local_loss(params, batch):
+        loss, aux = traced_by_model(lambda: model.loss(compute_view(params), batch, model_specs))
         return loss / n_batch, jax.tree.map(lambda a: a / n_batch, aux)
+
+    if n_stages > 1:  # the model's stages, over the parameters as they are stored
+        stages = pipeline_lib.Stages(
+            stacked=model.pipeline.stacked,
+            embed=lambda p, b: model.pipeline.embed(compute_view(p), b, model_specs),
+            stage=lambda p, x: model.pipeline.stage(compute_view(p), x, model_specs),
+            head_loss=lambda p, x, b: model.pipeline.head_loss(compute_view(p), x, b, model_specs),
+        )
+        pipeline_args = dict(n_stages=n_stages, microbatches=microbatches, loss_weight=1.0 / (n_batch * microbatches))
 
     def reduce(grads, residuals):
         flat, treedef = jax.tree.flatten(grads)
@@ -247,12 +287,16 @@ def build(
 
     reduce_each_microbatch = layout.strategy.shard_grad_buffer
 
+    # Every local gradient must vary over the mapped axes, so that autodiff never inserts a psum of
+    # its own: the reductions are the explicit ones below (and the pipeline's over 'pipe').
+    vary_axes = active_axes + tuple(a for a in manual_axes if a not in batch_axes)
+
     def grads_body(params, batch, scale, residuals):
         def make_varying(p, spec):
-            missing = tuple(a for a in active_axes if a not in spec_axes(spec))
+            missing = tuple(a for a in vary_axes if a not in spec_axes(spec))
             return jax.lax.pcast(p, missing, to="varying") if missing else p
 
-        params = jax.tree.map(make_varying, params, manual_params)
+        params = jax.tree.map(make_varying, params, mapped_params)
         if residuals is not None:
             residuals = jax.tree.map(lambda r: r[0], residuals)
 
@@ -263,7 +307,10 @@ def build(
                 grads, residuals = reduce(grads, residuals)
             return (loss, aux, grads), residuals
 
-        if grad_accum == 1:
+        if n_stages > 1:
+            (loss, aux), grads = traced_by_model(lambda: pipeline_lib.value_and_grad(
+                stages, params, batch, schedule=schedule, seed=scale, **pipeline_args))
+        elif grad_accum == 1:
             (loss, aux, grads), residuals = microbatch(batch, residuals)
         else:
             micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
@@ -291,9 +338,9 @@ def build(
         grads_fn = jax.shard_map(
             grads_body,
             mesh=mesh,
-            in_specs=(manual_params, batch_specs(batch), P(), residual_specs),
-            out_specs=(P(), P(), manual_state, residual_specs),
-            axis_names=set(batch_axes),
+            in_specs=(mapped_params, batch_specs(batch), P(), residual_specs),
+            out_specs=(P(), P(), mapped_state, residual_specs),
+            axis_names=set(manual_axes),
         )
         scale = jnp.ones((), jnp.float32) if state.loss_scale is None else state.loss_scale["scale"]
         loss, aux, grads, residuals = grads_fn(state.params, batch, scale, state.grad_residual)
@@ -337,15 +384,38 @@ def build(
 
     def eval_fn(params, batch):
         def body(p, b):
-            loss, aux = local_loss(p, b)
+            if n_stages > 1:
+                loss, aux = traced_by_model(lambda: pipeline_lib.loss(stages, p, b, **pipeline_args))
+            else:
+                loss, aux = local_loss(p, b)
             return {"loss": jax.lax.psum(loss, active_axes), **jax.lax.psum(aux, active_axes)}
 
         return jax.shard_map(
-            body, mesh=mesh, in_specs=(manual_params, batch_specs(batch)), out_specs=P(), axis_names=set(batch_axes)
+            body, mesh=mesh, in_specs=(mapped_params, batch_specs(batch)), out_specs=P(), axis_names=set(manual_axes)
         )(params, batch)
 
     evaluate = jax.jit(eval_fn, in_shardings=(param_shardings, None), out_shardings=replicated)
-    return TrainProgram(model, tx, layout, init, _CheckedStep(step, layout, grad_accum), evaluate, state_sharding)
+    return TrainProgram(model, tx, layout, init, _CheckedStep(step, layout, microbatches), evaluate, state_sharding)
+
+
+def _check_pipeline(model: Model, layout: Layout, grad_accum: int, method: compression_lib.Compression,
+                    microbatches: int | None) -> int:
+    """Refuse what a pipelined step cannot do, with the fix; return the microbatch count."""
+    n_stages = layout.pipeline_stages
+    if model.pipeline is None:
+        raise ValueError(
+            f"the mesh has pipe={n_stages} but the model does not say how to cut it into stages: "
+            "build it with pipeline=shardlib.Stages(...) (models.trainable does), or use pipe=1"
+        )
+    if grad_accum != 1:
+        raise ValueError("a pipelined step accumulates over its microbatches: pass microbatches=K, not grad_accum=K")
+    if method.needs_residual:
+        raise ValueError(f"grad_compression={method.name!r} keeps per-device residuals, which pipelining does "
+                         "not support yet; use 'bf16' or 'none'")
+    microbatches = 2 * n_stages if microbatches is None else microbatches
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    return microbatches
 
 
 class _CheckedStep:

@@ -34,6 +34,11 @@ TENSOR_RULES: Rules = (
     ("vocab", "tensor"),
 )
 
+# Pipeline parallelism: the stacked layers are split into contiguous stages over 'pipe'. Prepended
+# to a strategy's tables when the mesh has pipe > 1, so every strategy composes with a pipeline.
+PIPE_AXIS = "pipe"
+PIPE_RULES: Rules = (("layers", PIPE_AXIS),)
+
 # Batch dimension of inputs and activations: split over every data-parallel axis.
 BATCH_RULES: Rules = (("batch", ("data", "fsdp")),)
 
@@ -91,6 +96,14 @@ STRATEGIES: dict[str, Strategy] = {
                  shard_grad_buffer=True, summary="FSDP within fsdp, replicated across data"),
     )
 }
+
+
+def pipelined(strategy: Strategy) -> Strategy:
+    """``strategy`` with each stage's layers (and their optimizer state) stored on its stage only."""
+    if strategy.param_rules[:1] == PIPE_RULES:
+        return strategy
+    return strategy.with_rules(param_rules=PIPE_RULES + strategy.param_rules,
+                               state_rules=PIPE_RULES + strategy.state_rules)
 
 
 def get_strategy(name: str | Strategy) -> Strategy:

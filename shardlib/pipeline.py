@@ -1,0 +1,254 @@
+"""Pipeline parallelism over the ``pipe`` mesh axis: GPipe and 1F1B schedules as data.
+
+The layer stack (leading logical axis ``"layers"``) is split into S contiguous stages along the
+``pipe`` axis, so each stage stores and updates only its own layers. The global batch of each
+data-parallel device is cut into M microbatches that stream through the stages; activations
+move forward and cotangents backward with ``ppermute`` (collective-permutes of one microbatch's
+residual stream). The embedding and the head are replicated over ``pipe``: the first stage
+embeds, the last one computes the head and the loss, and their gradients are summed over
+``pipe`` once per step (every stage runs both, masked: an SPMD program is the same on all of
+them, and the embedding and the head are small next to the stack).
+
+Everything runs in lockstep *ticks*. In one tick every stage may run one forward (microbatch
+``f_t - s`` on stage ``s``) and one backward (microbatch ``b_t - (S - 1 - s)``), then pass its
+output one stage on. A schedule is a list of phases, each a run of ticks that do forwards,
+backwards or both:
+
+  gpipe   all M forwards, then all M backwards; keeps the inputs of all M microbatches
+  1f1b    S - 1 forwards, then M ticks of one forward + one backward, then S - 1 backwards;
+          keeps at most 2S - 1 microbatch inputs per stage, however large M grows
+
+Both take (M + S - 1) forward and backward ticks, so their bubble is (S - 1) / (M + S - 1).
+A stage keeps only its inputs and recomputes its forward for the backward pass (stage-level
+rematerialisation), which is what bounds 1F1B's activation memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from shardlib.model import Stages
+from shardlib.strategies import PIPE_AXIS
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """``ticks`` lockstep ticks; forwards enter stage 0 from microbatch ``forward_from`` on, and
+    backwards leave the last stage from microbatch ``backward_from`` on (None: no such work)."""
+
+    ticks: int
+    forward_from: int | None
+    backward_from: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    name: str
+    phases: Callable[[int, int], tuple[Phase, ...]]  # (stages, microbatches) -> phases
+    kept_inputs: Callable[[int, int], int]  # (stages, microbatches) -> microbatch inputs a stage keeps
+    summary: str
+
+
+SCHEDULES: dict[str, Schedule] = {
+    s.name: s
+    for s in (
+        Schedule("gpipe", lambda S, M: (Phase(M + S - 1, 0, None), Phase(M + S - 1, None, 0)),
+                 lambda S, M: M, "all forwards, then all backwards (activations of M microbatches)"),
+        Schedule("1f1b", lambda S, M: (Phase(S - 1, 0, None), Phase(M, S - 1, 0), Phase(S - 1, None, M)),
+                 lambda S, M: min(M, 2 * S - 1), "one forward, one backward (activations of <= 2S-1 microbatches)"),
+    )
+}
+
+
+def get_schedule(name: str | Schedule) -> Schedule:
+    if isinstance(name, Schedule):
+        return name
+    try:
+        return SCHEDULES[name]
+    except KeyError:
+        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}") from None
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """Idle fraction of a stage's time under GPipe or 1F1B: (S - 1) / (M + S - 1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def _split(params: Mapping[str, Any], stacked: str) -> tuple[Any, dict[str, Any]]:
+    if stacked not in params:
+        raise ValueError(f"the pipeline's layer stack {stacked!r} is not a top-level parameter entry ({', '.join(params)})")
+    return params[stacked], {k: v for k, v in params.items() if k != stacked}
+
+
+def _microbatches(batch: Mapping[str, jax.Array], m: int) -> dict[str, jax.Array]:
+    return {k: x.reshape(m, x.shape[0] // m, *x.shape[1:]) for k, x in batch.items()}
+
+
+def _shift(x: jax.Array, stages: int, direction: int) -> jax.Array:
+    """Send ``x`` one stage down (+1) or up (-1) the pipe; the end stage receives zeros."""
+    pairs = [(i, i + direction) for i in range(stages) if 0 <= i + direction < stages]
+    return jax.lax.ppermute(x, PIPE_AXIS, pairs)
+
+
+def _zero_outputs(embed: Callable, head_loss: Callable, rest: Any, rows: Any) -> tuple[Any, Any, Any]:
+    """Zeros like the residual stream, the loss and the aux metrics (traced, not evaluated:
+    they carry the same varying-over-axes type as the real values; XLA drops the probes)."""
+    x = embed(rest, rows)
+    loss, aux = head_loss(rest, x, rows)
+    zeros = lambda v: _vary(jnp.zeros_like(v, jnp.float32 if v is loss else None))
+    return zeros(x), zeros(loss), jax.tree.map(zeros, aux)
+
+
+def _vary(x: jax.Array) -> jax.Array:
+    """``x`` typed as varying over ``pipe`` (each stage's copy of a carry is its own)."""
+    return x if PIPE_AXIS in jax.typeof(x).manual_axis_type.varying else jax.lax.pcast(x, (PIPE_AXIS,), to="varying")
+
+
+def _masked_add(total: Any, value: Any, keep: jax.Array) -> Any:
+    return jax.tree.map(lambda t, v: t + jnp.where(keep, v, jnp.zeros_like(v)), total, value)
+
+
+def _slot(buffer: jax.Array, i: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(buffer, i % buffer.shape[0], keepdims=False)
+
+
+def _store(buffer: jax.Array, i: jax.Array, value: jax.Array, keep: jax.Array) -> jax.Array:
+    value = jnp.where(keep, value, _slot(buffer, i))
+    return jax.lax.dynamic_update_index_in_dim(buffer, value, i % buffer.shape[0], 0)
+
+
+def value_and_grad(
+    stages: Stages,
+    params: Mapping[str, Any],
+    batch: Mapping[str, jax.Array],
+    *,
+    n_stages: int,
+    microbatches: int,
+    schedule: str | Schedule = "1f1b",
+    loss_weight: float = 1.0,
+    seed: jax.Array | float = 1.0,
+) -> tuple[tuple[jax.Array, dict[str, jax.Array]], Any]:
+    """Pipelined loss and gradients of this device's rows; call inside ``shard_map`` with ``pipe`` manual.
+
+    ``params`` holds this stage's slice of the layer stack and the full embedding / head.
+    Returns ((loss, aux), grads): ``loss_weight`` times the sum of the microbatch losses (the
+    same on every stage), and the gradient of ``seed * loss`` (``seed``: a loss scale); the
+    stack's gradients are this stage's, the others' already summed over ``pipe``.
+    """
+    schedule = get_schedule(schedule)
+    S, M = n_stages, microbatches
+    stack, rest = _split(params, stages.stacked)
+    micro = _microbatches(batch, M)
+    stage_index = jax.lax.axis_index(PIPE_AXIS)
+    first, last = stage_index == 0, stage_index == S - 1
+    rows_of = lambda i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), micro)
+
+    embed = lambda rest, rows: stages.embed({**rest, stages.stacked: stack}, rows)
+    run_stage = lambda stack, x: stages.stage({**rest, stages.stacked: stack}, x)
+    head_loss = lambda rest, x, rows: stages.head_loss({**rest, stages.stacked: stack}, x, rows)
+
+    # Zeros shaped (and varying over the mapped axes) like the real values; XLA drops the probes.
+    zeros_x, zero_loss, zero_aux = _zero_outputs(embed, head_loss, rest, rows_of(0))
+    kept = schedule.kept_inputs(S, M)
+    carry = dict(
+        fwd_in=zeros_x, bwd_in=zeros_x,
+        inputs=jnp.stack([zeros_x] * kept),  # stage inputs kept for the backward
+        cotangents=jnp.stack([zeros_x] * kept),  # last stage: d loss / d its output
+        grad_stack=jax.tree.map(jnp.zeros_like, stack), grad_rest=jax.tree.map(jnp.zeros_like, rest),
+        loss=zero_loss, aux=zero_aux,
+    )
+    weight = jnp.asarray(seed, jnp.float32) * loss_weight
+
+    def forward(c, f_t):
+        f = f_t - stage_index
+        valid = (f >= 0) & (f < M)
+        f = jnp.clip(f, 0, M - 1)
+        rows = rows_of(f)
+        x = jnp.where(first, embed(rest, rows), c["fwd_in"])
+        y = run_stage(stack, x)
+        (loss, aux), head_vjp = jax.vjp(lambda r, y: head_loss(r, y, rows), rest, y)
+        at_loss = valid & last
+        g_rest, dy = head_vjp((jnp.ones_like(loss) * weight, jax.tree.map(jnp.zeros_like, aux)))
+        return dict(
+            c, fwd_in=_shift(y, S, +1),
+            inputs=_store(c["inputs"], f, x, valid),
+            cotangents=_store(c["cotangents"], f, dy.astype(x.dtype), at_loss),
+            grad_rest=_masked_add(c["grad_rest"], g_rest, at_loss),
+            loss=c["loss"] + jnp.where(at_loss, loss, 0.0) * loss_weight,
+            aux=_masked_add(c["aux"], jax.tree.map(lambda a: a * loss_weight, aux), at_loss),
+        )
+
+    def backward(c, b_t):
+        b = b_t - (S - 1 - stage_index)
+        valid = (b >= 0) & (b < M)
+        b = jnp.clip(b, 0, M - 1)
+        x = _slot(c["inputs"], b)
+        cotangent = jnp.where(last, _slot(c["cotangents"], b), c["bwd_in"])
+        _, stage_vjp = jax.vjp(run_stage, stack, x)
+        g_stack, dx = stage_vjp(cotangent)
+        rows = rows_of(b)
+        _, embed_vjp = jax.vjp(lambda r: embed(r, rows), rest)
+        (g_embed,) = embed_vjp(dx)
+        return dict(
+            c, bwd_in=_shift(dx, S, -1),
+            grad_stack=_masked_add(c["grad_stack"], g_stack, valid),
+            grad_rest=_masked_add(c["grad_rest"], g_embed, valid & first),
+        )
+
+    for phase in schedule.phases(S, M):
+        if phase.ticks == 0:
+            continue
+
+        def tick(c, t, phase=phase):
+            if phase.forward_from is not None:
+                c = forward(c, phase.forward_from + t)
+            if phase.backward_from is not None:
+                c = backward(c, phase.backward_from + t)
+            return c, None
+
+        carry, _ = jax.lax.scan(tick, carry, jnp.arange(phase.ticks))
+
+    # Only the first / last stage holds the embedding's / head's gradient and the loss: share them.
+    grad_rest, loss, aux = jax.lax.psum((carry["grad_rest"], carry["loss"], carry["aux"]), PIPE_AXIS)
+    grads = {**grad_rest, stages.stacked: carry["grad_stack"]}
+    return (loss, aux), {k: grads[k] for k in params}
+
+
+def loss(
+    stages: Stages,
+    params: Mapping[str, Any],
+    batch: Mapping[str, jax.Array],
+    *,
+    n_stages: int,
+    microbatches: int,
+    loss_weight: float = 1.0,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Forward-only pipelined loss (evaluation): M + S - 1 forward ticks, nothing kept."""
+    S, M = n_stages, microbatches
+    stack, rest = _split(params, stages.stacked)
+    micro = _microbatches(batch, M)
+    stage_index = jax.lax.axis_index(PIPE_AXIS)
+    full = lambda: {**rest, stages.stacked: stack}
+    rows_of = lambda i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), micro)
+    zeros_x, zero_loss, zero_aux = _zero_outputs(lambda r, rows: stages.embed(full(), rows),
+                                                 lambda r, x, rows: stages.head_loss(full(), x, rows), rest, rows_of(0))
+
+    def tick(c, t):
+        fwd_in, total, aux_total = c
+        f = t - stage_index
+        at_loss = (f >= 0) & (f < M) & (stage_index == S - 1)
+        rows = rows_of(jnp.clip(f, 0, M - 1))
+        x = jnp.where(stage_index == 0, stages.embed(full(), rows), fwd_in)
+        y = stages.stage(full(), x)
+        loss, aux = stages.head_loss(full(), y, rows)
+        total = total + jnp.where(at_loss, loss, 0.0) * loss_weight
+        aux_total = _masked_add(aux_total, jax.tree.map(lambda a: a * loss_weight, aux), at_loss)
+        return (_shift(y, S, +1), total, aux_total), None
+
+    (_, total, aux_total), _ = jax.lax.scan(tick, (zeros_x, zero_loss, zero_aux), jnp.arange(M + S - 1))
+    return jax.lax.psum((total, aux_total), PIPE_AXIS)
