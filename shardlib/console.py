@@ -23,10 +23,11 @@ def device_line(note: str | None) -> str:
 
 
 def banner(config: TrainConfig, model_config, strategy, mesh, n_params: int, mem, state_bytes: int,
-           out_dir: Path, note: str | None) -> str:
+           out_dir: Path, note: str | None, microbatches: int = 1) -> str:
     import jax
 
     from shardlib.mesh import describe
+    from shardlib.pipeline import bubble_fraction
     from shardlib.report import format_bytes
 
     lines = [
@@ -41,12 +42,27 @@ def banner(config: TrainConfig, model_config, strategy, mesh, n_params: int, mem
     lines += [
         f"mesh       {describe(mesh)}",
         f"strategy   {strategy.name}: {strategy.summary}",
-        f"batch      {config.batch_size} sequences x {config.seq_len} bytes (global)",
+        f"batch      {config.batch_size} sequences x {config.seq_len} bytes (global)"
+        + (f", {microbatches} microbatches" if microbatches > 1 else ""),
+        *([f"pipeline   {mesh.shape['pipe']} stages, {config.pipeline_schedule}, bubble "
+           f"{bubble_fraction(mesh.shape['pipe'], microbatches):.1%} = (S-1)/(M+S-1)"] if mesh.shape["pipe"] > 1 else []),
         f"memory     {format_bytes(state_bytes)} params+optimizer state + {format_bytes(mem.temp_bytes)} "
         "temporaries per device (compiled step)",
         f"output     {out_dir}",
     ]
     return "\n".join(lines)
+
+
+def pipeline_rows(stages: int, microbatches: int, comm) -> list[tuple[str, Any]]:
+    """Summary rows of a pipelined run: its bubble and the activation traffic between stages."""
+    if stages <= 1:
+        return []
+    from shardlib.pipeline import bubble_fraction
+    from shardlib.report import format_bytes
+
+    return [("pipeline bubble (S-1)/(M+S-1)", f"{bubble_fraction(stages, microbatches):.1%} "
+                                               f"({stages} stages, {microbatches} microbatches)"),
+            ("collective-permute bytes / step", format_bytes(comm.bytes_by_kind()["collective-permute"]))]
 
 
 def summary_table(rows: list[tuple[str, Any]]) -> str:

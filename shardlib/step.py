@@ -428,12 +428,12 @@ class _CheckedStep:
     step is queued while the current one runs) and bounds the queue.
     """
 
-    def __init__(self, jitted, layout: Layout, grad_accum: int):
-        self._jitted, self._layout, self._grad_accum = jitted, layout, grad_accum
+    def __init__(self, jitted, layout: Layout, microbatches: int):
+        self._jitted, self._layout, self.microbatches = jitted, layout, microbatches
         self._in_flight = None
 
     def _check(self, batch):
-        self._layout.check_batch(batch, microbatches=self._grad_accum)
+        self._layout.check_batch(batch, microbatches=self.microbatches)
 
     def __call__(self, state, batch):
         self._check(batch)

@@ -33,7 +33,7 @@ DEFAULT_SEQ_LEN = 128
 DEFAULT_LR = 3e-3
 DEFAULT_CPU_DEVICES = 8
 COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
-PRECISIONS = {"f32": "float32", "bf16": "bfloat16"}
+PRECISIONS = {"f32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # fp16: dynamic loss scaling
 
 
 class TrainConfigError(ValueError):
@@ -52,7 +52,8 @@ class TrainConfig:
     """Everything a run depends on; saved as ``config.json`` in the run directory.
 
     ``mesh`` is a string (``"data=2,fsdp=4"``), a dict, or None for the strategy's default.
-    ``cpu_devices`` simulates that many CPU devices when no accelerator is present; it must be
+    ``pipeline_stages > 1`` sets the mesh's ``pipe`` axis (the strategy's ``-1`` axis takes the
+    rest). ``cpu_devices`` simulates that many CPU devices when no accelerator is present; it must be
     applied before JAX starts, so library users normally leave it None and set devices up
     themselves (the CLI passes its ``--cpu-devices``). ``warmup_steps=None`` means 10% of steps.
     """
@@ -71,6 +72,11 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     precision: str = "f32"
+    grad_accum: int = 1
+    grad_compression: str = "none"
+    pipeline_stages: int = 1
+    microbatches: int | None = None  # pipeline microbatches (default 2 x stages)
+    pipeline_schedule: str = "1f1b"
     data: str | None = None
     out: str | None = None
     eval_every: int = 25
@@ -190,7 +196,7 @@ def _model_config(config: TrainConfig):
 
 
 def _check_numbers(config: TrainConfig) -> None:
-    for field in ("steps", "batch_size", "seq_len", "log_every", "eval_batches"):
+    for field in ("steps", "batch_size", "seq_len", "log_every", "eval_batches", "grad_accum", "pipeline_stages"):
         if getattr(config, field) < 1:
             raise TrainConfigError(field, f"must be at least 1, got {getattr(config, field)}")
     for field in ("eval_every", "ckpt_every", "sample_tokens", "seed", "max_skips"):
@@ -209,7 +215,13 @@ def _mesh(config: TrainConfig, strategy):
 
     sizes = dict(strategy.default_mesh) if config.mesh is None else config.mesh
     try:
-        return make_mesh(parse_mesh(sizes) if isinstance(sizes, str) else dict(sizes))
+        sizes = parse_mesh(sizes) if isinstance(sizes, str) else dict(sizes)
+        if config.pipeline_stages > 1:
+            if sizes.get("pipe", config.pipeline_stages) != config.pipeline_stages:
+                raise TrainConfigError("pipeline_stages", f"{config.pipeline_stages} stages but the mesh says "
+                                                          f"pipe={sizes['pipe']}; give one or make them agree")
+            sizes["pipe"] = config.pipeline_stages
+        return make_mesh(sizes)
     except MeshError as err:
         hint = "" if config.mesh is not None else f" (the default mesh of strategy {strategy.name}; pass --mesh)"
         raise TrainConfigError("mesh", f"{err}{hint}") from None
@@ -362,7 +374,19 @@ def train(config: TrainConfig) -> TrainResult:
 
     # ---- program: init directly sharded; compile the step once (memory figures come from it).
     schedule = _schedule(config)
-    program = build(model, _optimizer(config, model, schedule), layout, lr_schedule=schedule)
+
+    def build_program(model):
+        try:
+            return build(model, _optimizer(config, model, schedule), layout, lr_schedule=schedule,
+                         precision=config.precision, grad_accum=config.grad_accum,
+                         grad_compression=config.grad_compression, microbatches=config.microbatches,
+                         schedule=config.pipeline_schedule)
+        except ValueError as err:
+            field = ("pipeline_stages" if layout.pipeline_stages > 1 else
+                     "grad_compression" if config.grad_compression != "none" else "grad_accum")
+            raise TrainConfigError(field, str(err)) from None
+
+    program = build_program(model)
     abstract_batch = program.abstract_batch(shapes)
     batch_sharding = {k: v.sharding for k, v in abstract_batch.items()}
     step_fn = program.compile_step(program.abstract_state(), abstract_batch)
@@ -371,7 +395,8 @@ def train(config: TrainConfig) -> TrainResult:
     comm = collective_stats(step_fn)
     n_params = param_count(model_config)
     if is_main and config.verbose:
-        print(console.banner(config, model_config, strategy, mesh, n_params, mem, state_bytes, out_dir, note), flush=True)
+        print(console.banner(config, model_config, strategy, mesh, n_params, mem, state_bytes, out_dir, note,
+                             program.step.microbatches), flush=True)
 
     # ==== CHECKPOINT HOOK (restore): the one place a run resumes; the save is marked in the loop.
     ckpt, resume = _open_checkpointer(config, out_dir)
@@ -387,7 +412,7 @@ def train(config: TrainConfig) -> TrainResult:
     # Test hook: the steps of inject_nan_steps run a step whose loss is NaN (same state layout).
     poisoned_fn = None
     if config.inject_nan_steps:
-        poisoned = build(fault.poisoned_model(model), _optimizer(config, model, schedule), layout, lr_schedule=schedule)
+        poisoned = build_program(fault.poisoned_model(model))
         poisoned_fn = poisoned.compile_step(program.abstract_state(), abstract_batch)
 
     log = MetricsLog(out_dir, enabled=is_main, tensorboard=config.tensorboard,
@@ -527,6 +552,7 @@ def train(config: TrainConfig) -> TrainResult:
         ("params+optimizer / device", format_bytes(state_bytes)),
         ("temporaries / device", format_bytes(mem.temp_bytes)),
         ("collective bytes / step / device", format_bytes(comm.total_bytes)),
+        *console.pipeline_rows(layout.pipeline_stages, program.step.microbatches, comm),
         ("startup (build, compile, init)", f"{startup:.1f} s"),
         ("steps", f"{len(times)} in {wall:.1f} s"),
         ("step time (mean, after the first)", f"{step_time:.3f} s"),
@@ -586,7 +612,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"peak learning rate; linear warmup, then cosine decay to 10%% (default {d.lr})")
     add("--warmup-steps", type=int, default=None, metavar="N", help="warmup steps (default 10%% of --steps)")
     add("--seed", type=int, default=d.seed, metavar="S", help="seed for init and data order")
-    add("--precision", default=d.precision, choices=list(PRECISIONS), help="compute dtype; parameters stay f32")
+    add("--precision", default=d.precision, choices=list(PRECISIONS),
+        help="compute dtype; parameters and optimizer state stay f32 (fp16 adds dynamic loss scaling)")
+    add("--grad-accum", type=int, default=d.grad_accum, metavar="K",
+        help="split each step's batch into K microbatches, one optimizer update (default 1)")
+    add("--grad-compression", default=d.grad_compression, choices=["none", "bf16", "int8"],
+        help="compress the gradient reduction (int8: per-block scales + error feedback; default none)")
+    add("--pipeline-stages", type=int, default=d.pipeline_stages, metavar="S",
+        help="split the layers into S pipeline stages over the mesh's pipe axis (default 1: no pipeline)")
+    add("--microbatches", type=int, default=None, metavar="M",
+        help="pipeline microbatches per step (default 2 x stages); the bubble is (S-1)/(M+S-1)")
+    add("--schedule", dest="pipeline_schedule", default=d.pipeline_schedule, choices=["1f1b", "gpipe"],
+        help="pipeline schedule (default 1f1b: activations of at most 2S-1 microbatches per stage)")
     add("--data", default=None, metavar="PATH",
         help="text file, folder of .txt files, or glob (default: the built-in pydoc corpus)")
     add("--out", default=None, metavar="DIR", help="run directory (default runs/<timestamp>)")
@@ -619,6 +656,8 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, strategy=args.strategy, mesh=args.mesh, cpu_devices=args.cpu_devices,
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         warmup_steps=args.warmup_steps, seed=args.seed, precision=args.precision, data=args.data,
+        grad_accum=args.grad_accum, grad_compression=args.grad_compression,
+        pipeline_stages=args.pipeline_stages, microbatches=args.microbatches, pipeline_schedule=args.pipeline_schedule,
         out=args.out, eval_every=args.eval_every, log_every=args.log_every, prompt=args.prompt,
         sample_tokens=args.sample_tokens, progress=not args.no_progress, tensorboard=not args.no_tensorboard,
         ckpt_every=args.ckpt_every, keep=args.keep, resume_from=args.resume_from, max_skips=args.max_skips,

@@ -240,3 +240,21 @@ def test_pipelined_checkpoint_restores_unpipelined_and_back(model, tmp_path):
     for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(back)):
         assert np.array_equal(a, np.asarray(b))
     assert back.params["blocks"]["attn"]["wq"].sharding.spec[0] == "pipe"
+
+
+def test_train_cli_run_resumes_without_the_pipeline(tmp_path):
+    """`shardlib train --pipeline-stages 2` checkpoints; the same run resumed unpipelined continues
+    exactly as the uninterrupted pipelined run does."""
+    from shardlib.train import TrainConfig, train
+
+    # A constant learning rate, so that a 4-step run is the first 4 steps of a 6-step run.
+    common = dict(model="tiny", strategy="zero3", batch_size=16, seq_len=32, eval_every=0, ckpt_every=2,
+                  warmup_steps=0, min_lr_ratio=1.0,
+                  progress=False, tensorboard=False, sample_tokens=0, verbose=False)
+    straight = train(TrainConfig(**common, steps=6, pipeline_stages=2, microbatches=4, out=str(tmp_path / "a")))
+    train(TrainConfig(**common, steps=4, pipeline_stages=2, microbatches=4, out=str(tmp_path / "b")))
+    resumed = train(TrainConfig(**common, steps=6, resume_from=str(tmp_path / "b")))
+    assert resumed.program.layout.pipeline_stages == 1
+    losses = lambda result: [r["loss"] for r in result.records if r["step"] > 4]
+    assert len(losses(resumed)) == 2
+    np.testing.assert_allclose(losses(resumed), losses(straight), rtol=1e-5)
