@@ -12,7 +12,9 @@ from ShapeDtypeStructs (nothing is allocated; the command simulates N CPU device
                      bf16 collectives found right after SPMD partitioning are counted at 2 bytes.
   FLOPs              analytic: models.flops_per_token x tokens (XLA counts a scan body once); the
                      hardware also redoes the forward pass under remat (x 4/3)
-  step time          roofline on a hardware profile (shardlib.hardware): max(compute, communication)
+  step time          roofline on a hardware profile (shardlib.hardware): max(compute, communication);
+                     under a pipeline (pipe > 1) the compute is stretched by the bubble,
+                     / (1 - (S-1)/(M+S-1)), and collective-permute bytes are the stage traffic
 
 The best candidate is the fastest estimated step that fits in HBM. When none fits, the plan says
 what would: more devices, gradient accumulation, remat, or another strategy, with figures.
@@ -86,6 +88,9 @@ class PlanRow:
     fits: bool = False
     best: bool = False
     compile_s: float | None = None
+    pipeline_stages: int = 1
+    microbatches: int = 1
+    bubble: float = 0.0  # (S-1)/(M+S-1) of a pipelined candidate
     error: str | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
 
@@ -227,8 +232,10 @@ class Planner:
 
     def __init__(self, model: Any, devices: int, *, batch_size: int | None = None, seq_len: int | None = None,
                  precision: str = "f32", hardware: str | hw.HardwareProfile = "h100",
-                 hbm: str | int | None = None, remat: bool | None = None):
+                 hbm: str | int | None = None, remat: bool | None = None,
+                 pipeline_stages: int = 1, microbatches: int | None = None, schedule: str = "1f1b"):
         from models import param_count, trainable
+        from shardlib.pipeline import get_schedule
 
         self.precision = precision
         self.config = resolve_config(model, precision, remat)
@@ -238,6 +245,12 @@ class Planner:
         self.n = devices
         self.devices = select_devices(devices)
         self.seq_len = seq_len or self.config.max_seq_len
+        if pipeline_stages < 1 or devices % pipeline_stages:
+            raise PlanError(f"--pipeline-stages {pipeline_stages} must be positive and divide --devices {devices}")
+        self.pipeline_stages = pipeline_stages
+        self.microbatches = microbatches or 2 * pipeline_stages
+        self.schedule = get_schedule(schedule).name
+        self._batch_given = batch_size is not None
         self.batch_size = batch_size or devices
         if self.seq_len < 1 or self.batch_size < 1:
             raise PlanError(f"--batch-size and --seq-len must be positive, got {self.batch_size} and {self.seq_len}")
@@ -251,7 +264,9 @@ class Planner:
         from shardlib.mesh import parse_mesh, resolve_axis_sizes
 
         if mesh is None:
-            return default_mesh(strategy, self.n, self.config)
+            if self.pipeline_stages == 1:
+                return default_mesh(strategy, self.n, self.config)
+            return {"pipe": self.pipeline_stages, **default_mesh(strategy, self.n // self.pipeline_stages, self.config)}
         sizes = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh)
         full = resolve_axis_sizes(sizes, self.n)  # MeshError naming the mismatch with --devices
         return {k: v for k, v in full.items() if v > 1} or {"data": 1}
@@ -265,7 +280,9 @@ class Planner:
         mesh = make_mesh(dict(sizes), devices=self.devices)
         layout = make_layout(self.model, strategy, mesh)
         self._layouts[(strategy, json.dumps(dict(sizes), sort_keys=True))] = layout
-        program = build(self.model, optax.adamw(1e-4), layout)
+        pipelined = layout.pipeline_stages > 1
+        program = build(self.model, optax.adamw(1e-4), layout, microbatches=self.microbatches if pipelined else None,
+                        schedule=self.schedule)
         shape = ((batch_size, self.seq_len), jnp.int32)
         batch = program.abstract_batch({"inputs": shape, "targets": shape})
         lowered = program.step.lower(program.abstract_state(), batch)  # checks the batch divides
@@ -285,12 +302,21 @@ class Planner:
         from models import flops_per_token
         from shardlib.report import collective_stats, memory_stats
 
+        from shardlib.pipeline import bubble_fraction
+
         sizes = self.mesh_for(strategy, mesh)
-        row = PlanRow(strategy=strategy, mesh=sizes, devices=self.n, batch_size=self.batch_size,
+        stages = sizes.get("pipe", 1)
+        batch_size = self.batch_size
+        if stages > 1 and not self._batch_given:  # one row per data-parallel device per microbatch
+            batch_size = self.n // stages // sizes.get("tensor", 1) * self.microbatches
+        row = PlanRow(strategy=strategy, mesh=sizes, devices=self.n, batch_size=batch_size,
                       seq_len=self.seq_len, precision=self.precision, hbm_bytes=self.hbm_bytes)
+        if stages > 1:
+            row.pipeline_stages, row.microbatches = stages, self.microbatches
+            row.bubble = bubble_fraction(stages, self.microbatches)
         start = time.perf_counter()
         try:
-            built = self._compile(strategy, sizes, self.batch_size)
+            built = self._compile(strategy, sizes, batch_size)
         except (ValueError, jax.errors.JaxRuntimeError) as err:
             row.error = " ".join(str(err).split())[:500]
             return row
@@ -331,12 +357,18 @@ class Planner:
         row.collective_total_bytes = sum(by_kind.values())
         row.intra_domain_bytes, row.inter_domain_bytes = round(links.intra), round(links.inter)
 
-        tokens = self.batch_size * self.seq_len
+        tokens = batch_size * self.seq_len
         row.model_flops = flops_per_token(self.config, self.seq_len) * tokens
         row.flops_per_device = row.model_flops * (REMAT_FLOPS if self.config.remat else 1.0) / self.n
-        estimate = hw.step_time(self.profile, row.flops_per_device, links, self.precision)
+        # A stage is idle for the bubble: its share of the work takes 1 / (1 - bubble) as long.
+        estimate = hw.step_time(self.profile, row.flops_per_device / (1 - row.bubble), links, self.precision)
         row.compute_s, row.comm_s = estimate.compute_s, estimate.comm_s
         row.step_s, row.step_serial_s = estimate.overlapped_s, estimate.serial_s
+        if stages > 1:
+            row.notes.append(
+                f"pipeline: {stages} stages x {self.microbatches} microbatches ({self.schedule}), bubble "
+                f"{row.bubble:.1%} = (S-1)/(M+S-1); collective-permute {by_kind['collective-permute']:,} B/step "
+                "between stages; persistent bytes are one stage's layers + the replicated embedding and head")
         row.tokens_per_s = tokens / row.step_s if row.step_s > 0 else None
         peak = self.profile.peak_flops[self.precision]
         row.mfu = row.model_flops / (row.step_s * self.n * peak) if row.step_s > 0 else None
@@ -523,7 +555,8 @@ def mark_best(rows: Sequence[PlanRow]) -> PlanRow | None:
 def plan(model: Any, devices: int, strategies: Sequence[str] | None = None, *,
          mesh: str | Mapping[str, int] | None = None, batch_size: int | None = None, seq_len: int | None = None,
          precision: str = "f32", hbm: str | int | None = None, hardware: str = "h100",
-         remat: bool | None = None) -> list[PlanRow]:
+         remat: bool | None = None, pipeline_stages: int = 1, microbatches: int | None = None,
+         schedule: str = "1f1b") -> list[PlanRow]:
     """Compile the training step of ``model`` for each strategy on ``devices`` devices; one row each.
 
     ``model``: a config name (``"llama-7b"``) or a ``models.GPTConfig``. ``strategies``: default all
@@ -532,7 +565,8 @@ def plan(model: Any, devices: int, strategies: Sequence[str] | None = None, *,
     Needs ``devices`` JAX devices in this process (``jax_num_cpu_devices`` before JAX starts).
     """
     planner = Planner(model, devices, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                      hardware=hardware, hbm=hbm, remat=remat)
+                      hardware=hardware, hbm=hbm, remat=remat, pipeline_stages=pipeline_stages,
+                      microbatches=microbatches, schedule=schedule)
     return planner.run(strategies, mesh)
 
 
@@ -586,6 +620,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, help="global sequences per step (default: one per device)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's max_seq_len)")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default="f32", help="compute dtype")
+    parser.add_argument("--pipeline-stages", type=int, default=1, metavar="S",
+                        help="add a pipe=S axis to every candidate's default mesh (or give pipe in --mesh)")
+    parser.add_argument("--microbatches", type=int, metavar="M", help="pipeline microbatches (default 2 x stages)")
+    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
     parser.add_argument("--hbm", help="memory per device, e.g. 80GB or 16GiB (default: the hardware's)")
     parser.add_argument("--hardware", default="h100", help=f"profile for the time estimate: {', '.join(hw.HARDWARE)}")
     parser.add_argument("--no-remat", action="store_true", help="plan without rematerialisation")
@@ -612,7 +650,8 @@ def run(args: argparse.Namespace) -> int:
     setup_devices(args.devices)
     planner = Planner(args.model, args.devices, batch_size=args.batch_size, seq_len=args.seq_len,
                       precision=args.precision, hardware=args.hardware, hbm=args.hbm,
-                      remat=False if args.no_remat else None)
+                      remat=False if args.no_remat else None, pipeline_stages=args.pipeline_stages,
+                      microbatches=args.microbatches, schedule=args.schedule)
     rows = planner.run(None if args.all else args.strategy, args.mesh)
     advice = planner.advise(rows)
     if args.json:
