@@ -8,7 +8,8 @@ from shardlib.hooks import constrain, gather_layer
 from shardlib.precision import POLICIES, Precision
 from shardlib.layout import Layout, make_layout
 from shardlib.mesh import MESH_AXES, MeshError, make_mesh, parse_mesh
-from shardlib.model import Model, from_functions, from_linen, from_nnx
+from shardlib.model import Model, Stages, from_functions, from_linen, from_nnx
+from shardlib.pipeline import SCHEDULES, bubble_fraction
 from shardlib.rules import LeafLayout, RuleError, check_replication, layout_tree, report as sharding_report
 from shardlib.step import TrainProgram, TrainState, build
 from shardlib.strategies import STRATEGIES, Strategy, get_strategy
@@ -32,7 +33,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "Checkpointer", "POLICIES", "PreemptionGuard", "Precision", "build_local_sgd", "load_exported",
-    "MESH_AXES", "STRATEGIES", "LeafLayout", "Layout", "MeshError", "Model", "RuleError", "Strategy",
+    "MESH_AXES", "SCHEDULES", "STRATEGIES", "Stages", "bubble_fraction", "LeafLayout", "Layout", "MeshError", "Model", "RuleError", "Strategy",
     "TrainProgram", "TrainState", "build", "check_replication", "constrain", "from_functions",
     "from_linen", "from_nnx", "gather_layer", "get_strategy", "layout_tree", "make_layout",
     "make_mesh", "parse_mesh", "sharding_report",
