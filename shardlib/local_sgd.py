@@ -10,9 +10,18 @@ With ``outer_tx`` (DiLoCo, Douillard et al. 2023) the average is not adopted dir
 ``anchor - mean(replicas)`` is a pseudo-gradient for ``outer_tx`` (e.g. Nesterov SGD), applied to
 the anchor (the parameters at the last sync), and every replica restarts from the new anchor.
 
-Two compiled programs, chosen in Python by the step counter, so that each has a fixed set of
-collectives: ``local_step`` (no collective over ``data`` beyond the scalar metrics) and ``sync``
-(the parameter all-reduce over ``data``). Replica state carries a leading replica axis sharded
+With ``sync_warmup`` = W (post-local SGD, Lin et al. 2020, "Don't Use Large Mini-Batches, Use
+Local SGD") the first W steps are synchronous data-parallel steps (gradients all-reduced over
+``data``, so every replica applies the same update and the replicas stay identical), and local
+steps start after them. The early steps, when the loss falls fastest, are where R small-batch
+replica updates lose most against one large-batch update (measured in docs/local_sgd.md).
+With ``average_opt_state`` the sync also averages the inner optimizer state (e.g. Adam's moments),
+so that every replica restarts the period from one state, as it does from one set of parameters.
+
+Three compiled programs, chosen in Python by the step counter, so that each has a fixed set of
+collectives: ``local_step`` (no collective over ``data`` beyond the scalar metrics), ``sync``
+(the parameter all-reduce over ``data``) and ``sync_step`` (the warm-up's data-parallel step:
+the gradient all-reduce over ``data``). Replica state carries a leading replica axis sharded
 over ``data`` (``P("data", ...)``), so what each device stores is explicit in the shardings.
 """
 
@@ -78,10 +87,35 @@ def _stacked(sharding: NamedSharding) -> NamedSharding:
     return NamedSharding(sharding.mesh, P(REPLICA_AXIS, *sharding.spec))
 
 
-def _check_layout(layout: Layout, sync_every: int) -> None:
+def is_sync_step(step: int, sync_every: int, sync_warmup: int = 0) -> bool:
+    """Whether step number ``step`` (1-based) ends synchronised: in the warm-up, or every H after it.
+
+    The local periods are counted from the end of the warm-up, so the first local period is a
+    full H steps long whatever W is (with W a multiple of H this is simply ``step % H == 0``).
+    """
+    return step <= sync_warmup or (step - sync_warmup) % sync_every == 0
+
+
+def _average_leaves(stacked: Any, n_replicas: int) -> Any:
+    """Mean over ``data`` of every floating leaf of a stacked tree, inside ``shard_map``.
+
+    Each device holds its replica's block ``[1, ...]``; the ``psum`` over ``data`` is the one
+    all-reduce. Integer leaves (Adam's step count) are equal on every replica and kept as they are.
+    """
+    def mean(x):
+        if n_replicas == 1 or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return jax.lax.psum(x, REPLICA_AXIS) / n_replicas
+
+    return jax.tree.map(mean, stacked)
+
+
+def _check_layout(layout: Layout, sync_every: int, sync_warmup: int = 0) -> None:
     """Refuse a layout that splits one replica's tensors over ``data``, with the fix."""
     if not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(f"sync_every must be a positive integer (local steps between averages), got {sync_every!r}")
+    if not isinstance(sync_warmup, int) or sync_warmup < 0:
+        raise ValueError(f"sync_warmup must be a non-negative integer (synchronous steps first), got {sync_warmup!r}")
     if REPLICA_AXIS not in layout.batch_axes:
         raise ValueError(
             f"local SGD runs one replica per slice of mesh axis {REPLICA_AXIS!r}, but strategy "
@@ -113,6 +147,9 @@ class LocalSGDProgram:
     evaluate: Callable[[Any, Mapping[str, jax.Array]], dict[str, jax.Array]]  # (storage-layout params, batch)
     consensus: Any  # jitted state -> replica-averaged params in the storage layout (for evaluate / export)
     state_sharding: LocalSGDState
+    sync_step: Any = None  # jitted (state, batch) -> (state, metrics): a data-parallel step (warm-up)
+    sync_warmup: int = 0  # the first sync_warmup steps are sync_step; local steps after them
+    rebase: Any = None  # jitted state -> state: anchor := replica mean (outer_tx, end of the warm-up)
 
     @property
     def mesh(self):
@@ -123,14 +160,20 @@ class LocalSGDProgram:
         return self.mesh.shape[REPLICA_AXIS]
 
     def step(self, state: LocalSGDState, batch: Mapping[str, Any]) -> tuple[LocalSGDState, dict[str, jax.Array]]:
-        """One local step; then, if it completes H local steps since the last sync, the sync.
+        """One step: a synchronous step in the warm-up; after it a local step, and the sync when
+        it completes H local steps since the last one.
 
         Reads the step counter on the host (one scalar), which waits for the previous step.
         """
         self.layout.check_batch(batch)
         done = int(state.step) + 1
+        if done <= self.sync_warmup:
+            state, metrics = self.sync_step(state, batch)
+            if done == self.sync_warmup and self.rebase is not None:
+                state = self.rebase(state)  # the outer optimizer starts from the warmed-up model
+            return state, {**metrics, "synced": jnp.asarray(1, jnp.int32)}
         state, metrics = self.local_step(state, batch)
-        synced = done % self.sync_every == 0
+        synced = is_sync_step(done, self.sync_every, self.sync_warmup)
         if synced:
             state = self.sync(state)
         return state, {**metrics, "synced": jnp.asarray(int(synced), jnp.int32)}
@@ -149,6 +192,10 @@ class LocalSGDProgram:
     def compile_sync(self, state: Any):
         return self.sync.lower(state).compile()
 
+    def compile_sync_step(self, state: Any, batch: Any):
+        self.layout.check_batch(batch)
+        return self.sync_step.lower(state, batch).compile()
+
 
 def build_local_sgd(
     model: Model,
@@ -157,6 +204,8 @@ def build_local_sgd(
     *,
     sync_every: int,
     outer_tx: optax.GradientTransformation | None = None,
+    sync_warmup: int = 0,
+    average_opt_state: bool = False,
     lr_schedule: Callable | None = None,
     donate: bool = True,
 ) -> LocalSGDProgram:
@@ -165,12 +214,16 @@ def build_local_sgd(
     ``tx`` is each replica's (inner) optimizer; ``outer_tx`` None averages the replicas every
     ``sync_every`` steps, otherwise it is DiLoCo's outer optimizer on the pseudo-gradient
     ``anchor - mean(replicas)``: ``optax.sgd(0.7, momentum=0.9, nesterov=True)`` as in the paper;
-    ``optax.sgd(1.0)`` is plain averaging again. Metrics: ``loss``, ``accuracy`` and
-    ``grad_norm`` averaged over replicas, ``skipped`` (replicas whose non-finite update was
+    ``optax.sgd(1.0)`` is plain averaging again. ``sync_warmup`` = W makes the first W steps
+    synchronous data-parallel steps (post-local SGD): with any ``tx`` they train exactly like
+    ``build(model, tx, layout)``, at the data-parallel cost of one gradient all-reduce per step.
+    ``average_opt_state`` also averages the inner optimizer state at each sync (Adam: two more
+    parameter-sized all-reduces per sync, so the sync sends 3x the bytes). Metrics: ``loss``,
+    ``accuracy`` and ``grad_norm`` averaged over replicas, ``skipped`` (replicas whose non-finite update was
     dropped), ``synced`` (1 on a step that ended with the sync), ``lr`` with ``lr_schedule``.
     Not supported here: mixed precision, gradient accumulation, gradient compression.
     """
-    _check_layout(layout, sync_every)
+    _check_layout(layout, sync_every, sync_warmup)
     mesh, batch_axes = layout.mesh, layout.batch_axes
     n_replicas = mesh.shape[REPLICA_AXIS]
     inner_axes = tuple(a for a in batch_axes if a != REPLICA_AXIS and mesh.shape[a] > 1)  # within a replica
@@ -238,7 +291,7 @@ def build_local_sgd(
                              "through shardlib.hooks.gather_layer")
         return loss / rows_split, jax.tree.map(lambda a: a / rows_split, aux)
 
-    def grads_body(stacked, batch):
+    def grads_body(stacked, batch, synchronous: bool):
         def own(p, spec):  # this device's block of its replica's parameters, marked per-device over fsdp
             missing = tuple(a for a in inner_axes if a not in spec_axes(spec))
             return jax.lax.pcast(p[0], missing, to="varying") if missing else p[0]
@@ -247,6 +300,8 @@ def build_local_sgd(
         (loss, aux), grads = jax.value_and_grad(replica_loss, has_aux=True)(params, batch)
         reduce = lambda g, p_spec, s_spec: _reduce_within_replica(g, p_spec, s_spec, inner_axes)
         grads = jax.tree.map(reduce, grads, manual_params, manual_state)
+        if synchronous and n_replicas > 1:  # the warm-up: data parallelism's gradient all-reduce
+            grads = jax.tree.map(lambda g: jax.lax.psum(g, REPLICA_AXIS) / n_replicas, grads)
         if inner_axes:
             loss, aux = jax.lax.psum((loss, aux), inner_axes)
         lead = lambda x: x[None]
@@ -258,9 +313,9 @@ def build_local_sgd(
     def per_replica(flags: jax.Array, x: jax.Array) -> jax.Array:
         return flags.reshape((n_replicas,) + (1,) * (x.ndim - 1))
 
-    def local_step_fn(state: LocalSGDState, batch):
+    def step_fn(state: LocalSGDState, batch, synchronous: bool):
         grads_fn = jax.shard_map(
-            grads_body, mesh=mesh,
+            functools.partial(grads_body, synchronous=synchronous), mesh=mesh,
             in_specs=(stacked_manual, batch_specs(batch)),
             out_specs=(P(REPLICA_AXIS), P(REPLICA_AXIS), stacked_manual_state),
             axis_names=set(batch_axes),
@@ -284,8 +339,12 @@ def build_local_sgd(
             metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
         return new_state, metrics
 
-    local_step = jax.jit(local_step_fn, in_shardings=(state_sharding, None), out_shardings=(state_sharding, replicated),
-                         donate_argnums=(0,) if donate else ())
+    step_jit = functools.partial(jax.jit, in_shardings=(state_sharding, None), out_shardings=(state_sharding, replicated),
+                                 donate_argnums=(0,) if donate else ())
+    local_step = step_jit(functools.partial(step_fn, synchronous=False))
+    # Identical gradients, optimizer states and parameters on every replica give identical updates,
+    # so the replicas stay equal through the warm-up without a parameter all-reduce.
+    sync_step = step_jit(functools.partial(step_fn, synchronous=True))
 
     # ---- the sync: one all-reduce of the parameters over data (shard_map, so it is exactly that).
     def mean_body(stacked):
@@ -296,8 +355,14 @@ def build_local_sgd(
     replica_mean = jax.shard_map(mean_body, mesh=mesh, in_specs=(stacked_manual,), out_specs=manual_params,
                                  axis_names=set(batch_axes))
 
+    manual_opt = jax.tree.map(lambda sharding: restrict(sharding.spec, batch_axes), opt_shardings)
+    opt_mean = jax.shard_map(functools.partial(_average_leaves, n_replicas=n_replicas), mesh=mesh,
+                             in_specs=(manual_opt,), out_specs=manual_opt, axis_names=set(batch_axes))
+
     def sync_fn(state: LocalSGDState) -> LocalSGDState:
         mean = jax.lax.with_sharding_constraint(replica_mean(state.params), param_shardings)
+        if average_opt_state:
+            state = dataclasses.replace(state, opt_state=opt_mean(state.opt_state))
         if outer_tx is None:
             return dataclasses.replace(state, params=broadcast(mean))
         pseudo_grad = jax.tree.map(jnp.subtract, state.anchor, mean)  # anchor - average: a descent direction
@@ -305,11 +370,18 @@ def build_local_sgd(
         anchor = jax.lax.with_sharding_constraint(optax.apply_updates(state.anchor, updates), param_shardings)
         return dataclasses.replace(state, params=broadcast(anchor), anchor=anchor, outer_opt_state=outer_opt_state)
 
-    sync = jax.jit(sync_fn, in_shardings=(state_sharding,), out_shardings=state_sharding,
-                   donate_argnums=(0,) if donate else ())
+    def rebase_fn(state: LocalSGDState) -> LocalSGDState:
+        """The anchor becomes the (warmed-up) replicas' mean; the outer optimizer state is untouched."""
+        anchor = jax.lax.with_sharding_constraint(replica_mean(state.params), param_shardings)
+        return dataclasses.replace(state, params=broadcast(anchor), anchor=anchor)
+
+    state_jit = functools.partial(jax.jit, in_shardings=(state_sharding,), out_shardings=state_sharding,
+                                  donate_argnums=(0,) if donate else ())
+    sync = state_jit(sync_fn)
+    rebase = state_jit(rebase_fn) if outer_tx is not None and sync_warmup > 0 else None
     consensus = jax.jit(lambda state: replica_mean(state.params), in_shardings=(state_sharding,),
                         out_shardings=param_shardings)
     # Evaluation of one set of parameters is ordinary data-parallel evaluation under this layout.
     evaluate = build(model, tx, layout, donate=False).evaluate
     return LocalSGDProgram(model, tx, outer_tx, layout, sync_every, init, local_step, sync, evaluate, consensus,
-                           state_sharding)
+                           state_sharding, sync_step=sync_step, sync_warmup=sync_warmup, rebase=rebase)
