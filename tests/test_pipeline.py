@@ -211,6 +211,18 @@ def test_rows_that_do_not_split_into_microbatches_name_the_fix(model):
 # ---------------------------------------------------------------- checkpoints
 
 
+def _round_trip(state, target, directory):
+    """Save ``state``, restore it in ``target``'s layout, check every leaf bit for bit."""
+    host = jax.tree.map(lambda x: np.array(x, copy=True), state)
+    with Checkpointer(directory) as ckpt:
+        ckpt.save(int(state.step), state, data_state={}, config={}, force=True)
+        ckpt.wait()
+        restored, _, _ = ckpt.restore(target.abstract_state())
+    for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(restored)):
+        assert np.array_equal(a, np.asarray(b))
+    return restored
+
+
 def test_pipelined_checkpoint_restores_unpipelined_and_back(model, tmp_path):
     tx = optax.adamw(3e-3)
     piped = _program(model, "zero3", {"pipe": 2, "fsdp": 4}, tx=tx)
@@ -219,26 +231,14 @@ def test_pipelined_checkpoint_restores_unpipelined_and_back(model, tmp_path):
     data = batches(4, batch=ROWS)
     for batch in data[:2]:
         state, _ = piped.step(state, batch)
-    host = jax.tree.map(lambda x: np.array(x, copy=True), state)
-    with Checkpointer(tmp_path / "a") as ckpt:
-        ckpt.save(2, state, data_state={}, config={}, force=True)
-        ckpt.wait()
-        restored, _, _ = ckpt.restore(flat.abstract_state())
-    for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(restored)):
-        assert np.array_equal(a, np.asarray(b))
+    restored = _round_trip(state, flat, tmp_path / "a")
     assert restored.params["blocks"]["attn"]["wq"].sharding.spec[0] is None  # really the flat layout
 
     # Training continues identically in either layout, and the flat state restores back.
     flat_state, flat_metrics = flat.step(restored, data[2])
     piped_state, piped_metrics = piped.step(state, data[2])
     np.testing.assert_allclose(float(flat_metrics["loss"]), float(piped_metrics["loss"]), rtol=1e-5)
-    host = jax.tree.map(lambda x: np.array(x, copy=True), flat_state)
-    with Checkpointer(tmp_path / "b") as ckpt:
-        ckpt.save(3, flat_state, data_state={}, config={}, force=True)
-        ckpt.wait()
-        back, _, _ = ckpt.restore(piped.abstract_state())
-    for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(back)):
-        assert np.array_equal(a, np.asarray(b))
+    back = _round_trip(flat_state, piped, tmp_path / "b")
     assert back.params["blocks"]["attn"]["wq"].sharding.spec[0] == "pipe"
 
 
