@@ -450,7 +450,8 @@ def train(config: TrainConfig) -> TrainResult:
         times.append(step_time)
         record = {"step": index + 1, "loss": values["loss"], "lr": values.get("lr"), "grad_norm": values["grad_norm"],
                   "accuracy": values.get("accuracy"), "skipped": int(values["skipped"]),
-                  "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time}
+                  "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
+                  **({"loss_scale": values["loss_scale"]} if "loss_scale" in values else {})}
         last_loss = values["loss"]
         if with_eval:
             last_val = record["val_loss"] = evaluate(state.params)

@@ -37,8 +37,10 @@ def _run(tmp_path: Path, *flags: str) -> tuple[int, Path]:
     return code, out
 
 
-# One strategy also runs in bf16 compute, so that path is covered without another compile.
-EXTRA = {"zero2": ["--precision", "bf16"]}
+# Some strategies also run the precision / accumulation / compression flags, so that those paths
+# are covered from the CLI without another compile.
+EXTRA = {"zero2": ["--precision", "bf16"], "zero1": ["--precision", "fp16"],
+         "dp": ["--grad-accum", "2", "--grad-compression", "int8"]}
 HAVE_CHECKPOINTS = importlib.util.find_spec("shardlib.checkpoint") is not None
 # zero3, the default, is driven through the CLI by the resume test and through `train` below.
 CLI_STRATEGIES = sorted(set(STRATEGIES) - ({"zero3"} if HAVE_CHECKPOINTS else set()))
@@ -58,7 +60,10 @@ def test_every_strategy_trains_and_writes_its_files(strategy, tmp_path, capsys):
     assert [("val_loss" in r) for r in records] == [False, True, True]  # every 2 steps and at the end
     config = json.loads((out / "config.json").read_text())
     assert config["strategy"] == strategy and config["steps"] == 3
-    assert config["precision"] == ("bf16" if extra else "f32")
+    assert config["precision"] == {"zero2": "bf16", "zero1": "fp16"}.get(strategy, "f32")
+    assert (config["grad_accum"], config["grad_compression"]) == ((2, "int8") if strategy == "dp" else (1, "none"))
+    if strategy == "zero1":
+        assert all("loss_scale" in r for r in records)  # fp16: the dynamic loss scale is logged
     assert (out / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
     assert list(out.glob("events.out.tfevents.*"))
     printed = capsys.readouterr().out
@@ -120,6 +125,9 @@ BAD_FLAGS = [
     (["--steps", "0"], "--steps"),
     (["--bogus"], "--bogus"),
     (["--cpu-devices", "4"], "--cpu-devices"),  # this process already runs 8 devices
+    (["--grad-compression", "int8"], "--grad-compression"),  # zero3's reduce-scatter is autodiff's
+    (["--pipeline-stages", "3"], "--mesh"),  # 3 stages leave 8/3 devices
+    (["--pipeline-stages", "2", "--grad-accum", "2"], "--pipeline-stages"),
 ]
 
 
