@@ -456,8 +456,9 @@ def train(config: TrainConfig) -> TrainResult:
         if with_eval:
             last_val = record["val_loss"] = evaluate(state.params)
             done = time.perf_counter()  # validation time is not charged to the next step
-        log.write(record)
+        # The examples first: a process killed between the two writes never logs a step whose windows are missing.
         examples.write(index + 1, fault.loader_window_starts(loader, index))
+        log.write(record)
         bar.update(1)
         if (index + 1) % config.log_every == 0 or with_eval or index + 1 == config.steps:
             shown = {"loss": f"{last_loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}", "step": f"{step_time:.2f}s"}

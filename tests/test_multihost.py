@@ -141,9 +141,15 @@ def test_device_map_single_process():
 # --------------------------------------------------------------------------------------------
 
 
-def test_launch_prefixes_lines_and_returns_first_failure(capsys):
-    code = "import os, sys; i = int(os.environ['SHARDLIB_PROCESS_ID']); print('out', i, os.environ['SHARDLIB_NUM_PROCESSES'], " \
-           "os.environ['SHARDLIB_LOCAL_DEVICES']); print('err', i, file=sys.stderr); sys.exit(3 if i == 1 else 0)"
+def test_launch_prefixes_lines_and_returns_first_failure(capsys, tmp_path):
+    # Process 1 fails only once process 0 has printed and exited its print calls (a marker file):
+    # otherwise a slow start of process 0 would (rightly) be stopped by the fail-fast before it prints.
+    marker = str(tmp_path / "p0-done")
+    code = "import os, sys, time; i = int(os.environ['SHARDLIB_PROCESS_ID']); print('out', i, os.environ['SHARDLIB_NUM_PROCESSES'], " \
+           "os.environ['SHARDLIB_LOCAL_DEVICES'], flush=True); print('err', i, file=sys.stderr, flush=True); " \
+           f"i == 0 and open({marker!r}, 'w').close(); " \
+           f"[time.sleep(0.05) for _ in range(1200) if i == 1 and not os.path.exists({marker!r})]; " \
+           "sys.exit(3 if i == 1 else 0)"
     assert launch.launch([sys.executable, "-c", code], 2, 4) == 3
     out, err = capsys.readouterr()
     assert sorted(out.splitlines()) == ["[p0] out 0 2 4", "[p1] out 1 2 4"]
