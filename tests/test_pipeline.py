@@ -82,9 +82,14 @@ def test_pipeline_matches_single_device(model, single_device, strategy, sizes, s
         assert leaf.addressable_shards[0].data.shape[0] == FOUR_LAYERS.n_layers // sizes["pipe"]
 
 
-def test_zero1_composes_with_a_pipeline(model, single_device):
-    losses, params, _ = _train(_program(model, "zero1", {"data": 4, "pipe": 2}))
+@pytest.mark.parametrize("strategy,sizes", [("zero1", {"data": 4, "pipe": 2}), ("tp", {"pipe": 2, "tensor": 4}),
+                                            ("fsdp_tp", {"pipe": 2, "fsdp": 2, "tensor": 2})])
+def test_other_strategies_compose_with_a_pipeline(model, single_device, strategy, sizes):
+    """Optimizer-state sharding over data, and tensor parallelism (GSPMD inside each stage)."""
+    losses, params, _ = _train(_program(model, strategy, sizes))
     np.testing.assert_allclose(losses, single_device[0], rtol=1e-5)
+    for got, ref in zip(jax.tree.leaves(params), jax.tree.leaves(single_device[1])):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_evaluation_matches_the_unpipelined_loss(model):
