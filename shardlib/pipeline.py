@@ -51,6 +51,7 @@ class Schedule:
     name: str
     phases: Callable[[int, int], tuple[Phase, ...]]  # (stages, microbatches) -> phases
     kept_inputs: Callable[[int, int], int]  # (stages, microbatches) -> microbatch inputs a stage keeps
+    kept_cotangents: Callable[[int, int], int]  # output cotangents the last stage keeps until their backward
     summary: str
 
 
@@ -58,9 +59,11 @@ SCHEDULES: dict[str, Schedule] = {
     s.name: s
     for s in (
         Schedule("gpipe", lambda S, M: (Phase(M + S - 1, 0, None), Phase(M + S - 1, None, 0)),
-                 lambda S, M: M, "all forwards, then all backwards (activations of M microbatches)"),
+                 lambda S, M: M, lambda S, M: M, "all forwards, then all backwards (activations of M microbatches)"),
+        # The last stage runs a microbatch's backward in the tick of its forward: one cotangent.
         Schedule("1f1b", lambda S, M: (Phase(S - 1, 0, None), Phase(M, S - 1, 0), Phase(S - 1, None, M)),
-                 lambda S, M: min(M, 2 * S - 1), "one forward, one backward (activations of <= 2S-1 microbatches)"),
+                 lambda S, M: min(M, 2 * S - 1), lambda S, M: 1,
+                 "one forward, one backward (activations of <= 2S-1 microbatches)"),
     )
 }
 
@@ -154,11 +157,10 @@ def value_and_grad(
 
     # Zeros shaped (and varying over the mapped axes) like the real values; XLA drops the probes.
     zeros_x, zero_loss, zero_aux = _zero_outputs(embed, head_loss, rest, rows_of(0))
-    kept = schedule.kept_inputs(S, M)
     carry = dict(
         fwd_in=zeros_x, bwd_in=zeros_x,
-        inputs=jnp.stack([zeros_x] * kept),  # stage inputs kept for the backward
-        cotangents=jnp.stack([zeros_x] * kept),  # last stage: d loss / d its output
+        inputs=jnp.stack([zeros_x] * schedule.kept_inputs(S, M)),  # stage inputs kept for the backward
+        cotangents=jnp.stack([zeros_x] * schedule.kept_cotangents(S, M)),  # last stage: d loss / d its output
         grad_stack=jax.tree.map(jnp.zeros_like, stack), grad_rest=jax.tree.map(jnp.zeros_like, rest),
         loss=zero_loss, aux=zero_aux,
     )

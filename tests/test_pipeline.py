@@ -177,14 +177,16 @@ def test_schedules_run_every_forward_and_backward_once_in_order(name, S, M):
             tick += 1
     assert set(fwd) == set(bwd) == {(s, m) for s in range(S) for m in range(M)}
     assert tick == 2 * (M + S - 1) if name == "gpipe" else tick == M + 2 * (S - 1)
-    kept = schedule.kept_inputs(S, M)
     for (s, m), t in fwd.items():
         assert s == 0 or fwd[(s - 1, m)] == t - 1
         assert s == S - 1 or bwd[(s + 1, m)] == bwd[(s, m)] - 1
         assert bwd[(s, m)] >= t
-        # Inputs of later microbatches stored before this backward must not reuse its slot.
+        # Inputs (every stage) and output cotangents (last stage) of later microbatches, stored
+        # before this microbatch's backward, must not reuse its slot.
         later = [m2 for (s2, m2), t2 in fwd.items() if s2 == s and m < m2 and t2 <= bwd[(s, m)]]
-        assert all((m2 - m) % kept for m2 in later)
+        assert all((m2 - m) % schedule.kept_inputs(S, M) for m2 in later)
+        if s == S - 1:
+            assert all((m2 - m) % schedule.kept_cotangents(S, M) for m2 in later)
 
 
 # ---------------------------------------------------------------- errors
