@@ -174,3 +174,15 @@ def test_checkpoint_of_one_process_restores_on_two_processes(trained, resumed):
     for record in records:
         assert record["steps"] == STEPS and record["ids"] == {}
         _assert_same_state(record["digest"], saved["digest"], f"1x8->2x4 process {record['process']}")
+
+
+def test_pipelined_two_process_run_matches_one_process(tmp_path):
+    """`--pipeline-stages 2` across 2 processes x 4 devices (data spans the processes, each
+    process holds both stages of its replicas) trains like 1 process x 8 devices."""
+    flags = ["--strategy", "zero1", "--pipeline-stages", "2", "--microbatches", "2", "--steps", "5"]
+    runs = {"2x4": (2, 4), "1x8": (1, 8)}
+    _run_concurrently({name: _command(p, d, tmp_path / f"rec-{name}", *flags, "--out", str(tmp_path / f"run-{name}"))
+                       for name, (p, d) in runs.items()})
+    two, one = (read_metrics(tmp_path / f"run-{name}" / "metrics.jsonl") for name in runs)
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3, 4, 5]
+    np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-6, atol=0)
