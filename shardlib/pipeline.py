@@ -5,9 +5,9 @@ The layer stack (leading logical axis ``"layers"``) is split into S contiguous s
 data-parallel device is cut into M microbatches that stream through the stages; activations
 move forward and cotangents backward with ``ppermute`` (collective-permutes of one microbatch's
 residual stream). The embedding and the head are replicated over ``pipe``: the first stage
-embeds, the last one computes the head and the loss, and their gradients are summed over
-``pipe`` once per step (every stage runs both, masked: an SPMD program is the same on all of
-them, and the embedding and the head are small next to the stack).
+embeds, the last one computes the head and the loss (each inside a ``lax.cond`` on the stage
+index, so the other stages skip that work), and their gradients are summed over ``pipe`` once
+per step.
 
 Everything runs in lockstep *ticks*. In one tick every stage may run one forward (microbatch
 ``f_t - s`` on stage ``s``) and one backward (microbatch ``b_t - (S - 1 - s)``), then pass its
@@ -112,6 +112,10 @@ def _vary(x: jax.Array) -> jax.Array:
     return x if PIPE_AXIS in jax.typeof(x).manual_axis_type.varying else jax.lax.pcast(x, (PIPE_AXIS,), to="varying")
 
 
+def _add(total: Any, value: Any) -> Any:
+    return jax.tree.map(jnp.add, total, value)
+
+
 def _masked_add(total: Any, value: Any, keep: jax.Array) -> Any:
     return jax.tree.map(lambda t, v: t + jnp.where(keep, v, jnp.zeros_like(v)), total, value)
 
@@ -171,18 +175,25 @@ def value_and_grad(
         valid = (f >= 0) & (f < M)
         f = jnp.clip(f, 0, M - 1)
         rows = rows_of(f)
-        x = jnp.where(first, embed(rest, rows), c["fwd_in"])
+        x = jax.lax.cond(first, lambda: embed(rest, rows), lambda: c["fwd_in"])
         y = run_stage(stack, x)
-        (loss, aux), head_vjp = jax.vjp(lambda r, y: head_loss(r, y, rows), rest, y)
         at_loss = valid & last
-        g_rest, dy = head_vjp((jnp.ones_like(loss) * weight, jax.tree.map(jnp.zeros_like, aux)))
+
+        def head_grads():
+            (loss, aux), head_vjp = jax.vjp(lambda r, y: head_loss(r, y, rows), rest, y)
+            return (loss, aux, *head_vjp((jnp.ones_like(loss) * weight, jax.tree.map(jnp.zeros_like, aux))))
+
+        # Only the last stage's real microbatches run the head: a branch, not a mask, so the
+        # other stages do not pay for a head (as large as several layers for a big vocabulary).
+        loss, aux, g_rest, dy = jax.lax.cond(
+            at_loss, head_grads, lambda: (zero_loss, zero_aux, jax.tree.map(jnp.zeros_like, rest), jnp.zeros_like(y)))
         return dict(
             c, fwd_in=_shift(y, S, +1),
             inputs=_store(c["inputs"], f, x, valid),
             cotangents=_store(c["cotangents"], f, dy.astype(x.dtype), at_loss),
-            grad_rest=_masked_add(c["grad_rest"], g_rest, at_loss),
-            loss=c["loss"] + jnp.where(at_loss, loss, 0.0) * loss_weight,
-            aux=_masked_add(c["aux"], jax.tree.map(lambda a: a * loss_weight, aux), at_loss),
+            grad_rest=_add(c["grad_rest"], g_rest),  # zeros off the last stage's real microbatches
+            loss=c["loss"] + loss * loss_weight,
+            aux=_add(c["aux"], jax.tree.map(lambda a: a * loss_weight, aux)),
         )
 
     def backward(c, b_t):
@@ -194,12 +205,15 @@ def value_and_grad(
         _, stage_vjp = jax.vjp(run_stage, stack, x)
         g_stack, dx = stage_vjp(cotangent)
         rows = rows_of(b)
-        _, embed_vjp = jax.vjp(lambda r: embed(r, rows), rest)
-        (g_embed,) = embed_vjp(dx)
+
+        def embed_grads():
+            return jax.vjp(lambda r: embed(r, rows), rest)[1](dx)[0]
+
+        g_embed = jax.lax.cond(valid & first, embed_grads, lambda: jax.tree.map(jnp.zeros_like, rest))
         return dict(
             c, bwd_in=_shift(dx, S, -1),
             grad_stack=_masked_add(c["grad_stack"], g_stack, valid),
-            grad_rest=_masked_add(c["grad_rest"], g_embed, valid & first),
+            grad_rest=_add(c["grad_rest"], g_embed),  # zeros off the first stage's real microbatches
         )
 
     for phase in schedule.phases(S, M):
@@ -233,6 +247,7 @@ def loss(
     """Forward-only pipelined loss (evaluation): M + S - 1 forward ticks, nothing kept."""
     S, M = n_stages, microbatches
     stack, rest = _split(params, stages.stacked)
+    rest = jax.tree.map(_vary, rest)  # each stage's branch of the conds below is its own
     micro = _microbatches(batch, M)
     stage_index = jax.lax.axis_index(PIPE_AXIS)
     full = lambda: {**rest, stages.stacked: stack}
@@ -245,11 +260,11 @@ def loss(
         f = t - stage_index
         at_loss = (f >= 0) & (f < M) & (stage_index == S - 1)
         rows = rows_of(jnp.clip(f, 0, M - 1))
-        x = jnp.where(stage_index == 0, stages.embed(full(), rows), fwd_in)
+        x = jax.lax.cond(stage_index == 0, lambda: stages.embed(full(), rows), lambda: fwd_in)
         y = stages.stage(full(), x)
-        loss, aux = stages.head_loss(full(), y, rows)
-        total = total + jnp.where(at_loss, loss, 0.0) * loss_weight
-        aux_total = _masked_add(aux_total, jax.tree.map(lambda a: a * loss_weight, aux), at_loss)
+        loss, aux = jax.lax.cond(at_loss, lambda: stages.head_loss(full(), y, rows), lambda: (zero_loss, zero_aux))
+        total = total + loss * loss_weight
+        aux_total = _add(aux_total, jax.tree.map(lambda a: a * loss_weight, aux))
         return (_shift(y, S, +1), total, aux_total), None
 
     (_, total, aux_total), _ = jax.lax.scan(tick, (zeros_x, zero_loss, zero_aux), jnp.arange(M + S - 1))
