@@ -92,6 +92,19 @@ def test_other_strategies_compose_with_a_pipeline(model, single_device, strategy
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
 
 
+def test_bf16_pipeline_tracks_float32_with_float32_state(single_device):
+    """bf16 activations and cotangents between stages; master weights and Adam state stay float32."""
+    model = trainable(dataclasses.replace(FOUR_LAYERS, compute_dtype="bfloat16"))
+    mesh = make_mesh({"pipe": 2, "fsdp": 4}, devices=jax.devices()[:8])
+    program = build(model, optimizer(), make_layout(model, "zero3", mesh), precision="bf16", microbatches=MICROBATCHES)
+    losses, _, state = _train(program)
+    np.testing.assert_allclose(losses, single_device[0], rtol=0.02)
+    batch = program.abstract_batch({"inputs": ((ROWS, 32), jnp.int32), "targets": ((ROWS, 32), jnp.int32)})
+    permutes = report.collective_stats(program.step.lower(program.abstract_state(), batch)).of_kind("collective-permute")
+    assert permutes and {r.dtype for r in permutes} == {"bf16"}  # half the bytes between stages
+    assert {leaf.dtype for leaf in jax.tree.leaves((state.params, state.opt_state)) if leaf.ndim} == {np.dtype("float32")}
+
+
 def test_evaluation_matches_the_unpipelined_loss(model):
     flat, piped = _program(model, "dp", {"data": 1}), _program(model, "dp", {"pipe": 4})
     params = flat.init(jax.random.key(0)).params
