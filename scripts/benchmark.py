@@ -128,7 +128,7 @@ def machine() -> str:
 
 
 def render(rows: Sequence[dict[str, Any]], markdown: bool) -> str:
-    from shardlib.report import format_bytes, format_table
+    from shardlib.report import format_bytes, format_markdown, format_table
 
     table = [{
         "strategy": r["strategy"], "mesh": r["mesh"],
@@ -137,12 +137,7 @@ def render(rows: Sequence[dict[str, Any]], markdown: bool) -> str:
         "shardlib peak/dev": format_bytes(r["shardlib_peak"]), "jit peak/dev": format_bytes(r["baseline_peak"]),
         "shardlib comm/step": format_bytes(r["shardlib_comm"]), "jit comm/step": format_bytes(r["baseline_comm"]),
     } for r in rows]
-    if not markdown:
-        return format_table(table)
-    keys = list(table[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(str(row[k]) for k in keys) + " |" for row in table]
-    return "\n".join(lines)
+    return format_markdown(table) if markdown else format_table(table)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

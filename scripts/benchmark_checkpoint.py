@@ -37,7 +37,7 @@ def main() -> None:
     from models import get_config, param_count, trainable
     from shardlib import build, get_strategy, make_layout, make_mesh
     from shardlib.checkpoint import Checkpointer
-    from shardlib.report import format_bytes
+    from shardlib.report import format_bytes, format_markdown
     from shardlib.train import TrainConfig, _optimizer, _schedule
 
     config = TrainConfig(model=args.model, strategy=args.strategy)
@@ -72,10 +72,9 @@ def main() -> None:
     print(f"model {args.model} ({param_count(get_config(args.model)) / 1e6:.2f}M params), {args.strategy} on "
           f"{len(jax.devices())} {jax.default_backend()} devices, state {format_bytes(n_bytes)}, "
           f"{args.repeats} saves each (median)")
-    print(f"| save | blocks the loop (s) | until committed (s) |")
-    print(f"|---|---|---|")
-    print(f"| synchronous | {med['sync']:.3f} | {med['sync']:.3f} |")
-    print(f"| async | {med['async']:.3f} | {statistics.median(commit):.3f} |")
+    print(format_markdown([{"save": "synchronous", "blocks the loop (s)": med["sync"], "until committed (s)": med["sync"]},
+                           {"save": "async", "blocks the loop (s)": med["async"],
+                            "until committed (s)": statistics.median(commit)}]))
     print(f"ratio sync / async blocking time: {med['sync'] / med['async']:.1f}x")
 
 

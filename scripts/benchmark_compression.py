@@ -37,7 +37,7 @@ def main() -> None:
     from models import get_config, trainable
     from shardlib import build, make_layout, make_mesh
     from shardlib.data import ByteBatches, load_text
-    from shardlib.report import collective_stats, format_bytes, format_table
+    from shardlib.report import collective_stats, format_bytes, format_markdown, format_table
 
     config = get_config("tiny")
     corpus = np.frombuffer(load_text(None), np.uint8)
@@ -70,14 +70,7 @@ def main() -> None:
             "loss vs f32": f"{np.mean(losses[-10:]) / reference[2]:.4f}",
             "step time vs f32": f"{step_time / reference[1]:.2f}",
         })
-    columns = list(rows[0])
-    if args.markdown:
-        print("| " + " | ".join(columns) + " |")
-        print("|" + "---|" * len(columns))
-        for row in rows:
-            print("| " + " | ".join(str(row[c]) for c in columns) + " |")
-    else:
-        print(format_table(rows, columns))
+    print(format_markdown(rows) if args.markdown else format_table(rows))
 
 
 if __name__ == "__main__":

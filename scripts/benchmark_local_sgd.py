@@ -74,7 +74,7 @@ def main() -> None:
     from shardlib import build, make_layout, make_mesh
     from shardlib.data import ByteBatches, load_text, split_train_val, val_batches
     from shardlib.local_sgd import build_local_sgd
-    from shardlib.report import format_table
+    from shardlib.report import format_markdown, format_table
 
     variants = {k: v for k, v in VARIANTS.items() if args.only is None or k in args.only}
     model = trainable(get_config("tiny"))
@@ -136,14 +136,7 @@ def main() -> None:
             print(rows[-1], flush=True)
 
     print(f"\ntiny GPT, {args.optimizer}, global batch {args.batch_size} x {SEQ}, {args.steps} steps")
-    columns = list(rows[0])
-    if args.markdown:
-        print("| " + " | ".join(columns) + " |")
-        print("|" + "---|" * len(columns))
-        for row in rows:
-            print("| " + " | ".join(str(row[c]) for c in columns) + " |")
-    else:
-        print(format_table(rows, columns))
+    print(format_markdown(rows) if args.markdown else format_table(rows))
 
 
 if __name__ == "__main__":

@@ -108,13 +108,7 @@ def main() -> None:
     device = devices[0]
     print(f"{args.model}, pipe={S} x data={data} vs data={len(devices)}, {len(devices)} x {device.platform} "
           f"({device.device_kind}), seq {args.seq_len}, {args.rows} row(s) per microbatch per replica")
-    if args.markdown:
-        print("| " + " | ".join(columns) + " |")
-        print("|" + "---|" * len(columns))
-        for row in rows:
-            print("| " + " | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in columns) + " |")
-    else:
-        print(report.format_table(rows, columns))
+    print(report.format_markdown(rows, columns) if args.markdown else report.format_table(rows, columns))
 
 
 if __name__ == "__main__":

@@ -82,6 +82,15 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[Column] | 
     return "\n".join(out)
 
 
+def format_markdown(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """The same rows as a Markdown table (for BENCHMARKS.md); floats with 3 decimals."""
+    columns = list(columns if columns is not None else (rows[0].keys() if rows else []))
+    text = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(text(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------------------------
 # HLO shapes
 # ----------------------------------------------------------------------------------------------
