@@ -257,6 +257,40 @@ def _optimizer(config: TrainConfig, model, schedule):
     )
 
 
+def _program(config: TrainConfig, model, layout, schedule):
+    """The train program of ``config``'s options; a refused combination names its flag."""
+    from shardlib import build
+
+    try:
+        return build(model, _optimizer(config, model, schedule), layout, lr_schedule=schedule,
+                     precision=config.precision, grad_accum=config.grad_accum,
+                     grad_compression=config.grad_compression, microbatches=config.microbatches,
+                     schedule=config.pipeline_schedule)
+    except ValueError as err:
+        field = ("pipeline_stages" if layout.pipeline_stages > 1 else
+                 "grad_compression" if config.grad_compression != "none" else "grad_accum")
+        raise TrainConfigError(field, str(err)) from None
+
+
+def _loaders(config: TrainConfig, layout, train_bytes, val_bytes):
+    """This process's rows of each training batch, and its validation windows, checked against the mesh."""
+    import jax
+
+    from shardlib.data import ByteBatches, val_batches
+
+    geometry = dict(data_parallel_size=layout.batch_size_multiple,
+                    process_index=jax.process_index(), process_count=jax.process_count())
+    try:
+        loader = ByteBatches(train_bytes, config.batch_size, config.seq_len, seed=config.seed, **geometry)
+        val_local = val_batches(val_bytes, config.batch_size, config.seq_len, None, **geometry)
+        if len(val_local) > config.eval_batches:  # fewer windows, still spread over the whole split
+            val_local = val_batches(val_bytes, config.batch_size, config.seq_len, config.eval_batches, **geometry)
+    except ValueError as err:
+        field = "batch_size" if "batch size" in str(err) else "seq_len" if "seq_len" in str(err) else "data"
+        raise TrainConfigError(field, str(err)) from None
+    return loader, val_local
+
+
 def _out_dir(config: TrainConfig) -> Path:
     """``--out`` or ``runs/<timestamp>``; every process agrees on the name (process 0's clock)."""
     if config.out:
@@ -338,8 +372,8 @@ def train(config: TrainConfig) -> TrainResult:
     from tqdm import tqdm  # plain text bar: works in terminals, logs and notebooks without ipywidgets
 
     from models import flops_per_token, param_count, trainable
-    from shardlib import build, fault, make_layout
-    from shardlib.data import ByteBatches, LoaderState, to_global, val_batches
+    from shardlib import fault, make_layout
+    from shardlib.data import LoaderState, to_global
     from shardlib.metrics_io import MetricsLog, plot_loss_curve
     from shardlib.report import collective_stats, format_bytes, memory_stats, mfu, peak_flops_for
     from shardlib.strategies import get_strategy
@@ -359,34 +393,12 @@ def train(config: TrainConfig) -> TrainResult:
     else:
         out_dir = _out_dir(config)
 
-    # ---- data: this process's rows of each global batch, checked against the mesh up front.
-    geometry = dict(data_parallel_size=layout.batch_size_multiple,
-                    process_index=jax.process_index(), process_count=jax.process_count())
-    try:
-        loader = ByteBatches(train_bytes, config.batch_size, config.seq_len, seed=config.seed, **geometry)
-        val_local = val_batches(val_bytes, config.batch_size, config.seq_len, None, **geometry)
-        if len(val_local) > config.eval_batches:  # fewer windows, still spread over the whole split
-            val_local = val_batches(val_bytes, config.batch_size, config.seq_len, config.eval_batches, **geometry)
-    except ValueError as err:
-        field = "batch_size" if "batch size" in str(err) else "seq_len" if "seq_len" in str(err) else "data"
-        raise TrainConfigError(field, str(err)) from None
+    loader, val_local = _loaders(config, layout, train_bytes, val_bytes)
     shapes = {k: ((config.batch_size, config.seq_len), np.int32) for k in ("inputs", "targets")}
 
     # ---- program: init directly sharded; compile the step once (memory figures come from it).
     schedule = _schedule(config)
-
-    def build_program(model):
-        try:
-            return build(model, _optimizer(config, model, schedule), layout, lr_schedule=schedule,
-                         precision=config.precision, grad_accum=config.grad_accum,
-                         grad_compression=config.grad_compression, microbatches=config.microbatches,
-                         schedule=config.pipeline_schedule)
-        except ValueError as err:
-            field = ("pipeline_stages" if layout.pipeline_stages > 1 else
-                     "grad_compression" if config.grad_compression != "none" else "grad_accum")
-            raise TrainConfigError(field, str(err)) from None
-
-    program = build_program(model)
+    program = _program(config, model, layout, schedule)
     abstract_batch = program.abstract_batch(shapes)
     batch_sharding = {k: v.sharding for k, v in abstract_batch.items()}
     step_fn = program.compile_step(program.abstract_state(), abstract_batch)
@@ -412,7 +424,7 @@ def train(config: TrainConfig) -> TrainResult:
     # Test hook: the steps of inject_nan_steps run a step whose loss is NaN (same state layout).
     poisoned_fn = None
     if config.inject_nan_steps:
-        poisoned = build_program(fault.poisoned_model(model))
+        poisoned = _program(config, fault.poisoned_model(model), layout, schedule)
         poisoned_fn = poisoned.compile_step(program.abstract_state(), abstract_batch)
 
     log = MetricsLog(out_dir, enabled=is_main, tensorboard=config.tensorboard,

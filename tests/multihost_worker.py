@@ -145,8 +145,8 @@ def run_cli_recorded(record_dir: str, cli_args: list[str]) -> int:
 
     The loader tap is a `ByteBatches` subclass that notes, per step, the window starts of the
     rows it returns and checks that the returned rows really are the corpus at those starts, so
-    the ids are what the process read, not a recomputation beside it. `shardlib.train.train`
-    imports ``ByteBatches`` from `shardlib.data` when it runs, and `shardlib.train.run` calls the
+    the ids are what the process read, not a recomputation beside it. `shardlib.train` imports
+    ``ByteBatches`` from `shardlib.data` when a run builds its loader, and `shardlib.train.run` calls the
     module's ``train``; both are replaced here. If train.py stops looking them up that way, the
     record has no ids (or no file) and the tests fail loudly rather than pass.
     """
