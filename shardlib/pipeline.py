@@ -5,9 +5,12 @@ The layer stack (leading logical axis ``"layers"``) is split into S contiguous s
 data-parallel device is cut into M microbatches that stream through the stages; activations
 move forward and cotangents backward with ``ppermute`` (collective-permutes of one microbatch's
 residual stream). The embedding and the head are replicated over ``pipe``: the first stage
-embeds, the last one computes the head and the loss (each inside a ``lax.cond`` on the stage
-index, so the other stages skip that work), and their gradients are summed over ``pipe`` once
-per step.
+embeds, the last one computes the head and the loss, and their gradients are summed over
+``pipe`` once per step. With ``branch=True`` the other stages skip that work (a ``lax.cond`` on
+the stage index); that is only safe when the embedding and the head need no collective (no
+ZeRO-3 gather, no tensor parallelism): XLA:CPU was seen to deadlock on a ZeRO-3 step whose
+all-gathers sat inside such a branch, taken by one stage and not the other. Otherwise every
+stage computes them and keeps the result only where it applies.
 
 Everything runs in lockstep *ticks*. In one tick every stage may run one forward (microbatch
 ``f_t - s`` on stage ``s``) and one backward (microbatch ``b_t - (S - 1 - s)``), then pass its
@@ -112,6 +115,14 @@ def _vary(x: jax.Array) -> jax.Array:
     return x if PIPE_AXIS in jax.typeof(x).manual_axis_type.varying else jax.lax.pcast(x, (PIPE_AXIS,), to="varying")
 
 
+def _when(pred: jax.Array, fn: Callable, otherwise: Callable, branch: bool) -> Any:
+    """``fn()`` where ``pred`` holds, else ``otherwise()``: a ``lax.cond`` when ``branch`` (the work
+    is skipped), else both computed and selected (``fn`` may then hold collectives)."""
+    if branch:
+        return jax.lax.cond(pred, fn, otherwise)
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), fn(), otherwise())
+
+
 def _add(total: Any, value: Any) -> Any:
     return jax.tree.map(jnp.add, total, value)
 
@@ -139,13 +150,15 @@ def value_and_grad(
     schedule: str | Schedule = "1f1b",
     loss_weight: float = 1.0,
     seed: jax.Array | float = 1.0,
+    branch: bool = False,
 ) -> tuple[tuple[jax.Array, dict[str, jax.Array]], Any]:
     """Pipelined loss and gradients of this device's rows; call inside ``shard_map`` with ``pipe`` manual.
 
     ``params`` holds this stage's slice of the layer stack and the full embedding / head.
     Returns ((loss, aux), grads): ``loss_weight`` times the sum of the microbatch losses (the
     same on every stage), and the gradient of ``seed * loss`` (``seed``: a loss scale); the
-    stack's gradients are this stage's, the others' already summed over ``pipe``.
+    stack's gradients are this stage's, the others' already summed over ``pipe``. ``branch``:
+    skip the embedding / head on the stages that do not use them (only without collectives in them).
     """
     schedule = get_schedule(schedule)
     S, M = n_stages, microbatches
@@ -175,7 +188,7 @@ def value_and_grad(
         valid = (f >= 0) & (f < M)
         f = jnp.clip(f, 0, M - 1)
         rows = rows_of(f)
-        x = jax.lax.cond(first, lambda: embed(rest, rows), lambda: c["fwd_in"])
+        x = _when(first, lambda: embed(rest, rows), lambda: c["fwd_in"], branch)
         y = run_stage(stack, x)
         at_loss = valid & last
 
@@ -183,10 +196,11 @@ def value_and_grad(
             (loss, aux), head_vjp = jax.vjp(lambda r, y: head_loss(r, y, rows), rest, y)
             return (loss, aux, *head_vjp((jnp.ones_like(loss) * weight, jax.tree.map(jnp.zeros_like, aux))))
 
-        # Only the last stage's real microbatches run the head: a branch, not a mask, so the
-        # other stages do not pay for a head (as large as several layers for a big vocabulary).
-        loss, aux, g_rest, dy = jax.lax.cond(
-            at_loss, head_grads, lambda: (zero_loss, zero_aux, jax.tree.map(jnp.zeros_like, rest), jnp.zeros_like(y)))
+        # Only the last stage's real microbatches use the head (as large as several layers for a
+        # big vocabulary): a branch where it is safe, else computed everywhere and selected.
+        loss, aux, g_rest, dy = _when(
+            at_loss, head_grads,
+            lambda: (zero_loss, zero_aux, jax.tree.map(jnp.zeros_like, rest), jnp.zeros_like(y)), branch)
         return dict(
             c, fwd_in=_shift(y, S, +1),
             inputs=_store(c["inputs"], f, x, valid),
@@ -209,7 +223,7 @@ def value_and_grad(
         def embed_grads():
             return jax.vjp(lambda r: embed(r, rows), rest)[1](dx)[0]
 
-        g_embed = jax.lax.cond(valid & first, embed_grads, lambda: jax.tree.map(jnp.zeros_like, rest))
+        g_embed = _when(valid & first, embed_grads, lambda: jax.tree.map(jnp.zeros_like, rest), branch)
         return dict(
             c, bwd_in=_shift(dx, S, -1),
             grad_stack=_masked_add(c["grad_stack"], g_stack, valid),
@@ -243,6 +257,7 @@ def loss(
     n_stages: int,
     microbatches: int,
     loss_weight: float = 1.0,
+    branch: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Forward-only pipelined loss (evaluation): M + S - 1 forward ticks, nothing kept."""
     S, M = n_stages, microbatches
@@ -260,9 +275,9 @@ def loss(
         f = t - stage_index
         at_loss = (f >= 0) & (f < M) & (stage_index == S - 1)
         rows = rows_of(jnp.clip(f, 0, M - 1))
-        x = jax.lax.cond(stage_index == 0, lambda: stages.embed(full(), rows), lambda: fwd_in)
+        x = _when(stage_index == 0, lambda: stages.embed(full(), rows), lambda: fwd_in, branch)
         y = stages.stage(full(), x)
-        loss, aux = jax.lax.cond(at_loss, lambda: stages.head_loss(full(), y, rows), lambda: (zero_loss, zero_aux))
+        loss, aux = _when(at_loss, lambda: stages.head_loss(full(), y, rows), lambda: (zero_loss, zero_aux), branch)
         total = total + loss * loss_weight
         aux_total = _add(aux_total, jax.tree.map(lambda a: a * loss_weight, aux))
         return (_shift(y, S, +1), total, aux_total), None

@@ -275,7 +275,11 @@ def build(
             stage=lambda p, x: model.pipeline.stage(compute_view(p), x, model_specs),
             head_loss=lambda p, x, b: model.pipeline.head_loss(compute_view(p), x, b, model_specs),
         )
-        pipeline_args = dict(n_stages=n_stages, microbatches=microbatches, loss_weight=1.0 / (n_batch * microbatches))
+        # The first / last stage alone may run the embedding / head (a branch) only when they hold
+        # no collective: no parameter gathered over the batch axes, no tensor parallelism.
+        branch = not must_gather and mesh.shape.get("tensor", 1) == 1
+        pipeline_args = dict(n_stages=n_stages, microbatches=microbatches, loss_weight=1.0 / (n_batch * microbatches),
+                             branch=branch)
 
     def reduce(grads, residuals):
         flat, treedef = jax.tree.flatten(grads)

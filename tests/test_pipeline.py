@@ -164,6 +164,9 @@ def test_stages_exchange_activations_and_gather_only_their_own_weights(model):
     assert sum(r.multiplicity for r in permutes) >= 2 * (MICROBATCHES + 1) - 2
     gathers = stats.of_kind("all-gather")
     assert gathers and all(r.group_size == sizes["fsdp"] for r in gathers)  # within a stage, never across
+    # No collective inside a branch that some stages take and others skip (the embedding / head
+    # under ZeRO-3 are computed on every stage instead): XLA:CPU deadlocked on that.
+    assert not any(r.in_conditional for r in stats.records)
 
 
 def test_bubble_fraction():
