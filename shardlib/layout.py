@@ -117,12 +117,13 @@ def make_layout(
     """Resolve the strategy's rule tables against the model's logical axes on this mesh."""
     strategy = get_strategy(strategy)
     abstract = model.abstract()
-    if mesh.shape.get(PIPE_AXIS, 1) > 1:
+    stages = mesh.shape.get(PIPE_AXIS, 1)
+    if stages > 1:
         strategy = pipelined(strategy)
     params = rules_lib.layout_tree(abstract, model.logical_axes, strategy.param_rules, mesh, table=f"{strategy.name}.param_rules")
     state = rules_lib.layout_tree(abstract, model.logical_axes, strategy.state_rules, mesh, table=f"{strategy.name}.state_rules")
-    if mesh.shape.get(PIPE_AXIS, 1) > 1:
-        _check_stages(params, mesh.shape[PIPE_AXIS])
+    if stages > 1:
+        _check_stages(params, stages)
     rules_lib.validate_rules(strategy.batch_rules, mesh, table=f"{strategy.name}.batch_rules")
     rules_lib.validate_rules(strategy.activation_rules, mesh, table=f"{strategy.name}.activation_rules")
     batch_axes = tuple(a for name, axes in strategy.batch_rules if name == "batch" for a in rules_lib.as_axes(axes))

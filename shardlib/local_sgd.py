@@ -359,8 +359,12 @@ def build_local_sgd(
     opt_mean = jax.shard_map(functools.partial(_average_leaves, n_replicas=n_replicas), mesh=mesh,
                              in_specs=(manual_opt,), out_specs=manual_opt, axis_names=set(batch_axes))
 
+    def average(stacked_params):
+        """The replicas' mean parameters, in the storage layout."""
+        return jax.lax.with_sharding_constraint(replica_mean(stacked_params), param_shardings)
+
     def sync_fn(state: LocalSGDState) -> LocalSGDState:
-        mean = jax.lax.with_sharding_constraint(replica_mean(state.params), param_shardings)
+        mean = average(state.params)
         if average_opt_state:
             state = dataclasses.replace(state, opt_state=opt_mean(state.opt_state))
         if outer_tx is None:
@@ -372,7 +376,7 @@ def build_local_sgd(
 
     def rebase_fn(state: LocalSGDState) -> LocalSGDState:
         """The anchor becomes the (warmed-up) replicas' mean; the outer optimizer state is untouched."""
-        anchor = jax.lax.with_sharding_constraint(replica_mean(state.params), param_shardings)
+        anchor = average(state.params)
         return dataclasses.replace(state, params=broadcast(anchor), anchor=anchor)
 
     state_jit = functools.partial(jax.jit, in_shardings=(state_sharding,), out_shardings=state_sharding,

@@ -85,14 +85,35 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def _split(params: Mapping[str, Any], stacked: str) -> tuple[Any, dict[str, Any]]:
-    if stacked not in params:
-        raise ValueError(f"the pipeline's layer stack {stacked!r} is not a top-level parameter entry ({', '.join(params)})")
-    return params[stacked], {k: v for k, v in params.items() if k != stacked}
+@dataclasses.dataclass(frozen=True)
+class _Cut:
+    """One device's view of the pipeline: its slice of the stack, the replicated rest, its
+    microbatches, and the model's three pieces as functions of what each differentiates."""
+
+    stages: Stages
+    stack: Any
+    rest: Any
+    micro: dict[str, jax.Array]  # [M, rows / M, ...] per batch entry
+
+    def rows(self, i: jax.Array) -> dict[str, jax.Array]:
+        return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), self.micro)
+
+    def embed(self, rest: Any, rows: Any) -> jax.Array:
+        return self.stages.embed({**rest, self.stages.stacked: self.stack}, rows)
+
+    def stage(self, stack: Any, x: jax.Array) -> jax.Array:
+        return self.stages.stage({**self.rest, self.stages.stacked: stack}, x)
+
+    def head_loss(self, rest: Any, x: jax.Array, rows: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return self.stages.head_loss({**rest, self.stages.stacked: self.stack}, x, rows)
 
 
-def _microbatches(batch: Mapping[str, jax.Array], m: int) -> dict[str, jax.Array]:
-    return {k: x.reshape(m, x.shape[0] // m, *x.shape[1:]) for k, x in batch.items()}
+def _cut(stages: Stages, params: Mapping[str, Any], batch: Mapping[str, jax.Array], m: int) -> _Cut:
+    if stages.stacked not in params:
+        raise ValueError(f"the pipeline's layer stack {stages.stacked!r} is not a top-level parameter entry ({', '.join(params)})")
+    rest = {k: v for k, v in params.items() if k != stages.stacked}
+    micro = {k: x.reshape(m, x.shape[0] // m, *x.shape[1:]) for k, x in batch.items()}
+    return _Cut(stages, params[stages.stacked], rest, micro)
 
 
 def _shift(x: jax.Array, stages: int, direction: int) -> jax.Array:
@@ -101,11 +122,12 @@ def _shift(x: jax.Array, stages: int, direction: int) -> jax.Array:
     return jax.lax.ppermute(x, PIPE_AXIS, pairs)
 
 
-def _zero_outputs(embed: Callable, head_loss: Callable, rest: Any, rows: Any) -> tuple[Any, Any, Any]:
+def _zero_outputs(cut: _Cut) -> tuple[Any, Any, Any]:
     """Zeros like the residual stream, the loss and the aux metrics (traced, not evaluated:
     they carry the same varying-over-axes type as the real values; XLA drops the probes)."""
-    x = embed(rest, rows)
-    loss, aux = head_loss(rest, x, rows)
+    rows = cut.rows(0)
+    x = cut.embed(cut.rest, rows)
+    loss, aux = cut.head_loss(cut.rest, x, rows)
     zeros = lambda v: _vary(jnp.zeros_like(v, jnp.float32 if v is loss else None))
     return zeros(x), zeros(loss), jax.tree.map(zeros, aux)
 
@@ -162,18 +184,12 @@ def value_and_grad(
     """
     schedule = get_schedule(schedule)
     S, M = n_stages, microbatches
-    stack, rest = _split(params, stages.stacked)
-    micro = _microbatches(batch, M)
+    cut = _cut(stages, params, batch, M)
+    stack, rest, rows_of = cut.stack, cut.rest, cut.rows
+    embed, run_stage, head_loss = cut.embed, cut.stage, cut.head_loss
     stage_index = jax.lax.axis_index(PIPE_AXIS)
     first, last = stage_index == 0, stage_index == S - 1
-    rows_of = lambda i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), micro)
-
-    embed = lambda rest, rows: stages.embed({**rest, stages.stacked: stack}, rows)
-    run_stage = lambda stack, x: stages.stage({**rest, stages.stacked: stack}, x)
-    head_loss = lambda rest, x, rows: stages.head_loss({**rest, stages.stacked: stack}, x, rows)
-
-    # Zeros shaped (and varying over the mapped axes) like the real values; XLA drops the probes.
-    zeros_x, zero_loss, zero_aux = _zero_outputs(embed, head_loss, rest, rows_of(0))
+    zeros_x, zero_loss, zero_aux = _zero_outputs(cut)
     carry = dict(
         fwd_in=zeros_x, bwd_in=zeros_x,
         inputs=jnp.stack([zeros_x] * schedule.kept_inputs(S, M)),  # stage inputs kept for the backward
@@ -261,23 +277,19 @@ def loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Forward-only pipelined loss (evaluation): M + S - 1 forward ticks, nothing kept."""
     S, M = n_stages, microbatches
-    stack, rest = _split(params, stages.stacked)
-    rest = jax.tree.map(_vary, rest)  # each stage's branch of the conds below is its own
-    micro = _microbatches(batch, M)
+    cut = _cut(stages, params, batch, M)
+    cut = dataclasses.replace(cut, rest=jax.tree.map(_vary, cut.rest))  # each stage's copy is its own
     stage_index = jax.lax.axis_index(PIPE_AXIS)
-    full = lambda: {**rest, stages.stacked: stack}
-    rows_of = lambda i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), micro)
-    zeros_x, zero_loss, zero_aux = _zero_outputs(lambda r, rows: stages.embed(full(), rows),
-                                                 lambda r, x, rows: stages.head_loss(full(), x, rows), rest, rows_of(0))
+    zeros_x, zero_loss, zero_aux = _zero_outputs(cut)
 
     def tick(c, t):
         fwd_in, total, aux_total = c
         f = t - stage_index
         at_loss = (f >= 0) & (f < M) & (stage_index == S - 1)
-        rows = rows_of(jnp.clip(f, 0, M - 1))
-        x = _when(stage_index == 0, lambda: stages.embed(full(), rows), lambda: fwd_in, branch)
-        y = stages.stage(full(), x)
-        loss, aux = _when(at_loss, lambda: stages.head_loss(full(), y, rows), lambda: (zero_loss, zero_aux), branch)
+        rows = cut.rows(jnp.clip(f, 0, M - 1))
+        x = _when(stage_index == 0, lambda: cut.embed(cut.rest, rows), lambda: fwd_in, branch)
+        y = cut.stage(cut.stack, x)
+        loss, aux = _when(at_loss, lambda: cut.head_loss(cut.rest, y, rows), lambda: (zero_loss, zero_aux), branch)
         total = total + loss * loss_weight
         aux_total = _add(aux_total, jax.tree.map(lambda a: a * loss_weight, aux))
         return (_shift(y, S, +1), total, aux_total), None
