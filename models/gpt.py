@@ -1,7 +1,7 @@
 """A GPT/Llama-style decoder in Flax NNX whose every parameter carries logical axis names.
 
 The blocks are stacked (leading ``"layers"`` axis) and run with ``jax.lax.scan`` so that a
-strategy can gather one layer's weights at a time (``shardlib.hooks.gather_layer``) and XLA
+strategy can gather one layer's weights at a time (``shardlib.model.hooks.gather_layer``) and XLA
 compiles one block instead of ``n_layers`` copies. Parameters stay float32; matmuls run in
 ``config.compute_dtype``; norm statistics, softmax and logits are float32.
 """
@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from models.configs import GPTConfig
-from shardlib.hooks import constrain, gather_layer
+from .configs import GPTConfig
+from shardlib.model.hooks import constrain, gather_layer
 from shardlib.model import Stages
 
 RESIDUAL = ("batch", "seq", "embed")

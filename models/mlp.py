@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlib.hooks import constrain
+from shardlib.model.hooks import constrain
 
 
 class MLP(nnx.Module):

@@ -64,8 +64,8 @@ def baseline_step(model: Any, tx: Any, program: Any, batch_sharding: Any) -> Any
 
 
 def _figures(compiled: Any, n_devices: int) -> dict[str, int]:
-    from shardlib.plan import peak_bytes
-    from shardlib.report import collective_stats, memory_stats
+    from shardlib.tools.plan import peak_bytes
+    from shardlib.tools.report import collective_stats, memory_stats
 
     return {"peak": peak_bytes(memory_stats(compiled)),
             "comm": collective_stats(compiled.as_text(), num_devices=n_devices).total_bytes}
@@ -86,7 +86,7 @@ def bench_strategy(name: str, args: argparse.Namespace, config: Any, model: Any,
     import optax
 
     from shardlib import build, make_layout, make_mesh
-    from shardlib.plan import default_mesh
+    from shardlib.tools.plan import default_mesh
 
     sizes = default_mesh(name, args.devices, config)
     mesh = make_mesh(sizes, devices=jax.devices()[: args.devices])
@@ -128,7 +128,7 @@ def machine() -> str:
 
 
 def render(rows: Sequence[dict[str, Any]], markdown: bool) -> str:
-    from shardlib.report import format_bytes, format_markdown, format_table
+    from shardlib.tools.report import format_bytes, format_markdown, format_table
 
     table = [{
         "strategy": r["strategy"], "mesh": r["mesh"],
@@ -142,13 +142,13 @@ def render(rows: Sequence[dict[str, Any]], markdown: bool) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from shardlib.plan import check_strategy, setup_devices
+    from shardlib.tools.plan import check_strategy, setup_devices
 
     setup_devices(args.devices)
     import jax
     import numpy as np
 
-    from models import get_config, trainable
+    from shardlib.models import get_config, trainable
 
     names = [check_strategy(s) for s in args.strategies]
     if len(jax.devices()) < args.devices:

@@ -29,16 +29,16 @@ def main() -> None:
     parser.add_argument("--cpu-devices", type=int, default=8)
     args = parser.parse_args()
 
-    from shardlib.train import setup_devices
+    from shardlib.run.train import setup_devices
 
     setup_devices(args.cpu_devices)
     import jax
 
-    from models import get_config, param_count, trainable
+    from shardlib.models import get_config, param_count, trainable
     from shardlib import build, get_strategy, make_layout, make_mesh
-    from shardlib.checkpoint import Checkpointer
-    from shardlib.report import format_bytes, format_markdown
-    from shardlib.train import TrainConfig, _optimizer, _schedule
+    from shardlib.runtime.checkpoint import Checkpointer
+    from shardlib.tools.report import format_bytes, format_markdown
+    from shardlib.run.train import TrainConfig, _optimizer, _schedule
 
     config = TrainConfig(model=args.model, strategy=args.strategy)
     model = trainable(get_config(args.model))

@@ -34,10 +34,10 @@ def main() -> None:
     import numpy as np
     import optax
 
-    from models import get_config, trainable
+    from shardlib.models import get_config, trainable
     from shardlib import build, make_layout, make_mesh
-    from shardlib.data import ByteBatches, load_text
-    from shardlib.report import collective_stats, format_bytes, format_markdown, format_table
+    from shardlib.runtime.data import ByteBatches, load_text
+    from shardlib.tools.report import collective_stats, format_bytes, format_markdown, format_table
 
     config = get_config("tiny")
     corpus = np.frombuffer(load_text(None), np.uint8)

@@ -70,11 +70,11 @@ def main() -> None:
     import numpy as np
     import optax
 
-    from models import get_config, trainable
+    from shardlib.models import get_config, trainable
     from shardlib import build, make_layout, make_mesh
-    from shardlib.data import ByteBatches, load_text, split_train_val, val_batches
-    from shardlib.local_sgd import build_local_sgd
-    from shardlib.report import format_markdown, format_table
+    from shardlib.runtime.data import ByteBatches, load_text, split_train_val, val_batches
+    from shardlib.step.local_sgd import build_local_sgd
+    from shardlib.tools.report import format_markdown, format_table
 
     variants = {k: v for k, v in VARIANTS.items() if args.only is None or k in args.only}
     model = trainable(get_config("tiny"))

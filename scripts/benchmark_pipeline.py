@@ -48,9 +48,11 @@ def main() -> None:
     import numpy as np
     import optax
 
-    from models import get_config, trainable
-    from shardlib import build, make_layout, make_mesh, pipeline, report
-    from shardlib.data import ByteBatches, load_text
+    from shardlib.models import get_config, trainable
+    from shardlib import build, make_layout, make_mesh
+    from shardlib.step import pipeline
+    from shardlib.tools import report
+    from shardlib.runtime.data import ByteBatches, load_text
 
     model = trainable(get_config(args.model))
     devices = jax.devices()[:8]

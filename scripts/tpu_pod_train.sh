@@ -5,7 +5,7 @@
 #   TPU_NAME=my-v5e-64 ZONE=us-west4-a scripts/tpu_pod_train.sh --model 1b --strategy fsdp_tp --mesh fsdp=-1,tensor=4
 #
 # Each worker runs one process that drives all of its local TPU chips (4 on v4/v5p hosts, 4 or
-# 8 on v5e/v6e). shardlib.distributed.initialize() sees the Cloud TPU VM and calls
+# 8 on v5e/v6e). shardlib.runtime.distributed.initialize() sees the Cloud TPU VM and calls
 # jax.distributed.initialize() with no arguments: JAX reads the worker list and this worker's
 # id from the TPU metadata server, and worker 0 becomes the coordinator. Nothing to set by hand.
 #

@@ -4,22 +4,22 @@ The data flow of a run: mesh -> strategy (rule tables) -> layout of the model's 
 train program (sharded init, step, eval) -> batches -> checkpoints.
 """
 
-from shardlib.hooks import constrain, gather_layer
-from shardlib.precision import POLICIES, Precision
-from shardlib.layout import Layout, make_layout
-from shardlib.mesh import MESH_AXES, MeshError, make_mesh, parse_mesh
+from shardlib.sharding.mesh import MESH_AXES, MeshError, make_mesh, parse_mesh
+from shardlib.sharding.rules import LeafLayout, RuleError, check_replication, layout_tree, report as sharding_report
+from shardlib.sharding.strategies import STRATEGIES, Strategy, get_strategy
+from shardlib.sharding.layout import Layout, make_layout
 from shardlib.model import Model, Stages, from_functions, from_linen, from_nnx
-from shardlib.pipeline import SCHEDULES, bubble_fraction
-from shardlib.rules import LeafLayout, RuleError, check_replication, layout_tree, report as sharding_report
+from shardlib.model.hooks import constrain, gather_layer
 from shardlib.step import TrainProgram, TrainState, build
-from shardlib.strategies import STRATEGIES, Strategy, get_strategy
+from shardlib.step.precision import POLICIES, Precision
+from shardlib.step.pipeline import SCHEDULES, bubble_fraction
 
 # Heavier parts (Orbax, the planner) load on first use, so `import shardlib` stays quick.
 _LAZY = {
-    "Checkpointer": "shardlib.checkpoint",
-    "PreemptionGuard": "shardlib.checkpoint",
-    "load_exported": "shardlib.export",
-    "build_local_sgd": "shardlib.local_sgd",
+    "Checkpointer": "shardlib.runtime.checkpoint",
+    "PreemptionGuard": "shardlib.runtime.checkpoint",
+    "load_exported": "shardlib.tools.export",
+    "build_local_sgd": "shardlib.step.local_sgd",
 }
 
 

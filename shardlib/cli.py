@@ -16,11 +16,11 @@ import importlib
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("shardlib.train", "train a model (default: a small byte-level GPT on a built-in corpus)"),
-    "plan": ("shardlib.plan", "compile a step for N virtual devices and report memory and communication"),
-    "inspect": ("shardlib.inspect_cmd", "per-parameter sharding table for a model, strategy and device count"),
-    "launch": ("shardlib.launch", "run a command as N local processes of one distributed JAX job"),
-    "export": ("shardlib.export", "write consolidated weights from a checkpoint"),
+    "train": ("shardlib.run.train", "train a model (default: a small byte-level GPT on a built-in corpus)"),
+    "plan": ("shardlib.tools.plan", "compile a step for N virtual devices and report memory and communication"),
+    "inspect": ("shardlib.tools.inspect", "per-parameter sharding table for a model, strategy and device count"),
+    "launch": ("shardlib.runtime.launch", "run a command as N local processes of one distributed JAX job"),
+    "export": ("shardlib.tools.export", "write consolidated weights from a checkpoint"),
 }
 
 USAGE_EXIT = 2
@@ -99,7 +99,7 @@ def _in_multiprocess_job() -> bool:
 def _finish(code: int) -> int:
     """In a multi-process job a failing process exits at once, so its peers stop waiting for it."""
     if code and _in_multiprocess_job():
-        from shardlib.distributed import finish
+        from shardlib.runtime.distributed import finish
 
         return finish(code)
     return code
@@ -117,8 +117,8 @@ def _crash() -> int:
 
 def _is_user_facing(err: ValueError) -> bool:
     """shardlib's own input errors (mesh, rules, data, batch) are shown as one line."""
-    from shardlib.mesh import MeshError
-    from shardlib.rules import RuleError
+    from shardlib.sharding.mesh import MeshError
+    from shardlib.sharding.rules import RuleError
 
     return isinstance(err, (MeshError, RuleError)) or getattr(err, "user_facing", False)
 

@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import optax
 
-from models import get_config, trainable
+from shardlib.models import get_config, trainable
 from shardlib import build, make_layout, make_mesh
-from shardlib.data import ByteBatches, load_text
+from shardlib.runtime.data import ByteBatches, load_text
 
 TINY = get_config("tiny")
 BATCH, SEQ, STEPS = 16, 32, 5

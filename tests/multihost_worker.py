@@ -25,7 +25,7 @@ from collections.abc import Callable
 if __name__ == "__main__":  # the repository root, so `models` and `shardlib` import without install
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shardlib import distributed  # noqa: E402  (imports jax, starts no backend)
+from shardlib.runtime import distributed  # noqa: E402  (imports jax, starts no backend)
 
 BATCH, SEQ, SEED = 16, 32, 0
 DEFAULT_MESHES = ("fsdp=-1", "data=2,fsdp=4")
@@ -39,9 +39,9 @@ def train_losses(
     import numpy as np
     import optax
 
-    from models import get_config, trainable
+    from shardlib.models import get_config, trainable
     from shardlib import build, make_layout, make_mesh
-    from shardlib.data import ByteBatches, load_text, to_global
+    from shardlib.runtime.data import ByteBatches, load_text, to_global
 
     model = trainable(get_config("tiny"))
     mesh = make_mesh(mesh_text)
@@ -127,7 +127,7 @@ def state_digest(state: object) -> dict[str, dict]:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from shardlib.rules import path_str
+    from shardlib.sharding.rules import path_str
 
     leaves = jax.tree.leaves(state)
     mesh = next(x.sharding.mesh for x in leaves if isinstance(getattr(x, "sharding", None), NamedSharding))
@@ -145,16 +145,17 @@ def run_cli_recorded(record_dir: str, cli_args: list[str]) -> int:
 
     The loader tap is a `ByteBatches` subclass that notes, per step, the window starts of the
     rows it returns and checks that the returned rows really are the corpus at those starts, so
-    the ids are what the process read, not a recomputation beside it. `shardlib.train` imports
-    ``ByteBatches`` from `shardlib.data` when a run builds its loader, and `shardlib.train.run` calls the
+    the ids are what the process read, not a recomputation beside it. `shardlib.run.train` imports
+    ``ByteBatches`` from `shardlib.runtime.data` when a run builds its loader, and `shardlib.run.train.run` calls the
     module's ``train``; both are replaced here. If train.py stops looking them up that way, the
     record has no ids (or no file) and the tests fail loudly rather than pass.
     """
     import jax
     import numpy as np
 
-    from shardlib import cli, data
-    from shardlib import train as train_module
+    from shardlib import cli
+    from shardlib.runtime import data
+    from shardlib.run import train as train_module
 
     ids: dict[int, list[int]] = {}
 

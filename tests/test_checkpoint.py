@@ -1,4 +1,4 @@
-"""shardlib.checkpoint / shardlib.export: restore onto any layout, resume, crash safety, export.
+"""shardlib.runtime.checkpoint / shardlib.tools.export: restore onto any layout, resume, crash safety, export.
 
 Equality here is bit for bit (``np.array_equal``): a checkpoint moves bytes, it computes nothing.
 """
@@ -18,11 +18,11 @@ import numpy as np
 import optax
 import pytest
 
-from models import get_config, trainable
-from models.configs import GPTConfig
+from shardlib.models import get_config, trainable
+from shardlib.models.configs import GPTConfig
 from shardlib import build, make_layout, make_mesh
 from shardlib import cli
-from shardlib.checkpoint import (
+from shardlib.runtime.checkpoint import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     Checkpointer,
@@ -30,8 +30,8 @@ from shardlib.checkpoint import (
     PreemptionGuard,
     is_finite_state,
 )
-from shardlib.data import ByteBatches, load_text
-from shardlib.export import export_params, load_exported, read_export_metadata
+from shardlib.runtime.data import ByteBatches, load_text
+from shardlib.tools.export import export_params, load_exported, read_export_metadata
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH, SEQ = 8, 32
@@ -211,7 +211,7 @@ _KILLED_SAVER = textwrap.dedent(
     import asyncio, sys
     import jax, jax.numpy as jnp
     import orbax.checkpoint as ocp
-    from shardlib.checkpoint import Checkpointer
+    from shardlib.runtime.checkpoint import Checkpointer
     from shardlib.step import TrainState
 
     def state(value):
@@ -426,11 +426,11 @@ import signal, time
 import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh
-from models import get_config, trainable
+from shardlib.models import get_config, trainable
 from shardlib import build, make_layout
-from shardlib.checkpoint import Checkpointer, PreemptionGuard
-from shardlib.export import export_params
-from shardlib.mesh import MESH_AXES
+from shardlib.runtime.checkpoint import Checkpointer, PreemptionGuard
+from shardlib.tools.export import export_params
+from shardlib.sharding.mesh import MESH_AXES
 
 def mesh(shape):  # devices in process order, as make_mesh lays them out on one process
     return Mesh(np.array(jax.devices()).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 4)

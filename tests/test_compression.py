@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from shardlib import compression as C
-from shardlib.report import collective_stats
+from shardlib.step import compression as C
+from shardlib.tools.report import collective_stats
 
 N = 8
 BF16_UNIT_ROUNDOFF = 2.0 ** -8  # 8 significand bits

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from shardlib import build, make_layout, make_mesh
-from shardlib.report import collective_stats
+from shardlib.tools.report import collective_stats
 from tests.helpers import batches, optimizer, tiny_model
 
 STEPS = 100

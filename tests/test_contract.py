@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import GPTConfig, trainable
+from shardlib.models import GPTConfig, trainable
 from shardlib import build, make_layout, make_mesh
-from shardlib.report import collective_stats, memory_stats
+from shardlib.tools.report import collective_stats, memory_stats
 from tests.helpers import BATCH, SEQ, optimizer, tiny_model
 
 N = 8

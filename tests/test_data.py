@@ -1,4 +1,4 @@
-"""shardlib.data: corpus loading, deterministic process-sharded batches, resume, global arrays."""
+"""shardlib.runtime.data: corpus loading, deterministic process-sharded batches, resume, global arrays."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardlib import data as D
+from shardlib.runtime import data as D
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -245,7 +245,7 @@ jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid)
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from shardlib import data as D
+from shardlib.runtime import data as D
 
 corpus = D.load_text(None)
 mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))

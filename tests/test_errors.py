@@ -6,9 +6,9 @@ import numpy as np
 import optax
 import pytest
 
-from models import GPTConfig, trainable
+from shardlib.models import GPTConfig, trainable
 from shardlib import RuleError, build, from_functions, make_layout, make_mesh
-from shardlib.strategies import get_strategy
+from shardlib.sharding.strategies import get_strategy
 
 
 def test_indivisible_dimension_when_replication_is_forbidden():
@@ -52,5 +52,5 @@ def test_model_that_does_not_gather_what_it_declares():
     model = from_nnx(Forgetful, lambda m, b: jnp.mean(m(b["x"])), gathers_params=True)
     program = build(model, optax.sgd(0.1), make_layout(model, "zero3", make_mesh({"fsdp": 8})))
     state = program.init(jax.random.key(0))
-    with pytest.raises(ValueError, match="never passed w through shardlib.hooks.gather_layer"):
+    with pytest.raises(ValueError, match="never passed w through shardlib.model.hooks.gather_layer"):
         program.step(state, {"x": np.ones((8, 8), np.float32)})

@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 
 from shardlib import build, make_layout, make_mesh
-from shardlib.checkpoint import Checkpointer, is_finite_state
+from shardlib.runtime.checkpoint import Checkpointer, is_finite_state
 from shardlib.cli import main
-from shardlib.data import ByteBatches, load_text, split_train_val
-from shardlib.fault import EXIT_DIVERGED, read_examples
-from shardlib.metrics_io import read_metrics
+from shardlib.runtime.data import ByteBatches, load_text, split_train_val
+from shardlib.run.fault import EXIT_DIVERGED, read_examples
+from shardlib.run.metrics_io import read_metrics
 from tests.helpers import batches, optimizer, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]

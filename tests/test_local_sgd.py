@@ -1,4 +1,4 @@
-"""Local SGD / DiLoCo (shardlib.local_sgd) against ordinary data parallelism.
+"""Local SGD / DiLoCo (shardlib.step.local_sgd) against ordinary data parallelism.
 
 The reference: with sync_every=1 and plain SGD, averaging the replicas' parameters after every
 step is averaging their gradients, i.e. data parallelism. Collective bytes are read from the
@@ -15,10 +15,10 @@ import optax
 import pytest
 
 from shardlib import TrainState, build, make_layout, make_mesh
-from shardlib.checkpoint import Checkpointer
-from shardlib.data import ByteBatches, load_text, split_train_val, val_batches
-from shardlib.local_sgd import build_local_sgd, is_sync_step
-from shardlib.report import collective_stats
+from shardlib.runtime.checkpoint import Checkpointer
+from shardlib.runtime.data import ByteBatches, load_text, split_train_val, val_batches
+from shardlib.step.local_sgd import build_local_sgd, is_sync_step
+from shardlib.tools.report import collective_stats
 from tests.helpers import BATCH, SEQ, batches, optimizer, tiny_model
 
 LR = 0.5

@@ -1,7 +1,7 @@
 import jax
 import pytest
 
-from shardlib.mesh import MESH_AXES, MeshError, describe, host_axis_sizes, make_mesh, parse_mesh
+from shardlib.sharding.mesh import MESH_AXES, MeshError, describe, host_axis_sizes, make_mesh, parse_mesh
 
 
 def test_fill_axis_takes_the_rest():

@@ -10,10 +10,10 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from models import CONFIGS, MLP, build, flops_per_token, generate, get_config, next_token_loss, param_count
-from models.gpt import rope_tables
-from models.mlp import regression_loss
-from shardlib import hooks
+from shardlib.models import CONFIGS, MLP, build, flops_per_token, generate, get_config, next_token_loss, param_count
+from shardlib.models.gpt import rope_tables
+from shardlib.models.mlp import regression_loss
+from shardlib.model import hooks
 
 TINY = CONFIGS["tiny"]
 

@@ -1,4 +1,4 @@
-"""Multi-process JAX on one machine: shardlib.distributed, `shardlib launch`, parity, failure bounds.
+"""Multi-process JAX on one machine: shardlib.runtime.distributed, `shardlib launch`, parity, failure bounds.
 
 Real processes (gloo over localhost) run tests/multihost_worker.py under the launcher. Process
 launches are the expensive part (JAX start-up plus compilation on 2 cores), so there are few:
@@ -20,8 +20,10 @@ import jax
 import numpy as np
 import pytest
 
-from shardlib import distributed, launch, make_mesh
-from shardlib.distributed import DistributedError, cluster_device_choice, plan
+from shardlib import make_mesh
+from shardlib.runtime import distributed
+from shardlib.runtime import launch
+from shardlib.runtime.distributed import DistributedError, cluster_device_choice, plan
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "multihost_worker.py")
@@ -259,7 +261,7 @@ def test_processes_disagreeing_on_device_count_fail_naming_both():
     assert proc.returncode == 1, proc.stderr[-3000:]
     # Both processes detect it; process 0's message always gets out (a peer may be aborted by
     # process 0's exit before it prints, if it lags by more than COORDINATOR_EXIT_DELAY_S).
-    assert "[p0] shardlib.distributed.DistributedError: processes disagree about their cpu device count: " \
+    assert "[p0] shardlib.runtime.distributed.DistributedError: processes disagree about their cpu device count: " \
            "process 0 has 4, process 1 has 3" in proc.stderr
 
 

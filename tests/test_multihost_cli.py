@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardlib.metrics_io import read_metrics
+from shardlib.run.metrics_io import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "multihost_worker.py")

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from shardlib import pmap as pmap_lib
+from shardlib.step import pmap as pmap_lib
 from tests.helpers import batches, optimizer, reference, run, tiny_model
 
 CASES = [

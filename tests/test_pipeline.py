@@ -1,4 +1,4 @@
-"""Pipeline parallelism over the ``pipe`` axis (`shardlib.pipeline`) against one device.
+"""Pipeline parallelism over the ``pipe`` axis (`shardlib.step.pipeline`) against one device.
 
 The model is the tiny GPT with 4 layers (so that 4 stages have one layer each). Parity uses the
 same tolerances as tests/test_parity.py: the pipelined step sums the microbatches' gradients in
@@ -21,10 +21,12 @@ import numpy as np
 import optax
 import pytest
 
-from models import trainable
-from shardlib import build, make_layout, make_mesh, pipeline, report
-from shardlib.checkpoint import Checkpointer
-from shardlib.rules import RuleError
+from shardlib.models import trainable
+from shardlib import build, make_layout, make_mesh
+from shardlib.step import pipeline
+from shardlib.tools import report
+from shardlib.runtime.checkpoint import Checkpointer
+from shardlib.sharding.rules import RuleError
 from tests.helpers import TINY, batches, optimizer
 
 FOUR_LAYERS = dataclasses.replace(TINY, n_layers=4)
@@ -268,7 +270,7 @@ def test_pipelined_checkpoint_restores_unpipelined_and_back(model, tmp_path):
 def test_train_cli_run_resumes_without_the_pipeline(tmp_path):
     """`shardlib train --pipeline-stages 2` checkpoints; the same run resumed unpipelined continues
     exactly as the uninterrupted pipelined run does."""
-    from shardlib.train import TrainConfig, train
+    from shardlib.run.train import TrainConfig, train
 
     # A constant learning rate, so that a 4-step run is the first 4 steps of a 6-step run.
     common = dict(model="tiny", strategy="zero3", batch_size=16, seq_len=32, eval_every=0, ckpt_every=2,

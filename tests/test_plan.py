@@ -14,9 +14,10 @@ import os
 
 import pytest
 
-from models import get_config, param_count
-from shardlib import cli, hardware
-from shardlib.plan import PlanError, PlanRow, Planner, mark_best, plan
+from shardlib.models import get_config, param_count
+from shardlib import cli
+from shardlib.tools import hardware
+from shardlib.tools.plan import PlanError, PlanRow, Planner, mark_best, plan
 
 ROW_KEYS = set(PlanRow.__dataclass_fields__) | {"mesh_text"}
 DOC_KEYS = {"schema_version", "model", "config", "params", "devices", "batch_size", "seq_len", "precision",

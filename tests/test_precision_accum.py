@@ -9,10 +9,10 @@ import numpy as np
 import optax
 import pytest
 
-from models import trainable
+from shardlib.models import trainable
 from shardlib import build, from_functions, make_layout, make_mesh
-from shardlib.precision import Precision
-from shardlib.report import collective_stats, memory_stats
+from shardlib.step.precision import Precision
+from shardlib.tools.report import collective_stats, memory_stats
 from tests.helpers import TINY, batches, optimizer, tiny_model
 
 MESH = {"dp": {"data": 8}, "zero1": {"data": 8}, "zero2": {"data": 8}, "zero3": {"fsdp": 8}}

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardlib import report
+from shardlib.tools import report
 
 F32 = 4
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from shardlib.mesh import make_mesh
-from shardlib.rules import (
+from shardlib.sharding.mesh import make_mesh
+from shardlib.sharding.rules import (
     RuleError, check_replication, layout_tree, logical_axes_of, logical_from_paths, report, spec_for,
 )
 

@@ -8,7 +8,7 @@ import sys
 SCRIPT = """
 import jax, optax
 from shardlib import make_mesh, make_layout, build
-from shardlib.data import ByteBatches, load_text
+from shardlib.runtime.data import ByteBatches, load_text
 from tests.helpers import tiny_model
 model = tiny_model()
 program = build(model, optax.adamw(3e-3), make_layout(model, "dp", make_mesh({"data": 8})))

@@ -23,8 +23,8 @@ import pytest
 
 from shardlib import STRATEGIES
 from shardlib.cli import main
-from shardlib.metrics_io import read_metrics
-from shardlib.train import TrainConfig, sample_text, train
+from shardlib.run.metrics_io import read_metrics
+from shardlib.run.train import TrainConfig, sample_text, train
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model", "tiny", "--batch-size", "16", "--seq-len", "32", "--no-progress"]
@@ -41,7 +41,7 @@ def _run(tmp_path: Path, *flags: str) -> tuple[int, Path]:
 # are covered from the CLI without another compile.
 EXTRA = {"zero2": ["--precision", "bf16"], "zero1": ["--precision", "fp16"],
          "dp": ["--grad-accum", "2", "--grad-compression", "int8"]}
-HAVE_CHECKPOINTS = importlib.util.find_spec("shardlib.checkpoint") is not None
+HAVE_CHECKPOINTS = importlib.util.find_spec("shardlib.runtime.checkpoint") is not None
 # zero3, the default, is driven through the CLI by the resume test and through `train` below.
 CLI_STRATEGIES = sorted(set(STRATEGIES) - ({"zero3"} if HAVE_CHECKPOINTS else set()))
 

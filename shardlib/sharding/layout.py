@@ -20,9 +20,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from shardlib import rules as rules_lib
+from shardlib.sharding import rules as rules_lib
 from shardlib.model import Model
-from shardlib.strategies import PIPE_AXIS, Strategy, get_strategy, pipelined
+from shardlib.sharding.strategies import PIPE_AXIS, Strategy, get_strategy, pipelined
 
 
 def restrict(spec: P, axes: Sequence[str]) -> P:

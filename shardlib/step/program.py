@@ -27,12 +27,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from shardlib import compression as compression_lib
-from shardlib import hooks
-from shardlib import pipeline as pipeline_lib
-from shardlib import precision as precision_lib
-from shardlib import rules as rules_lib
-from shardlib.layout import Layout, restrict, spec_axes
+from shardlib.step import compression as compression_lib
+from shardlib.model import hooks
+from shardlib.step import pipeline as pipeline_lib
+from shardlib.step import precision as precision_lib
+from shardlib.sharding import rules as rules_lib
+from shardlib.sharding.layout import Layout, restrict, spec_axes
 from shardlib.model import Model
 
 @jax.tree_util.register_dataclass
@@ -157,7 +157,7 @@ def build(
     error-feedback residuals in the train state.
 
     When the mesh's ``pipe`` axis has S > 1 devices the layer stack is split into S stages
-    (`shardlib.pipeline`): each device's rows run as ``microbatches`` (default 2S) microbatches
+    (`shardlib.step.pipeline`): each device's rows run as ``microbatches`` (default 2S) microbatches
     through the ``schedule`` ("1f1b" or "gpipe"), which replaces ``grad_accum``.
     """
     policy = precision_lib.get_precision(precision)
@@ -251,7 +251,7 @@ def build(
             if missed:
                 raise ValueError(
                     f"the model declares gathers_params=True but never passed {', '.join(missed)} through "
-                    "shardlib.hooks.gather_layer, so it computed with parameter shards; gather them, "
+                    "shardlib.model.hooks.gather_layer, so it computed with parameter shards; gather them, "
                     "or build the model with gathers_params=False"
                 ) from err
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from shardlib.train import TrainConfig
+    from shardlib.run.train import TrainConfig
 
 
 def device_line(note: str | None) -> str:
@@ -26,9 +26,9 @@ def banner(config: TrainConfig, model_config, strategy, mesh, n_params: int, mem
            out_dir: Path, note: str | None, microbatches: int = 1) -> str:
     import jax
 
-    from shardlib.mesh import describe
-    from shardlib.pipeline import bubble_fraction
-    from shardlib.report import format_bytes
+    from shardlib.sharding.mesh import describe
+    from shardlib.step.pipeline import bubble_fraction
+    from shardlib.tools.report import format_bytes
 
     lines = [
         f"shardlib train: {config.model} ({n_params / 1e6:.2f}M params, compute {config.precision}) "
@@ -36,7 +36,7 @@ def banner(config: TrainConfig, model_config, strategy, mesh, n_params: int, mem
         device_line(note),
     ]
     if jax.process_count() > 1:
-        from shardlib.distributed import device_map
+        from shardlib.runtime.distributed import device_map
 
         lines.append(device_map(mesh))
     lines += [
@@ -57,8 +57,8 @@ def pipeline_rows(stages: int, microbatches: int, comm) -> list[tuple[str, Any]]
     """Summary rows of a pipelined run: its bubble and the activation traffic between stages."""
     if stages <= 1:
         return []
-    from shardlib.pipeline import bubble_fraction
-    from shardlib.report import format_bytes
+    from shardlib.step.pipeline import bubble_fraction
+    from shardlib.tools.report import format_bytes
 
     return [("pipeline bubble (S-1)/(M+S-1)", f"{bubble_fraction(stages, microbatches):.1%} "
                                                f"({stages} stages, {microbatches} microbatches)"),
@@ -66,6 +66,6 @@ def pipeline_rows(stages: int, microbatches: int, comm) -> list[tuple[str, Any]]
 
 
 def summary_table(rows: list[tuple[str, Any]]) -> str:
-    from shardlib.report import format_table
+    from shardlib.tools.report import format_table
 
     return format_table([{"what": k, "value": v} for k, v in rows], [("what", "summary"), ("value", "")])

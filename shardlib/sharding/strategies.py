@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from shardlib.rules import Rules
+from shardlib.sharding.rules import Rules
 
 # Megatron-style tensor parallelism: attention heads and the MLP hidden dimension are split, so
 # the in-projections are column-parallel and the out-projections row-parallel; the vocabulary of

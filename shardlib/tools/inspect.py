@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from shardlib.plan import PlanError, check_strategy, default_mesh, resolve_config, select_devices, setup_devices
+from shardlib.tools.plan import PlanError, check_strategy, default_mesh, resolve_config, select_devices, setup_devices
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _rows(layouts: Any, mesh: Any) -> list[dict[str, Any]]:
-    from shardlib.rules import is_layout
+    from shardlib.sharding.rules import is_layout
 
     import jax
 
@@ -45,11 +45,11 @@ def _rows(layouts: Any, mesh: Any) -> list[dict[str, Any]]:
 
 def inspect_layout(model: str, strategy: str, devices: int, mesh: str | None = None) -> dict[str, Any]:
     """The layout of ``model`` under ``strategy`` on ``devices`` devices, as plain data."""
-    from models import trainable
+    from shardlib.models import trainable
     from shardlib import make_layout, make_mesh
-    from shardlib.mesh import describe, parse_mesh, resolve_axis_sizes
-    from shardlib.rules import replicated_leaves
-    from shardlib.strategies import get_strategy
+    from shardlib.sharding.mesh import describe, parse_mesh, resolve_axis_sizes
+    from shardlib.sharding.rules import replicated_leaves
+    from shardlib.sharding.strategies import get_strategy
 
     strat = get_strategy(check_strategy(strategy))
     config = resolve_config(model)
@@ -83,7 +83,7 @@ def inspect_layout(model: str, strategy: str, devices: int, mesh: str | None = N
 
 
 def render(doc: dict[str, Any]) -> str:
-    from shardlib.report import format_bytes, format_table
+    from shardlib.tools.report import format_bytes, format_table
 
     def table(rows: list[dict[str, Any]]) -> str:
         return format_table([

@@ -27,7 +27,7 @@ def sample_text(model, params: Any, prompt: str, n_tokens: int, *, context: int,
     import jax.numpy as jnp
     import numpy as np
 
-    from shardlib.data import decode, encode
+    from shardlib.runtime.data import decode, encode
 
     if model.apply is None:
         raise ValueError("sample_text: this model has no apply function (Model.apply is None)")

@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from shardlib.checkpoint import (
+from shardlib.runtime.checkpoint import (
     Checkpointer,
     CheckpointError,
     CheckpointMismatchError,
@@ -39,9 +39,9 @@ from shardlib.checkpoint import (
     signature_mismatches,
     tree_signature,
 )
-from shardlib.rules import path_str
+from shardlib.sharding.rules import path_str
 
-EXPORT_FORMAT = "shardlib.export/1"
+EXPORT_FORMAT = "shardlib.tools.export/1"
 METADATA_ENTRY = "__shardlib_export__"  # npz entry / safetensors metadata key holding the JSON record
 SUFFIXES = (".npz", ".safetensors")
 
@@ -222,7 +222,7 @@ def _model_params(config: dict[str, Any]) -> Any | None:
     name = config.get("model")
     if not isinstance(name, str):
         return None
-    from models import CONFIGS, trainable
+    from shardlib.models import CONFIGS, trainable
 
     if name not in CONFIGS:
         return None

@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shardlib import console
-from shardlib.fault import EXIT_DIVERGED  # light: imports neither JAX nor NumPy
-from shardlib.sampling import sample_text
+from shardlib.run import console
+from shardlib.run.fault import EXIT_DIVERGED  # light: imports neither JAX nor NumPy
+from shardlib.run.sampling import sample_text
 
 # Defaults of the bare `shardlib train`: the `small` byte-level GPT under zero3 on 8 simulated
 # CPU devices. Measured on a 2-core machine: validation loss 1.83 nats/byte after 50 steps and
@@ -132,7 +132,7 @@ def setup_devices(cpu_devices: int | None) -> str | None:
     """Join a multi-process job if this process is part of one, else simulate CPU devices.
 
     Must run before any JAX computation. Multi-process (``shardlib launch``, SLURM, Open MPI,
-    a TPU VM; see `shardlib.distributed`): `shardlib.distributed.initialize` joins the job and
+    a TPU VM; see `shardlib.runtime.distributed`): `shardlib.runtime.distributed.initialize` joins the job and
     the launcher's per-process device count wins. Single process without an accelerator: adds
     the long collective timeout to XLA_FLAGS (8 simulated devices on 2 cores can otherwise
     abort, see DESIGN.md) and sets ``jax_num_cpu_devices``. If the backend is already up (a
@@ -141,7 +141,7 @@ def setup_devices(cpu_devices: int | None) -> str | None:
     """
     if cpu_devices is not None and cpu_devices < 1:
         raise TrainConfigError("cpu_devices", f"must be a positive device count, got {cpu_devices}")
-    from shardlib import distributed
+    from shardlib.runtime import distributed
 
     plan = distributed.plan()
     if plan.multi_process:
@@ -178,7 +178,7 @@ def setup_devices(cpu_devices: int | None) -> str | None:
 
 
 def _model_config(config: TrainConfig):
-    from models import get_config
+    from shardlib.models import get_config
 
     try:
         model_config = get_config(config.model)
@@ -211,7 +211,7 @@ def _check_numbers(config: TrainConfig) -> None:
 
 
 def _mesh(config: TrainConfig, strategy):
-    from shardlib.mesh import MeshError, make_mesh, parse_mesh
+    from shardlib.sharding.mesh import MeshError, make_mesh, parse_mesh
 
     sizes = dict(strategy.default_mesh) if config.mesh is None else config.mesh
     try:
@@ -276,7 +276,7 @@ def _loaders(config: TrainConfig, layout, train_bytes, val_bytes):
     """This process's rows of each training batch, and its validation windows, checked against the mesh."""
     import jax
 
-    from shardlib.data import ByteBatches, val_batches
+    from shardlib.runtime.data import ByteBatches, val_batches
 
     geometry = dict(data_parallel_size=layout.batch_size_multiple,
                     process_index=jax.process_index(), process_count=jax.process_count())
@@ -307,7 +307,7 @@ def _out_dir(config: TrainConfig) -> Path:
 
 
 def _load_data(config: TrainConfig):
-    from shardlib.data import load_text, split_train_val
+    from shardlib.runtime.data import load_text, split_train_val
 
     try:
         text = load_text(config.data)
@@ -321,7 +321,7 @@ def _per_device_bytes(abstract: Mapping[str, Any]) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# Checkpointing (implemented in shardlib.checkpoint by its owner; only opened here)
+# Checkpointing (implemented in shardlib.runtime.checkpoint by its owner; only opened here)
 # --------------------------------------------------------------------------------------------
 
 
@@ -341,7 +341,7 @@ def _open_checkpointer(config: TrainConfig, out_dir: Path):
     if config.ckpt_every == 0 and config.resume_from is None:
         return None, False
     try:
-        from shardlib import checkpoint
+        from shardlib.runtime import checkpoint
     except ImportError:
         field = "ckpt_every" if config.ckpt_every else "resume_from"
         raise TrainConfigError(field, "checkpointing is not available in this install (shardlib/checkpoint.py "
@@ -371,12 +371,13 @@ def train(config: TrainConfig) -> TrainResult:
     import numpy as np
     from tqdm import tqdm  # plain text bar: works in terminals, logs and notebooks without ipywidgets
 
-    from models import flops_per_token, param_count, trainable
-    from shardlib import fault, make_layout
-    from shardlib.data import LoaderState, to_global
-    from shardlib.metrics_io import MetricsLog, plot_loss_curve
-    from shardlib.report import collective_stats, format_bytes, memory_stats, mfu, peak_flops_for
-    from shardlib.strategies import get_strategy
+    from shardlib.models import flops_per_token, param_count, trainable
+    from shardlib import make_layout
+    from shardlib.run import fault
+    from shardlib.runtime.data import LoaderState, to_global
+    from shardlib.run.metrics_io import MetricsLog, plot_loss_curve
+    from shardlib.tools.report import collective_stats, format_bytes, memory_stats, mfu, peak_flops_for
+    from shardlib.sharding.strategies import get_strategy
 
     try:
         strategy = get_strategy(config.strategy)
@@ -555,7 +556,7 @@ def train(config: TrainConfig) -> TrainResult:
     if config.sample_tokens and model.apply is not None and preempted_at is None:
         sample = sample_text(model, state.params, config.prompt, config.sample_tokens,
                              context=config.seq_len, seed=config.seed)
-    from shardlib.mesh import describe
+    from shardlib.sharding.mesh import describe
 
     device = jax.devices()[0]
     rows = [
@@ -606,8 +607,8 @@ def train(config: TrainConfig) -> TrainResult:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from models import CONFIGS
-    from shardlib.strategies import STRATEGIES
+    from shardlib.models import CONFIGS
+    from shardlib.sharding.strategies import STRATEGIES
 
     d = TrainConfig()
     add = parser.add_argument
@@ -677,7 +678,7 @@ def run(args: argparse.Namespace) -> int:
         ckpt_every=args.ckpt_every, keep=args.keep, resume_from=args.resume_from, max_skips=args.max_skips,
         record_examples=args.record_examples, inject_nan_steps=_nan_steps(args.inject_nan_steps),
     )
-    from shardlib.fault import DivergedError
+    from shardlib.run.fault import DivergedError
 
     try:
         train(config)
@@ -688,7 +689,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _nan_steps(text: str) -> tuple[int, ...]:
-    from shardlib.fault import parse_steps
+    from shardlib.run.fault import parse_steps
 
     try:
         return parse_steps(text)

@@ -199,7 +199,7 @@ def replica_groups(attrs: str, n_devices: int) -> list[list[int]] | None:
     two-device group per pair.
     """
     if "source_target_pairs=" in attrs:
-        from shardlib.report import permute_pairs
+        from shardlib.tools.report import permute_pairs
 
         return [[a, b] for a, b in permute_pairs(attrs)]
     m = _IOTA.search(attrs)
@@ -261,7 +261,7 @@ def link_bytes(hlo_text: str, records: Sequence[Any], n_devices: int, domain_siz
 
     ``scale`` optionally multiplies each record's bytes by name (used for the bf16 correction).
     """
-    from shardlib.report import parse_hlo_module
+    from shardlib.tools.report import parse_hlo_module
 
     module = parse_hlo_module(hlo_text)
     attrs = {(i.computation, i.name): i.attrs for instrs in module.computations.values() for i in instrs}

@@ -91,6 +91,6 @@ def gather_layer(state: Any) -> Any:
     ctx = _CONTEXT.get()
     if ctx is None:
         return state
-    from flax import nnx  # local: keep `import shardlib.hooks` light
+    from flax import nnx  # local: keep `import shardlib.model.hooks` light
 
     return jax.tree.map(lambda v: _gather_variable(v, ctx), state, is_leaf=lambda v: isinstance(v, nnx.Variable))

@@ -40,11 +40,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from shardlib.rules import path_str
+from shardlib.sharding.rules import path_str
 
-log = logging.getLogger("shardlib.checkpoint")
+log = logging.getLogger("shardlib.runtime.checkpoint")
 
-FORMAT = "shardlib.checkpoint/1"
+FORMAT = "shardlib.runtime.checkpoint/1"
 _MAX_LISTED = 12  # paths shown in an error before "... and N more"
 
 

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from shardlib.model import Stages
-from shardlib.strategies import PIPE_AXIS
+from shardlib.sharding.strategies import PIPE_AXIS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Fault tolerance pieces of the training loop: stop on repeated non-finite steps, record the
 examples each step consumed, poison chosen steps (test hook), and the preemption guard.
 
-Kept apart from `shardlib.train` so the loop only says *when* these happen. How they fit:
+Kept apart from `shardlib.run.train` so the loop only says *when* these happen. How they fit:
 
 - A step whose loss or gradient norm is NaN/Inf is skipped by the step itself (parameters and
   optimizer state stay as they were, ``metrics["skipped"] == 1``) and `Checkpointer.save`
@@ -108,11 +108,11 @@ class ExampleLog:
 
 
 def loader_window_starts(loader: Any, step: int) -> np.ndarray:
-    """The window starts of this process's rows of batch ``step`` of a `shardlib.data.ByteBatches`.
+    """The window starts of this process's rows of batch ``step`` of a `shardlib.runtime.data.ByteBatches`.
 
     The same computation as ``ByteBatches.batch``: a window starting at s reads s .. s+seq_len.
     """
-    from shardlib.data import train_window_starts
+    from shardlib.runtime.data import train_window_starts
 
     n_starts = len(loader.data) - loader.seq_len
     return train_window_starts(loader.seed, step, loader.global_batch_size, n_starts)[loader.rows]
@@ -155,7 +155,7 @@ def parse_steps(text: str) -> tuple[int, ...]:
 
 @contextlib.contextmanager
 def preemption_guard(enabled: bool) -> Iterator[Any]:
-    """A `shardlib.checkpoint.PreemptionGuard`, or None when disabled or off the main thread.
+    """A `shardlib.runtime.checkpoint.PreemptionGuard`, or None when disabled or off the main thread.
 
     Python delivers signals to the main thread only; a loop running elsewhere (a notebook
     thread) keeps SIGTERM's default behaviour unless JAX's preemption service handles it.
@@ -163,7 +163,7 @@ def preemption_guard(enabled: bool) -> Iterator[Any]:
     if not enabled:
         yield None
         return
-    from shardlib.checkpoint import PreemptionGuard, _preemption_sync_available
+    from shardlib.runtime.checkpoint import PreemptionGuard, _preemption_sync_available
 
     if threading.current_thread() is not threading.main_thread() and not _preemption_sync_available():
         yield None

@@ -3,7 +3,7 @@
     shardlib launch --processes 2 --devices-per-process 4 -- python -m shardlib.cli train ...
 
 Each process gets ``SHARDLIB_COORDINATOR`` / ``SHARDLIB_NUM_PROCESSES`` / ``SHARDLIB_PROCESS_ID`` /
-``SHARDLIB_LOCAL_DEVICES`` (read by ``shardlib.distributed.initialize``), ``JAX_PLATFORMS=cpu``
+``SHARDLIB_LOCAL_DEVICES`` (read by ``shardlib.runtime.distributed.initialize``), ``JAX_PLATFORMS=cpu``
 and M simulated CPU devices. Output lines are prefixed ``[p0]``, ``[p1]``, ... When a process
 fails, the launcher says which one failed first and how, stops the others (SIGTERM, then
 SIGKILL after ``--grace`` seconds) and exits with that first failure's code (128+signal for a
@@ -67,7 +67,7 @@ def process_env(base: dict[str, str], index: int, count: int, devices: int, coor
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
     )
-    # Plain JAX scripts (no shardlib.distributed) should see M devices too; drop an inherited count.
+    # Plain JAX scripts (no shardlib.runtime.distributed) should see M devices too; drop an inherited count.
     flags = _FORCE_COUNT.sub("", env.get("XLA_FLAGS", "")).split()
     flags.append(f"--xla_force_host_platform_device_count={devices}")
     if not any(f.startswith(_COLLECTIVE_FLAG.split("=")[0]) for f in flags):

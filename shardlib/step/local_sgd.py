@@ -38,11 +38,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from shardlib import hooks
-from shardlib import rules as rules_lib
-from shardlib.layout import Layout, restrict, spec_axes
+from shardlib.model import hooks
+from shardlib.sharding import rules as rules_lib
+from shardlib.sharding.layout import Layout, restrict, spec_axes
 from shardlib.model import Model
-from shardlib.step import abstract_state, build
+from shardlib.step.program import abstract_state, build
 
 REPLICA_AXIS = "data"
 
@@ -288,7 +288,7 @@ def build_local_sgd(
                   if model.gathers_params and spec_axes(l.spec) & set(inner_axes) and l.path not in ctx.gathered]
         if missed:
             raise ValueError(f"the model declares gathers_params=True but never gathered {', '.join(missed)} "
-                             "through shardlib.hooks.gather_layer")
+                             "through shardlib.model.hooks.gather_layer")
         return loss / rows_split, jax.tree.map(lambda a: a / rows_split, aux)
 
     def grads_body(stacked, batch, synchronous: bool):

@@ -84,7 +84,7 @@ def get_compression(method: str | Compression) -> Compression:
     if method not in METHODS:
         raise ValueError(
             f"unknown gradient compression {method!r}: choose one of {', '.join(METHODS)} "
-            "(shardlib.compression.METHODS)"
+            "(shardlib.step.compression.METHODS)"
         )
     return METHODS[method]
 

@@ -285,7 +285,7 @@ def _add_cpu_flags(local_devices: int | None) -> None:
 def _too_late(p: Plan) -> DistributedError:
     devices = jax.devices()
     return DistributedError(
-        f"shardlib.distributed.initialize() was called after the JAX backend started (it already sees "
+        f"shardlib.runtime.distributed.initialize() was called after the JAX backend started (it already sees "
         f"{len(devices)} {devices[0].platform} device(s) as a single process), so this process cannot join the "
         f"{p.num_processes or 'multi'}-process job found via {p.source}. Call it first thing in main, before "
         "jax.devices(), any jnp array, jit, or a library that creates arrays at import"

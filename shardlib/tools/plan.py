@@ -12,7 +12,7 @@ from ShapeDtypeStructs (nothing is allocated; the command simulates N CPU device
                      bf16 collectives found right after SPMD partitioning are counted at 2 bytes.
   FLOPs              analytic: models.flops_per_token x tokens (XLA counts a scan body once); the
                      hardware also redoes the forward pass under remat (x 4/3)
-  step time          roofline on a hardware profile (shardlib.hardware): max(compute, communication);
+  step time          roofline on a hardware profile (shardlib.tools.hardware): max(compute, communication);
                      under a pipeline (pipe > 1) the compute is stretched by the bubble,
                      / (1 - (S-1)/(M+S-1)), and collective-permute bytes are the stage traffic
 
@@ -34,7 +34,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from shardlib import hardware as hw
+from shardlib.tools import hardware as hw
 
 PRECISIONS: dict[str, str] = {"f32": "float32", "bf16": "bfloat16"}
 ALL_STRATEGIES: tuple[str, ...] = ("dp", "zero1", "zero2", "zero3", "tp", "fsdp_tp", "hsdp")
@@ -111,7 +111,7 @@ class PlanRow:
 
 def resolve_config(model: Any, precision: str = "f32", remat: bool | None = None) -> Any:
     """A GPTConfig from a name or a config, with the plan's compute dtype (and remat) applied."""
-    from models import GPTConfig, get_config
+    from shardlib.models import GPTConfig, get_config
 
     if precision not in PRECISIONS:
         raise PlanError(f"unknown precision {precision!r} (--precision); choose one of {', '.join(PRECISIONS)}")
@@ -132,7 +132,7 @@ def resolve_config(model: Any, precision: str = "f32", remat: bool | None = None
 
 def check_strategy(name: str) -> str:
     """The strategy's canonical name, or a PlanError naming the flag and the known strategies."""
-    from shardlib.strategies import get_strategy
+    from shardlib.sharding.strategies import get_strategy
 
     try:
         return get_strategy(name).name
@@ -170,8 +170,8 @@ def default_mesh(strategy: str, devices: int, config: Any) -> dict[str, int]:
     tp: tensor = the largest t <= min(8, N) dividing N and the (kv) head counts, data = the rest;
     fsdp_tp: tensor = 2 when the heads divide; hsdp: fsdp = up to 8 devices (one node), data = rest.
     """
-    from shardlib.mesh import resolve_axis_sizes
-    from shardlib.strategies import get_strategy
+    from shardlib.sharding.mesh import resolve_axis_sizes
+    from shardlib.sharding.strategies import get_strategy
 
     strat = get_strategy(strategy)
     heads = (config.n_heads, config.n_kv_heads)
@@ -234,8 +234,8 @@ class Planner:
                  precision: str = "f32", hardware: str | hw.HardwareProfile = "h100",
                  hbm: str | int | None = None, remat: bool | None = None,
                  pipeline_stages: int = 1, microbatches: int | None = None, schedule: str = "1f1b"):
-        from models import param_count, trainable
-        from shardlib.pipeline import get_schedule
+        from shardlib.models import param_count, trainable
+        from shardlib.step.pipeline import get_schedule
 
         self.precision = precision
         self.config = resolve_config(model, precision, remat)
@@ -261,7 +261,7 @@ class Planner:
     # -- one candidate ------------------------------------------------------------------------
 
     def mesh_for(self, strategy: str, mesh: str | Mapping[str, int] | None) -> dict[str, int]:
-        from shardlib.mesh import parse_mesh, resolve_axis_sizes
+        from shardlib.sharding.mesh import parse_mesh, resolve_axis_sizes
 
         if mesh is None:
             if self.pipeline_stages == 1:
@@ -299,10 +299,10 @@ class Planner:
         """Compile one candidate and read its figures (errors are recorded on the row)."""
         import jax
 
-        from models import flops_per_token
-        from shardlib.report import collective_stats, memory_stats
+        from shardlib.models import flops_per_token
+        from shardlib.tools.report import collective_stats, memory_stats
 
-        from shardlib.pipeline import bubble_fraction
+        from shardlib.step.pipeline import bubble_fraction
 
         sizes = self.mesh_for(strategy, mesh)
         stages = sizes.get("pipe", 1)
@@ -380,7 +380,7 @@ class Planner:
         return row
 
     def _replicated(self, strategy: str, sizes: Mapping[str, int]) -> list[str]:
-        from shardlib.rules import replicated_leaves
+        from shardlib.sharding.rules import replicated_leaves
 
         layout = self._layouts.get((strategy, json.dumps(dict(sizes), sort_keys=True)))
         if layout is None:
@@ -494,7 +494,7 @@ class Planner:
                             "accumulation cannot shrink activations further; shorten --seq-len"}
         import jax
 
-        from shardlib.report import memory_stats
+        from shardlib.tools.report import memory_stats
 
         try:
             small = self._compile(row.strategy, row.mesh, layout.batch_size_multiple)
@@ -524,13 +524,13 @@ class Planner:
 def _leaves(tree: Any) -> list[Any]:
     import jax
 
-    from shardlib.rules import is_layout
+    from shardlib.sharding.rules import is_layout
 
     return jax.tree.leaves(tree, is_leaf=is_layout)
 
 
 def _gib(n: float) -> str:
-    from shardlib.report import format_bytes
+    from shardlib.tools.report import format_bytes
 
     return format_bytes(n)
 
@@ -664,7 +664,7 @@ def run(args: argparse.Namespace) -> int:
 
 def render(planner: Planner, rows: Sequence[PlanRow], advice: Sequence[Mapping[str, Any]]) -> str:
     """Human-readable plan: a header, one line per candidate, notes and suggestions."""
-    from shardlib.report import format_bytes, format_table
+    from shardlib.tools.report import format_bytes, format_table
 
     c, p = planner.config, planner.profile
     lines = [

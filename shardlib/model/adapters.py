@@ -13,8 +13,8 @@ from typing import Any
 
 import jax
 
-from shardlib import rules as rules_lib
-from shardlib.hooks import SPEC_METADATA
+from shardlib.sharding import rules as rules_lib
+from shardlib.model.hooks import SPEC_METADATA
 
 Params = Any
 Batch = Mapping[str, jax.Array]
@@ -45,7 +45,7 @@ class Model:
 
     init(key) -> params; loss(params, batch, specs) -> (mean loss over the batch, aux scalars),
     where ``specs`` (a tree of PartitionSpecs over the manual batch axes, or None) lets a model
-    gather its own parameters with `shardlib.hooks.gather_layer`, one layer at a time.
+    gather its own parameters with `shardlib.model.hooks.gather_layer`, one layer at a time.
     ``gathers_params`` says it does: then ``loss`` receives the local shards, and the step checks
     that every sharded parameter went through ``gather_layer``. Otherwise the step gathers the
     whole model before the forward pass (correct for any model, but all weights are alive at once).
@@ -96,7 +96,7 @@ def from_nnx(
 
     Only ``nnx.Param`` variables are trained; logical names come from their ``out_sharding``
     metadata (``nnx.with_partitioning``). Set ``gathers_params=True`` when the module calls
-    `shardlib.hooks.gather_layer` on all its parameters (as `models.gpt` does: per layer inside
+    `shardlib.model.hooks.gather_layer` on all its parameters (as `models.gpt` does: per layer inside
     its scan), so ZeRO-3 gathers one layer at a time instead of the whole model. ``pipeline``
     gives the module-level `Stages` (functions of the bound module) for pipeline parallelism.
     """

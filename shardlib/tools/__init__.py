@@ -1,0 +1,1 @@
+"""Reading compiled programs and checkpoints: planning, inspection, reports and export."""
