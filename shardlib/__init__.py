@@ -13,6 +13,7 @@ from shardlib.model.hooks import constrain, gather_layer
 from shardlib.step import TrainProgram, TrainState, build
 from shardlib.step.precision import POLICIES, Precision
 from shardlib.step.pipeline import SCHEDULES, bubble_fraction
+from shardlib.runtime.devices import simulate_cpu_devices
 
 # Heavier parts (Orbax, the planner) load on first use, so `import shardlib` stays quick.
 _LAZY = {
@@ -36,6 +37,6 @@ __all__ = [
     "MESH_AXES", "SCHEDULES", "STRATEGIES", "Stages", "bubble_fraction", "LeafLayout", "Layout", "MeshError", "Model", "RuleError", "Strategy",
     "TrainProgram", "TrainState", "build", "check_replication", "constrain", "from_functions",
     "from_linen", "from_nnx", "gather_layer", "get_strategy", "layout_tree", "make_layout",
-    "make_mesh", "parse_mesh", "sharding_report",
+    "make_mesh", "parse_mesh", "sharding_report", "simulate_cpu_devices",
 ]
 __version__ = "0.1.0"

@@ -32,7 +32,6 @@ DEFAULT_BATCH = 32
 DEFAULT_SEQ_LEN = 128
 DEFAULT_LR = 3e-3
 DEFAULT_CPU_DEVICES = 8
-COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
 PRECISIONS = {"f32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # fp16: dynamic loss scaling
 
 
@@ -135,7 +134,7 @@ def setup_devices(cpu_devices: int | None) -> str | None:
     a TPU VM; see `shardlib.runtime.distributed`): `shardlib.runtime.distributed.initialize` joins the job and
     the launcher's per-process device count wins. Single process without an accelerator: adds
     the long collective timeout to XLA_FLAGS (8 simulated devices on 2 cores can otherwise
-    abort, see DESIGN.md) and sets ``jax_num_cpu_devices``. If the backend is already up (a
+    abort, see `shardlib.runtime.devices`) and sets ``jax_num_cpu_devices``. If the backend is already up (a
     notebook, a test session) with the requested count, that is accepted; a different count
     is an error naming the fix. Returns a note for the banner, or None.
     """
@@ -150,9 +149,9 @@ def setup_devices(cpu_devices: int | None) -> str | None:
         return info.describe()
     if cpu_devices is None:
         return None
-    flags = os.environ.get("XLA_FLAGS", "")
-    if COLLECTIVE_TIMEOUT_FLAG.split("=")[0] not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {COLLECTIVE_TIMEOUT_FLAG}".strip()
+    from shardlib.runtime.devices import raise_cpu_collective_timeout
+
+    raise_cpu_collective_timeout()
     import jax
 
     try:

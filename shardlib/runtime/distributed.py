@@ -40,6 +40,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardlib.runtime.devices import raise_cpu_collective_timeout
+
 ENV_COORDINATOR = "SHARDLIB_COORDINATOR"
 ENV_NUM_PROCESSES = "SHARDLIB_NUM_PROCESSES"
 ENV_PROCESS_ID = "SHARDLIB_PROCESS_ID"
@@ -58,10 +60,6 @@ SHUTDOWN_TIMEOUT_S = 300
 
 # How long a failing process 0 waits before exiting (see finish).
 COORDINATOR_EXIT_DELAY_S = 2.0
-
-# XLA:CPU aborts a collective that some device thread joins > 40 s late; a loaded machine with
-# many simulated devices hits that (DESIGN.md), so every multi-device CPU run raises it.
-CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
 
 
 class DistributedError(ValueError):
@@ -277,9 +275,7 @@ def _add_cpu_flags(local_devices: int | None) -> None:
     """Simulated CPU device count and the CPU collective watchdog, before the backend reads them."""
     if local_devices is not None:
         jax.config.update("jax_num_cpu_devices", local_devices)
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_cpu_collective_call_terminate_timeout_seconds" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {CPU_COLLECTIVE_TIMEOUT_FLAG}".strip()
+    raise_cpu_collective_timeout()
 
 
 def _too_late(p: Plan) -> DistributedError:

@@ -27,10 +27,11 @@ import threading
 import time
 from typing import IO
 
+from shardlib.runtime.devices import with_cpu_collective_timeout
+
 DEFAULT_GRACE_S = 10.0
 _OUTPUT_LOCK = threading.Lock()  # whole lines from different processes never interleave
 _FORCE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S*")
-_COLLECTIVE_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=900"  # see distributed.py
 
 
 class LaunchError(ValueError):
@@ -70,9 +71,7 @@ def process_env(base: dict[str, str], index: int, count: int, devices: int, coor
     # Plain JAX scripts (no shardlib.runtime.distributed) should see M devices too; drop an inherited count.
     flags = _FORCE_COUNT.sub("", env.get("XLA_FLAGS", "")).split()
     flags.append(f"--xla_force_host_platform_device_count={devices}")
-    if not any(f.startswith(_COLLECTIVE_FLAG.split("=")[0]) for f in flags):
-        flags.append(_COLLECTIVE_FLAG)
-    env["XLA_FLAGS"] = " ".join(flags)
+    env["XLA_FLAGS"] = with_cpu_collective_timeout(" ".join(flags))
     return env
 
 

@@ -632,9 +632,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def setup_devices(n: int) -> None:
     """Simulate ``n`` CPU devices, if JAX has not started yet (else the backend must have >= n)."""
-    flag = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
-    if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+    from shardlib.runtime.devices import raise_cpu_collective_timeout
+
+    raise_cpu_collective_timeout()
     import jax
     from jax._src import xla_bridge
 
