@@ -6,7 +6,7 @@ os.environ["XLA_FLAGS"] = " ".join(
         os.environ.get("XLA_FLAGS", ""),
         "--xla_force_host_platform_device_count=8",
         # A loaded 2-core machine can leave some device threads late to a collective;
-        # the default 40 s watchdog would then abort the process (see DESIGN.md).
+        # the default 40 s watchdog would then abort the process (docs/design.md, "The CPU collective watchdog").
         "--xla_cpu_collective_call_terminate_timeout_seconds=900",
         # Tests are dominated by compilation of small programs: skipping LLVM's optimisation
         # passes cuts compile time by about a third and changes no test's reference (each

@@ -1,4 +1,4 @@
-"""The ZeRO contract (DESIGN.md): persistent bytes per device and collective bytes per step,
+"""The ZeRO contract (docs/design.md): persistent bytes per device and collective bytes per step,
 read from the compiled program itself (memory_analysis and the optimised HLO)."""
 
 import dataclasses
