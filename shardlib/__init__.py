@@ -5,9 +5,9 @@ train program (sharded init, step, eval) -> batches -> checkpoints.
 """
 
 from shardlib.sharding.mesh import MESH_AXES, MeshError, make_mesh, parse_mesh
-from shardlib.sharding.rules import LeafLayout, RuleError, check_replication, layout_tree, report as sharding_report
+from shardlib.sharding.rules import LeafLayout, RuleError, check_replication, layout_tree
 from shardlib.sharding.strategies import STRATEGIES, Strategy, get_strategy
-from shardlib.sharding.layout import Layout, make_layout
+from shardlib.sharding.layout import Layout, ReplicationWarning, make_layout, sharding_report
 from shardlib.model import Model, Stages, from_functions, from_linen, from_nnx
 from shardlib.model.hooks import constrain, gather_layer
 from shardlib.step import TrainProgram, TrainState, build
@@ -34,7 +34,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "Checkpointer", "POLICIES", "PreemptionGuard", "Precision", "build_local_sgd", "load_exported",
-    "MESH_AXES", "SCHEDULES", "STRATEGIES", "Stages", "bubble_fraction", "LeafLayout", "Layout", "MeshError", "Model", "RuleError", "Strategy",
+    "MESH_AXES", "SCHEDULES", "STRATEGIES", "Stages", "bubble_fraction", "LeafLayout", "Layout", "MeshError", "Model", "ReplicationWarning", "RuleError", "Strategy",
     "TrainProgram", "TrainState", "build", "check_replication", "constrain", "from_functions",
     "from_linen", "from_nnx", "gather_layer", "get_strategy", "layout_tree", "make_layout",
     "make_mesh", "parse_mesh", "sharding_report", "simulate_cpu_devices",

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from shardlib.models import GPTConfig, trainable
-from shardlib import RuleError, build, from_functions, make_layout, make_mesh
+from shardlib import ReplicationWarning, RuleError, build, from_functions, make_layout, make_mesh, sharding_report
 from shardlib.sharding.strategies import get_strategy
 
 
@@ -16,7 +16,9 @@ def test_indivisible_dimension_when_replication_is_forbidden():
     # matrices, but the norm scales (36,) have nothing else to shard and stay replicated.
     model = trainable(GPTConfig(vocab_size=256, d_model=36, n_layers=1, n_heads=2, d_ff=64, max_seq_len=16))
     mesh = make_mesh({"fsdp": 8})
-    layout = make_layout(model, "zero3", mesh)  # allowed by default, and reported
+    with pytest.warns(ReplicationWarning, match=r"zero3 on fsdp=8 keeps 4 tensor\(s\) whole on every device:\n"
+                                                r"  blocks/attn/wk \(1, 36, 2, 18\) .*no free dimension"):
+        layout = make_layout(model, "zero3", mesh)  # allowed by default, warned about, and reported
     assert "not divisible by fsdp=8" in layout.report()
     with pytest.raises(RuleError, match=r"final_norm/scale \(36,\): dim 0 \(embed=36\) not divisible by fsdp=8"):
         make_layout(model, "zero3", mesh, max_replicated_bytes=0)
@@ -54,3 +56,50 @@ def test_model_that_does_not_gather_what_it_declares():
     state = program.init(jax.random.key(0))
     with pytest.raises(ValueError, match="never passed w through shardlib.model.hooks.gather_layer"):
         program.step(state, {"x": np.ones((8, 8), np.float32)})
+
+
+def _matrix_model():
+    return from_functions(lambda key: {"w": jnp.zeros((64, 64))}, lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2),
+                          logical_axes={"w": ("embed", "mlp")})
+
+
+@pytest.mark.parametrize("strategy,sizes,message", [
+    ("tp", {"fsdp": 8}, r"strategy 'tp' shards over mesh axis tensor, which has one device on the mesh fsdp=8: "
+                        r"nothing would be split; use a mesh such as --mesh tensor=8, or a strategy for this mesh: "
+                        r"zero1, zero2, zero3, hsdp"),
+    ("fsdp_tp", {"fsdp": 8}, r"'fsdp_tp' shards over mesh axis tensor, .* --mesh fsdp=4,tensor=2"),
+    ("fsdp_tp", {"tensor": 8}, r"'fsdp_tp' shards over mesh axis fsdp, .* --mesh fsdp=4,tensor=2, or a strategy for this mesh: tp"),
+    ("zero3", {"tensor": 8}, r"'zero3' shards over mesh axis dataxfsdp, .* on the mesh tensor=8: .* --mesh fsdp=8, "
+                             r"or a strategy for this mesh: tp$"),
+    ("hsdp", {"data": 8}, r"'hsdp' shards over mesh axis fsdp, .* on the mesh data=8: .* --mesh data=2,fsdp=4"),
+    ("zero1", {"tensor": 8}, r"'zero1' shards over mesh axis dataxfsdp, .* --mesh data=8"),
+])
+def test_strategy_on_a_mesh_without_its_axes_names_the_mesh_to_use(strategy, sizes, message):
+    with pytest.raises(RuleError, match=message):
+        make_layout(_matrix_model(), strategy, make_mesh(sizes))
+
+
+def test_one_device_and_hsdp_without_data_are_allowed():
+    """One device: every strategy is the same placement. hsdp with data=1 is zero3 over fsdp."""
+    model = _matrix_model()
+    for strategy in ("zero3", "tp", "fsdp_tp", "hsdp"):
+        make_layout(model, strategy, make_mesh({}, devices=jax.devices()[:1]))
+    hsdp, zero3 = (make_layout(model, s, make_mesh({"fsdp": 8})) for s in ("hsdp", "zero3"))
+    assert hsdp.params["w"].spec == zero3.params["w"].spec == jax.sharding.PartitionSpec("fsdp", None)
+
+
+def test_rules_that_name_none_of_the_models_axes_are_warned_about():
+    model = from_functions(lambda key: {"w": jnp.zeros((64, 64))}, lambda p, b: jnp.mean(b["x"] @ p["w"]),
+                           logical_axes={"w": ("fsdp", "tensor")})
+    with pytest.warns(ReplicationWarning, match=r"strategy 'tp' has no rule for any of the model's axis names "
+                                                r"\(fsdp, tensor\); these look like mesh axes: strategy 'as_annotated'"):
+        make_layout(model, "tp", make_mesh({"fsdp": 2, "tensor": 4}))
+
+
+def test_sharding_report_takes_the_layout():
+    layout = make_layout(_matrix_model(), "zero1", make_mesh({"data": 8}))
+    text = sharding_report(layout)
+    assert "optimizer state:" in text and "replicated against the strategy: none" in text
+    assert sharding_report(layout.params, layout.mesh).splitlines()[0] == text.splitlines()[0]
+    with pytest.raises(TypeError, match="needs its mesh"):
+        sharding_report(layout.params)

@@ -6,7 +6,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardlib.sharding.mesh import make_mesh
 from shardlib.sharding.rules import (
-    RuleError, check_replication, layout_tree, logical_axes_of, logical_from_paths, report, spec_for,
+    AutoShard, RuleError, check_replication, layout_tree, logical_axes_of, logical_from_paths, report, spec_for,
 )
 
 
@@ -52,9 +52,33 @@ def test_rule_naming_an_unknown_mesh_axis(mesh):
         layout_tree(abstract, {"w": ("embed", "mlp")}, (("embed", "model"),), mesh)
 
 
-def test_rank_mismatch_names_the_tensor(mesh):
-    with pytest.raises(RuleError, match="blocks/w: 1 logical axes"):
-        spec_for(("embed",), (4, 4), (), mesh, path="blocks/w")
+def test_more_names_than_dims_names_the_tensor(mesh):
+    with pytest.raises(RuleError, match=r"blocks/w: 3 logical axes .* shape \(4, 4\) \(rank 2\)"):
+        spec_for(("embed", "mlp", "heads"), (4, 4), (), mesh, path="blocks/w")
+
+
+def test_fewer_names_than_dims_leave_trailing_dims_unnamed(mesh):
+    """As in JAX and Flax: ("embed", "kv") on a 3-D DenseGeneral kernel names the first two dims."""
+    spec, notes = spec_for(("embed", "heads"), (64, 4, 16), (("embed", "fsdp"), ("heads", "tensor")), mesh)
+    assert spec == P("fsdp", "tensor", None) and notes == ()
+    layouts = layout_tree({"k": jax.ShapeDtypeStruct((64, 4, 16), jnp.float32)}, {"k": ("embed",)}, (), mesh)
+    assert layouts["k"].logical == ("embed", None, None)
+
+
+def test_auto_shard_takes_the_largest_free_divisible_dim(mesh):
+    auto = AutoShard(("fsdp",))
+    spec, notes = spec_for(None, (6, 256, 64), (), mesh, auto=auto)
+    assert spec == P(None, "fsdp", None) and "auto-sharded dim 1 (256) over fsdp=4" in notes[-1]
+    # A dim another axis shards is not free; a rule that already shards over fsdp needs no fallback.
+    spec, _ = spec_for(("mlp", None), (256, 64), (("mlp", "tensor"),), mesh, auto=auto)
+    assert spec == P("tensor", "fsdp")
+    spec, notes = spec_for(("embed", None), (64, 256), (("embed", "fsdp"),), mesh, auto=auto)
+    assert spec == P("fsdp", None) and notes == ()
+    # Stacked layers are never split over the batch axes; tiny and indivisible tensors stay whole.
+    spec, notes = spec_for(("layers", None), (4096, 6), (), mesh, auto=auto)
+    assert spec == P(None, None) and "no free dimension of (4096, 6) divisible by fsdp=4" in notes[-1]
+    spec, notes = spec_for(None, (64,), (), mesh, auto=auto)
+    assert spec == P(None) and "under 1024 elements" in notes[-1]
 
 
 def test_path_rules_for_unannotated_trees(mesh):
@@ -64,8 +88,9 @@ def test_path_rules_for_unannotated_trees(mesh):
     layouts = layout_tree(params, logical, (("embed", "fsdp"), ("mlp", "tensor")), mesh)
     assert layouts["dense"]["kernel"].spec == P("fsdp", "tensor")
     assert "unannotated" in layouts["head"].notes[0]
-    with pytest.raises(RuleError, match="gives 1 names"):
-        logical_from_paths(params, [(r"kernel", ("embed",))])
+    assert logical_from_paths(params, [(r"kernel", ("embed",))])["dense"]["kernel"] == ("embed",)  # trailing dim unnamed
+    with pytest.raises(RuleError, match="gives 3 names .* to 'dense/kernel'"):
+        logical_from_paths(params, [(r"kernel", ("embed", "mlp", "heads"))])
 
 
 def test_replication_check_names_the_tensors_and_report_lists_reasons(mesh):
@@ -98,3 +123,11 @@ def test_logical_names_from_nnx_and_linen():
 
     boxed = jax.eval_shape(lambda: Dense().init(jax.random.key(0), jnp.ones((1, 4))))["params"]
     assert logical_axes_of(boxed) == {"w": ("embed", "mlp")}
+
+    class Placed(nn.Module):  # mesh-axis placement (nn.Partitioned), kept by strategy as_annotated
+        @nn.compact
+        def __call__(self, x):
+            return x @ self.param("w", nn.with_partitioning(nn.initializers.ones, ("fsdp", None)), (4, 8))
+
+    boxed = jax.eval_shape(lambda: Placed().init(jax.random.key(0), jnp.ones((1, 4))))["params"]
+    assert logical_axes_of(boxed) == {"w": ("fsdp", None)}

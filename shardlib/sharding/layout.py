@@ -8,12 +8,17 @@ Batch axes (``data``, ``fsdp``) are manual inside the step, so every collective 
 written explicitly and its volume is the ZeRO paper's; so is ``pipe`` when it has more than one
 device (the layer stack is split over it and the pipeline schedule moves activations by hand);
 ``tensor`` is left to XLA's GSPMD partitioner.
+
+Mismatches are loud: a strategy on a mesh where its axes have one device is an error naming a
+mesh to use, and a tensor left on every device under a sharding strategy (above 1% of the
+model's parameter bytes) is a `ReplicationWarning` naming it and the reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,7 +27,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from shardlib.sharding import rules as rules_lib
 from shardlib.model import Model
-from shardlib.sharding.strategies import PIPE_AXIS, Strategy, get_strategy, pipelined
+from shardlib.sharding.mesh import MESH_AXES, MeshError, describe, resolve_axis_sizes
+from shardlib.sharding.strategies import PIPE_AXIS, STRATEGIES, Strategy, get_strategy, pipelined, unmet_requirements
+
+# A tensor replicated under a sharding strategy is warned about above this share of the model's
+# parameter bytes (smaller ones cost little; `max_replicated_bytes` makes any size an error).
+WARN_REPLICATED_FRACTION = 0.01
+
+
+class ReplicationWarning(UserWarning):
+    """A tensor a sharding strategy leaves whole on every device."""
 
 
 def restrict(spec: P, axes: Sequence[str]) -> P:
@@ -103,8 +117,47 @@ class Layout:
                     f"use a multiple of {n} such as {max(n, size // n * n)}"
                 )
 
+    def replicated(self) -> list[rules_lib.LeafLayout]:
+        """Tensors the strategy shards that stayed whole on every device (each with its notes)."""
+        if self.strategy.shards_params:
+            return rules_lib.replicated_leaves(self.params, self.mesh)
+        if self.strategy.shards_state:
+            return rules_lib.replicated_leaves(self.state, self.mesh)
+        return []  # dp: replicated by design
+
+    def replicated_bytes(self) -> int:
+        """R: bytes of one copy of the replicated tensors (their optimizer moments add 2 R under Adam)."""
+        return sum(leaf.bytes() for leaf in self.replicated())
+
+    def param_bytes(self) -> int:
+        return sum(leaf.bytes() for leaf in jax.tree.leaves(self.params, is_leaf=rules_lib.is_layout))
+
+    def replication_summary(self) -> str:
+        """One line for banners and reports: how much a sharding strategy leaves on every device."""
+        from shardlib.tools.report import format_bytes
+
+        leaves = self.replicated()
+        if not leaves:
+            return "replicated against the strategy: none"
+        share = self.replicated_bytes() / max(1, self.param_bytes())
+        return (f"replicated against the strategy: {len(leaves)} tensor(s), {format_bytes(self.replicated_bytes())} "
+                f"({share:.1%} of the parameter bytes) on every device")
+
     def report(self) -> str:
-        return rules_lib.report(self.params, self.mesh)
+        """The storage table, the optimizer-state table where it differs, and the replicated total."""
+        parts = [rules_lib.report(self.params, self.mesh)]
+        if self.strategy.state_rules != self.strategy.param_rules or self.strategy.state_fallback != self.strategy.param_fallback:
+            parts += ["optimizer state:", rules_lib.report(self.state, self.mesh)]
+        return "\n".join(parts + [self.replication_summary()])
+
+
+def sharding_report(layout: Layout | Any, mesh: Mesh | None = None) -> str:
+    """Per-tensor table of a `Layout` (its mesh), or of a tree of `LeafLayout` on ``mesh``."""
+    if isinstance(layout, Layout):
+        return layout.report()
+    if mesh is None:
+        raise TypeError("sharding_report(tree, mesh): a tree of LeafLayout needs its mesh; pass a Layout to omit it")
+    return rules_lib.report(layout, mesh)
 
 
 def make_layout(
@@ -113,25 +166,93 @@ def make_layout(
     mesh: Mesh,
     *,
     max_replicated_bytes: int | None = None,
+    auto_shard: bool = True,
 ) -> Layout:
-    """Resolve the strategy's rule tables against the model's logical axes on this mesh."""
+    """Resolve the strategy's rule tables against the model's logical axes on this mesh.
+
+    ``auto_shard`` (default on) applies the strategy's ZeRO fallback to every tensor its rules
+    leave off the ZeRO axes (`rules.AutoShard`); off, only the rules place tensors.
+    """
     strategy = get_strategy(strategy)
+    _check_requirements(strategy, mesh)
     abstract = model.abstract()
     stages = mesh.shape.get(PIPE_AXIS, 1)
     if stages > 1:
         strategy = pipelined(strategy)
-    params = rules_lib.layout_tree(abstract, model.logical_axes, strategy.param_rules, mesh, table=f"{strategy.name}.param_rules")
-    state = rules_lib.layout_tree(abstract, model.logical_axes, strategy.state_rules, mesh, table=f"{strategy.name}.state_rules")
+    _warn_unmatched_names(model.logical_axes, strategy)
+    fallback = lambda axes: rules_lib.AutoShard(axes) if auto_shard and axes else None
+    params = rules_lib.layout_tree(abstract, model.logical_axes, strategy.param_rules, mesh,
+                                   table=f"{strategy.name}.param_rules", auto=fallback(strategy.param_fallback))
+    state = rules_lib.layout_tree(abstract, model.logical_axes, strategy.state_rules, mesh,
+                                  table=f"{strategy.name}.state_rules", auto=fallback(strategy.state_fallback))
     if stages > 1:
         _check_stages(params, stages)
     rules_lib.validate_rules(strategy.batch_rules, mesh, table=f"{strategy.name}.batch_rules")
     rules_lib.validate_rules(strategy.activation_rules, mesh, table=f"{strategy.name}.activation_rules")
     batch_axes = tuple(a for name, axes in strategy.batch_rules if name == "batch" for a in rules_lib.as_axes(axes))
     if max_replicated_bytes is not None:
-        rules_lib.check_replication(params if strategy.param_rules else state, mesh, max_replicated_bytes)
+        rules_lib.check_replication(params if strategy.shards_params else state, mesh, max_replicated_bytes)
     layout = Layout(mesh, strategy, params, state, batch_axes)
     _check_reducible(layout)
+    _warn_replicated(layout)
     return layout
+
+
+def _check_requirements(strategy: Strategy, mesh: Mesh) -> None:
+    """Refuse a strategy whose axes have one device here: it would train replicated under its name."""
+    unmet = unmet_requirements(strategy, mesh.shape)
+    if not unmet:
+        return
+    axes = " and ".join("x".join(group) for group in unmet)
+    suits = [name for name, s in STRATEGIES.items() if s.requires and not unmet_requirements(s, mesh.shape)]
+    raise rules_lib.RuleError(
+        f"strategy {strategy.name!r} shards over mesh axis {axes}, which has one device on the mesh "
+        f"{describe(mesh)}: nothing would be split; use a mesh such as {_suggested_mesh(strategy, mesh)}"
+        + (f", or a strategy for this mesh: {', '.join(suits)}" if suits else ", or strategy 'dp'")
+    )
+
+
+def _suggested_mesh(strategy: Strategy, mesh: Mesh) -> str:
+    """The strategy's default mesh on this many devices (keeping the pipeline), as --mesh text."""
+    stages = mesh.shape.get(PIPE_AXIS, 1)
+    try:
+        sizes = resolve_axis_sizes(strategy.default_mesh, mesh.size // stages)
+    except MeshError:
+        sizes = {}
+    sizes[PIPE_AXIS] = stages
+    if unmet_requirements(strategy, sizes):
+        return f"one with {' and '.join('x'.join(g) + ' > 1' for g in strategy.requires)}"
+    return "--mesh " + ",".join(f"{k}={v}" for k, v in sizes.items() if v > 1)
+
+
+def _warn_unmatched_names(logical: Any, strategy: Strategy) -> None:
+    """A model whose axis names no rule of the strategy knows is laid out by the fallback alone: say so."""
+    rule_names = {name for name, _ in strategy.param_rules + strategy.state_rules}
+    leaves = jax.tree.leaves(logical, is_leaf=lambda x: x is None or isinstance(x, tuple))
+    names = {n for leaf in leaves if leaf is not None for n in leaf if n is not None}
+    if not rule_names or not names or names & rule_names:
+        return
+    hint = ("these look like mesh axes: strategy 'as_annotated' keeps the model's own placement"
+            if all(a in MESH_AXES for n in names for a in rules_lib.as_axes(n)) else
+            "map them with Strategy.with_rules, or use a strategy whose rules name them (zero3, tp, fsdp_tp)")
+    warnings.warn(
+        f"strategy {strategy.name!r} has no rule for any of the model's axis names "
+        f"({', '.join(sorted(map(str, names)))}); {hint}", ReplicationWarning, stacklevel=3)
+
+
+def _warn_replicated(layout: Layout) -> None:
+    """One warning listing every tensor a sharding strategy leaves whole above 1% of the parameter bytes."""
+    limit = WARN_REPLICATED_FRACTION * layout.param_bytes()
+    big = [leaf for leaf in layout.replicated() if leaf.bytes() > limit]
+    if not big:
+        return
+    from shardlib.tools.report import format_bytes
+
+    lines = "\n".join(f"  {l.path} {l.shape} ({format_bytes(l.bytes())}): {'; '.join(l.notes)}" for l in big)
+    warnings.warn(
+        f"{layout.strategy.name} on {describe(layout.mesh)} keeps {len(big)} tensor(s) whole on every device:\n"
+        f"{lines}\nsee shardlib.sharding_report(layout); make_layout(..., max_replicated_bytes=N) makes this an error",
+        ReplicationWarning, stacklevel=3)
 
 
 def _check_reducible(layout: Layout) -> None:

@@ -71,21 +71,87 @@ def validate_rules(rules: Rules, mesh: Mesh, *, table: str = "rules") -> None:
                 )
 
 
-def spec_for(
-    logical: Logical | None, shape: Sequence[int], rules: Rules, mesh: Mesh, *, path: str = "?"
-) -> tuple[P, tuple[str, ...]]:
-    """Resolve one tensor's logical names to a PartitionSpec, with notes on every fallback."""
+# Tensors below this many elements stay replicated rather than take the ZeRO fallback: sharding
+# a 4 KiB (float32) bias saves under 4 KiB per device and adds a gather and a reduce-scatter per
+# step, so like big_vision's minimum size it is not worth a collective.
+AUTO_SHARD_MIN_SIZE = 1024
+
+# Logical names the fallback never shards: a stacked layer axis is iterated by a scan (or split
+# over 'pipe'), so splitting it over the batch axes would leave each device a subset of layers.
+AUTO_SHARD_SKIP: tuple[str, ...] = ("layers",)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoShard:
+    """The ZeRO fallback: a tensor no rule shards over ``axes`` is split along its largest dim they divide.
+
+    Unannotated models (and dims whose rules could not apply) then still get ZeRO's memory, as with
+    PyTorch FSDP2 or DeepSpeed ZeRO-3, which shard every parameter without annotations.
+    """
+
+    axes: tuple[str, ...]
+    min_size: int = AUTO_SHARD_MIN_SIZE
+    skip: tuple[str | None, ...] = AUTO_SHARD_SKIP
+
+    def apply(self, entries: list[MeshAxes], names: Logical, shape: Sequence[int], mesh: Mesh) -> str | None:
+        """Shard one free dim of ``entries`` in place; the note saying what happened, or None if not needed."""
+        axes = tuple(a for a in self.axes if mesh.shape[a] > 1)
+        used = {a for entry in entries for a in as_axes(entry)}
+        if not axes or used.intersection(axes):
+            return None  # nothing to shard over, or a rule already shards it over these axes
+        n = math.prod(mesh.shape[a] for a in axes)
+        target = f"{'x'.join(axes)}={n}"
+        if math.prod(shape) < self.min_size:
+            return f"auto-shard: under {self.min_size} elements, kept whole rather than split over {target}"
+        free = [d for d, size in enumerate(shape)
+                if entries[d] is None and names[d] not in self.skip and size % n == 0]
+        if not free:
+            return f"auto-shard: no free dimension of {tuple(shape)} divisible by {target}"
+        dim = max(free, key=lambda d: (shape[d], -d))  # the largest; the first of equals
+        entries[dim] = axes[0] if len(axes) == 1 else axes
+        return f"auto-sharded dim {dim} ({shape[dim]}) over {target}: no rule shards it there"
+
+
+def names_for_rank(logical: Logical | None, shape: Sequence[int], path: str = "?") -> Logical:
+    """One name (or None) per dim. As in JAX and Flax, fewer names than dims leave the trailing dims unnamed."""
     if logical is None:
-        return P(*(None,) * len(shape)), ("no logical axis names (unannotated; add path rules)",)
-    if len(logical) != len(shape):
-        raise RuleError(f"{path}: {len(logical)} logical axes {logical} for a tensor of shape {tuple(shape)}")
+        return (None,) * len(shape)
+    if len(logical) > len(shape):
+        raise RuleError(
+            f"{path}: {len(logical)} logical axes {tuple(logical)} for a tensor of shape {tuple(shape)} "
+            f"(rank {len(shape)}); give at most one name per dimension"
+        )
+    return tuple(logical) + (None,) * (len(shape) - len(logical))
+
+
+def spec_for(
+    logical: Logical | None, shape: Sequence[int], rules: Rules, mesh: Mesh, *, path: str = "?",
+    auto: AutoShard | None = None,
+) -> tuple[P, tuple[str, ...]]:
+    """Resolve one tensor's logical names to a PartitionSpec, with notes on every fallback.
+
+    ``auto`` (the strategy's ZeRO fallback) then shards a tensor the rules left off its axes.
+    """
+    names = names_for_rank(logical, shape, path)
+    entries, notes = _apply_rules(names, shape, rules, mesh)
+    if logical is None:
+        notes.insert(0, "no logical axis names (unannotated; add path rules)")
+    if auto is not None:
+        note = auto.apply(entries, names, shape, mesh)
+        if note is not None:
+            notes.append(note)
+    return P(*entries), tuple(notes)
+
+
+def _apply_rules(names: Logical, shape: Sequence[int], rules: Rules, mesh: Mesh) -> tuple[list[MeshAxes], list[str]]:
+    """Per dim, the first rule for its name that can apply; a note for every rule that could not."""
     used: set[str] = set()
     entries: list[MeshAxes] = []
     notes: list[str] = []
-    for dim, (name, size) in enumerate(zip(logical, shape)):
+    for dim, (name, size) in enumerate(zip(names, shape)):
         chosen: tuple[str, ...] = ()
         for rule_name, axes in rules:
-            if rule_name != name:
+            if name is None or rule_name != name:
                 continue
             axes = tuple(a for a in as_axes(axes) if mesh.shape[a] > 1)
             if not axes:  # explicit replication (or only size-1 axes): the table's own fallback
@@ -101,7 +167,7 @@ def spec_for(
                 break
         used.update(chosen)
         entries.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
-    return P(*entries), tuple(notes)
+    return entries, notes
 
 
 def path_str(path: Sequence[Any]) -> str:
@@ -125,10 +191,10 @@ def logical_from_paths(tree: Any, path_rules: PathRules) -> Any:
         name = path_str(path)
         for pattern, logical in compiled:
             if pattern.search(name):
-                if logical is not None and len(logical) != np.ndim(leaf):
+                if logical is not None and len(logical) > np.ndim(leaf):
                     raise RuleError(
                         f"path rule {pattern.pattern!r} gives {len(logical)} names {logical} to {name!r} "
-                        f"of shape {tuple(np.shape(leaf))}"
+                        f"of shape {tuple(np.shape(leaf))}; give at most one name per dimension"
                     )
                 return logical
         return None
@@ -136,8 +202,13 @@ def logical_from_paths(tree: Any, path_rules: PathRules) -> Any:
     return jax.tree_util.tree_map_with_path(lookup, tree)
 
 
-def layout_tree(abstract: Any, logical: Any, rules: Rules, mesh: Mesh, *, table: str = "rules") -> Any:
-    """A pytree of `LeafLayout` for ``abstract`` (arrays or ShapeDtypeStructs) under ``rules``."""
+def layout_tree(
+    abstract: Any, logical: Any, rules: Rules, mesh: Mesh, *, table: str = "rules", auto: AutoShard | None = None
+) -> Any:
+    """A pytree of `LeafLayout` for ``abstract`` (arrays or ShapeDtypeStructs) under ``rules``.
+
+    ``auto`` is the ZeRO fallback for tensors the rules leave off its axes (see `AutoShard`).
+    """
     validate_rules(rules, mesh, table=table)
     logical_leaves = jax.tree.leaves(logical, is_leaf=lambda x: x is None or isinstance(x, tuple))
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
@@ -146,8 +217,9 @@ def layout_tree(abstract: Any, logical: Any, rules: Rules, mesh: Mesh, *, table:
     layouts = []
     for (path, leaf), names in zip(flat, logical_leaves):
         name = path_str(path)
-        spec, notes = spec_for(names, leaf.shape, rules, mesh, path=name)
-        layouts.append(LeafLayout(name, tuple(leaf.shape), np.dtype(leaf.dtype), names, spec, notes))
+        spec, notes = spec_for(names, leaf.shape, rules, mesh, path=name, auto=auto)
+        full = None if names is None else names_for_rank(names, leaf.shape, name)
+        layouts.append(LeafLayout(name, tuple(leaf.shape), np.dtype(leaf.dtype), full, spec, notes))
     return jax.tree.unflatten(treedef, layouts)
 
 
@@ -194,10 +266,13 @@ def report(layouts: Any, mesh: Mesh) -> str:
 
 
 def logical_axes_of(tree: Any) -> Any:
-    """Logical names stored on an annotated tree: Flax NNX Variables or linen LogicallyPartitioned boxes.
+    """Axis names stored on an annotated tree: Flax NNX Variables or linen Partitioned boxes.
 
-    Returns a tree of tuples (or None for unannotated leaves) with the structure of the *unboxed*
-    values.
+    Logical names (``nn.with_logical_partitioning``, ``out_sharding=("embed", "mlp")``) and mesh-axis
+    placements (``nn.with_partitioning(init, ("fsdp", None))``, ``out_sharding=P("fsdp", "tensor")``,
+    which strategy ``as_annotated`` keeps) come out alike: one tuple per leaf, entries a name, a
+    tuple of mesh axes or None; None for unannotated leaves. The structure is that of the
+    *unboxed* values.
     """
     from flax import linen as nn
     from flax import nnx
@@ -207,9 +282,9 @@ def logical_axes_of(tree: Any) -> Any:
             meta = x.get_metadata()
             found = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
             return tuple(found) if found is not None else None
-        if isinstance(x, nn.LogicallyPartitioned):
+        if isinstance(x, nn.Partitioned):  # LogicallyPartitioned is one too
             return tuple(x.names)
         return None
 
-    is_box = lambda x: isinstance(x, (nnx.Variable, nn.LogicallyPartitioned))
+    is_box = lambda x: isinstance(x, (nnx.Variable, nn.Partitioned))
     return jax.tree.map(names, tree, is_leaf=is_box)

@@ -14,14 +14,27 @@ the weight before use and reduce-scatters its gradient, as the ZeRO paper prescr
   zero3     sharded            sharded                   gather fwd + bwd + r-s      3 Psi
   tp        split on heads/mlp/vocab (Megatron column/row parallel), batch over data
   fsdp_tp   zero3 over fsdp x tp over tensor (2-D)
-  hsdp      zero3 within fsdp, replicated across data (all-reduce over data)
+  hsdp      zero3 within fsdp, replicated across data (all-reduce over data); with data=1
+            it is zero3 over fsdp
+  as_annotated  the model's own placement: parameters annotated with mesh axes (MaxText style,
+            ``out_sharding=P("fsdp", "tensor")``, ``nn.with_partitioning``) are stored as annotated,
+            optimizer state alike; batch axes among them are gathered and reduce-scattered like zero3
+
+Every sharding strategy also shards what its rules leave unsharded: ``param_fallback`` /
+``state_fallback`` name the axes of the ZeRO fallback (`rules.AutoShard`), so a model without
+logical names still gets ZeRO's memory. ``requires`` names the mesh axes a strategy shards over;
+a mesh where they have size 1 is refused, except a single-device mesh, where every strategy is
+the same placement (nothing is split).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 from collections.abc import Mapping
 
+from shardlib.sharding.mesh import MESH_AXES
 from shardlib.sharding.rules import Rules
 
 # Megatron-style tensor parallelism: attention heads and the MLP hidden dimension are split, so
@@ -56,6 +69,15 @@ ZERO_RULES: Rules = (
 # Hybrid sharding: shard within the fsdp axis only, replicate across data.
 HSDP_RULES: Rules = tuple((name, "fsdp") for name, _ in ZERO_RULES)
 
+# The model's own placement: an annotation that names mesh axes ("fsdp", or ("data", "fsdp") for
+# one dim over two axes) maps to exactly those axes. Every ordered tuple of distinct axes is a name.
+MESH_AXIS_RULES: Rules = tuple(
+    (axes[0], axes[0]) if len(axes) == 1 else (axes, axes)
+    for k in range(1, len(MESH_AXES) + 1) for axes in itertools.permutations(MESH_AXES, k)
+)
+
+ZERO_AXES = ("data", "fsdp")  # ZeRO over every data-parallel device
+
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
@@ -71,6 +93,20 @@ class Strategy:
     # instead of accumulating full local gradients and reducing once per step (dp, ZeRO-1).
     shard_grad_buffer: bool = False
     summary: str = ""
+    # Mesh axes of the ZeRO fallback for parameters / optimizer state that no rule shards over them.
+    param_fallback: tuple[str, ...] = ()
+    state_fallback: tuple[str, ...] = ()
+    # Groups of mesh axes this strategy shards over: each group's size must exceed 1 (or the mesh
+    # is one device), else the strategy would silently replicate everything.
+    requires: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def shards_params(self) -> bool:
+        return bool(self.param_rules or self.param_fallback)
+
+    @property
+    def shards_state(self) -> bool:
+        return bool(self.state_rules or self.state_fallback)
 
     def with_rules(self, **changes) -> "Strategy":
         return dataclasses.replace(self, **changes)
@@ -82,20 +118,34 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("dp", param_rules=(), state_rules=(), default_mesh={"data": -1},
                  summary="replicate everything, all-reduce gradients"),
         Strategy("zero1", param_rules=(), state_rules=ZERO_RULES, default_mesh={"data": -1},
-                 summary="shard optimizer state"),
+                 state_fallback=ZERO_AXES, requires=(ZERO_AXES,), summary="shard optimizer state"),
         Strategy("zero2", param_rules=(), state_rules=ZERO_RULES, default_mesh={"data": -1},
-                 shard_grad_buffer=True, summary="shard optimizer state and gradients"),
+                 state_fallback=ZERO_AXES, requires=(ZERO_AXES,), shard_grad_buffer=True,
+                 summary="shard optimizer state and gradients"),
         Strategy("zero3", param_rules=ZERO_RULES, state_rules=ZERO_RULES, default_mesh={"fsdp": -1},
-                 shard_grad_buffer=True, summary="shard parameters, gradients and optimizer state (FSDP)"),
+                 param_fallback=ZERO_AXES, state_fallback=ZERO_AXES, requires=(ZERO_AXES,), shard_grad_buffer=True,
+                 summary="shard parameters, gradients and optimizer state (FSDP)"),
         Strategy("tp", param_rules=TENSOR_RULES, state_rules=TENSOR_RULES, default_mesh={"tensor": -1},
-                 summary="Megatron tensor parallelism"),
+                 requires=(("tensor",),), summary="Megatron tensor parallelism"),
         Strategy("fsdp_tp", param_rules=TENSOR_RULES + HSDP_RULES, state_rules=TENSOR_RULES + HSDP_RULES,
                  default_mesh={"fsdp": -1, "tensor": 2}, shard_grad_buffer=True,
+                 param_fallback=("fsdp",), state_fallback=("fsdp",), requires=(("fsdp",), ("tensor",)),
                  summary="FSDP over fsdp x tensor parallelism over tensor"),
         Strategy("hsdp", param_rules=HSDP_RULES, state_rules=HSDP_RULES, default_mesh={"data": 2, "fsdp": -1},
-                 shard_grad_buffer=True, summary="FSDP within fsdp, replicated across data"),
+                 shard_grad_buffer=True, param_fallback=("fsdp",), state_fallback=("fsdp",), requires=(("fsdp",),),
+                 summary="FSDP within fsdp, replicated across data"),
+        Strategy("as_annotated", param_rules=MESH_AXIS_RULES, state_rules=MESH_AXIS_RULES,
+                 default_mesh={"fsdp": -1}, shard_grad_buffer=True,
+                 summary="the model's own mesh-axis annotations (MaxText / Flax NNX style)"),
     )
 }
+
+
+def unmet_requirements(strategy: Strategy, mesh_shape: Mapping[str, int]) -> list[tuple[str, ...]]:
+    """The axis groups ``strategy`` shards over that have one device on this mesh (none on one device)."""
+    if all(size == 1 for size in mesh_shape.values()):
+        return []
+    return [axes for axes in strategy.requires if math.prod(mesh_shape.get(a, 1) for a in axes) == 1]
 
 
 def pipelined(strategy: Strategy) -> Strategy:
