@@ -25,12 +25,11 @@ i // domain_size, which is how shardlib lays meshes over hosts: outer axes cross
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
+from shardlib.tools.hlo import CollectiveRecord, replica_groups
 
 GB = 1e9
 GIB = 2**30
@@ -72,6 +71,8 @@ class HardwareProfile:
 
 _NVIDIA_H100 = "https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM column)"
 _NVIDIA_H200 = "https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM column)"
+_NVIDIA_H100_PCIE = "https://www.nvidia.com/en-us/data-center/h100/ (H100 PCIe column; dense = half the sparsity figure)"
+_NVIDIA_H100_NVL = "https://www.nvidia.com/en-us/data-center/h100/ (H100 NVL column; dense = half the sparsity figure)"
 _NVIDIA_A100 = "https://www.nvidia.com/en-us/data-center/a100/ (A100 80GB SXM column)"
 _DGX_H100 = "https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html (8x ConnectX-7 400 Gb/s)"
 _DGX_A100 = "https://docs.nvidia.com/dgx/dgxa100-user-guide/introduction-to-dgxa100.html (8x ConnectX-6 200 Gb/s HDR)"
@@ -115,6 +116,26 @@ HARDWARE: dict[str, HardwareProfile] = {
             notes="NVLink 3 600 GB/s bidirectional",
         ),
         HardwareProfile(
+            name="h100-pcie",
+            description="NVIDIA H100 PCIe 80GB, pairs joined by an NVLink bridge, PCIe Gen5 beyond the pair",
+            hbm_bytes=int(80 * GB),
+            peak_flops={"bf16": 756e12, "f32": 378e12},  # TF32
+            domain_size=2,
+            intra_bandwidth=300 * GB,  # NVLink bridge 600 GB/s bidirectional
+            inter_bandwidth=64 * GB,  # PCIe Gen5 x16 128 GB/s bidirectional
+            sources=(_NVIDIA_H100_PCIE,),
+        ),
+        HardwareProfile(
+            name="h100-nvl",
+            description="NVIDIA H100 NVL 94GB, pairs joined by an NVLink bridge, PCIe Gen5 beyond the pair",
+            hbm_bytes=int(94 * GB),
+            peak_flops={"bf16": 835e12, "f32": 417e12},  # TF32
+            domain_size=2,
+            intra_bandwidth=300 * GB,  # NVLink bridge 600 GB/s bidirectional
+            inter_bandwidth=64 * GB,  # PCIe Gen5 x16 128 GB/s bidirectional
+            sources=(_NVIDIA_H100_NVL,),
+        ),
+        HardwareProfile(
             name="tpu-v5p",
             description="Cloud TPU v5p chip, 3D torus ICI within a slice (up to 8960 chips), DCN across slices",
             hbm_bytes=95 * GIB,
@@ -146,6 +167,16 @@ HARDWARE: dict[str, HardwareProfile] = {
                      "Jouppi et al., TPU v4: An Optically Reconfigurable Supercomputer for ML, ISCA 2023"),
             notes="multi-slice (DCN) traffic is not modelled for v4",
         ),
+        HardwareProfile(
+            name="tpu-v6e",
+            description="Cloud TPU v6e (Trillium) chip, 2D torus ICI within a slice (up to 256 chips), DCN across slices",
+            hbm_bytes=int(32 * GB),
+            peak_flops={"bf16": 918e12, "f32": 918e12},
+            domain_size=256,
+            intra_bandwidth=200 * GB,  # 800 GB/s bidirectional over 4 ports = 100 GB/s per port each way, x2
+            inter_bandwidth=4 * 200e9 / 8 / 8,  # 4 x 200 Gb/s NICs per 8-chip host
+            sources=("https://cloud.google.com/tpu/docs/v6e",),
+        ),
     )
 }
 
@@ -158,6 +189,34 @@ def get_hardware(name: str | HardwareProfile) -> HardwareProfile:
         return HARDWARE[name.lower()]
     except KeyError:
         raise HardwareError(f"unknown hardware {name!r} (--hardware); choose one of {', '.join(HARDWARE)}") from None
+
+
+# ``device.device_kind`` substrings (lower case) -> profile; first match wins, so the more specific
+# names come first ("TPU v5 lite" is v5e; plain "TPU v5" is v5p, matched exactly below).
+_DEVICE_KINDS: tuple[tuple[str, str], ...] = (
+    ("h100 pcie", "h100-pcie"),
+    ("h100 nvl", "h100-nvl"),
+    ("h100", "h100"),
+    ("h200", "h200"),
+    ("a100", "a100"),
+    ("v5 lite", "tpu-v5e"),
+    ("v5litepod", "tpu-v5e"),
+    ("v5e", "tpu-v5e"),
+    ("v5p", "tpu-v5p"),
+    ("v6 lite", "tpu-v6e"),
+    ("v6e", "tpu-v6e"),
+    ("tpu v4", "tpu-v4"),
+)
+
+
+def profile_for_device(device: Any) -> HardwareProfile | None:
+    """The profile of a ``jax.Device`` (or a ``device_kind`` string); None for CPU or an unknown kind."""
+    if not isinstance(device, str) and getattr(device, "platform", None) == "cpu":
+        return None
+    kind = (device if isinstance(device, str) else getattr(device, "device_kind", "")).lower().strip()
+    if kind == "tpu v5":
+        return HARDWARE["tpu-v5p"]
+    return next((HARDWARE[name] for pattern, name in _DEVICE_KINDS if pattern in kind), None)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
@@ -175,64 +234,8 @@ def parse_bytes(text: str | int | float) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Which link a collective uses: its replica groups, read from the HLO attributes
+# Which link a collective uses: its replica groups (read by shardlib.tools.hlo)
 # ----------------------------------------------------------------------------------------------
-
-_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-_EXPLICIT = re.compile(r"replica_groups=\{((?:\s*\{[\d,\s]*\}\s*,?)*)\}")
-_MESH = re.compile(
-    r"replica_groups=mesh\[(?P<mesh>[^\]]*)\](?:,\s*device_ids=\((?P<ids>[^()]*(?:\([^()]*\))?)\))?\s*\{(?P<axes>[^}]*)\}")
-
-
-def _iota(dims_text: str, perm_text: str | None) -> np.ndarray:
-    """``[4,2]T(1,0)``-style device order: iota over dims, transposed by perm."""
-    dims = [int(d) for d in dims_text.split(",")]
-    ids = np.arange(math.prod(dims)).reshape(dims)
-    return ids.transpose([int(p) for p in perm_text.split(",")]) if perm_text else ids
-
-
-def replica_groups(attrs: str, n_devices: int) -> list[list[int]] | None:
-    """Every replica group of a collective as device positions, or None for a form not understood.
-
-    Handles explicit lists ``{{0,1},{2,3}}``, iota ``[2,4]<=[4,2]T(1,0)``, jax's mesh form
-    ``mesh['a'=2,'b'=4] {'b'}`` and ``{}`` (all devices); ``source_target_pairs`` become one
-    two-device group per pair.
-    """
-    if "source_target_pairs=" in attrs:
-        from shardlib.tools.report import permute_pairs
-
-        return [[a, b] for a, b in permute_pairs(attrs)]
-    m = _IOTA.search(attrs)
-    if m:
-        return _iota(m.group(3), m.group(4)).reshape(int(m.group(1)), int(m.group(2))).tolist()
-    m = _MESH.search(attrs)
-    if m:
-        names, sizes = [], []
-        for item in filter(None, (p.strip() for p in m.group("mesh").split(","))):
-            name, _, size = item.partition("=")
-            names.append(name.strip("' "))
-            sizes.append(int(size))
-        axes = [a.strip().strip("'") for a in m.group("axes").split(",") if a.strip()]
-        if any(":" in a or a not in names for a in axes):
-            return None  # sub-axis groups: not needed by shardlib's meshes
-        ids_text = (m.group("ids") or "").strip()
-        order = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", ids_text)
-        if order:
-            flat = _iota(order.group(1), order.group(2)).ravel()
-        elif ids_text:
-            flat = np.asarray([int(x) for x in ids_text.split(",")])
-        else:
-            flat = np.arange(math.prod(sizes))
-        ids = flat.reshape(sizes)
-        group_dims = [names.index(a) for a in axes]
-        other = [d for d in range(len(sizes)) if d not in group_dims]
-        size = math.prod(sizes[d] for d in group_dims)
-        return ids.transpose(other + group_dims).reshape(-1, size).tolist()
-    m = _EXPLICIT.search(attrs)
-    if m is None:
-        return None if "replica_groups=" in attrs else [list(range(n_devices))]
-    groups = [[int(t) for t in g.split(",") if t.strip()] for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
-    return groups or [list(range(n_devices))]
 
 
 def crosses_domains(groups: Sequence[Sequence[int]] | None, group_size: int | None, domain_size: int) -> bool:
@@ -255,25 +258,20 @@ class LinkBytes:
         return self.intra + self.inter
 
 
-def link_bytes(hlo_text: str, records: Sequence[Any], n_devices: int, domain_size: int,
+def link_bytes(records: Sequence[CollectiveRecord], n_devices: int, domain_size: int,
                scale: Mapping[str, float] | None = None) -> LinkBytes:
-    """Split ``records`` (``report.CollectiveRecord``) of ``hlo_text`` into intra/inter-domain bytes.
+    """Split collective ``records`` into intra/inter-domain bytes by the devices their groups join.
 
     ``scale`` optionally multiplies each record's bytes by name (used for the bf16 correction).
     """
-    from shardlib.tools.report import parse_hlo_module
-
-    module = parse_hlo_module(hlo_text)
-    attrs = {(i.computation, i.name): i.attrs for instrs in module.computations.values() for i in instrs}
     intra = inter = 0.0
     unknown = 0
     for r in records:
         nbytes = r.bytes_per_step * (scale or {}).get(r.name, 1.0)
         if nbytes <= 0:
             continue
-        groups = replica_groups(attrs.get((r.computation, r.name), ""), n_devices)
-        unknown += groups is None
-        if n_devices > domain_size and crosses_domains(groups, r.group_size, domain_size):
+        unknown += r.replica_groups is None
+        if n_devices > domain_size and crosses_domains(r.replica_groups, r.group_size, domain_size):
             inter += nbytes
         else:
             intra += nbytes

@@ -7,7 +7,7 @@ from ShapeDtypeStructs (nothing is allocated; the command simulates N CPU device
                      and XLA's argument bytes (the same plus the batch)
   peak bytes         XLA's buffer assignment: arguments + outputs - donated + temporaries. (XLA:CPU's
                      own ``peak_memory_in_bytes`` only repeats the argument bytes, so it is not used.)
-  collective bytes   sent per device per step, by kind, ring volumes (DESIGN.md), from the optimised
+  collective bytes   sent per device per step, by kind, ring volumes (docs/design.md), from the optimised
                      HLO. XLA:CPU upcasts bf16 collectives to f32 there; for ``--precision bf16`` the
                      bf16 collectives found right after SPMD partitioning are counted at 2 bytes.
   FLOPs              analytic: models.flops_per_token x tokens (XLA counts a scan body once); the
@@ -35,6 +35,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shardlib.tools import hardware as hw
+from shardlib.tools.hlo import collective_stats
+from shardlib.tools.memory import memory_stats, peak_bytes
+from shardlib.tools.tables import format_bytes, format_table
+
+_gib = format_bytes  # the short name the advice texts use
 
 PRECISIONS: dict[str, str] = {"f32": "float32", "bf16": "bfloat16"}
 ALL_STRATEGIES: tuple[str, ...] = ("dp", "zero1", "zero2", "zero3", "tp", "fsdp_tp", "hsdp")
@@ -193,15 +198,6 @@ def default_mesh(strategy: str, devices: int, config: Any) -> dict[str, int]:
     return {k: v for k, v in sizes.items() if v > 1} or {"data": 1}
 
 
-def peak_bytes(mem: Any) -> int:
-    """Per-device peak from ``report.MemoryStats``: XLA's own figure, or its buffer assignment if larger.
-
-    The buffer assignment (arguments + outputs - donated + temporaries) is what the program
-    holds at most; XLA:CPU's ``peak_memory_in_bytes`` reports only the argument bytes.
-    """
-    return max(mem.peak_bytes, mem.argument_bytes + mem.output_bytes - mem.alias_bytes + mem.temp_bytes)
-
-
 def _shard_bytes(tree: Any) -> int:
     """Bytes per device of a tree of sharded ShapeDtypeStructs."""
     import jax
@@ -299,48 +295,62 @@ class Planner:
         """Compile one candidate and read its figures (errors are recorded on the row)."""
         import jax
 
-        from shardlib.models import flops_per_token
-        from shardlib.tools.report import collective_stats, memory_stats
-
-        from shardlib.step.pipeline import bubble_fraction
-
         sizes = self.mesh_for(strategy, mesh)
-        stages = sizes.get("pipe", 1)
-        batch_size = self.batch_size
-        if stages > 1 and not self._batch_given:  # one row per data-parallel device per microbatch
-            batch_size = self.n // stages // sizes.get("tensor", 1) * self.microbatches
-        row = PlanRow(strategy=strategy, mesh=sizes, devices=self.n, batch_size=batch_size,
-                      seq_len=self.seq_len, precision=self.precision, hbm_bytes=self.hbm_bytes)
-        if stages > 1:
-            row.pipeline_stages, row.microbatches = stages, self.microbatches
-            row.bubble = bubble_fraction(stages, self.microbatches)
+        row = self._new_row(strategy, sizes)
         start = time.perf_counter()
         try:
-            built = self._compile(strategy, sizes, batch_size)
+            built = self._compile(strategy, sizes, row.batch_size)
         except (ValueError, jax.errors.JaxRuntimeError) as err:
             row.error = " ".join(str(err).split())[:500]
             return row
         row.compile_s = time.perf_counter() - start
+        self._read_memory(row, built)
+        links = self._read_collectives(row, built)
+        self._estimate_time(row, links)
+        row.fits = row.peak_bytes <= self.hbm_bytes
+        replicated = self._replicated(strategy, sizes)
+        if replicated:
+            row.notes.append(f"{len(replicated)} tensor(s) replicated against the rules: {', '.join(replicated[:4])}"
+                             + (" ..." if len(replicated) > 4 else "") + " (see `shardlib inspect`)")
+        return row
+
+    def _new_row(self, strategy: str, sizes: Mapping[str, int]) -> PlanRow:
+        """An empty row for one candidate, with its global batch and, when pipelined, its bubble."""
+        from shardlib.step.pipeline import bubble_fraction
+
+        stages = sizes.get("pipe", 1)
+        batch_size = self.batch_size
+        if stages > 1 and not self._batch_given:  # one row per data-parallel device per microbatch
+            batch_size = self.n // stages // sizes.get("tensor", 1) * self.microbatches
+        row = PlanRow(strategy=strategy, mesh=dict(sizes), devices=self.n, batch_size=batch_size,
+                      seq_len=self.seq_len, precision=self.precision, hbm_bytes=self.hbm_bytes)
+        if stages > 1:
+            row.pipeline_stages, row.microbatches = stages, self.microbatches
+            row.bubble = bubble_fraction(stages, self.microbatches)
+        return row
+
+    def _read_memory(self, row: PlanRow, built: _Compiled) -> None:
+        """Persistent bytes from the state's shardings; peak and temporaries from XLA's buffer assignment."""
         state = built.program.abstract_state()
         row.params_bytes = _shard_bytes(state.params)
         row.opt_state_bytes = _shard_bytes(state.opt_state)
         row.persistent_bytes = row.params_bytes + row.opt_state_bytes + _shard_bytes(state.step)
-
         mem = memory_stats(built.compiled)
         row.argument_bytes, row.temp_bytes = mem.argument_bytes, mem.temp_bytes
         row.peak_bytes = peak_bytes(mem)
         row.transient_bytes = row.peak_bytes - row.persistent_bytes
 
-        text = built.compiled.as_text()
-        stats = collective_stats(text, num_devices=self.n)
+    def _read_collectives(self, row: PlanRow, built: _Compiled) -> hw.LinkBytes:
+        """Collective bytes per step by kind and by link, bf16 collectives counted at 2 bytes."""
+        stats = collective_stats(built.compiled.as_text(), num_devices=self.n)
         by_kind = dict(stats.bytes_by_kind())
-        links = hw.link_bytes(text, stats.records, self.n, self.profile.domain_size)
+        links = hw.link_bytes(stats.records, self.n, self.profile.domain_size)
         if built.partitioned_hlo is not None:  # count bf16 collectives at 2 bytes, not XLA:CPU's 4
-            early = collective_stats(built.partitioned_hlo, num_devices=self.n)
-            narrow = [r for r in early.records if r.dtype == "bf16"]
+            narrow = [r for r in collective_stats(built.partitioned_hlo, num_devices=self.n).records
+                      if r.dtype == "bf16"]
             for r in narrow:
                 by_kind[r.kind] = max(0, round(by_kind[r.kind] - r.bytes_per_step))
-            upcast = hw.link_bytes(built.partitioned_hlo, narrow, self.n, self.profile.domain_size)
+            upcast = hw.link_bytes(narrow, self.n, self.profile.domain_size)
             links = hw.LinkBytes(max(0.0, links.intra - upcast.intra), max(0.0, links.inter - upcast.inter),
                                  links.unknown_groups)
             row.notes.append(f"{len(narrow)} bf16 collective(s) counted at 2 bytes/element "
@@ -356,28 +366,28 @@ class Planner:
         row.collective_bytes = by_kind
         row.collective_total_bytes = sum(by_kind.values())
         row.intra_domain_bytes, row.inter_domain_bytes = round(links.intra), round(links.inter)
+        return links
 
-        tokens = batch_size * self.seq_len
+    def _estimate_time(self, row: PlanRow, links: hw.LinkBytes) -> None:
+        """Analytic FLOPs and the roofline step time on the profile (compute stretched by the bubble)."""
+        from shardlib.models import flops_per_token
+
+        tokens = row.batch_size * self.seq_len
         row.model_flops = flops_per_token(self.config, self.seq_len) * tokens
         row.flops_per_device = row.model_flops * (REMAT_FLOPS if self.config.remat else 1.0) / self.n
         # A stage is idle for the bubble: its share of the work takes 1 / (1 - bubble) as long.
         estimate = hw.step_time(self.profile, row.flops_per_device / (1 - row.bubble), links, self.precision)
         row.compute_s, row.comm_s = estimate.compute_s, estimate.comm_s
         row.step_s, row.step_serial_s = estimate.overlapped_s, estimate.serial_s
-        if stages > 1:
+        if row.pipeline_stages > 1:
             row.notes.append(
-                f"pipeline: {stages} stages x {self.microbatches} microbatches ({self.schedule}), bubble "
-                f"{row.bubble:.1%} = (S-1)/(M+S-1); collective-permute {by_kind['collective-permute']:,} B/step "
-                "between stages; persistent bytes are one stage's layers + the replicated embedding and head")
+                f"pipeline: {row.pipeline_stages} stages x {self.microbatches} microbatches ({self.schedule}), "
+                f"bubble {row.bubble:.1%} = (S-1)/(M+S-1); collective-permute "
+                f"{row.collective_bytes['collective-permute']:,} B/step between stages; persistent bytes are "
+                "one stage's layers + the replicated embedding and head")
         row.tokens_per_s = tokens / row.step_s if row.step_s > 0 else None
         peak = self.profile.peak_flops[self.precision]
         row.mfu = row.model_flops / (row.step_s * self.n * peak) if row.step_s > 0 else None
-        row.fits = row.peak_bytes <= self.hbm_bytes
-        replicated = self._replicated(strategy, sizes)
-        if replicated:
-            row.notes.append(f"{len(replicated)} tensor(s) replicated against the rules: {', '.join(replicated[:4])}"
-                             + (" ..." if len(replicated) > 4 else "") + " (see `shardlib inspect`)")
-        return row
 
     def _replicated(self, strategy: str, sizes: Mapping[str, int]) -> list[str]:
         from shardlib.sharding.rules import replicated_leaves
@@ -494,8 +504,6 @@ class Planner:
                             "accumulation cannot shrink activations further; shorten --seq-len"}
         import jax
 
-        from shardlib.tools.report import memory_stats
-
         try:
             small = self._compile(row.strategy, row.mesh, layout.batch_size_multiple)
         except (ValueError, jax.errors.JaxRuntimeError):  # advice is best effort; the plan itself succeeded
@@ -527,12 +535,6 @@ def _leaves(tree: Any) -> list[Any]:
     from shardlib.sharding.rules import is_layout
 
     return jax.tree.leaves(tree, is_leaf=is_layout)
-
-
-def _gib(n: float) -> str:
-    from shardlib.tools.report import format_bytes
-
-    return format_bytes(n)
 
 
 def mark_best(rows: Sequence[PlanRow]) -> PlanRow | None:
@@ -631,16 +633,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def setup_devices(n: int) -> None:
-    """Simulate ``n`` CPU devices, if JAX has not started yet (else the backend must have >= n)."""
-    from shardlib.runtime.devices import raise_cpu_collective_timeout
+    """Simulate ``n`` CPU devices if JAX has not started yet; else keep the backend (it must have >= n).
 
-    raise_cpu_collective_timeout()
-    import jax
+    A started backend with more devices than the plan needs is fine (the plan takes the first n),
+    which is why this does not call `simulate_cpu_devices` then: that asks for exactly n.
+    """
     from jax._src import xla_bridge
 
+    from shardlib.runtime.devices import simulate_cpu_devices
+
     if not xla_bridge.backends_are_initialized():
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", max(n, 1))
+        simulate_cpu_devices(max(n, 1))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -664,8 +667,6 @@ def run(args: argparse.Namespace) -> int:
 
 def render(planner: Planner, rows: Sequence[PlanRow], advice: Sequence[Mapping[str, Any]]) -> str:
     """Human-readable plan: a header, one line per candidate, notes and suggestions."""
-    from shardlib.tools.report import format_bytes, format_table
-
     c, p = planner.config, planner.profile
     lines = [
         f"plan: {planner.model_name} ({planner.params / 1e6:,.1f}M params, {c.n_layers} layers, d={c.d_model}) "
