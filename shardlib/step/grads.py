@@ -1,0 +1,147 @@
+"""Per-device loss and gradients, in interchangeable variants: one pass over all rows (`Plain`),
+K microbatches accumulated in a scan (`Accumulated`), or microbatches streamed through the
+pipeline's stages (`Pipelined`).
+
+Each runs inside the step's ``shard_map`` and has two methods:
+
+* ``value_and_grad(params, batch, ctx, residuals) -> ((loss, aux), grads, residuals)``: this
+  device's share of the loss and aux metrics, and the gradients of ``ctx.scale * loss`` already
+  reduced into the optimizer-state layout by its `Reducer`;
+* ``loss(params, batch, ctx) -> (loss, aux)``: the same loss, forward only (evaluation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from shardlib.model import Model
+from shardlib.sharding.layout import Layout
+from shardlib.step import compression as compression_lib
+from shardlib.step import pipeline as pipeline_lib
+from shardlib.step.compute import ModelCall, StepContext
+from shardlib.step.reduce import Reducer
+
+
+def _scaled_value_and_grad(call: ModelCall, params: Any, rows: Any, ctx: StepContext):
+    """((loss, aux), d(scale * loss)/d params) of ``rows``, unreduced."""
+    scaled = lambda p, b: (lambda out: (out[0] * ctx.scale, out))(call.loss(p, b, ctx))
+    (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params, rows)
+    return (loss, aux), grads
+
+
+@dataclasses.dataclass(frozen=True)
+class Plain:
+    """One pass over all of this device's rows; one reduction."""
+
+    call: ModelCall
+    reducer: Reducer
+
+    def value_and_grad(self, params: Any, batch: Any, ctx: StepContext, residuals: Any):
+        (loss, aux), grads = _scaled_value_and_grad(self.call, params, batch, ctx)
+        grads, residuals = self.reducer(grads, residuals)
+        return (loss, aux), grads, residuals
+
+    def loss(self, params: Any, batch: Any, ctx: StepContext):
+        return self.call.loss(params, batch, ctx)
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulated(Plain):
+    """This device's rows as ``microbatches`` slices in one scan. With ``reduce_each`` (ZeRO-2/3's
+    ``shard_grad_buffer``) every microbatch is reduce-scattered into a buffer 1/N the size of the
+    gradients, trading K reductions for memory; otherwise full gradients add up, reduced once."""
+
+    microbatches: int
+    reduce_each: bool
+
+    def _one(self, params: Any, rows: Any, ctx: StepContext, residuals: Any):
+        (loss, aux), grads = _scaled_value_and_grad(self.call, params, rows, ctx)
+        if self.reduce_each:
+            grads, residuals = self.reducer(grads, residuals)
+        return (loss, aux, grads), residuals
+
+    def value_and_grad(self, params: Any, batch: Any, ctx: StepContext, residuals: Any):
+        k = self.microbatches
+        micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+        first = self._one(params, jax.tree.map(lambda x: x[0], micro), ctx, residuals)
+
+        def add(carry, rows):
+            total, residuals = carry
+            out, residuals = self._one(params, rows, ctx, residuals)
+            return (jax.tree.map(jnp.add, total, out), residuals), None
+
+        (total, residuals), _ = jax.lax.scan(add, first, jax.tree.map(lambda x: x[1:], micro))
+        loss, aux, grads = jax.tree.map(lambda x: x / k, total)
+        if not self.reduce_each:
+            grads, residuals = self.reducer(grads, residuals)
+        return (loss, aux), grads, residuals
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipelined:
+    """Microbatches through the stages of the ``pipe`` axis (`shardlib.step.pipeline`); the
+    schedule accumulates, so the stack's gradients are this stage's, reduced once."""
+
+    call: ModelCall
+    reducer: Reducer
+    schedule: pipeline_lib.Schedule
+    n_stages: int
+    microbatches: int
+    branch: bool  # first / last stage alone run the embedding / head (only without collectives in them)
+
+    def _args(self) -> dict[str, Any]:
+        return dict(n_stages=self.n_stages, microbatches=self.microbatches, branch=self.branch,
+                    loss_weight=1.0 / (self.call.rows_split * self.microbatches))
+
+    def value_and_grad(self, params: Any, batch: Any, ctx: StepContext, residuals: Any):
+        (loss, aux), grads = self.call.traced(lambda: pipeline_lib.value_and_grad(
+            self.call.stages(ctx), params, batch, schedule=self.schedule, seed=ctx.scale, **self._args()))
+        grads, residuals = self.reducer(grads, residuals)
+        return (loss, aux), grads, residuals
+
+    def loss(self, params: Any, batch: Any, ctx: StepContext):
+        return self.call.traced(lambda: pipeline_lib.loss(self.call.stages(ctx), params, batch, **self._args()))
+
+
+def for_layout(call: ModelCall, reducer: Reducer, layout: Layout, *, grad_accum: int, microbatches: int,
+               schedule: pipeline_lib.Schedule) -> Plain | Pipelined:
+    """The variant ``layout`` and the step's options ask for (options checked by `check_options`)."""
+    if layout.pipeline_stages > 1:
+        # The embedding / head may sit in a branch only when they hold no collective: no parameter
+        # gathered over the batch axes, no tensor parallelism.
+        branch = not call.must_gather and layout.mesh.shape.get("tensor", 1) == 1
+        return Pipelined(call, reducer, schedule, layout.pipeline_stages, microbatches, branch)
+    if grad_accum == 1:
+        return Plain(call, reducer)
+    return Accumulated(call, reducer, grad_accum, layout.strategy.shard_grad_buffer)
+
+
+def check_options(model: Model, layout: Layout, grad_accum: int, method: compression_lib.Compression,
+                  microbatches: int | None, schedule: str | pipeline_lib.Schedule) -> tuple[int, pipeline_lib.Schedule | None]:
+    """Refuse what the variants cannot do, with the fix; return (microbatches, schedule)."""
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+    n_stages = layout.pipeline_stages
+    if n_stages == 1:
+        if microbatches not in (None, grad_accum):
+            raise ValueError(f"microbatches={microbatches} applies to a pipelined mesh (pipe > 1); without one, "
+                             f"pass grad_accum={microbatches}")
+        return grad_accum, None
+    if model.pipeline is None:
+        raise ValueError(
+            f"the mesh has pipe={n_stages} but the model does not say how to cut it into stages: "
+            "build it with pipeline=shardlib.Stages(...) (models.trainable does), or use pipe=1"
+        )
+    if grad_accum != 1:
+        raise ValueError("a pipelined step accumulates over its microbatches: pass microbatches=K, not grad_accum=K")
+    if method.needs_residual:
+        raise ValueError(f"grad_compression={method.name!r} keeps per-device residuals, which pipelining does "
+                         "not support yet; use 'bf16' or 'none'")
+    microbatches = 2 * n_stages if microbatches is None else microbatches
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    return microbatches, pipeline_lib.get_schedule(schedule)

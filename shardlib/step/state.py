@@ -1,0 +1,73 @@
+"""The train state: its fields, their shardings, and its sharded initialisation.
+
+Every part of the step that carries something from one step to the next owns one field: the
+optimizer its state, fp16 loss scaling its scale, int8 compression its residuals. A new carried
+quantity (e.g. a model's BatchNorm statistics) is one more field, sharded and initialised here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from shardlib.model import Model
+from shardlib.sharding.layout import Layout
+from shardlib.step import precision as precision_lib
+from shardlib.step.reduce import Reducer
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    loss_scale: Any = None  # {"scale", "good_steps"} under fp16 dynamic loss scaling, else None
+    grad_residual: Any = None  # per-device error-feedback residuals under int8 gradient compression
+
+
+def abstract_state(init: Callable[[jax.Array], Any], shardings: Any) -> Any:
+    """Shapes and dtypes of ``init``'s output with ``shardings`` attached; nothing allocated."""
+    shapes = jax.eval_shape(init, jax.random.key(0))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+def state_sharding(model: Model, tx: optax.GradientTransformation, layout: Layout,
+                   policy: precision_lib.Precision, reducer: Reducer) -> TrainState:
+    """Where each field lives: parameters in storage, optimizer state in the state layout
+    (its scalars replicated), residuals one per data-parallel device."""
+    mesh = layout.mesh
+    replicated = NamedSharding(mesh, P())
+    abstract_params = model.abstract()
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    opt_shardings = optax.tree_utils.tree_map_params(
+        tx, lambda _, sharding: sharding, abstract_opt, layout.state_shardings(),
+        transform_non_params=lambda _: replicated,
+    )
+    residual_specs = reducer.residual_specs(abstract_params)
+    return TrainState(
+        step=replicated, params=layout.param_shardings(), opt_state=opt_shardings,
+        loss_scale=jax.tree.map(lambda _: replicated, precision_lib.init_loss_scale(policy)),
+        grad_residual=jax.tree.map(lambda spec: NamedSharding(mesh, spec), residual_specs),
+    )
+
+
+def initializer(model: Model, tx: optax.GradientTransformation, layout: Layout, policy: precision_lib.Precision,
+                reducer: Reducer, sharding: TrainState) -> Callable[[jax.Array], TrainState]:
+    """The jitted ``init(key)``: parameters and optimizer state created directly in their shards."""
+    state_shardings = layout.state_shardings()
+
+    def init_fn(key):
+        params = precision_lib.cast_floating(model.init(key), policy.param_dtype)
+        in_state_layout = jax.lax.with_sharding_constraint(params, state_shardings)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(in_state_layout),
+                          loss_scale=precision_lib.init_loss_scale(policy),
+                          grad_residual=reducer.zero_residuals(params, layout.mesh))
+
+    return jax.jit(init_fn, out_shardings=sharding)

@@ -1,0 +1,82 @@
+"""The update half of the step (GSPMD): unscale the reduced gradients, run the optax update in
+the optimizer-state layout, reshard the new parameters to storage (ZeRO-1/2's all-gather), and
+skip the whole update, counted, when the loss or the gradient norm is not finite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from shardlib.step import precision as precision_lib
+from shardlib.step.state import TrainState
+
+
+def loss_scale(state: TrainState) -> jax.Array:
+    """The scale this step's gradients are taken of: fp16's dynamic loss scale, else 1."""
+    return jnp.ones((), jnp.float32) if state.loss_scale is None else state.loss_scale["scale"]
+
+
+def _learning_rate(opt_state: Any, step: jax.Array, schedule: Callable | None) -> jax.Array | None:
+    if schedule is not None:
+        return jnp.asarray(schedule(step), jnp.float32)
+    found = optax.tree_utils.tree_get(opt_state, "learning_rate")
+    return None if found is None else jnp.asarray(found, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """``(state, reduced grads, loss) -> new state``, and the step's metrics."""
+
+    tx: optax.GradientTransformation
+    policy: precision_lib.Precision
+    state_shardings: Any  # the optimizer-state layout of the parameters
+    param_shardings: Any  # their storage layout
+    lr_schedule: Callable | None = None
+
+    def __call__(self, state: TrainState, grads: Any, loss: jax.Array, scale: jax.Array,
+                 produced: dict[str, Any]) -> tuple[TrainState, jax.Array, jax.Array]:
+        """-> (new state, gradient norm, finite). ``produced``: state fields the gradient pass
+        computed (e.g. ``grad_residual``), adopted only when the step is applied."""
+        grads = jax.lax.with_sharding_constraint(jax.tree.map(lambda g: g / scale, grads), self.state_shardings)
+        params_s = jax.lax.with_sharding_constraint(state.params, self.state_shardings)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+        def apply_update(_):
+            updates, opt_state = self.tx.update(grads, state.opt_state, params_s)
+            new_params = jax.lax.with_sharding_constraint(optax.apply_updates(params_s, updates), self.param_shardings)
+            return new_params, opt_state, produced
+
+        def skip_update(_):
+            return state.params, state.opt_state, {name: getattr(state, name) for name in produced}
+
+        # A branch, not a select over the whole state: only one side runs, and no second copy
+        # of the parameters and optimizer state stays alive for the select.
+        # Not optax.apply_if_finite: it wraps opt_state, checks gradients only and keeps no residuals or step count.
+        params, opt_state, produced = jax.lax.cond(finite, apply_update, skip_update, None)
+        new_state = dataclasses.replace(
+            state,
+            step=state.step + finite.astype(jnp.int32),
+            params=params,
+            opt_state=opt_state,
+            loss_scale=precision_lib.update_loss_scale(state.loss_scale, finite, self.policy),
+            **produced,
+        )
+        return new_state, grad_norm, finite
+
+    def metrics(self, state: TrainState, loss: jax.Array, aux: dict[str, jax.Array], grad_norm: jax.Array,
+                finite: jax.Array) -> dict[str, jax.Array]:
+        """The step's metrics, from the state it started from."""
+        metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32), **aux}
+        if state.loss_scale is not None:
+            metrics["loss_scale"] = state.loss_scale["scale"]
+        lr = _learning_rate(state.opt_state, state.step, self.lr_schedule)
+        if lr is not None:
+            metrics["lr"] = lr
+        return metrics
