@@ -146,7 +146,7 @@ class Layout:
     def report(self) -> str:
         """The storage table, the optimizer-state table where it differs, and the replicated total."""
         parts = [rules_lib.report(self.params, self.mesh)]
-        if self.strategy.state_rules != self.strategy.param_rules or self.strategy.state_fallback != self.strategy.param_fallback:
+        if self.strategy.state_differs:
             parts += ["optimizer state:", rules_lib.report(self.state, self.mesh)]
         return "\n".join(parts + [self.replication_summary()])
 

@@ -108,6 +108,11 @@ class Strategy:
     def shards_state(self) -> bool:
         return bool(self.state_rules or self.state_fallback)
 
+    @property
+    def state_differs(self) -> bool:
+        """The optimizer state is placed otherwise than the parameters (ZeRO-1/2)."""
+        return (self.state_rules, self.state_fallback) != (self.param_rules, self.param_fallback)
+
     def with_rules(self, **changes) -> "Strategy":
         return dataclasses.replace(self, **changes)
 

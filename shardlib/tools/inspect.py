@@ -2,8 +2,10 @@
 
 Nothing is compiled or allocated: the layout is resolved from the model's abstract parameters and
 the strategy's rule tables. Prints the storage layout of each parameter (path, shape, logical axes,
-PartitionSpec, bytes per device), the optimizer-state layout where it differs (ZeRO-1/2), and
-every tensor that stayed replicated although a rule wanted it sharded, with the reason.
+PartitionSpec, bytes per device), the optimizer-state layout where it differs (ZeRO-1/2), every
+tensor that stayed replicated although the strategy shards (its rules or its ZeRO fallback), with
+the reason, and their total. A strategy the mesh cannot apply (``--strategy tp --mesh fsdp=8``)
+is refused with the mesh to use.
 """
 
 from __future__ import annotations
@@ -48,7 +50,6 @@ def inspect_layout(model: str, strategy: str, devices: int, mesh: str | None = N
     from shardlib.models import trainable
     from shardlib import make_layout, make_mesh
     from shardlib.sharding.mesh import describe, parse_mesh, resolve_axis_sizes
-    from shardlib.sharding.rules import replicated_leaves
     from shardlib.sharding.strategies import get_strategy
 
     strat = get_strategy(check_strategy(strategy))
@@ -57,16 +58,9 @@ def inspect_layout(model: str, strategy: str, devices: int, mesh: str | None = N
     device_mesh = make_mesh(sizes, devices=select_devices(devices))
     layout = make_layout(trainable(config), strat, device_mesh)
     params, state = _rows(layout.params, device_mesh), _rows(layout.state, device_mesh)
-    replicated = []
-    trees = [("params", layout.params, strat.param_rules)]
-    if strat.state_rules != strat.param_rules:
-        trees.append(("state", layout.state, strat.state_rules))
-    for tree_name, tree, rules in trees:
-        if not rules:
-            continue  # replicated by design (dp params, zero1/2 params): not a surprise
-        for leaf in replicated_leaves(tree, device_mesh):
-            replicated.append({"tree": tree_name, "path": leaf.path, "shape": list(leaf.shape),
-                               "bytes": leaf.bytes(), "reason": "; ".join(leaf.notes)})
+    tree_name = "params" if strat.shards_params else "state"  # dp: nothing is replicated against it
+    replicated = [{"tree": tree_name, "path": leaf.path, "shape": list(leaf.shape),
+                   "bytes": leaf.bytes(), "reason": "; ".join(leaf.notes)} for leaf in layout.replicated()]
     return {
         "model": model,
         "strategy": strat.name,
@@ -75,8 +69,10 @@ def inspect_layout(model: str, strategy: str, devices: int, mesh: str | None = N
         "mesh_text": describe(device_mesh),
         "params": params,
         "state": state,
-        "state_differs": strat.state_rules != strat.param_rules,
+        "state_differs": strat.state_differs,
         "replicated": replicated,
+        "replicated_bytes": layout.replicated_bytes(),
+        "replicated_summary": layout.replication_summary(),
         "params_bytes_per_device": sum(r["bytes_per_device"] for r in params),
         "state_param_bytes_per_device": sum(r["bytes_per_device"] for r in state),
     }
@@ -104,8 +100,7 @@ def render(doc: dict[str, Any]) -> str:
         lines.append(f"{len(doc['replicated'])} tensor(s) stay replicated although a rule wanted them sharded:")
         lines += [f"  [{r['tree']}] {r['path']} {'x'.join(map(str, r['shape']))} ({format_bytes(r['bytes'])}): {r['reason']}"
                   for r in doc["replicated"]]
-    else:
-        lines.append("no tensor is replicated against the rules")
+    lines.append(doc["replicated_summary"])
     return "\n".join(lines)
 
 
