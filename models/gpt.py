@@ -8,6 +8,7 @@ compiles one block instead of ``n_layers`` copies. Parameters stay float32; matm
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -236,8 +237,8 @@ def generate(
 ) -> jax.Array:
     """Sample ``steps`` tokens after ``prompt`` (int32[B, T0]) -> int32[B, T0 + steps].
 
-    Each step reruns the full forward pass on a fixed-length buffer (no KV cache): simple and
-    compiled once, fine for the small models this is meant for. ``temperature=0`` is greedy.
+    `generate_with` over a window that holds the whole result, so nothing slides out of
+    view. ``temperature=0`` is greedy.
     """
     prompt = jnp.asarray(prompt, jnp.int32)
     total = prompt.shape[1] + steps
@@ -246,36 +247,82 @@ def generate(
     if steps == 0:
         return prompt
     graphdef, state = nnx.split(model)
-    return _generate(graphdef, state, prompt, rng, steps, float(temperature), top_k)
+    new = generate_with(_Merged(graphdef), state, prompt, steps, rng=rng, window=total,
+                        temperature=temperature, top_k=top_k)
+    return jnp.concatenate([prompt, new], axis=1)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
+@dataclasses.dataclass(frozen=True)
+class _Merged:
+    """``apply(state, tokens)`` of an NNX graph; equal graphs compare equal, so jit reuses its compile."""
+
+    graphdef: nnx.GraphDef
+
+    def __call__(self, state: nnx.State, tokens: jax.Array) -> jax.Array:
+        return nnx.merge(self.graphdef, state)(tokens)
+
+
+def generate_with(
+    apply: Any,
+    params: Any,
+    prompt: jax.Array,
+    steps: int,
+    *,
+    rng: jax.Array,
+    window: int,
+    temperature: float = 0.8,
+    top_k: int | None = None,
+) -> jax.Array:
+    """Sample ``steps`` tokens after ``prompt`` (int32[B, T0]) with a causal model -> int32[B, steps].
+
+    ``apply(params, tokens[B, window]) -> logits[B, window, V]`` (hashable: it is a static jit
+    argument). Each step reruns the forward pass on a fixed ``window`` (no KV cache: simple and
+    compiled once, fine for the small models this is meant for). While the window fills, the
+    logits are read at the last real token (attention is causal, so the padding after it does
+    not change them); once full, it slides by one, so ``steps`` may exceed ``window``.
+    Step i draws with ``fold_in(rng, i)``; ``temperature=0`` is greedy.
+    """
+    prompt = jnp.asarray(prompt, jnp.int32)
+    if not 1 <= prompt.shape[1] <= window:
+        raise ValueError(f"prompt length {prompt.shape[1]} must be between 1 and the window {window}")
+    return _generate(apply, params, prompt, rng, steps, window, float(temperature), top_k)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
 def _generate(
-    graphdef: nnx.GraphDef,
-    state: nnx.State,
+    apply: Any,
+    params: Any,
     prompt: jax.Array,
     rng: jax.Array,
     steps: int,
+    window: int,
     temperature: float,
     top_k: int | None,
 ) -> jax.Array:
     batch, prompt_len = prompt.shape
-    buffer = jnp.zeros((batch, prompt_len + steps), jnp.int32).at[:, :prompt_len].set(prompt)
+    buffer = jnp.zeros((batch, window), jnp.int32).at[:, :prompt_len].set(prompt)
 
-    def step(t: jax.Array, buffer: jax.Array) -> jax.Array:
-        logits = nnx.merge(graphdef, state)(buffer)  # causal: positions >= t do not affect t - 1
-        logits = jax.lax.dynamic_index_in_dim(logits, t - 1, axis=1, keepdims=False)
-        if temperature == 0.0:
-            token = jnp.argmax(logits, axis=-1)
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-                logits = jnp.where(logits < kth, -jnp.inf, logits)
-            token = jax.random.categorical(jax.random.fold_in(rng, t), logits, axis=-1)
-        return buffer.at[:, t].set(token.astype(jnp.int32))
+    def step(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        buffer, length, out = carry
+        logits = jax.lax.dynamic_index_in_dim(apply(params, buffer), length - 1, axis=1, keepdims=False)
+        token = _pick(logits.astype(jnp.float32), jax.random.fold_in(rng, i), temperature, top_k)
+        shifted = jnp.roll(buffer, -1, axis=1).at[:, window - 1].set(token)
+        buffer = jnp.where(length >= window, shifted, buffer.at[:, jnp.minimum(length, window - 1)].set(token))
+        return buffer, jnp.minimum(length + 1, window), out.at[:, i].set(token)
 
-    return jax.lax.fori_loop(prompt_len, prompt_len + steps, step, buffer)
+    init = (buffer, jnp.int32(prompt_len), jnp.zeros((batch, steps), jnp.int32))
+    return jax.lax.fori_loop(0, steps, step, init)[2]
+
+
+def _pick(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None) -> jax.Array:
+    """One token per row of ``logits`` [B, V]: greedy at temperature 0, else sampled (optionally top-k)."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
 def trainable(config: GPTConfig) -> Any:

@@ -38,12 +38,13 @@ def main() -> None:
     from shardlib import build, get_strategy, make_layout, make_mesh
     from shardlib.runtime.checkpoint import Checkpointer
     from shardlib.tools.report import format_bytes, format_markdown
-    from shardlib.run.train import TrainConfig, _optimizer, _schedule
+    from shardlib.run.setup import lr_schedule, optimizer
+    from shardlib.run.train import TrainConfig
 
     config = TrainConfig(model=args.model, strategy=args.strategy)
     model = trainable(get_config(args.model))
     mesh = make_mesh(dict(get_strategy(args.strategy).default_mesh))
-    program = build(model, _optimizer(config, model, _schedule(config)), make_layout(model, args.strategy, mesh))
+    program = build(model, optimizer(config, model, lr_schedule(config)), make_layout(model, args.strategy, mesh))
     state = program.init(jax.random.key(0))
     jax.block_until_ready(state)
     n_bytes = sum(x.nbytes for x in jax.tree.leaves(state))

@@ -26,8 +26,9 @@ from shardlib import build, make_layout, make_mesh
 from shardlib.runtime.checkpoint import Checkpointer, is_finite_state
 from shardlib.cli import main
 from shardlib.runtime.data import ByteBatches, load_text, split_train_val
-from shardlib.run.fault import EXIT_DIVERGED, read_examples
+from shardlib.run.examples import read_examples
 from shardlib.run.metrics_io import read_metrics
+from shardlib.run.nonfinite import EXIT_DIVERGED
 from tests.helpers import batches, optimizer, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]

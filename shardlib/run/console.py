@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from shardlib.run.train import TrainConfig
+    from shardlib.run.setup import Prepared
 
 
 def device_line(note: str | None) -> str:
@@ -22,16 +21,17 @@ def device_line(note: str | None) -> str:
     return line + (f"\n           note: {note}" if note else "")
 
 
-def banner(config: TrainConfig, model_config, strategy, mesh, n_params: int, mem, state_bytes: int,
-           out_dir: Path, note: str | None, microbatches: int = 1) -> str:
+def banner(run: Prepared, note: str | None) -> str:
+    """The lines printed before the first step; one line per fact, so a new one is one more entry."""
     import jax
 
     from shardlib.sharding.mesh import describe
     from shardlib.step.pipeline import bubble_fraction
     from shardlib.tools.report import format_bytes
 
+    config, mesh, microbatches = run.config, run.mesh, run.program.step.microbatches
     lines = [
-        f"shardlib train: {config.model} ({n_params / 1e6:.2f}M params, compute {config.precision}) "
+        f"shardlib train: {config.model} ({run.n_params / 1e6:.2f}M params, compute {config.precision}) "
         f"for {config.steps} steps",
         device_line(note),
     ]
@@ -41,16 +41,44 @@ def banner(config: TrainConfig, model_config, strategy, mesh, n_params: int, mem
         lines.append(device_map(mesh))
     lines += [
         f"mesh       {describe(mesh)}",
-        f"strategy   {strategy.name}: {strategy.summary}",
+        f"strategy   {run.strategy.name}: {run.strategy.summary}",
         f"batch      {config.batch_size} sequences x {config.seq_len} bytes (global)"
         + (f", {microbatches} microbatches" if microbatches > 1 else ""),
         *([f"pipeline   {mesh.shape['pipe']} stages, {config.pipeline_schedule}, bubble "
            f"{bubble_fraction(mesh.shape['pipe'], microbatches):.1%} = (S-1)/(M+S-1)"] if mesh.shape["pipe"] > 1 else []),
-        f"memory     {format_bytes(state_bytes)} params+optimizer state + {format_bytes(mem.temp_bytes)} "
+        f"memory     {format_bytes(run.state_bytes)} params+optimizer state + {format_bytes(run.mem.temp_bytes)} "
         "temporaries per device (compiled step)",
-        f"output     {out_dir}",
+        f"output     {run.out_dir}",
     ]
     return "\n".join(lines)
+
+
+def summary_rows(run: Prepared, *, startup: float, steps: int, wall: float, step_time: float,
+                 tokens_per_s: float, mfu: float | None, last_loss: float, last_val: float | None) -> list[tuple[str, Any]]:
+    """The end-of-run table: layout, memory and traffic, then speed and the final losses."""
+    import jax
+
+    from shardlib.sharding.mesh import describe
+    from shardlib.tools.report import format_bytes
+
+    device = jax.devices()[0]
+    return [
+        ("strategy", run.strategy.name),
+        ("mesh", describe(run.mesh)),
+        ("devices", f"{len(jax.devices())} x {device.platform}"),
+        ("parameters", f"{run.n_params:,}"),
+        ("params+optimizer / device", format_bytes(run.state_bytes)),
+        ("temporaries / device", format_bytes(run.mem.temp_bytes)),
+        ("collective bytes / step / device", format_bytes(run.comm.total_bytes)),
+        *pipeline_rows(run.layout.pipeline_stages, run.program.step.microbatches, run.comm),
+        ("startup (build, compile, init)", f"{startup:.1f} s"),
+        ("steps", f"{steps} in {wall:.1f} s"),
+        ("step time (mean, after the first)", f"{step_time:.3f} s"),
+        ("tokens / s", f"{tokens_per_s:,.0f}"),
+        ("MFU", f"{mfu:.1%}" if mfu is not None else f"n/a (peak FLOP/s of {device.device_kind} unknown)"),
+        ("final train loss", f"{last_loss:.4f}"),
+        ("final val loss", f"{last_val:.4f}" if last_val is not None else "-"),
+    ]
 
 
 def pipeline_rows(stages: int, microbatches: int, comm) -> list[tuple[str, Any]]:

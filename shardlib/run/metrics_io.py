@@ -32,6 +32,8 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 class MetricsLog:
     """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
 
+    Also a loop action (`shardlib.run.actions.Action`): ``log(step, state, record)`` writes the record.
+
     ``resume_step``: when a run continues from a checkpoint taken after that many steps,
     records of later steps (written by the interrupted run after its last checkpoint) are
     dropped first, so the file holds each step once. Steps are 1-based: record ``k`` is the
@@ -79,6 +81,9 @@ class MetricsLog:
             for key, value in clean.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._writer.add_scalar(_tb_tag(key), value, step)
+
+    def __call__(self, step: int, state: Any, record: Mapping[str, Any]) -> None:
+        self.write(record)
 
     def add_text(self, tag: str, text: str, step: int) -> None:
         if self._writer is not None:

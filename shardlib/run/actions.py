@@ -1,0 +1,114 @@
+"""Periodic actions of the training loop: small objects called with each step's record.
+
+An action is ``action(step, state, record)`` plus ``close()``; ``step`` is 1-based (the state
+after that many updates), ``record`` the step's numbers as host floats, in the order
+``metrics.jsonl`` writes them. `Every` says when a periodic action is due. The other actions
+live with their concern: `shardlib.run.metrics_io.MetricsLog`, `shardlib.run.examples.ExampleLog`,
+`shardlib.run.nonfinite.NonFiniteGuard`, `shardlib.run.checkpointing.SaveCheckpoint`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+
+class Action(Protocol):
+    def __call__(self, step: int, state: Any, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Every:
+    """Due every ``n`` steps (never when ``n`` is 0), and at step ``last`` when given."""
+
+    def __init__(self, n: int, *, last: int | None = None) -> None:
+        self.n, self.last = n, last
+
+    def __call__(self, step: int) -> bool:
+        return bool(self.n and step % self.n == 0) or step == self.last
+
+
+class StepClock:
+    """The time between consecutive steps' metrics, less the time spent validating.
+
+    With one step in flight, host work on a record (logs, files) overlaps the next step on
+    the device, so it is part of that step's time; a validation is not.
+    """
+
+    def __init__(self) -> None:
+        self._since = time.perf_counter()
+
+    def restart(self) -> None:
+        self._since = time.perf_counter()
+
+    def lap(self) -> float:
+        """Seconds since the last lap (or restart), and starts the next."""
+        now = time.perf_counter()
+        elapsed, self._since = now - self._since, now
+        return elapsed
+
+
+class Evaluate:
+    """Action: the validation loss of the step's state, as ``val_loss``, when ``due``.
+
+    It reads the state, so the loop records a due step at once instead of one step later.
+    """
+
+    def __init__(self, evaluate: Callable[[Any], float], due: Callable[[int], bool], clock: StepClock) -> None:
+        self.evaluate, self.due, self.clock = evaluate, due, clock
+
+    def __call__(self, step: int, state: Any, record: dict[str, Any]) -> None:
+        if self.due(step):
+            record["val_loss"] = self.evaluate(state.params)
+            self.clock.restart()  # validation time is not charged to the next step
+
+    def close(self) -> None:
+        pass
+
+
+class Tally:
+    """Action: what the summary needs, each step's time and the latest losses."""
+
+    def __init__(self) -> None:
+        self.step_times: list[float] = []
+        self.last_loss = math.nan
+        self.last_val: float | None = None
+
+    def __call__(self, step: int, state: Any, record: dict[str, Any]) -> None:
+        self.step_times.append(record["step_time_s"])
+        self.last_loss = record["loss"]
+        self.last_val = record.get("val_loss", self.last_val)
+
+    def close(self) -> None:
+        pass
+
+
+class Progress:
+    """Action: a tqdm bar, whose numbers refresh every ``log_every`` steps, at each validation
+    and at the last step; with the bar off, those numbers as printed lines instead."""
+
+    def __init__(self, *, total: int, initial: int, log_every: int, bar: bool, lines: bool) -> None:
+        from tqdm import tqdm  # plain text bar: works in terminals, logs and notebooks without ipywidgets
+
+        self.bar = tqdm(total=total, initial=initial, disable=not bar, desc="train", unit="step", dynamic_ncols=True)
+        self.total, self.log_every, self.lines = total, log_every, lines
+        self.last_val: float | None = None
+
+    def __call__(self, step: int, state: Any, record: dict[str, Any]) -> None:
+        self.bar.update(1)
+        self.last_val = record.get("val_loss", self.last_val)
+        if step % self.log_every and "val_loss" not in record and step != self.total:
+            return
+        shown = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}",
+                 "step": f"{record['step_time_s']:.2f}s"}
+        if self.last_val is not None:
+            shown["val"] = f"{self.last_val:.3f}"
+        self.bar.set_postfix(shown, refresh=True)
+        if self.lines:
+            print(f"step {step}: " + " ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
+
+    def close(self) -> None:
+        self.bar.close()

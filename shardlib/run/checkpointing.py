@@ -1,0 +1,74 @@
+"""The run's checkpoints: where they live, whether a run resumes from them, and the save action.
+
+`shardlib.runtime.checkpoint` does the saving and restoring; this module only decides which
+directory a run uses and when a step is saved.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from shardlib.run.config import TrainConfig, TrainConfigError
+
+
+def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
+    """``RUN/checkpoints`` for a run directory; a path already named ``checkpoints`` as is."""
+    path = Path(path).expanduser().absolute()
+    return path if path.name == "checkpoints" else path / "checkpoints"
+
+
+def open_checkpointer(config: TrainConfig, out_dir: Path):
+    """(the run's Checkpointer, whether to resume from it); (None, False) when not checkpointing.
+
+    Saves go to ``OUT/checkpoints``; a resumed run keeps saving where it resumed from. A run
+    that saves into a directory already holding a complete checkpoint resumes from the latest
+    one, so a job restarted with the same command after a crash or preemption continues.
+    """
+    if config.ckpt_every == 0 and config.resume_from is None:
+        return None, False
+    try:
+        from shardlib.runtime import checkpoint
+    except ImportError:
+        field = "ckpt_every" if config.ckpt_every else "resume_from"
+        raise TrainConfigError(field, "checkpointing is not available in this install (shardlib/checkpoint.py "
+                                      "is missing); drop the flag") from None
+    if config.resume_from is None:
+        directory = out_dir.absolute() / "checkpoints"
+    else:
+        directory = checkpoint_dir(config.resume_from)
+        if not directory.is_dir():
+            raise TrainConfigError("resume_from", f"no checkpoints at {directory}; pass the --out directory of a run "
+                                                  "trained with --ckpt-every")
+    ckpt = checkpoint.Checkpointer(directory, every=config.ckpt_every, keep=config.keep)
+    return ckpt, config.resume_from is not None or ckpt.latest_step() is not None
+
+
+class SaveCheckpoint:
+    """Action on a dispatched step: save the state after ``step`` updates and where the data resumes.
+
+    ``due(step)`` says when (``--ckpt-every`` and the last step); `save` is also what a
+    preempted run calls off that schedule. ``saved`` is the last step a save was asked for.
+    ``close`` lets a save in flight commit, also when the run stops on an error.
+    """
+
+    def __init__(self, ckpt: Any, due: Callable[[int], bool], *, seed: int, config: Mapping[str, Any]) -> None:
+        self.ckpt, self.due, self.seed, self.config = ckpt, due, seed, config
+        self.saved: int | None = None
+
+    def __call__(self, step: int, state: Any, metrics: Mapping[str, Any]) -> None:
+        if self.due(step):
+            self.save(step, state, metrics)
+
+    def save(self, step: int, state: Any, metrics: Mapping[str, Any]) -> None:
+        from shardlib.runtime.data import LoaderState
+
+        self.ckpt.save(step, state, data_state=LoaderState(step=step, seed=self.seed), config=self.config,
+                       metrics=metrics, force=True)
+        self.saved = step
+
+    def close(self) -> None:
+        self.ckpt.wait()
+        self.ckpt.close()

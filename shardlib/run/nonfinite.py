@@ -1,0 +1,91 @@
+"""Non-finite steps: the action that stops a run after too many in a row, and the NaN test hook.
+
+A step whose loss or gradient norm is NaN/Inf is skipped by the step itself (parameters and
+optimizer state stay as they were, ``metrics["skipped"] == 1``) and `Checkpointer.save`
+refuses to save it. `NonFiniteGuard` ends the run after ``max_skips`` skipped steps in a row,
+because by then the run is not going to recover on its own; the last good checkpoint stays.
+Light at import: the CLI reads `EXIT_DIVERGED` for its help text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection
+from typing import Any
+
+EXIT_DIVERGED = 3  # `shardlib train` exit status when the run stopped on non-finite steps
+
+
+class DivergedError(RuntimeError):
+    """``max_skips`` consecutive steps had a non-finite loss or gradient: the run cannot go on."""
+
+    def __init__(self, step: int, skips: int, last_good: int | None, directory: str | None) -> None:
+        self.step, self.skips, self.last_good = step, skips, last_good
+        where = (f"the last good checkpoint is step {last_good} in {directory}; resume from it with a lower --lr"
+                 if last_good is not None else "no checkpoint was saved (pass --ckpt-every to keep good states)")
+        super().__init__(
+            f"stopped after step {step}: {skips} consecutive steps had a non-finite loss or gradient norm and were "
+            f"skipped (--max-skips {skips}); {where}"
+        )
+
+
+class SkipCounter:
+    """Counts consecutive skipped steps; ``max_skips=0`` never stops the run."""
+
+    def __init__(self, max_skips: int) -> None:
+        self.max_skips = int(max_skips)
+        self.consecutive = 0
+
+    def record(self, skipped: bool) -> bool:
+        """Count one step; True when the run must stop (``max_skips`` skipped steps in a row)."""
+        self.consecutive = self.consecutive + 1 if skipped else 0
+        return self.max_skips > 0 and self.consecutive >= self.max_skips
+
+
+class NonFiniteGuard:
+    """Action: raise `DivergedError` at the ``max_skips``-th skipped step in a row.
+
+    The last action of a step's record, so that step is logged first. ``ckpt`` (or None) names
+    the last good checkpoint in the error; a save still in flight is waited for, as it is the
+    one to name. The step after it is already in flight and is never saved.
+    """
+
+    def __init__(self, max_skips: int, ckpt: Any | None) -> None:
+        self.skips = SkipCounter(max_skips)
+        self.ckpt = ckpt
+
+    def __call__(self, step: int, state: Any, record: dict[str, Any]) -> None:
+        if not self.skips.record(bool(record["skipped"])):
+            return
+        if self.ckpt is not None:
+            self.ckpt.wait()
+        raise DivergedError(step, self.skips.consecutive, self.ckpt.latest_step() if self.ckpt else None,
+                            self.ckpt.directory if self.ckpt else None)
+
+    def close(self) -> None:
+        pass
+
+
+def poisoned_model(model: Any) -> Any:
+    """``model`` with a NaN loss (and so NaN gradients): what a diverging step looks like.
+
+    Used only for the steps listed in ``TrainConfig.inject_nan_steps`` (hidden flag
+    ``--inject-nan-steps``), so tests can drive the non-finite guard end to end. Parameters
+    and layout are the model's own, so its compiled step takes and returns the same state.
+    """
+    import jax.numpy as jnp
+
+    def loss(params: Any, batch: Any, specs: Any = None) -> tuple[Any, dict[str, Any]]:
+        value, aux = model.loss(params, batch, specs)
+        return value * jnp.float32(jnp.nan), aux
+
+    return dataclasses.replace(model, loss=loss)
+
+
+def with_nan_steps(step_fn: Callable, poisoned_fn: Callable | None, nan_steps: Collection[int]) -> Callable:
+    """``step(k, state, batch)``: the poisoned step for the 1-based steps in ``nan_steps``, else ``step_fn``."""
+
+    def step(k: int, state: Any, batch: Any) -> Any:
+        return (poisoned_fn if poisoned_fn is not None and k in nan_steps else step_fn)(state, batch)
+
+    return step

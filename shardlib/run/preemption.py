@@ -1,0 +1,69 @@
+"""Preemption: SIGTERM means "finish this step, record it, save it, exit 0".
+
+`shardlib.runtime.checkpoint.PreemptionGuard` catches the signal (or asks JAX's preemption
+service); `Preemption` is the loop's side of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from shardlib.run.checkpointing import SaveCheckpoint
+
+
+@contextlib.contextmanager
+def preemption_guard(enabled: bool) -> Iterator[Any]:
+    """A `shardlib.runtime.checkpoint.PreemptionGuard`, or None when disabled or off the main thread.
+
+    Python delivers signals to the main thread only; a loop running elsewhere (a notebook
+    thread) keeps SIGTERM's default behaviour unless JAX's preemption service handles it.
+    """
+    if not enabled:
+        yield None
+        return
+    from shardlib.runtime.checkpoint import PreemptionGuard, _preemption_sync_available
+
+    if threading.current_thread() is not threading.main_thread() and not _preemption_sync_available():
+        yield None
+        return
+    with PreemptionGuard() as guard:
+        yield guard
+
+
+def stop_line(step: int, saved: int | None, directory: str) -> str:
+    """The one line a preempted run prints before exiting 0."""
+    where = f"checkpoint step {saved} in {directory}" if saved is not None else f"no checkpoint could be saved in {directory}"
+    return f"preempted  SIGTERM received: stopped after step {step}; {where}; run the same command again to resume"
+
+
+class Preemption:
+    """Asked after every step but the last whether to stop; on a stop, saves that step.
+
+    The loop records the steps it still holds before calling it, so the metrics of every saved
+    step are logged. A step already saved on the checkpoint schedule is not saved twice.
+    """
+
+    def __init__(self, guard: Any, saver: SaveCheckpoint, last_step: int) -> None:
+        self.guard, self.saver, self.last_step = guard, saver, last_step
+        self.stopped_at: int | None = None
+
+    def should_stop(self, step: int) -> bool:
+        return step < self.last_step and self.guard.should_stop(step)
+
+    def __call__(self, step: int, state: Any, metrics: Any) -> None:
+        if self.saver.saved != step:
+            self.saver.save(step, state, metrics)
+        self.stopped_at = step
+
+    def stop_line(self) -> str:
+        return stop_line(self.stopped_at, self.saver.ckpt.latest_step(), self.saver.ckpt.directory)
+
+
+@contextlib.contextmanager
+def preemption(saver: SaveCheckpoint | None, last_step: int) -> Iterator[Preemption | None]:
+    """A `Preemption` for the loop while SIGTERM is caught; None when the run does not checkpoint."""
+    with preemption_guard(saver is not None) as guard:
+        yield None if guard is None else Preemption(guard, saver, last_step)

@@ -1,0 +1,242 @@
+"""Everything a run builds before its first step: model, data, mesh, layout, program, loaders.
+
+`prepare` turns a checked `TrainConfig` into a `Prepared` run; each building block names the
+flag behind a setting that does not work (`TrainConfigError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from shardlib.run.checkpointing import checkpoint_dir
+from shardlib.run.config import PRECISIONS, TrainConfig, TrainConfigError
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A run ready to step: the program, its compiled step and that step's memory and traffic."""
+
+    config: TrainConfig
+    strategy: Any
+    model_config: Any
+    model: Any
+    mesh: Any
+    layout: Any
+    out_dir: Path
+    loader: Any
+    val_local: list
+    schedule: Any
+    program: Any
+    abstract_batch: dict[str, Any]
+    step_fn: Any
+    mem: Any
+    comm: Any
+    state_bytes: int
+    n_params: int
+
+    @property
+    def is_main(self) -> bool:
+        import jax
+
+        return jax.process_index() == 0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.config.batch_size * self.config.seq_len
+
+    def load(self, index: int) -> dict[str, Any]:
+        """Training batch ``index`` (0-based) as global arrays."""
+        from shardlib.runtime.data import to_global
+
+        return to_global(self.loader.batch(index), self.abstract_batch["inputs"].sharding, rows=self.loader.rows)
+
+    def evaluator(self):
+        """``evaluate(params) -> float``: the mean validation loss over this run's windows."""
+        import jax
+        import numpy as np
+
+        from shardlib.runtime.data import to_global
+
+        sharding = self.abstract_batch["inputs"].sharding
+        val_global = [to_global(b, sharding, rows=self.loader.rows) for b in self.val_local]
+
+        def evaluate(params) -> float:
+            losses = [self.program.evaluate(params, b)["loss"] for b in val_global]
+            return float(np.mean(jax.device_get(losses)))
+
+        return evaluate
+
+
+def prepare(config: TrainConfig) -> Prepared:
+    """Build the run of ``config``; the step is compiled once (memory figures come from it)."""
+    import numpy as np
+
+    from shardlib import make_layout
+    from shardlib.models import param_count, trainable
+    from shardlib.tools.report import collective_stats, memory_stats
+
+    strategy = _strategy(config)
+    model_config = _model_config(config)
+    train_bytes, val_bytes = _load_data(config)
+    mesh = _mesh(config, strategy)
+    model = trainable(model_config)
+    layout = make_layout(model, strategy, mesh)
+    if config.resume_from is not None and config.out is None:  # keep writing into the resumed run
+        out_dir = checkpoint_dir(config.resume_from).parent
+    else:
+        out_dir = _out_dir(config)
+    loader, val_local = _loaders(config, layout, train_bytes, val_bytes)
+    schedule = lr_schedule(config)
+    program = build_program(config, model, layout, schedule)
+    shapes = {k: ((config.batch_size, config.seq_len), np.int32) for k in ("inputs", "targets")}
+    abstract_batch = program.abstract_batch(shapes)
+    step_fn = program.compile_step(program.abstract_state(), abstract_batch)
+    mem = memory_stats(step_fn)
+    return Prepared(config=config, strategy=strategy, model_config=model_config, model=model, mesh=mesh,
+                    layout=layout, out_dir=out_dir, loader=loader, val_local=val_local, schedule=schedule,
+                    program=program, abstract_batch=abstract_batch, step_fn=step_fn, mem=mem,
+                    comm=collective_stats(step_fn), n_params=param_count(model_config),
+                    state_bytes=mem.argument_bytes - _per_device_bytes(abstract_batch))
+
+
+def _strategy(config: TrainConfig):
+    from shardlib.sharding.strategies import get_strategy
+
+    try:
+        return get_strategy(config.strategy)
+    except ValueError as err:
+        raise TrainConfigError("strategy", str(err)) from None
+
+
+def _model_config(config: TrainConfig):
+    from shardlib.models import get_config
+
+    try:
+        model_config = get_config(config.model)
+    except ValueError as err:
+        raise TrainConfigError("model", str(err)) from None
+    if config.precision not in PRECISIONS:
+        raise TrainConfigError("precision", f"unknown precision {config.precision!r}; "
+                                            f"choose one of {', '.join(PRECISIONS)}")
+    if config.seq_len > model_config.max_seq_len:
+        raise TrainConfigError(
+            "seq_len",
+            f"{config.seq_len} exceeds model {config.model!r}'s max_seq_len {model_config.max_seq_len}; use at most that",
+        )
+    return dataclasses.replace(model_config, compute_dtype=PRECISIONS[config.precision])
+
+
+def _mesh(config: TrainConfig, strategy):
+    from shardlib.sharding.mesh import MeshError, make_mesh, parse_mesh
+
+    sizes = dict(strategy.default_mesh) if config.mesh is None else config.mesh
+    try:
+        sizes = parse_mesh(sizes) if isinstance(sizes, str) else dict(sizes)
+        if config.pipeline_stages > 1:
+            if sizes.get("pipe", config.pipeline_stages) != config.pipeline_stages:
+                raise TrainConfigError("pipeline_stages", f"{config.pipeline_stages} stages but the mesh says "
+                                                          f"pipe={sizes['pipe']}; give one or make them agree")
+            sizes["pipe"] = config.pipeline_stages
+        return make_mesh(sizes)
+    except MeshError as err:
+        hint = "" if config.mesh is not None else f" (the default mesh of strategy {strategy.name}; pass --mesh)"
+        raise TrainConfigError("mesh", f"{err}{hint}") from None
+
+
+def lr_schedule(config: TrainConfig):
+    """Linear warmup from 10% of ``lr``, then cosine decay to ``lr * min_lr_ratio``."""
+    import optax
+
+    warmup = config.warmup_steps if config.warmup_steps is not None else max(1, config.steps // 10)
+    warmup = min(warmup, config.steps)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=config.lr * 0.1,
+        peak_value=config.lr,
+        warmup_steps=warmup,
+        decay_steps=max(config.steps, warmup + 1),
+        end_value=config.lr * config.min_lr_ratio,
+    )
+
+
+def optimizer(config: TrainConfig, model, schedule):
+    """AdamW with clipping; weight decay only on matrices (not norm scales)."""
+    import jax
+    import optax
+
+    def decay_mask(params):
+        is_axes = lambda x: isinstance(x, tuple)
+        flags = jax.tree.map(lambda axes: sum(a != "layers" for a in axes) >= 2, model.logical_axes, is_leaf=is_axes)
+        return jax.tree.map(lambda flag, _: flag, flags, params)
+
+    return optax.chain(
+        optax.clip_by_global_norm(config.grad_clip) if config.grad_clip > 0 else optax.identity(),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=config.weight_decay, mask=decay_mask),
+    )
+
+
+def build_program(config: TrainConfig, model, layout, schedule):
+    """The train program of ``config``'s options; a refused combination names its flag."""
+    from shardlib import build
+
+    try:
+        return build(model, optimizer(config, model, schedule), layout, lr_schedule=schedule,
+                     precision=config.precision, grad_accum=config.grad_accum,
+                     grad_compression=config.grad_compression, microbatches=config.microbatches,
+                     schedule=config.pipeline_schedule)
+    except ValueError as err:
+        field = ("pipeline_stages" if layout.pipeline_stages > 1 else
+                 "grad_compression" if config.grad_compression != "none" else "grad_accum")
+        raise TrainConfigError(field, str(err)) from None
+
+
+def _loaders(config: TrainConfig, layout, train_bytes, val_bytes):
+    """This process's rows of each training batch, and its validation windows, checked against the mesh."""
+    import jax
+
+    from shardlib.runtime.data import ByteBatches, val_batches
+
+    geometry = dict(data_parallel_size=layout.batch_size_multiple,
+                    process_index=jax.process_index(), process_count=jax.process_count())
+    try:
+        loader = ByteBatches(train_bytes, config.batch_size, config.seq_len, seed=config.seed, **geometry)
+        val_local = val_batches(val_bytes, config.batch_size, config.seq_len, None, **geometry)
+        if len(val_local) > config.eval_batches:  # fewer windows, still spread over the whole split
+            val_local = val_batches(val_bytes, config.batch_size, config.seq_len, config.eval_batches, **geometry)
+    except ValueError as err:
+        field = "batch_size" if "batch size" in str(err) else "seq_len" if "seq_len" in str(err) else "data"
+        raise TrainConfigError(field, str(err)) from None
+    return loader, val_local
+
+
+def _out_dir(config: TrainConfig) -> Path:
+    """``--out`` or ``runs/<timestamp>``; every process agrees on the name (process 0's clock)."""
+    if config.out:
+        return Path(config.out).expanduser()
+    import jax
+    import numpy as np
+
+    stamp = int(time.time())
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        stamp = int(multihost_utils.broadcast_one_to_all(np.int64(stamp)))
+    return Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.localtime(stamp))
+
+
+def _load_data(config: TrainConfig):
+    from shardlib.runtime.data import load_text, split_train_val
+
+    try:
+        text = load_text(config.data)
+    except (ValueError, OSError) as err:
+        raise TrainConfigError("data", str(err)) from None
+    return split_train_val(text)
+
+
+def _per_device_bytes(abstract: Mapping[str, Any]) -> int:
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in abstract.values())
