@@ -64,8 +64,8 @@ def baseline_step(model: Any, tx: Any, program: Any, batch_sharding: Any) -> Any
 
 
 def _figures(compiled: Any, n_devices: int) -> dict[str, int]:
-    from shardlib.tools.plan import peak_bytes
-    from shardlib.tools.report import collective_stats, memory_stats
+    from shardlib.tools.hlo import collective_stats
+    from shardlib.tools.memory import memory_stats, peak_bytes
 
     return {"peak": peak_bytes(memory_stats(compiled)),
             "comm": collective_stats(compiled.as_text(), num_devices=n_devices).total_bytes}
