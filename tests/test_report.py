@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardlib.tools import report
+from shardlib.tools import hardware, report
 
 F32 = 4
 
@@ -348,6 +348,35 @@ def test_peak_flops_and_mfu():
     assert report.mfu(989e12 * 8 * 0.5, 1.0, 8, 989e12) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="step_time_s"):
         report.mfu(1.0, 0.0, 8, 1.0)
+
+
+def test_peak_flops_of_every_device_kind_come_from_its_hardware_profile():
+    # Dense (no sparsity) bf16 figures from the vendors' data sheets, written out here.
+    data_sheets = {"NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12, "TPU v6 lite": 918e12,
+                   "NVIDIA H100 80GB HBM3": 989e12, "TPU v5 lite": 197e12}
+    for kind, peak in data_sheets.items():
+        assert report.peak_flops_for(kind) == peak
+        assert hardware.profile_for_device(kind).peak_flops["bf16"] == peak
+    assert report.peak_flops_for("Some Future Accelerator") is None
+
+
+@pytest.mark.parametrize(
+    "attrs, devices",
+    [
+        ("replica_groups={{0,1,2,3},{4,5,6,7}}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+        ("replica_groups=[4,2]<=[2,4]T(1,0)", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+        ("replica_groups=mesh['a'=2,'b'=4] {'b'}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+        ("replica_groups={}, channel_id=1", [list(range(8))]),
+        ("replica_groups=mesh['a'=8] {'a':(2)2}", None),  # a sub-axis: its size only
+    ],
+)
+def test_collective_records_carry_the_devices_their_groups_join(attrs, devices):
+    (rec,) = report.collective_stats(_module(f"  ROOT %ar = f32[1024]{{0}} all-reduce(%p), {attrs}, "
+                                             "to_apply=%add")).records
+    assert (None if rec.replica_groups is None else [list(g) for g in rec.replica_groups]) == devices
+    assert hardware.replica_groups(attrs, 8) == devices  # the link placement reads the same parser
+    if devices is not None:
+        assert rec.group_size == len(devices[0])
 
 
 def test_unreadable_shapes_only_matter_on_collectives():

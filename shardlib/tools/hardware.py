@@ -19,7 +19,11 @@ The time model (deliberately simple, stated in every plan):
   serial_s  = compute_s + comm_s             (no overlap: an upper bound)
 
 Device i of the mesh (row-major over data, pipe, fsdp, tensor) is placed in domain
-i // domain_size, which is how shardlib lays meshes over hosts: outer axes cross hosts first.
+i // domain_size, which is how shardlib lays meshes over hosts: outer axes cross hosts first. The
+devices each collective joins come from `shardlib.tools.hlo` (the one replica-group parser).
+
+The profiles are also the one table of peak FLOP/s: ``profile_for_device`` maps a
+``jax.Device.device_kind`` to its profile for MFU (`shardlib.tools.flops.peak_flops_for`).
 """
 
 from __future__ import annotations
@@ -314,3 +318,19 @@ def step_time(profile: HardwareProfile, flops_per_device: float, links: LinkByte
             )
         comm += links.inter / profile.inter_bandwidth
     return StepTime(compute, comm)
+
+
+__all__ = [
+    "HARDWARE",
+    "HardwareError",
+    "HardwareProfile",
+    "LinkBytes",
+    "StepTime",
+    "crosses_domains",
+    "get_hardware",
+    "link_bytes",
+    "parse_bytes",
+    "profile_for_device",
+    "replica_groups",  # from shardlib.tools.hlo: the one replica-group parser
+    "step_time",
+]
