@@ -33,7 +33,7 @@ class StepContext:
     `ModelCall`, so the gradient providers and the step's wiring pass it through unchanged.
     """
 
-    scale: Any = None  # the loss scale the gradients are taken of (1 unless fp16); None in evaluation
+    scale: Any = None  # the loss scale the gradients are taken of (fp16's, else 1); None: unscaled
 
 
 def activation_spec(layout: Layout) -> Callable[[Any, tuple[int, ...]], P]:

@@ -27,9 +27,12 @@ from shardlib.step.reduce import Reducer
 
 
 def _scaled_value_and_grad(call: ModelCall, params: Any, rows: Any, ctx: StepContext):
-    """((loss, aux), d(scale * loss)/d params) of ``rows``, unreduced."""
-    scaled = lambda p, b: (lambda out: (out[0] * ctx.scale, out))(call.loss(p, b, ctx))
-    (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params, rows)
+    """((loss, aux), d(scale * loss)/d params) of ``rows``, unreduced (scale None: the loss's own)."""
+    def objective(p, b):
+        loss, aux = call.loss(p, b, ctx)
+        return (loss if ctx.scale is None else loss * ctx.scale), (loss, aux)
+
+    (_, (loss, aux)), grads = jax.value_and_grad(objective, has_aux=True)(params, rows)
     return (loss, aux), grads
 
 

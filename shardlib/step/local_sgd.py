@@ -38,11 +38,16 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from shardlib.model import hooks
+from shardlib.model import Model
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout, restrict, spec_axes
-from shardlib.model import Model
-from shardlib.step.program import abstract_state, build
+from shardlib.step import grads as grads_lib
+from shardlib.step import precision as precision_lib
+from shardlib.step import reduce as reduce_lib
+from shardlib.step.compute import ModelCall, StepContext
+from shardlib.step.compression import get_compression
+from shardlib.step.program import build
+from shardlib.step.state import abstract_state
 
 REPLICA_AXIS = "data"
 
@@ -57,30 +62,6 @@ class LocalSGDState:
     opt_state: Any  # inner optimizer state, one per replica, leading axis R
     anchor: Any = None  # parameters after the last sync (outer_tx only), storage layout
     outer_opt_state: Any = None  # outer_tx state over the anchor (outer_tx only)
-
-
-def _reduce_within_replica(grad: jax.Array, param_spec: P, state_spec: P, axes: tuple[str, ...]) -> jax.Array:
-    """Reduce one local gradient over a replica's own axes (never ``data``) into its state layout.
-
-    Dims the storage shards were reduce-scattered by autodiff (the transpose of the gather);
-    dims only the state shards are reduce-scattered here; the remaining axes are summed.
-    """
-    for dim, (p_axes, s_axes) in enumerate(zip(param_spec, state_spec)):
-        if s_axes and not p_axes:
-            grad = jax.lax.psum_scatter(grad, s_axes, scatter_dimension=dim, tiled=True)
-    rest = tuple(a for a in axes if a not in spec_axes(param_spec) | spec_axes(state_spec))
-    return jax.lax.psum(grad, rest) if rest else grad
-
-
-def _activation_spec(layout: Layout) -> Callable[[Any, tuple[int, ...]], P]:
-    """Activation constraints over the axes left to GSPMD (tensor, pipe), as the train step uses."""
-    auto = tuple(a for a in layout.mesh.axis_names if a not in layout.batch_axes)
-
-    @functools.lru_cache(maxsize=None)
-    def resolve(logical: tuple, shape: tuple) -> P:
-        return restrict(rules_lib.spec_for(logical, shape, layout.strategy.activation_rules, layout.mesh)[0], auto)
-
-    return lambda logical, shape: resolve(tuple(logical), tuple(shape))
 
 
 def _stacked(sharding: NamedSharding) -> NamedSharding:
@@ -224,168 +205,200 @@ def build_local_sgd(
     Not supported here: mixed precision, gradient accumulation, gradient compression.
     """
     _check_layout(layout, sync_every, sync_warmup)
-    mesh, batch_axes = layout.mesh, layout.batch_axes
-    n_replicas = mesh.shape[REPLICA_AXIS]
-    inner_axes = tuple(a for a in batch_axes if a != REPLICA_AXIS and mesh.shape[a] > 1)  # within a replica
-    rows_split = math.prod(mesh.shape[a] for a in batch_axes if a != REPLICA_AXIS)
-    replicated = NamedSharding(mesh, P())
+    replicas = _Replicas.for_layout(layout)
+    state_sharding = _state_sharding(model, tx, outer_tx, replicas)
+    init = jax.jit(_init_fn(model, tx, outer_tx, replicas), out_shardings=state_sharding)
+    grads_fn = _replica_grads(model, layout, replicas)
+    replicated = NamedSharding(layout.mesh, P())
+    step_jit = functools.partial(jax.jit, in_shardings=(state_sharding, None), out_shardings=(state_sharding, replicated),
+                                 donate_argnums=(0,) if donate else ())
+    step_fn = functools.partial(_step, grads_fn, tx, replicas, lr_schedule)
+    # Identical gradients, optimizer states and parameters on every replica give identical updates,
+    # so the replicas stay equal through the warm-up without a parameter all-reduce.
+    local_step = step_jit(functools.partial(step_fn, synchronous=False))
+    sync_step = step_jit(functools.partial(step_fn, synchronous=True))
 
-    param_shardings = layout.param_shardings()
-    state_shardings = layout.state_shardings()
-    stacked_params = jax.tree.map(_stacked, param_shardings)
-    stacked_state = jax.tree.map(_stacked, state_shardings)
-    manual_params = layout.manual(layout.params)  # over the batch axes; never names data (checked)
-    manual_state = layout.manual(layout.state)
-    stacked_manual = jax.tree.map(lambda spec: P(REPLICA_AXIS, *spec), manual_params)
-    stacked_manual_state = jax.tree.map(lambda spec: P(REPLICA_AXIS, *spec), manual_state)
+    averages = _Averages(replicas, state_sharding.opt_state, outer_tx)
+    state_jit = functools.partial(jax.jit, in_shardings=(state_sharding,), out_shardings=state_sharding,
+                                  donate_argnums=(0,) if donate else ())
+    sync = state_jit(functools.partial(averages.sync, average_opt_state=average_opt_state))
+    rebase = state_jit(averages.rebase) if outer_tx is not None and sync_warmup > 0 else None
+    consensus = jax.jit(lambda state: averages.replica_mean(state.params), in_shardings=(state_sharding,),
+                        out_shardings=replicas.param_shardings)
+    # Evaluation of one set of parameters is ordinary data-parallel evaluation under this layout.
+    evaluate = build(model, tx, layout, donate=False).evaluate
+    return LocalSGDProgram(model, tx, outer_tx, layout, sync_every, init, local_step, sync, evaluate, consensus,
+                           state_sharding, sync_step=sync_step, sync_warmup=sync_warmup, rebase=rebase)
 
-    # ---- shardings of the state: inner optimizer state stacked like the params, outer like the anchor.
+
+@dataclasses.dataclass(frozen=True)
+class _Replicas:
+    """The layout as R replicas stacked along a leading axis split over ``data``."""
+
+    mesh: jax.sharding.Mesh
+    batch_axes: tuple[str, ...]
+    n: int
+    param_shardings: Any  # one replica's storage layout
+    stacked_params: Any  # NamedShardings of the stacked parameters, P("data", *storage spec)
+    stacked_state: Any  # the same in the optimizer-state layout
+    manual_params: Any  # one replica's storage specs over the batch axes; never names data (checked)
+    stacked_manual: Any  # the stacked parameters' shard_map specs
+    stacked_manual_state: Any
+
+    @classmethod
+    def for_layout(cls, layout: Layout) -> _Replicas:
+        param_shardings = layout.param_shardings()
+        manual_params = layout.manual(layout.params)
+        lead = lambda spec: P(REPLICA_AXIS, *spec)
+        return cls(layout.mesh, layout.batch_axes, layout.mesh.shape[REPLICA_AXIS], param_shardings,
+                   jax.tree.map(_stacked, param_shardings), jax.tree.map(_stacked, layout.state_shardings()),
+                   manual_params, jax.tree.map(lead, manual_params), jax.tree.map(lead, layout.manual(layout.state)))
+
+    def broadcast(self, params: Any) -> Any:
+        """Every replica gets the same parameters: a local copy on each device, no communication."""
+        stacked = jax.tree.map(lambda p: jnp.broadcast_to(p[None], (self.n, *p.shape)), params)
+        return jax.lax.with_sharding_constraint(stacked, self.stacked_params)
+
+    def per_replica(self, flags: jax.Array, x: jax.Array) -> jax.Array:
+        return flags.reshape((self.n,) + (1,) * (x.ndim - 1))
+
+
+def _state_sharding(model: Model, tx: optax.GradientTransformation, outer_tx: optax.GradientTransformation | None,
+                    replicas: _Replicas) -> LocalSGDState:
+    """Inner optimizer state stacked like the parameters, the outer one laid out like the anchor."""
+    mesh, replicated = replicas.mesh, NamedSharding(replicas.mesh, P())
     abstract = model.abstract()
-    abstract_stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n_replicas, *x.shape), x.dtype), abstract)
+    abstract_stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((replicas.n, *x.shape), x.dtype), abstract)
     abstract_opt = jax.eval_shape(jax.vmap(tx.init), abstract_stacked)
     opt_shardings = optax.tree_utils.tree_map_params(
-        tx, lambda _, sharding: sharding, abstract_opt, stacked_state,
+        tx, lambda _, sharding: sharding, abstract_opt, replicas.stacked_state,
         transform_non_params=lambda _: NamedSharding(mesh, P(REPLICA_AXIS)),
     )
     outer_shardings = None
     if outer_tx is not None:
         abstract_outer = jax.eval_shape(outer_tx.init, abstract)
         outer_shardings = optax.tree_utils.tree_map_params(
-            outer_tx, lambda _, sharding: sharding, abstract_outer, param_shardings,
+            outer_tx, lambda _, sharding: sharding, abstract_outer, replicas.param_shardings,
             transform_non_params=lambda _: replicated,
         )
-    state_sharding = LocalSGDState(
-        step=replicated, params=stacked_params, opt_state=opt_shardings,
-        anchor=param_shardings if outer_tx is not None else None, outer_opt_state=outer_shardings,
+    return LocalSGDState(
+        step=replicated, params=replicas.stacked_params, opt_state=opt_shardings,
+        anchor=replicas.param_shardings if outer_tx is not None else None, outer_opt_state=outer_shardings,
     )
 
-    def broadcast(params):
-        """Every replica gets the same parameters: a local copy on each device, no communication."""
-        stacked = jax.tree.map(lambda p: jnp.broadcast_to(p[None], (n_replicas, *p.shape)), params)
-        return jax.lax.with_sharding_constraint(stacked, stacked_params)
 
+def _init_fn(model: Model, tx: optax.GradientTransformation, outer_tx: optax.GradientTransformation | None,
+             replicas: _Replicas) -> Callable[[jax.Array], LocalSGDState]:
     def init_fn(key):
         params = model.init(key)  # replicas start from one initialisation, as in DiLoCo
-        replicas = jax.lax.with_sharding_constraint(broadcast(params), stacked_state)
+        stacked = jax.lax.with_sharding_constraint(replicas.broadcast(params), replicas.stacked_state)
         return LocalSGDState(
-            step=jnp.zeros((), jnp.int32), params=broadcast(params), opt_state=jax.vmap(tx.init)(replicas),
+            step=jnp.zeros((), jnp.int32), params=replicas.broadcast(params), opt_state=jax.vmap(tx.init)(stacked),
             anchor=params if outer_tx is not None else None,
             outer_opt_state=outer_tx.init(params) if outer_tx is not None else None,
         )
 
-    init = jax.jit(init_fn, out_shardings=state_sharding)
+    return init_fn
 
-    # ---- one replica's gradients (manual over data and fsdp): reduced over fsdp only, never data.
-    activation_spec = _activation_spec(layout)
 
-    def replica_loss(params, batch):
-        ctx = hooks.ComputeContext(activation_spec=activation_spec)
-        if not model.gathers_params:
-            params = jax.tree.map(hooks.all_gather_spec, params, manual_params)
-        with hooks.compute_context(ctx):
-            loss, aux = model.loss(params, batch, manual_params if model.gathers_params else None)
-        missed = [l.path for l in jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout)
-                  if model.gathers_params and spec_axes(l.spec) & set(inner_axes) and l.path not in ctx.gathered]
-        if missed:
-            raise ValueError(f"the model declares gathers_params=True but never gathered {', '.join(missed)} "
-                             "through shardlib.model.hooks.gather_layer")
-        return loss / rows_split, jax.tree.map(lambda a: a / rows_split, aux)
+def _replica_grads(model: Model, layout: Layout, replicas: _Replicas) -> Callable:
+    """``(stacked params, batch, synchronous) -> (losses, aux, grads)``, each with a leading replica
+    axis: one replica's gradients (manual over data and fsdp), reduced over fsdp only, never data
+    unless ``synchronous`` (the warm-up: data parallelism's gradient all-reduce)."""
+    reducer = reduce_lib.Reducer.for_layout(layout, get_compression("none"), exclude=(REPLICA_AXIS,))
+    rows_split = math.prod(layout.mesh.shape[a] for a in layout.batch_axes if a != REPLICA_AXIS)
+    provider = grads_lib.Plain(ModelCall.for_layout(model, layout, precision_lib.get_precision("f32"), rows_split),
+                               reducer)
 
-    def grads_body(stacked, batch, synchronous: bool):
-        def own(p, spec):  # this device's block of its replica's parameters, marked per-device over fsdp
-            missing = tuple(a for a in inner_axes if a not in spec_axes(spec))
-            return jax.lax.pcast(p[0], missing, to="varying") if missing else p[0]
-
-        params = jax.tree.map(own, stacked, manual_params)
-        (loss, aux), grads = jax.value_and_grad(replica_loss, has_aux=True)(params, batch)
-        reduce = lambda g, p_spec, s_spec: _reduce_within_replica(g, p_spec, s_spec, inner_axes)
-        grads = jax.tree.map(reduce, grads, manual_params, manual_state)
-        if synchronous and n_replicas > 1:  # the warm-up: data parallelism's gradient all-reduce
-            grads = jax.tree.map(lambda g: jax.lax.psum(g, REPLICA_AXIS) / n_replicas, grads)
-        if inner_axes:
-            loss, aux = jax.lax.psum((loss, aux), inner_axes)
+    def body(stacked, batch, synchronous: bool):
+        params = reduce_lib.vary(jax.tree.map(lambda p: p[0], stacked), replicas.manual_params, reducer.axes)
+        (loss, aux), grads, _ = provider.value_and_grad(params, batch, StepContext(), None)
+        if synchronous and replicas.n > 1:
+            grads = jax.tree.map(lambda g: jax.lax.psum(g, REPLICA_AXIS) / replicas.n, grads)
+        if reducer.axes:
+            loss, aux = jax.lax.psum((loss, aux), reducer.axes)
         lead = lambda x: x[None]
         return lead(loss), jax.tree.map(lead, aux), jax.tree.map(lead, grads)
 
-    def batch_specs(batch):
-        return jax.tree.map(lambda x: restrict(layout.batch_spec(x.ndim), batch_axes), batch)
+    def grads_fn(stacked, batch, synchronous: bool):
+        return jax.shard_map(
+            functools.partial(body, synchronous=synchronous), mesh=layout.mesh,
+            in_specs=(replicas.stacked_manual, reduce_lib.batch_specs(layout, batch)),
+            out_specs=(P(REPLICA_AXIS), P(REPLICA_AXIS), replicas.stacked_manual_state),
+            axis_names=set(layout.batch_axes),
+        )(stacked, batch)
 
-    def per_replica(flags: jax.Array, x: jax.Array) -> jax.Array:
-        return flags.reshape((n_replicas,) + (1,) * (x.ndim - 1))
+    return grads_fn
 
-    def step_fn(state: LocalSGDState, batch, synchronous: bool):
-        grads_fn = jax.shard_map(
-            functools.partial(grads_body, synchronous=synchronous), mesh=mesh,
-            in_specs=(stacked_manual, batch_specs(batch)),
-            out_specs=(P(REPLICA_AXIS), P(REPLICA_AXIS), stacked_manual_state),
-            axis_names=set(batch_axes),
-        )
-        losses, aux, grads = grads_fn(state.params, batch)
-        grads = jax.lax.with_sharding_constraint(grads, stacked_state)
-        params_s = jax.lax.with_sharding_constraint(state.params, stacked_state)
-        updates, opt_state = jax.vmap(tx.update)(grads, state.opt_state, params_s)
-        new_params = jax.lax.with_sharding_constraint(optax.apply_updates(params_s, updates), stacked_params)
-        grad_norms = jax.vmap(optax.tree.norm)(grads)
-        finite = jnp.isfinite(losses) & jnp.isfinite(grad_norms)  # a replica with NaNs skips its update
-        keep = lambda new, old: jnp.where(per_replica(finite, new), new, old)
-        new_state = dataclasses.replace(
-            state, step=state.step + 1,
-            params=jax.tree.map(keep, new_params, state.params),
-            opt_state=jax.tree.map(keep, opt_state, state.opt_state),
-        )
-        metrics = {"loss": jnp.mean(losses), "grad_norm": jnp.mean(grad_norms),
-                   "skipped": jnp.sum(~finite).astype(jnp.int32), **jax.tree.map(jnp.mean, aux)}
-        if lr_schedule is not None:
-            metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
-        return new_state, metrics
 
-    step_jit = functools.partial(jax.jit, in_shardings=(state_sharding, None), out_shardings=(state_sharding, replicated),
-                                 donate_argnums=(0,) if donate else ())
-    local_step = step_jit(functools.partial(step_fn, synchronous=False))
-    # Identical gradients, optimizer states and parameters on every replica give identical updates,
-    # so the replicas stay equal through the warm-up without a parameter all-reduce.
-    sync_step = step_jit(functools.partial(step_fn, synchronous=True))
+def _step(grads_fn: Callable, tx: optax.GradientTransformation, replicas: _Replicas, lr_schedule: Callable | None,
+          state: LocalSGDState, batch: Any, *, synchronous: bool) -> tuple[LocalSGDState, dict[str, jax.Array]]:
+    """Every replica's optimizer step on its own gradients; a replica with NaNs skips its update."""
+    losses, aux, grads = grads_fn(state.params, batch, synchronous)
+    grads = jax.lax.with_sharding_constraint(grads, replicas.stacked_state)
+    params_s = jax.lax.with_sharding_constraint(state.params, replicas.stacked_state)
+    updates, opt_state = jax.vmap(tx.update)(grads, state.opt_state, params_s)
+    new_params = jax.lax.with_sharding_constraint(optax.apply_updates(params_s, updates), replicas.stacked_params)
+    grad_norms = jax.vmap(optax.tree.norm)(grads)
+    finite = jnp.isfinite(losses) & jnp.isfinite(grad_norms)
+    keep = lambda new, old: jnp.where(replicas.per_replica(finite, new), new, old)
+    new_state = dataclasses.replace(
+        state, step=state.step + 1,
+        params=jax.tree.map(keep, new_params, state.params),
+        opt_state=jax.tree.map(keep, opt_state, state.opt_state),
+    )
+    metrics = {"loss": jnp.mean(losses), "grad_norm": jnp.mean(grad_norms),
+               "skipped": jnp.sum(~finite).astype(jnp.int32), **jax.tree.map(jnp.mean, aux)}
+    if lr_schedule is not None:
+        metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
+    return new_state, metrics
 
-    # ---- the sync: one all-reduce of the parameters over data (shard_map, so it is exactly that).
-    def mean_body(stacked):
-        if n_replicas == 1:  # XLA refuses an all-reduce over a size-1 manual axis next to auto axes
+
+@dataclasses.dataclass(frozen=True)
+class _Averages:
+    """The sync: one all-reduce of the parameters over data (``shard_map``, so it is exactly that),
+    adopted directly or through DiLoCo's outer optimizer."""
+
+    replicas: _Replicas
+    opt_shardings: Any  # the inner optimizer state's shardings (stacked)
+    outer_tx: optax.GradientTransformation | None
+
+    def _mean_body(self, stacked: Any) -> Any:
+        n = self.replicas.n
+        if n == 1:  # XLA refuses an all-reduce over a size-1 manual axis next to auto axes
             return jax.tree.map(lambda p: p[0], stacked)
-        return jax.tree.map(lambda p: jax.lax.psum(p[0], REPLICA_AXIS) / n_replicas, stacked)
+        return jax.tree.map(lambda p: jax.lax.psum(p[0], REPLICA_AXIS) / n, stacked)
 
-    replica_mean = jax.shard_map(mean_body, mesh=mesh, in_specs=(stacked_manual,), out_specs=manual_params,
-                                 axis_names=set(batch_axes))
+    def replica_mean(self, stacked: Any) -> Any:
+        """The replicas' mean parameters, in the storage specs over the batch axes."""
+        r = self.replicas
+        return jax.shard_map(self._mean_body, mesh=r.mesh, in_specs=(r.stacked_manual,), out_specs=r.manual_params,
+                             axis_names=set(r.batch_axes))(stacked)
 
-    manual_opt = jax.tree.map(lambda sharding: restrict(sharding.spec, batch_axes), opt_shardings)
-    opt_mean = jax.shard_map(functools.partial(_average_leaves, n_replicas=n_replicas), mesh=mesh,
-                             in_specs=(manual_opt,), out_specs=manual_opt, axis_names=set(batch_axes))
+    def opt_mean(self, opt_state: Any) -> Any:
+        r = self.replicas
+        manual_opt = jax.tree.map(lambda sharding: restrict(sharding.spec, r.batch_axes), self.opt_shardings)
+        return jax.shard_map(functools.partial(_average_leaves, n_replicas=r.n), mesh=r.mesh, in_specs=(manual_opt,),
+                             out_specs=manual_opt, axis_names=set(r.batch_axes))(opt_state)
 
-    def average(stacked_params):
+    def average(self, stacked_params: Any) -> Any:
         """The replicas' mean parameters, in the storage layout."""
-        return jax.lax.with_sharding_constraint(replica_mean(stacked_params), param_shardings)
+        return jax.lax.with_sharding_constraint(self.replica_mean(stacked_params), self.replicas.param_shardings)
 
-    def sync_fn(state: LocalSGDState) -> LocalSGDState:
-        mean = average(state.params)
+    def sync(self, state: LocalSGDState, average_opt_state: bool = False) -> LocalSGDState:
+        mean = self.average(state.params)
         if average_opt_state:
-            state = dataclasses.replace(state, opt_state=opt_mean(state.opt_state))
-        if outer_tx is None:
-            return dataclasses.replace(state, params=broadcast(mean))
+            state = dataclasses.replace(state, opt_state=self.opt_mean(state.opt_state))
+        if self.outer_tx is None:
+            return dataclasses.replace(state, params=self.replicas.broadcast(mean))
         pseudo_grad = jax.tree.map(jnp.subtract, state.anchor, mean)  # anchor - average: a descent direction
-        updates, outer_opt_state = outer_tx.update(pseudo_grad, state.outer_opt_state, state.anchor)
-        anchor = jax.lax.with_sharding_constraint(optax.apply_updates(state.anchor, updates), param_shardings)
-        return dataclasses.replace(state, params=broadcast(anchor), anchor=anchor, outer_opt_state=outer_opt_state)
+        updates, outer_opt_state = self.outer_tx.update(pseudo_grad, state.outer_opt_state, state.anchor)
+        anchor = jax.lax.with_sharding_constraint(optax.apply_updates(state.anchor, updates),
+                                                  self.replicas.param_shardings)
+        return dataclasses.replace(state, params=self.replicas.broadcast(anchor), anchor=anchor,
+                                   outer_opt_state=outer_opt_state)
 
-    def rebase_fn(state: LocalSGDState) -> LocalSGDState:
+    def rebase(self, state: LocalSGDState) -> LocalSGDState:
         """The anchor becomes the (warmed-up) replicas' mean; the outer optimizer state is untouched."""
-        anchor = average(state.params)
-        return dataclasses.replace(state, params=broadcast(anchor), anchor=anchor)
-
-    state_jit = functools.partial(jax.jit, in_shardings=(state_sharding,), out_shardings=state_sharding,
-                                  donate_argnums=(0,) if donate else ())
-    sync = state_jit(sync_fn)
-    rebase = state_jit(rebase_fn) if outer_tx is not None and sync_warmup > 0 else None
-    consensus = jax.jit(lambda state: replica_mean(state.params), in_shardings=(state_sharding,),
-                        out_shardings=param_shardings)
-    # Evaluation of one set of parameters is ordinary data-parallel evaluation under this layout.
-    evaluate = build(model, tx, layout, donate=False).evaluate
-    return LocalSGDProgram(model, tx, outer_tx, layout, sync_every, init, local_step, sync, evaluate, consensus,
-                           state_sharding, sync_step=sync_step, sync_warmup=sync_warmup, rebase=rebase)
+        anchor = self.average(state.params)
+        return dataclasses.replace(state, params=self.replicas.broadcast(anchor), anchor=anchor)

@@ -29,6 +29,7 @@ rematerialisation), which is what bounds 1F1B's activation memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -162,6 +163,94 @@ def _store(buffer: jax.Array, i: jax.Array, value: jax.Array, keep: jax.Array) -
     return jax.lax.dynamic_update_index_in_dim(buffer, value, i % buffer.shape[0], 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Ticks:
+    """One stage's work in a tick of a training schedule, as functions of the carry (what travels
+    from tick to tick: the shifted activations and cotangents, kept inputs, gradient sums)."""
+
+    cut: _Cut
+    n_stages: int
+    microbatches: int
+    stage_index: jax.Array
+    first: jax.Array  # this is the first stage
+    last: jax.Array  # this is the last stage
+    zero_loss: jax.Array
+    zero_aux: Any
+    weight: jax.Array  # the cotangent of each microbatch loss: seed * loss_weight
+    loss_weight: float
+    branch: bool
+
+    def forward(self, c: dict[str, Any], f_t: jax.Array) -> dict[str, Any]:
+        """Microbatch ``f_t - s`` through stage s; the last stage also runs the head's forward and backward."""
+        cut, rest, S, M = self.cut, self.cut.rest, self.n_stages, self.microbatches
+        f = f_t - self.stage_index
+        valid = (f >= 0) & (f < M)
+        f = jnp.clip(f, 0, M - 1)
+        rows = cut.rows(f)
+        x = _when(self.first, lambda: cut.embed(rest, rows), lambda: c["fwd_in"], self.branch)
+        y = cut.stage(cut.stack, x)
+        at_loss = valid & self.last
+
+        def head_grads():
+            (loss, aux), head_vjp = jax.vjp(lambda r, y: cut.head_loss(r, y, rows), rest, y)
+            return (loss, aux, *head_vjp((jnp.ones_like(loss) * self.weight, jax.tree.map(jnp.zeros_like, aux))))
+
+        # Only the last stage's real microbatches use the head (as large as several layers for a
+        # big vocabulary): a branch where it is safe, else computed everywhere and selected.
+        loss, aux, g_rest, dy = _when(
+            at_loss, head_grads,
+            lambda: (self.zero_loss, self.zero_aux, jax.tree.map(jnp.zeros_like, rest), jnp.zeros_like(y)), self.branch)
+        return dict(
+            c, fwd_in=_shift(y, S, +1),
+            inputs=_store(c["inputs"], f, x, valid),
+            cotangents=_store(c["cotangents"], f, dy.astype(x.dtype), at_loss),
+            grad_rest=_add(c["grad_rest"], g_rest),  # zeros off the last stage's real microbatches
+            loss=c["loss"] + loss * self.loss_weight,
+            aux=_add(c["aux"], jax.tree.map(lambda a: a * self.loss_weight, aux)),
+        )
+
+    def backward(self, c: dict[str, Any], b_t: jax.Array) -> dict[str, Any]:
+        """Microbatch ``b_t - (S - 1 - s)`` back through stage s (recomputing its forward); the
+        first stage also runs the embedding's backward."""
+        cut, rest, S, M = self.cut, self.cut.rest, self.n_stages, self.microbatches
+        b = b_t - (S - 1 - self.stage_index)
+        valid = (b >= 0) & (b < M)
+        b = jnp.clip(b, 0, M - 1)
+        x = _slot(c["inputs"], b)
+        cotangent = jnp.where(self.last, _slot(c["cotangents"], b), c["bwd_in"])
+        _, stage_vjp = jax.vjp(cut.stage, cut.stack, x)
+        g_stack, dx = stage_vjp(cotangent)
+        rows = cut.rows(b)
+
+        def embed_grads():
+            return jax.vjp(lambda r: cut.embed(r, rows), rest)[1](dx)[0]
+
+        g_embed = _when(valid & self.first, embed_grads, lambda: jax.tree.map(jnp.zeros_like, rest), self.branch)
+        return dict(
+            c, bwd_in=_shift(dx, S, -1),
+            grad_stack=_masked_add(c["grad_stack"], g_stack, valid),
+            grad_rest=_add(c["grad_rest"], g_embed),  # zeros off the first stage's real microbatches
+        )
+
+    def tick(self, phase: Phase, c: dict[str, Any], t: jax.Array) -> tuple[dict[str, Any], None]:
+        if phase.forward_from is not None:
+            c = self.forward(c, phase.forward_from + t)
+        if phase.backward_from is not None:
+            c = self.backward(c, phase.backward_from + t)
+        return c, None
+
+
+def _initial_carry(cut: _Cut, schedule: Schedule, S: int, M: int, zeros: tuple[Any, Any, Any]) -> dict[str, Any]:
+    zeros_x, zero_loss, zero_aux = zeros
+    return dict(
+        fwd_in=zeros_x, bwd_in=zeros_x,
+        inputs=jnp.stack([zeros_x] * schedule.kept_inputs(S, M)),  # stage inputs kept for the backward
+        cotangents=jnp.stack([zeros_x] * schedule.kept_cotangents(S, M)),  # last stage: d loss / d its output
+        grad_stack=jax.tree.map(jnp.zeros_like, cut.stack), grad_rest=jax.tree.map(jnp.zeros_like, cut.rest),
+        loss=zero_loss, aux=zero_aux,
+    )
+
+
 def value_and_grad(
     stages: Stages,
     params: Mapping[str, Any],
@@ -185,79 +274,15 @@ def value_and_grad(
     schedule = get_schedule(schedule)
     S, M = n_stages, microbatches
     cut = _cut(stages, params, batch, M)
-    stack, rest, rows_of = cut.stack, cut.rest, cut.rows
-    embed, run_stage, head_loss = cut.embed, cut.stage, cut.head_loss
     stage_index = jax.lax.axis_index(PIPE_AXIS)
     first, last = stage_index == 0, stage_index == S - 1
-    zeros_x, zero_loss, zero_aux = _zero_outputs(cut)
-    carry = dict(
-        fwd_in=zeros_x, bwd_in=zeros_x,
-        inputs=jnp.stack([zeros_x] * schedule.kept_inputs(S, M)),  # stage inputs kept for the backward
-        cotangents=jnp.stack([zeros_x] * schedule.kept_cotangents(S, M)),  # last stage: d loss / d its output
-        grad_stack=jax.tree.map(jnp.zeros_like, stack), grad_rest=jax.tree.map(jnp.zeros_like, rest),
-        loss=zero_loss, aux=zero_aux,
-    )
-    weight = jnp.asarray(seed, jnp.float32) * loss_weight
-
-    def forward(c, f_t):
-        f = f_t - stage_index
-        valid = (f >= 0) & (f < M)
-        f = jnp.clip(f, 0, M - 1)
-        rows = rows_of(f)
-        x = _when(first, lambda: embed(rest, rows), lambda: c["fwd_in"], branch)
-        y = run_stage(stack, x)
-        at_loss = valid & last
-
-        def head_grads():
-            (loss, aux), head_vjp = jax.vjp(lambda r, y: head_loss(r, y, rows), rest, y)
-            return (loss, aux, *head_vjp((jnp.ones_like(loss) * weight, jax.tree.map(jnp.zeros_like, aux))))
-
-        # Only the last stage's real microbatches use the head (as large as several layers for a
-        # big vocabulary): a branch where it is safe, else computed everywhere and selected.
-        loss, aux, g_rest, dy = _when(
-            at_loss, head_grads,
-            lambda: (zero_loss, zero_aux, jax.tree.map(jnp.zeros_like, rest), jnp.zeros_like(y)), branch)
-        return dict(
-            c, fwd_in=_shift(y, S, +1),
-            inputs=_store(c["inputs"], f, x, valid),
-            cotangents=_store(c["cotangents"], f, dy.astype(x.dtype), at_loss),
-            grad_rest=_add(c["grad_rest"], g_rest),  # zeros off the last stage's real microbatches
-            loss=c["loss"] + loss * loss_weight,
-            aux=_add(c["aux"], jax.tree.map(lambda a: a * loss_weight, aux)),
-        )
-
-    def backward(c, b_t):
-        b = b_t - (S - 1 - stage_index)
-        valid = (b >= 0) & (b < M)
-        b = jnp.clip(b, 0, M - 1)
-        x = _slot(c["inputs"], b)
-        cotangent = jnp.where(last, _slot(c["cotangents"], b), c["bwd_in"])
-        _, stage_vjp = jax.vjp(run_stage, stack, x)
-        g_stack, dx = stage_vjp(cotangent)
-        rows = rows_of(b)
-
-        def embed_grads():
-            return jax.vjp(lambda r: embed(r, rows), rest)[1](dx)[0]
-
-        g_embed = _when(valid & first, embed_grads, lambda: jax.tree.map(jnp.zeros_like, rest), branch)
-        return dict(
-            c, bwd_in=_shift(dx, S, -1),
-            grad_stack=_masked_add(c["grad_stack"], g_stack, valid),
-            grad_rest=_add(c["grad_rest"], g_embed),  # zeros off the first stage's real microbatches
-        )
-
+    zeros = _zero_outputs(cut)
+    carry = _initial_carry(cut, schedule, S, M, zeros)
+    ticks = _Ticks(cut, S, M, stage_index, first, last, zeros[1], zeros[2],
+                   jnp.asarray(seed, jnp.float32) * loss_weight, loss_weight, branch)
     for phase in schedule.phases(S, M):
-        if phase.ticks == 0:
-            continue
-
-        def tick(c, t, phase=phase):
-            if phase.forward_from is not None:
-                c = forward(c, phase.forward_from + t)
-            if phase.backward_from is not None:
-                c = backward(c, phase.backward_from + t)
-            return c, None
-
-        carry, _ = jax.lax.scan(tick, carry, jnp.arange(phase.ticks))
+        if phase.ticks:
+            carry, _ = jax.lax.scan(functools.partial(ticks.tick, phase), carry, jnp.arange(phase.ticks))
 
     # Only the first / last stage holds the embedding's / head's gradient and the loss: share them.
     grad_rest, loss, aux = jax.lax.psum((carry["grad_rest"], carry["loss"], carry["aux"]), PIPE_AXIS)
