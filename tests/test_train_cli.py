@@ -23,6 +23,9 @@ import pytest
 
 from shardlib import STRATEGIES
 from shardlib.cli import main
+from shardlib.run.actions import Evaluate, Every, StepClock
+from shardlib.run.config import DEFAULT_CPU_DEVICES, add_arguments, from_args
+from shardlib.run.loop import Recorder, run_steps
 from shardlib.run.metrics_io import read_metrics
 from shardlib.run.train import TrainConfig, sample_text, train
 
@@ -94,6 +97,54 @@ def test_sampling_slides_its_window_past_the_context():
 
     text = sample_text(SimpleNamespace(apply=apply), {}, "ab", 10, context=4, seed=0)
     assert text == "abcdefghijkl"  # read at the last real byte while filling, then shifted by one
+
+
+def test_flags_are_the_config_fields():
+    import argparse
+    import dataclasses
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert from_args(parser.parse_args([])) == TrainConfig(cpu_devices=DEFAULT_CPU_DEVICES)
+    shown = parser.format_help()
+    for field in dataclasses.fields(TrainConfig):
+        flag = field.metadata.get("flag")
+        if flag is not None and not flag.hidden:
+            assert (flag.name or "--" + ("no-" if flag.negate else "") + field.name.replace("_", "-")) in shown
+    assert "--inject-nan-steps" not in shown  # a test hook, hidden
+    config = from_args(parser.parse_args(["--no-progress", "--no-tensorboard", "--schedule", "gpipe", "--lr", "0.5",
+                                          "--warmup-steps", "4", "--inject-nan-steps", "2,5-7"]))
+    assert (config.progress, config.tensorboard, config.pipeline_schedule) == (False, False, "gpipe")
+    assert (config.lr, config.warmup_steps, config.inject_nan_steps) == (0.5, 4, (2, 5, 6, 7))
+
+
+def test_loop_records_each_step_once_one_step_behind_and_validates_at_once():
+    """Fake steps whose state counts updates: a record runs one step late, so the state it
+    sees is one ahead, except at a validation (every 3 steps and the last); saves see every
+    dispatched step; a stop records the step still held before the stop action saves."""
+    seen, saved = [], []
+
+    def step(k, state, batch):
+        assert batch == k - 1  # step k's batch (0-based index) was loaded before it ran
+        return SimpleNamespace(params=state.params + 1), {"loss": 1.0 / k, "grad_norm": 1.0, "skipped": 0.0}
+
+    def note(k, state, record):
+        seen.append((k, state.params, record.get("val_loss")))
+
+    class Stop:
+        def should_stop(self, k):
+            return k == 5
+
+        def __call__(self, k, state, metrics):
+            seen.append(("stop", k, state.params))
+
+    clock = StepClock()
+    validation = Evaluate(lambda params: float(params), Every(3, last=6), clock)
+    record = Recorder([validation, note], clock, tokens_per_step=1, at_once=validation.due)
+    final = run_steps(SimpleNamespace(params=0), 0, 6, step, lambda i: i, record=record,
+                      after_step=[lambda k, state, metrics: saved.append((k, state.params))], preemption=Stop())
+    assert final.params == 5 and saved == [(k, k) for k in range(1, 6)]
+    assert seen == [(1, 2, None), (2, 3, None), (3, 3, 3.0), (4, 5, None), (5, 5, None), ("stop", 5, 5)]
 
 
 @pytest.mark.skipif(not HAVE_CHECKPOINTS, reason="shardlib/checkpoint.py not present")
