@@ -2,7 +2,7 @@
 
 Gradient reduction is the collective that grows with model size and never shrinks with more
 devices, so sending fewer bytes per element is the cheapest way to speed up a bandwidth-bound
-step. Each method here is a drop-in for the two reductions ``step._reduce_grad`` performs:
+step. Each method here is a drop-in for the two reductions `shardlib.step.reduce.Reducer` performs:
 
 * ``compressed_psum(x, axes, method, residual)``: like ``jax.lax.psum(x, axes)``;
 * ``compressed_psum_scatter(x, axes, dim, method, residual)``: like

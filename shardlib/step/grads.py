@@ -110,8 +110,11 @@ class Pipelined:
         return self.call.traced(lambda: pipeline_lib.loss(self.call.stages(ctx), params, batch, **self._args()))
 
 
+Provider = Plain | Pipelined  # Accumulated is a Plain
+
+
 def for_layout(call: ModelCall, reducer: Reducer, layout: Layout, *, grad_accum: int, microbatches: int,
-               schedule: pipeline_lib.Schedule) -> Plain | Pipelined:
+               schedule: pipeline_lib.Schedule) -> Provider:
     """The variant ``layout`` and the step's options ask for (options checked by `check_options`)."""
     if layout.pipeline_stages > 1:
         # The embedding / head may sit in a branch only when they hold no collective: no parameter

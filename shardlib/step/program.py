@@ -109,7 +109,7 @@ def build(
                         _CheckedStep(step, layout, microbatches), _eval_step(layout, provider), sharding)
 
 
-def _mapped_grads(layout: Layout, provider: grads_lib.Plain | grads_lib.Pipelined, reducer: reduce_lib.Reducer):
+def _mapped_grads(layout: Layout, provider: grads_lib.Provider, reducer: reduce_lib.Reducer):
     """The gradient half as a ``shard_map``: (params, batch, ctx, residuals) -> (loss, aux,
     gradients in the state layout, residuals), loss and aux summed over the batch axes."""
     manual_axes = layout.manual_axes  # batch axes, and 'pipe' when pipelined
@@ -135,7 +135,7 @@ def _mapped_grads(layout: Layout, provider: grads_lib.Plain | grads_lib.Pipeline
     return grads_fn
 
 
-def _train_step(layout: Layout, provider: grads_lib.Plain | grads_lib.Pipelined, reducer: reduce_lib.Reducer,
+def _train_step(layout: Layout, provider: grads_lib.Provider, reducer: reduce_lib.Reducer,
                 update: update_lib.Update, sharding: TrainState, donate: bool):
     """The jitted ``step(state, batch) -> (state, metrics)``."""
     grads_fn = _mapped_grads(layout, provider, reducer)
@@ -150,7 +150,7 @@ def _train_step(layout: Layout, provider: grads_lib.Plain | grads_lib.Pipelined,
                    donate_argnums=(0,) if donate else ())
 
 
-def _eval_step(layout: Layout, provider: grads_lib.Plain | grads_lib.Pipelined):
+def _eval_step(layout: Layout, provider: grads_lib.Provider):
     """The jitted ``evaluate(params, batch) -> {"loss", **aux}``, summed over the batch axes."""
     axes = reduce_lib.active_axes(layout)
 
