@@ -7,8 +7,11 @@ rule that cannot apply is skipped with a note, and a dimension no rule could sha
 replicated; every such fallback is recorded on the leaf so that `report` can say why a tensor is
 replicated and `check_replication` can refuse it.
 
-Trees without annotations (someone else's model) get their logical names from regex path rules,
-also first match wins.
+Names follow JAX and Flax: a tuple shorter than the tensor's rank leaves the trailing dims
+unnamed; a longer one is an error naming the tensor. Trees without annotations (someone else's
+model) get their logical names from regex path rules, also first match wins; and a strategy's
+ZeRO fallback (`AutoShard`) shards whatever its rules leave whole along the largest dimension its
+axes divide, so an unannotated model still gets ZeRO's memory.
 """
 
 from __future__ import annotations
