@@ -103,3 +103,13 @@ def test_sharding_report_takes_the_layout():
     assert sharding_report(layout.params, layout.mesh).splitlines()[0] == text.splitlines()[0]
     with pytest.raises(TypeError, match="needs its mesh"):
         sharding_report(layout.params)
+
+
+def test_inspect_refuses_a_strategy_the_mesh_cannot_apply_and_totals_the_replicated(capsys):
+    from shardlib.cli import main
+
+    assert main(["inspect", "--model", "tiny", "--strategy", "tp", "--devices", "8", "--mesh", "fsdp=8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardlib inspect: error: strategy 'tp' shards over mesh axis tensor") and "--mesh tensor=8" in err
+    assert main(["inspect", "--model", "tiny", "--strategy", "zero3", "--devices", "8"]) == 0
+    assert "replicated against the strategy: none" in capsys.readouterr().out
