@@ -81,108 +81,56 @@ _NVIDIA_A100 = "https://www.nvidia.com/en-us/data-center/a100/ (A100 80GB SXM co
 _DGX_H100 = "https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html (8x ConnectX-7 400 Gb/s)"
 _DGX_A100 = "https://docs.nvidia.com/dgx/dgxa100-user-guide/introduction-to-dgxa100.html (8x ConnectX-6 200 Gb/s HDR)"
 
-# Ring bandwidth conventions: NVLink figures are quoted bidirectional (900 GB/s = 450 GB/s each
-# way through NVSwitch); a TPU ring along one torus axis sends over two ports, one each way.
-HARDWARE: dict[str, HardwareProfile] = {
-    p.name: p
-    for p in (
-        HardwareProfile(
-            name="h100",
-            description="NVIDIA H100 SXM 80GB, 8 per NVLink node, 400 Gb/s InfiniBand per GPU",
-            hbm_bytes=int(80 * GB),
-            peak_flops={"bf16": 989e12, "f32": 494e12},  # f32 matmuls run as TF32 (JAX default on GPU)
-            domain_size=8,
-            intra_bandwidth=450 * GB,
-            inter_bandwidth=50 * GB,
-            sources=(_NVIDIA_H100, _DGX_H100),
-            notes="dense (no sparsity) tensor-core peaks; NVLink 4 900 GB/s bidirectional",
-        ),
-        HardwareProfile(
-            name="h200",
-            description="NVIDIA H200 SXM 141GB, 8 per NVLink node, 400 Gb/s InfiniBand per GPU",
-            hbm_bytes=int(141 * GB),
-            peak_flops={"bf16": 989e12, "f32": 494e12},
-            domain_size=8,
-            intra_bandwidth=450 * GB,
-            inter_bandwidth=50 * GB,
-            sources=(_NVIDIA_H200, _DGX_H100),
-            notes="same compute and NVLink as H100 SXM; more and faster HBM",
-        ),
-        HardwareProfile(
-            name="a100",
-            description="NVIDIA A100 SXM 80GB, 8 per NVLink node, 200 Gb/s InfiniBand per GPU",
-            hbm_bytes=int(80 * GB),
-            peak_flops={"bf16": 312e12, "f32": 156e12},  # TF32
-            domain_size=8,
-            intra_bandwidth=300 * GB,
-            inter_bandwidth=25 * GB,
-            sources=(_NVIDIA_A100, _DGX_A100),
-            notes="NVLink 3 600 GB/s bidirectional",
-        ),
-        HardwareProfile(
-            name="h100-pcie",
-            description="NVIDIA H100 PCIe 80GB, pairs joined by an NVLink bridge, PCIe Gen5 beyond the pair",
-            hbm_bytes=int(80 * GB),
-            peak_flops={"bf16": 756e12, "f32": 378e12},  # TF32
-            domain_size=2,
-            intra_bandwidth=300 * GB,  # NVLink bridge 600 GB/s bidirectional
-            inter_bandwidth=64 * GB,  # PCIe Gen5 x16 128 GB/s bidirectional
-            sources=(_NVIDIA_H100_PCIE,),
-        ),
-        HardwareProfile(
-            name="h100-nvl",
-            description="NVIDIA H100 NVL 94GB, pairs joined by an NVLink bridge, PCIe Gen5 beyond the pair",
-            hbm_bytes=int(94 * GB),
-            peak_flops={"bf16": 835e12, "f32": 417e12},  # TF32
-            domain_size=2,
-            intra_bandwidth=300 * GB,  # NVLink bridge 600 GB/s bidirectional
-            inter_bandwidth=64 * GB,  # PCIe Gen5 x16 128 GB/s bidirectional
-            sources=(_NVIDIA_H100_NVL,),
-        ),
-        HardwareProfile(
-            name="tpu-v5p",
-            description="Cloud TPU v5p chip, 3D torus ICI within a slice (up to 8960 chips), DCN across slices",
-            hbm_bytes=95 * GIB,
-            peak_flops={"bf16": 459e12, "f32": 459e12},  # f32 matmuls default to one bf16 pass on TPU
-            domain_size=8960,
-            intra_bandwidth=200 * GB,  # 1200 GB/s bidirectional over 6 ports = 100 GB/s per port each way, x2
-            inter_bandwidth=50e9 / 8,  # 50 Gb/s DCN per chip
-            sources=("https://cloud.google.com/tpu/docs/v5p",),
-        ),
-        HardwareProfile(
-            name="tpu-v5e",
-            description="Cloud TPU v5e chip, 2D torus ICI within a slice (up to 256 chips), DCN across slices",
-            hbm_bytes=int(16 * GB),
-            peak_flops={"bf16": 197e12, "f32": 197e12},
-            domain_size=256,
-            intra_bandwidth=100 * GB,  # 400 GB/s bidirectional over 4 ports = 50 GB/s per port each way, x2
-            inter_bandwidth=2 * 100e9 / 8 / 8,  # 2 x 100 Gb/s NICs per 8-chip host
-            sources=("https://cloud.google.com/tpu/docs/v5e",),
-        ),
-        HardwareProfile(
-            name="tpu-v4",
-            description="Cloud TPU v4 chip, 3D torus ICI within a slice (up to 4096 chips)",
-            hbm_bytes=32 * GIB,
-            peak_flops={"bf16": 275e12, "f32": 275e12},
-            domain_size=4096,
-            intra_bandwidth=100 * GB,  # 6 ICI links of ~50 GB/s each way (TPU v4 paper, ISCA 2023); 2 per ring
-            inter_bandwidth=None,
-            sources=("https://cloud.google.com/tpu/docs/v4",
-                     "Jouppi et al., TPU v4: An Optically Reconfigurable Supercomputer for ML, ISCA 2023"),
-            notes="multi-slice (DCN) traffic is not modelled for v4",
-        ),
-        HardwareProfile(
-            name="tpu-v6e",
-            description="Cloud TPU v6e (Trillium) chip, 2D torus ICI within a slice (up to 256 chips), DCN across slices",
-            hbm_bytes=int(32 * GB),
-            peak_flops={"bf16": 918e12, "f32": 918e12},
-            domain_size=256,
-            intra_bandwidth=200 * GB,  # 800 GB/s bidirectional over 4 ports = 100 GB/s per port each way, x2
-            inter_bandwidth=4 * 200e9 / 8 / 8,  # 4 x 200 Gb/s NICs per 8-chip host
-            sources=("https://cloud.google.com/tpu/docs/v6e",),
-        ),
-    )
+# The roofline's figures per profile, one row each (dense peaks: no sparsity). Bandwidths are
+# what one device sends in a ring, each way: NVLink figures are quoted bidirectional (900 GB/s =
+# 450 GB/s each way through NVSwitch); a TPU ring along one torus axis sends over two ports, one
+# each way. f32 matmuls run as TF32 on NVIDIA GPUs and as one bf16 pass on TPUs (JAX defaults).
+#   name         HBM bytes      bf16 FLOP/s f32 FLOP/s domain  intra (B/s)  inter (B/s; None: not modelled)
+_FIGURES = (
+    ("h100",      int(80 * GB),  989e12, 494e12, 8,    450 * GB, 50 * GB),
+    ("h200",      int(141 * GB), 989e12, 494e12, 8,    450 * GB, 50 * GB),
+    ("a100",      int(80 * GB),  312e12, 156e12, 8,    300 * GB, 25 * GB),
+    ("h100-pcie", int(80 * GB),  756e12, 378e12, 2,    300 * GB, 64 * GB),  # NVLink bridge; PCIe Gen5 x16
+    ("h100-nvl",  int(94 * GB),  835e12, 417e12, 2,    300 * GB, 64 * GB),  # NVLink bridge; PCIe Gen5 x16
+    ("tpu-v5p",   95 * GIB,      459e12, 459e12, 8960, 200 * GB, 50e9 / 8),  # 6 ports of 100 GB/s; 50 Gb/s DCN
+    ("tpu-v5e",   int(16 * GB),  197e12, 197e12, 256,  100 * GB, 2 * 100e9 / 8 / 8),  # 2 x 100 Gb/s NICs per 8 chips
+    ("tpu-v4",    32 * GIB,      275e12, 275e12, 4096, 100 * GB, None),  # ~50 GB/s per ICI link each way
+    ("tpu-v6e",   int(32 * GB),  918e12, 918e12, 256,  200 * GB, 4 * 200e9 / 8 / 8),  # 4 x 200 Gb/s NICs per 8 chips
+)
+
+# What each profile is and where its figures come from: (description, sources, notes).
+_ABOUT: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "h100": ("NVIDIA H100 SXM 80GB, 8 per NVLink node, 400 Gb/s InfiniBand per GPU", (_NVIDIA_H100, _DGX_H100),
+             "dense (no sparsity) tensor-core peaks; NVLink 4 900 GB/s bidirectional"),
+    "h200": ("NVIDIA H200 SXM 141GB, 8 per NVLink node, 400 Gb/s InfiniBand per GPU", (_NVIDIA_H200, _DGX_H100),
+             "same compute and NVLink as H100 SXM; more and faster HBM"),
+    "a100": ("NVIDIA A100 SXM 80GB, 8 per NVLink node, 200 Gb/s InfiniBand per GPU", (_NVIDIA_A100, _DGX_A100),
+             "NVLink 3 600 GB/s bidirectional"),
+    "h100-pcie": ("NVIDIA H100 PCIe 80GB, pairs joined by an NVLink bridge, PCIe Gen5 beyond the pair",
+                  (_NVIDIA_H100_PCIE,), "NVLink bridge 600 GB/s bidirectional; PCIe Gen5 x16 128 GB/s bidirectional"),
+    "h100-nvl": ("NVIDIA H100 NVL 94GB, pairs joined by an NVLink bridge, PCIe Gen5 beyond the pair",
+                 (_NVIDIA_H100_NVL,), "NVLink bridge 600 GB/s bidirectional; PCIe Gen5 x16 128 GB/s bidirectional"),
+    "tpu-v5p": ("Cloud TPU v5p chip, 3D torus ICI within a slice (up to 8960 chips), DCN across slices",
+                ("https://cloud.google.com/tpu/docs/v5p",), "ICI 1200 GB/s bidirectional over 6 ports"),
+    "tpu-v5e": ("Cloud TPU v5e chip, 2D torus ICI within a slice (up to 256 chips), DCN across slices",
+                ("https://cloud.google.com/tpu/docs/v5e",), "ICI 400 GB/s bidirectional over 4 ports"),
+    "tpu-v4": ("Cloud TPU v4 chip, 3D torus ICI within a slice (up to 4096 chips)",
+               ("https://cloud.google.com/tpu/docs/v4",
+                "Jouppi et al., TPU v4: An Optically Reconfigurable Supercomputer for ML, ISCA 2023"),
+               "multi-slice (DCN) traffic is not modelled for v4"),
+    "tpu-v6e": ("Cloud TPU v6e (Trillium) chip, 2D torus ICI within a slice (up to 256 chips), DCN across slices",
+                ("https://cloud.google.com/tpu/docs/v6e",), "ICI 800 GB/s bidirectional over 4 ports"),
 }
+
+
+def _profile(name: str, hbm: int, bf16: float, f32: float, domain: int, intra: float, inter: float | None):
+    description, sources, notes = _ABOUT[name]
+    return HardwareProfile(name=name, description=description, hbm_bytes=hbm, peak_flops={"bf16": bf16, "f32": f32},
+                           domain_size=domain, intra_bandwidth=intra, inter_bandwidth=inter, sources=sources,
+                           notes=notes)
+
+
+HARDWARE: dict[str, HardwareProfile] = {row[0]: _profile(*row) for row in _FIGURES}
 
 
 def get_hardware(name: str | HardwareProfile) -> HardwareProfile:
