@@ -14,9 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from shardlib.model import Model, Stages, hooks
+from shardlib.model import Call, Model, Stages, hooks
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout, restrict, spec_axes
 from shardlib.step import precision as precision_lib
@@ -28,12 +29,33 @@ class StepContext:
     """What one step gives the model besides parameters and rows; traced into the shard_map as a
     replicated argument.
 
-    The seam for per-step inputs of the loss (a dropout key derived from the run's seed and the
-    step, mutable model state such as BatchNorm statistics): each is a field here, read by
-    `ModelCall`, so the gradient providers and the step's wiring pass it through unchanged.
+    The seam for per-step inputs of the loss: each is a field here, read by `ModelCall`, so the
+    gradient providers and the step's wiring pass it through unchanged.
     """
 
     scale: Any = None  # the loss scale the gradients are taken of (fp16's, else 1); None: unscaled
+    key: Any = None  # this step's key (from the run's seed and the step); ModelCall folds in the device
+    model_state: Any = None  # the mutable model state (BatchNorm statistics), replicated
+    train: bool = dataclasses.field(default=True, metadata=dict(static=True))  # False: evaluation
+
+    def for_microbatch(self, index: jax.Array) -> StepContext:
+        """The context of one microbatch of an accumulated step: its own key."""
+        return self if self.key is None else dataclasses.replace(self, key=jax.random.fold_in(self.key, index))
+
+
+def active_axes(layout: Layout, exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The batch axes that really split the batch (size > 1): collectives over size-1 axes move
+    nothing, and XLA refuses a cross-partition all-reduce over a size-1 manual axis next to auto axes."""
+    return tuple(a for a in layout.batch_axes if layout.mesh.shape[a] > 1 and a not in exclude)
+
+
+def average_state(model_state: Any, axes: tuple[str, ...]) -> Any:
+    """Model state (BatchNorm running statistics) averaged over the data-parallel devices, so that
+    every replica carries the same statistics; non-floating leaves are left as they are."""
+    if not axes:
+        return model_state
+    mean = lambda x: jax.lax.pmean(x, axes) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return jax.tree.map(mean, model_state)
 
 
 def activation_spec(layout: Layout) -> Callable[[Any, tuple[int, ...]], P]:
@@ -67,13 +89,14 @@ class ModelCall:
     compute_dtype: Any
     cast_first: bool  # cast the shards before the gather (half the bytes on GPU / TPU)
     rows_split: int  # devices the rows are split over: the loss is a mean over all of them
+    key_axes: tuple[str, ...] = ()  # the batch axes whose device index is folded into the key
 
     @classmethod
     def for_layout(cls, model: Model, layout: Layout, policy: precision_lib.Precision,
-                   rows_split: int) -> ModelCall:
+                   rows_split: int, exclude: tuple[str, ...] = ()) -> ModelCall:
         cast_first = policy.casts_before_gather(layout.mesh.devices.flat[0].platform)
         return cls(model, layout.manual(layout.params), sharded_paths(layout), activation_spec(layout),
-                   policy.compute_dtype, cast_first, rows_split)
+                   policy.compute_dtype, cast_first, rows_split, active_axes(layout, exclude))
 
     def _compute(self, tree: Any) -> Any:
         return precision_lib.cast_floating(tree, self.compute_dtype)
@@ -114,15 +137,26 @@ class ModelCall:
                 "or build the model with gathers_params=False"
             ) from err
 
-    def loss(self, params: Any, rows: Any, ctx: StepContext) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """This device's share of the mean loss over all rows (and of the aux metrics)."""
-        del ctx  # the seam for per-step model inputs; the model reads none yet
-        loss, aux = self.traced(lambda: self.model.loss(self.view(params), rows, self._model_specs()))
-        return loss / self.rows_split, jax.tree.map(lambda a: a / self.rows_split, aux)
+    def device_key(self, ctx: StepContext) -> jax.Array | None:
+        """The step's key with this device's index over the batch axes folded in: data-parallel
+        devices draw different masks, the devices of one model replica (tensor) the same."""
+        if ctx.key is None or not self.model.uses_key:
+            return None
+        return jax.random.fold_in(ctx.key, jax.lax.axis_index(self.key_axes) if self.key_axes else 0)
+
+    def loss(self, params: Any, rows: Any, ctx: StepContext) -> tuple[jax.Array, dict[str, jax.Array], Any]:
+        """This device's share of the mean loss over all rows (and of the aux metrics), and the
+        model state after this call (in the dtypes it came in, so a skipped step can keep either)."""
+        call = Call(key=self.device_key(ctx), state=ctx.model_state, train=ctx.train)
+        loss, aux, state = self.traced(lambda: self.model.run(self.view(params), rows, self._model_specs(), call))
+        if ctx.model_state is not None:
+            state = jax.tree.map(lambda new, old: new.astype(old.dtype), state, ctx.model_state)
+        return loss / self.rows_split, jax.tree.map(lambda a: a / self.rows_split, aux), state
 
     def stages(self, ctx: StepContext) -> Stages:
-        """The model's pipeline stages over the parameters as stored (call them inside `traced`)."""
-        del ctx  # as in `loss`
+        """The model's pipeline stages over the parameters as stored (call them inside `traced`);
+        `check_options` refuses models that need a key or state here."""
+        del ctx
         pipe, specs = self.model.pipeline, self._model_specs()
         return Stages(
             stacked=pipe.stacked,

@@ -4,9 +4,10 @@ pipeline's stages (`Pipelined`).
 
 Each runs inside the step's ``shard_map`` and has two methods:
 
-* ``value_and_grad(params, batch, ctx, residuals) -> ((loss, aux), grads, residuals)``: this
-  device's share of the loss and aux metrics, and the gradients of ``ctx.scale * loss`` already
-  reduced into the optimizer-state layout by its `Reducer`;
+* ``value_and_grad(params, batch, ctx, residuals) -> ((loss, aux), grads, residuals, model_state)``:
+  this device's share of the loss and aux metrics, the gradients of ``ctx.scale * loss`` already
+  reduced into the optimizer-state layout by its `Reducer`, and this device's model state after
+  the pass (BatchNorm statistics; None without);
 * ``loss(params, batch, ctx) -> (loss, aux)``: the same loss, forward only (evaluation).
 """
 
@@ -27,13 +28,14 @@ from shardlib.step.reduce import Reducer
 
 
 def _scaled_value_and_grad(call: ModelCall, params: Any, rows: Any, ctx: StepContext):
-    """((loss, aux), d(scale * loss)/d params) of ``rows``, unreduced (scale None: the loss's own)."""
+    """((loss, aux), d(scale * loss)/d params, model state) of ``rows``, unreduced (scale None:
+    the loss's own)."""
     def objective(p, b):
-        loss, aux = call.loss(p, b, ctx)
-        return (loss if ctx.scale is None else loss * ctx.scale), (loss, aux)
+        loss, aux, state = call.loss(p, b, ctx)
+        return (loss if ctx.scale is None else loss * ctx.scale), (loss, aux, state)
 
-    (_, (loss, aux)), grads = jax.value_and_grad(objective, has_aux=True)(params, rows)
-    return (loss, aux), grads
+    (_, (loss, aux, state)), grads = jax.value_and_grad(objective, has_aux=True)(params, rows)
+    return (loss, aux), grads, state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,12 +46,13 @@ class Plain:
     reducer: Reducer
 
     def value_and_grad(self, params: Any, batch: Any, ctx: StepContext, residuals: Any):
-        (loss, aux), grads = _scaled_value_and_grad(self.call, params, batch, ctx)
+        (loss, aux), grads, state = _scaled_value_and_grad(self.call, params, batch, ctx)
         grads, residuals = self.reducer(grads, residuals)
-        return (loss, aux), grads, residuals
+        return (loss, aux), grads, residuals, state
 
     def loss(self, params: Any, batch: Any, ctx: StepContext):
-        return self.call.loss(params, batch, ctx)
+        loss, aux, _ = self.call.loss(params, batch, ctx)
+        return loss, aux
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,26 +65,31 @@ class Accumulated(Plain):
     reduce_each: bool
 
     def _one(self, params: Any, rows: Any, ctx: StepContext, residuals: Any):
-        (loss, aux), grads = _scaled_value_and_grad(self.call, params, rows, ctx)
+        """One microbatch: ((loss, aux, grads), residuals, model state after it)."""
+        (loss, aux), grads, state = _scaled_value_and_grad(self.call, params, rows, ctx)
         if self.reduce_each:
             grads, residuals = self.reducer(grads, residuals)
-        return (loss, aux, grads), residuals
+        return (loss, aux, grads), residuals, state
 
     def value_and_grad(self, params: Any, batch: Any, ctx: StepContext, residuals: Any):
+        """Microbatch i draws with ``fold_in(key, i)`` and sees the model state the one before left."""
         k = self.microbatches
         micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
-        first = self._one(params, jax.tree.map(lambda x: x[0], micro), ctx, residuals)
+        context = lambda i, state: dataclasses.replace(ctx.for_microbatch(i), model_state=state)
+        first = self._one(params, jax.tree.map(lambda x: x[0], micro), context(0, ctx.model_state), residuals)
 
-        def add(carry, rows):
-            total, residuals = carry
-            out, residuals = self._one(params, rows, ctx, residuals)
-            return (jax.tree.map(jnp.add, total, out), residuals), None
+        def add(carry, xs):
+            total, residuals, state = carry
+            i, rows = xs
+            out, residuals, state = self._one(params, rows, context(i, state), residuals)
+            return (jax.tree.map(jnp.add, total, out), residuals, state), None
 
-        (total, residuals), _ = jax.lax.scan(add, first, jax.tree.map(lambda x: x[1:], micro))
+        rest = (jnp.arange(1, k), jax.tree.map(lambda x: x[1:], micro))
+        (total, residuals, state), _ = jax.lax.scan(add, first, rest)
         loss, aux, grads = jax.tree.map(lambda x: x / k, total)
         if not self.reduce_each:
             grads, residuals = self.reducer(grads, residuals)
-        return (loss, aux), grads, residuals
+        return (loss, aux), grads, residuals, state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +112,7 @@ class Pipelined:
         (loss, aux), grads = self.call.traced(lambda: pipeline_lib.value_and_grad(
             self.call.stages(ctx), params, batch, schedule=self.schedule, seed=ctx.scale, **self._args()))
         grads, residuals = self.reducer(grads, residuals)
-        return (loss, aux), grads, residuals
+        return (loss, aux), grads, residuals, None  # check_options refuses stateful models
 
     def loss(self, params: Any, batch: Any, ctx: StepContext):
         return self.call.traced(lambda: pipeline_lib.loss(self.call.stages(ctx), params, batch, **self._args()))
@@ -126,6 +134,15 @@ def for_layout(call: ModelCall, reducer: Reducer, layout: Layout, *, grad_accum:
     return Accumulated(call, reducer, grad_accum, layout.strategy.shard_grad_buffer)
 
 
+def refuse_key_and_state(model: Model, step: str, instead: str) -> None:
+    """Steps that do not pass keys or model state yet say so, rather than train without them."""
+    needs = [what for what, needed in (("a random key (nnx.Rngs / dropout)", model.uses_key),
+                                       ("mutable state (BatchNorm statistics)", model.stateful)) if needed]
+    if needs:
+        raise ValueError(f"{step} does not support models that need {' or '.join(needs)} yet; {instead}, "
+                         "or build the model without them (linen: from_linen(..., rng_streams=()))")
+
+
 def check_options(model: Model, layout: Layout, grad_accum: int, method: compression_lib.Compression,
                   microbatches: int | None, schedule: str | pipeline_lib.Schedule) -> tuple[int, pipeline_lib.Schedule | None]:
     """Refuse what the variants cannot do, with the fix; return (microbatches, schedule)."""
@@ -144,6 +161,7 @@ def check_options(model: Model, layout: Layout, grad_accum: int, method: compres
         )
     if grad_accum != 1:
         raise ValueError("a pipelined step accumulates over its microbatches: pass microbatches=K, not grad_accum=K")
+    refuse_key_and_state(model, f"the pipelined step (pipe={n_stages})", "use pipe=1")
     if method.needs_residual:
         raise ValueError(f"grad_compression={method.name!r} keeps per-device residuals, which pipelining does "
                          "not support yet; use 'bf16' or 'none'")

@@ -202,9 +202,11 @@ def build_local_sgd(
     parameter-sized all-reduces per sync, so the sync sends 3x the bytes). Metrics: ``loss``,
     ``accuracy`` and ``grad_norm`` averaged over replicas, ``skipped`` (replicas whose non-finite update was
     dropped), ``synced`` (1 on a step that ended with the sync), ``lr`` with ``lr_schedule``.
-    Not supported here: mixed precision, gradient accumulation, gradient compression.
+    Not supported here: mixed precision, gradient accumulation, gradient compression, models that
+    draw random numbers or carry BatchNorm statistics.
     """
     _check_layout(layout, sync_every, sync_warmup)
+    grads_lib.refuse_key_and_state(model, "build_local_sgd", "use shardlib.build")
     replicas = _Replicas.for_layout(layout)
     state_sharding = _state_sharding(model, tx, outer_tx, replicas)
     init = jax.jit(_init_fn(model, tx, outer_tx, replicas), out_shardings=state_sharding)
@@ -312,7 +314,7 @@ def _replica_grads(model: Model, layout: Layout, replicas: _Replicas) -> Callabl
 
     def body(stacked, batch, synchronous: bool):
         params = reduce_lib.vary(jax.tree.map(lambda p: p[0], stacked), replicas.manual_params, reducer.axes)
-        (loss, aux), grads, _ = provider.value_and_grad(params, batch, StepContext(), None)
+        (loss, aux), grads, _, _ = provider.value_and_grad(params, batch, StepContext(), None)
         if synchronous and replicas.n > 1:
             grads = jax.tree.map(lambda g: jax.lax.psum(g, REPLICA_AXIS) / replicas.n, grads)
         if reducer.axes:

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 from shardlib.model import Model
+from shardlib.step import grads as grads_lib
 
 
 def replicate(tree: Any, n_devices: int | None = None) -> Any:
@@ -37,6 +38,7 @@ def split_batch(batch: Any, n_devices: int) -> Any:
 
 def pmap_step(model: Model, tx: optax.GradientTransformation, axis_name: str = "data") -> Callable:
     """``step(params, opt_state, batch) -> (params, opt_state, metrics)``, pmapped over ``axis_name``."""
+    grads_lib.refuse_key_and_state(model, "pmap_step", "use shardlib.build")
 
     def step(params, opt_state, batch):
         (loss, aux), grads = jax.value_and_grad(lambda p: model.loss(p, batch, None), has_aux=True)(params)

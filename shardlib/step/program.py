@@ -32,8 +32,8 @@ from shardlib.step import grads as grads_lib
 from shardlib.step import precision as precision_lib
 from shardlib.step import reduce as reduce_lib
 from shardlib.step import update as update_lib
-from shardlib.step.compute import ModelCall, StepContext
-from shardlib.step.state import TrainState, abstract_state, initializer, state_sharding
+from shardlib.step.compute import ModelCall, StepContext, average_state
+from shardlib.step.state import TrainState, abstract_state, initializer, state_sharding, step_key
 
 __all__ = ["TrainProgram", "TrainState", "abstract_state", "build"]
 
@@ -47,7 +47,7 @@ class TrainProgram:
     layout: Layout
     init: Callable[[jax.Array], TrainState]
     step: Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]
-    evaluate: Callable[[Any, Mapping[str, jax.Array]], dict[str, jax.Array]]
+    evaluate: Callable[..., dict[str, jax.Array]]  # (params, batch, model_state=None): the model in eval mode
     state_sharding: TrainState
 
     @property
@@ -106,7 +106,7 @@ def build(
     update = update_lib.Update(tx, policy, layout.state_shardings(), layout.param_shardings(), lr_schedule)
     step = _train_step(layout, provider, reducer, update, sharding, donate)
     return TrainProgram(model, tx, layout, initializer(model, tx, layout, policy, reducer, sharding),
-                        _CheckedStep(step, layout, microbatches), _eval_step(layout, provider), sharding)
+                        _CheckedStep(step, layout, microbatches), _eval_step(layout, provider, model), sharding)
 
 
 def _mapped_grads(layout: Layout, provider: grads_lib.Provider, reducer: reduce_lib.Reducer):
@@ -119,16 +119,17 @@ def _mapped_grads(layout: Layout, provider: grads_lib.Provider, reducer: reduce_
 
     def body(params, batch, ctx, residuals):
         params = reduce_lib.vary(params, mapped_params, vary_axes)
-        (loss, aux), grads, residuals = provider.value_and_grad(params, batch, ctx, reducer.local(residuals))
+        (loss, aux), grads, residuals, model_state = provider.value_and_grad(params, batch, ctx, reducer.local(residuals))
         residuals = reducer.stacked(residuals)
-        return jax.lax.psum(loss, reducer.axes), jax.lax.psum(aux, reducer.axes), grads, residuals
+        loss, aux = jax.lax.psum(loss, reducer.axes), jax.lax.psum(aux, reducer.axes)
+        return loss, aux, grads, residuals, average_state(model_state, reducer.axes)
 
     def grads_fn(params, batch, ctx, residuals):
         residual_specs = reducer.residual_specs(params)
         return jax.shard_map(
             body, mesh=layout.mesh,
             in_specs=(mapped_params, reduce_lib.batch_specs(layout, batch), P(), residual_specs),
-            out_specs=(P(), P(), mapped_state, residual_specs),
+            out_specs=(P(), P(), mapped_state, residual_specs, P()),
             axis_names=set(manual_axes),
         )(params, batch, ctx, residuals)
 
@@ -142,31 +143,42 @@ def _train_step(layout: Layout, provider: grads_lib.Provider, reducer: reduce_li
 
     def step_fn(state: TrainState, batch):
         scale = update_lib.loss_scale(state)
-        loss, aux, grads, residuals = grads_fn(state.params, batch, StepContext(scale=scale), state.grad_residual)
-        new_state, grad_norm, finite = update(state, grads, loss, scale, {"grad_residual": residuals})
+        ctx = StepContext(scale=scale, key=step_key(state), model_state=state.model_state)
+        loss, aux, grads, residuals, model_state = grads_fn(state.params, batch, ctx, state.grad_residual)
+        produced = {"grad_residual": residuals, "model_state": model_state}
+        new_state, grad_norm, finite = update(state, grads, loss, scale, produced)
         return new_state, update.metrics(state, loss, aux, grad_norm, finite)
 
     return jax.jit(step_fn, in_shardings=(sharding, None), out_shardings=(sharding, NamedSharding(layout.mesh, P())),
                    donate_argnums=(0,) if donate else ())
 
 
-def _eval_step(layout: Layout, provider: grads_lib.Provider):
-    """The jitted ``evaluate(params, batch) -> {"loss", **aux}``, summed over the batch axes."""
+def _eval_step(layout: Layout, provider: grads_lib.Provider, model: Model):
+    """The jitted ``evaluate(params, batch, model_state=None) -> {"loss", **aux}``, summed over the
+    batch axes; the model runs in eval mode (no dropout, BatchNorm's running averages)."""
     axes = reduce_lib.active_axes(layout)
 
-    def eval_fn(params, batch):
-        def body(p, b):
-            loss, aux = provider.loss(p, b, StepContext())
+    def eval_fn(params, batch, model_state):
+        def body(p, b, s):
+            loss, aux = provider.loss(p, b, StepContext(model_state=s, train=False))
             return {"loss": jax.lax.psum(loss, axes), **jax.lax.psum(aux, axes)}
 
         return jax.shard_map(
             body, mesh=layout.mesh, in_specs=(layout.manual(layout.params, layout.manual_axes),
-                                              reduce_lib.batch_specs(layout, batch)),
+                                              reduce_lib.batch_specs(layout, batch), P()),
             out_specs=P(), axis_names=set(layout.manual_axes),
-        )(params, batch)
+        )(params, batch, model_state)
 
     replicated = NamedSharding(layout.mesh, P())
-    return jax.jit(eval_fn, in_shardings=(layout.param_shardings(), None), out_shardings=replicated)
+    jitted = jax.jit(eval_fn, in_shardings=(layout.param_shardings(), None, replicated), out_shardings=replicated)
+
+    def evaluate(params, batch, model_state=None):
+        if model.stateful and model_state is None:
+            raise ValueError("this model carries mutable state (BatchNorm statistics): evaluate with "
+                             "program.evaluate(state.params, batch, state.model_state)")
+        return jitted(params, batch, model_state)
+
+    return evaluate
 
 
 class _CheckedStep:

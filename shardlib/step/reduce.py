@@ -20,13 +20,9 @@ from jax.sharding import PartitionSpec as P
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout, restrict, spec_axes
 from shardlib.step import compression as compression_lib
-from shardlib.step.compute import sharded_paths
+from shardlib.step.compute import active_axes, sharded_paths
 
-
-def active_axes(layout: Layout, exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The batch axes a reduction runs over: collectives over size-1 axes move nothing, and XLA
-    refuses a cross-partition all-reduce over a size-1 manual axis next to auto axes."""
-    return tuple(a for a in layout.batch_axes if layout.mesh.shape[a] > 1 and a not in exclude)
+__all__ = ["Reducer", "active_axes", "batch_specs", "vary"]  # active_axes: the axes reductions run over
 
 
 def batch_specs(layout: Layout, batch: Any) -> Any:

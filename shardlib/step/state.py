@@ -1,8 +1,9 @@
 """The train state: its fields, their shardings, and its sharded initialisation.
 
 Every part of the step that carries something from one step to the next owns one field: the
-optimizer its state, fp16 loss scaling its scale, int8 compression its residuals. A new carried
-quantity (e.g. a model's BatchNorm statistics) is one more field, sharded and initialised here.
+optimizer its state, fp16 loss scaling its scale, int8 compression its residuals, a model that
+draws random numbers its seed, a model with BatchNorm its statistics. A new carried quantity is
+one more field, sharded and initialised here.
 """
 
 from __future__ import annotations
@@ -30,6 +31,24 @@ class TrainState:
     opt_state: Any
     loss_scale: Any = None  # {"scale", "good_steps"} under fp16 dynamic loss scaling, else None
     grad_residual: Any = None  # per-device error-feedback residuals under int8 gradient compression
+    rng: Any = None  # uint32 key data of the run's dropout seed (Model.uses_key), else None: see `step_key`
+    model_state: Any = None  # mutable model state (BatchNorm statistics), replicated; None without
+
+
+# The root of the step keys: folded into the init key so that dropout never reuses a parameter
+# initialisation's draws.
+_DROPOUT_STREAM = 1
+
+
+def _key_data(key: jax.Array) -> jax.Array:
+    """Raw uint32 key data: it checkpoints as a plain array with Orbax (typed keys would not)."""
+    return jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+
+
+def step_key(state: TrainState) -> jax.Array | None:
+    """This step's key: the run's seed with the step number folded in, so that a resumed run
+    draws what an uninterrupted one would (the device index is folded in by `ModelCall`)."""
+    return None if state.rng is None else jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
 
 def abstract_state(init: Callable[[jax.Array], Any], shardings: Any) -> Any:
@@ -55,7 +74,13 @@ def state_sharding(model: Model, tx: optax.GradientTransformation, layout: Layou
         step=replicated, params=layout.param_shardings(), opt_state=opt_shardings,
         loss_scale=jax.tree.map(lambda _: replicated, precision_lib.init_loss_scale(policy)),
         grad_residual=jax.tree.map(lambda spec: NamedSharding(mesh, spec), residual_specs),
+        rng=replicated if model.uses_key else None,
+        model_state=jax.tree.map(lambda _: replicated, abstract_model_state(model)),  # small: replicated
     )
+
+
+def abstract_model_state(model: Model) -> Any:
+    return None if model.init_state is None else jax.eval_shape(model.init_state, jax.random.key(0))
 
 
 def initializer(model: Model, tx: optax.GradientTransformation, layout: Layout, policy: precision_lib.Precision,
@@ -68,6 +93,8 @@ def initializer(model: Model, tx: optax.GradientTransformation, layout: Layout, 
         in_state_layout = jax.lax.with_sharding_constraint(params, state_shardings)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(in_state_layout),
                           loss_scale=precision_lib.init_loss_scale(policy),
-                          grad_residual=reducer.zero_residuals(params, layout.mesh))
+                          grad_residual=reducer.zero_residuals(params, layout.mesh),
+                          rng=_key_data(jax.random.fold_in(key, _DROPOUT_STREAM)) if model.uses_key else None,
+                          model_state=None if model.init_state is None else model.init_state(key))
 
     return jax.jit(init_fn, out_shardings=sharding)
