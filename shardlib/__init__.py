@@ -8,9 +8,10 @@ from shardlib.sharding.mesh import MESH_AXES, MeshError, make_mesh, parse_mesh
 from shardlib.sharding.rules import LeafLayout, RuleError, check_replication, layout_tree
 from shardlib.sharding.strategies import STRATEGIES, Strategy, get_strategy
 from shardlib.sharding.layout import Layout, ReplicationWarning, make_layout, sharding_report
-from shardlib.model import Model, Stages, from_functions, from_linen, from_nnx
+from shardlib.model import Call, Model, Stages, from_functions, from_linen, from_nnx
 from shardlib.model.hooks import constrain, gather_layer
 from shardlib.step import TrainProgram, TrainState, build
+from shardlib.step.compute import batch_axis_names
 from shardlib.step.precision import POLICIES, Precision
 from shardlib.step.pipeline import SCHEDULES, bubble_fraction
 from shardlib.runtime.devices import simulate_cpu_devices
@@ -33,7 +34,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "Checkpointer", "POLICIES", "PreemptionGuard", "Precision", "build_local_sgd", "load_exported",
+    "Call", "Checkpointer", "POLICIES", "batch_axis_names", "PreemptionGuard", "Precision", "build_local_sgd", "load_exported",
     "MESH_AXES", "SCHEDULES", "STRATEGIES", "Stages", "bubble_fraction", "LeafLayout", "Layout", "MeshError", "Model", "ReplicationWarning", "RuleError", "Strategy",
     "TrainProgram", "TrainState", "build", "check_replication", "constrain", "from_functions",
     "from_linen", "from_nnx", "gather_layer", "get_strategy", "layout_tree", "make_layout",

@@ -205,3 +205,36 @@ def plain_steps(loss_fn, params, tx, batches):
         params, opt_state, loss = step(params, opt_state, batch)
         losses.append(float(loss))
     return params, losses
+
+
+def plain_steps_with_state(loss_fn, params, model_state, tx, batches):
+    """`plain_steps` for a loss that also updates model state (BatchNorm statistics):
+    ``loss_fn(params, model_state, batch) -> (loss, new model state)``."""
+
+    @jax.jit
+    def step(params, opt_state, model_state, batch):
+        (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, model_state, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, model_state, loss
+
+    opt_state, losses = tx.init(params), []
+    for batch in batches:
+        params, opt_state, model_state, loss = step(params, opt_state, model_state, batch)
+        losses.append(float(loss))
+    return params, model_state, losses
+
+
+def nnx_functional(make, loss_fn, seed: int = 0):
+    """``(params, batch_stats, loss(params, batch_stats, batch) -> (loss, batch_stats))`` of an NNX
+    module, as pure dicts, written with nnx.split / nnx.merge: the module trained the NNX way."""
+    module = make(nnx.Rngs(seed))
+    graphdef, params, stats, rest = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
+
+    def loss(param_values, stat_values, batch):
+        p, s = jax.tree.map(lambda x: x, params), jax.tree.map(lambda x: x, stats)
+        nnx.replace_by_pure_dict(p, param_values)
+        nnx.replace_by_pure_dict(s, stat_values)
+        bound = nnx.merge(graphdef, p, s, rest)
+        return loss_fn(bound, batch), nnx.to_pure_dict(nnx.state(bound, nnx.BatchStat))
+
+    return nnx.to_pure_dict(params), nnx.to_pure_dict(stats), loss

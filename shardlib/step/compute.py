@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from shardlib.model import Call, Model, Stages, hooks
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout, restrict, spec_axes
+from shardlib.sharding.strategies import BATCH_RULES
 from shardlib.step import precision as precision_lib
 
 
@@ -47,6 +48,15 @@ def active_axes(layout: Layout, exclude: tuple[str, ...] = ()) -> tuple[str, ...
     """The batch axes that really split the batch (size > 1): collectives over size-1 axes move
     nothing, and XLA refuses a cross-partition all-reduce over a size-1 manual axis next to auto axes."""
     return tuple(a for a in layout.batch_axes if layout.mesh.shape[a] > 1 and a not in exclude)
+
+
+def batch_axis_names(mesh: jax.sharding.Mesh) -> tuple[str, ...] | None:
+    """The mesh axes that split the batch (every strategy's ``batch`` rule) with more than one
+    device: the ``axis_name`` for synchronised BatchNorm (``nnx.BatchNorm(axis_name=...)``, linen
+    ``nn.BatchNorm(axis_name=...)``), whose statistics then cover the global batch inside the step.
+    None on one device. Size-1 axes are left out: XLA refuses collectives over them next to auto axes."""
+    axes = tuple(a for _, named in BATCH_RULES for a in rules_lib.as_axes(named) if mesh.shape.get(a, 1) > 1)
+    return axes or None
 
 
 def average_state(model_state: Any, axes: tuple[str, ...]) -> Any:
