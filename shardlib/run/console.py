@@ -42,6 +42,7 @@ def banner(run: Prepared, note: str | None) -> str:
     lines += [
         f"mesh       {describe(mesh)}",
         f"strategy   {run.strategy.name}: {run.strategy.summary}",
+        f"sharding   {run.layout.replication_summary()}",
         f"batch      {config.batch_size} sequences x {config.seq_len} bytes (global)"
         + (f", {microbatches} microbatches" if microbatches > 1 else ""),
         *([f"pipeline   {mesh.shape['pipe']} stages, {config.pipeline_schedule}, bubble "
