@@ -20,9 +20,15 @@ from flax import nnx
 import shardlib
 from shardlib import Checkpointer, build, from_functions, from_linen, from_nnx, make_layout, make_mesh
 from tests import zoo
-from tests.helpers import optimizer  # AdamW, eps=1e-5: why parameters compare at rtol 1e-5 / atol 1e-6
+from tests.helpers import optimizer  # AdamW, lr 3e-3, eps=1e-5
 
 STEPS, ROWS = 5, 16
+# Parameters: Adam's step m / (sqrt(v) + eps) moves by up to lr * |dg| / eps when a gradient differs
+# by dg between two summation orders. Float32 rounding of O(0.1) gradient sums is |dg| ~ 1e-8 here
+# (attention's softmax sums over more terms than the MLPs of tests/helpers.py assumed), so
+# lr 3e-3, eps 1e-5 and 5 steps bound the drift by 5 * 3e-3 * 1e-8 / 1e-5 = 1.5e-5: atol 1.5e-5.
+# Losses are not amplified by Adam and compare at rtol 1e-5.
+PARAM_ATOL = 5 * 3e-3 * 1e-8 / 1e-5
 FSDP8, DATA2_FSDP4 = {"fsdp": 8}, {"data": 2, "fsdp": 4}
 FSDP4_TENSOR2, DATA4_TENSOR2, DATA8 = {"fsdp": 4, "tensor": 2}, {"data": 4, "tensor": 2}, {"data": 8}
 
@@ -47,7 +53,9 @@ def _nnx(make, loss):
 
 
 def _cnn(axis_name):
-    return _nnx(lambda rngs: zoo.NnxCNN(rngs=rngs, bn_axis_name=axis_name), zoo.cnn_loss)
+    """Synchronised BatchNorm over ``axis_name`` in shardlib; its one-device reference needs none."""
+    model, _ = _nnx(lambda rngs: zoo.NnxCNN(rngs=rngs, bn_axis_name=axis_name), zoo.cnn_loss)
+    return model, _nnx(lambda rngs: zoo.NnxCNN(rngs=rngs), zoo.cnn_loss)[1]
 
 
 # name -> (model, reference loss(params, model_state, batch) -> (loss, model_state), batch maker)
@@ -85,6 +93,7 @@ CASES = [
     ("nnx_mesh_annotated", "zero3", FSDP8),
     ("nnx_mesh_annotated", "fsdp_tp", FSDP4_TENSOR2),
     ("nnx_mesh_annotated", "tp", DATA4_TENSOR2),
+    ("nnx_mesh_annotated", "as_annotated", FSDP4_TENSOR2),
     ("nnx_cnn_sync_bn", "zero3", FSDP8),
     ("nnx_cnn_sync_bn", "dp", DATA8),
     pytest.param("nnx_cnn_sync_bn", "hsdp", DATA2_FSDP4, marks=_slow),
@@ -103,10 +112,19 @@ def _train(program, state, batches):
     return state, losses
 
 
+# A conv bias right before BatchNorm has a zero gradient (BN subtracts the mean), so its gradient
+# is rounding noise alone, which Adam scales up to steps of lr * noise / eps in either direction:
+# there is nothing to compare but that both sides stay at noise level.
+_BEFORE_BN = {"['conv1']['bias']", "['conv2']['bias']"}
+
+
 def _assert_close(got, want):
     for path, ref in jax.tree_util.tree_leaves_with_path(want):
         value = dict(jax.tree_util.tree_leaves_with_path(got))[path]
-        np.testing.assert_allclose(np.asarray(value), np.asarray(ref), rtol=1e-5, atol=1e-6,
+        if jax.tree_util.keystr(path) in _BEFORE_BN:
+            assert max(np.abs(np.asarray(value)).max(), np.abs(np.asarray(ref)).max()) < 1e-4
+            continue
+        np.testing.assert_allclose(np.asarray(value), np.asarray(ref), rtol=1e-5, atol=PARAM_ATOL,
                                    err_msg=jax.tree_util.keystr(path))
 
 

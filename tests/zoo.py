@@ -226,15 +226,18 @@ def plain_steps_with_state(loss_fn, params, model_state, tx, batches):
 
 def nnx_functional(make, loss_fn, seed: int = 0):
     """``(params, batch_stats, loss(params, batch_stats, batch) -> (loss, batch_stats))`` of an NNX
-    module, as pure dicts, written with nnx.split / nnx.merge: the module trained the NNX way."""
-    module = make(nnx.Rngs(seed))
+    module, as pure dicts, written with nnx.split / nnx.merge: the module trained the NNX way.
+    A module without BatchNorm has batch_stats None."""
+    with nnx.use_eager_sharding(False):  # annotated modules: values on one device, names as metadata
+        module = make(nnx.Rngs(seed))
     graphdef, params, stats, rest = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
 
     def loss(param_values, stat_values, batch):
         p, s = jax.tree.map(lambda x: x, params), jax.tree.map(lambda x: x, stats)
         nnx.replace_by_pure_dict(p, param_values)
-        nnx.replace_by_pure_dict(s, stat_values)
+        if stat_values is not None:
+            nnx.replace_by_pure_dict(s, stat_values)
         bound = nnx.merge(graphdef, p, s, rest)
-        return loss_fn(bound, batch), nnx.to_pure_dict(nnx.state(bound, nnx.BatchStat))
+        return loss_fn(bound, batch), stat_values and nnx.to_pure_dict(nnx.state(bound, nnx.BatchStat))
 
-    return nnx.to_pure_dict(params), nnx.to_pure_dict(stats), loss
+    return nnx.to_pure_dict(params), nnx.to_pure_dict(stats) if jax.tree.leaves(stats) else None, loss
