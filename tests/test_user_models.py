@@ -222,7 +222,7 @@ def test_resume_from_a_checkpoint_is_bitwise(cnn_dropout, tmp_path):
     straight, _ = _train(program, program.init(jax.random.key(0)), batches)
     first, _ = _train(program, program.init(jax.random.key(0)), batches[:3])
     with Checkpointer(tmp_path / "ckpt") as ckpt:
-        assert ckpt.save(3, first, force=True)
+        assert ckpt.save(3, first, data_state={}, config={}, force=True)
         ckpt.wait()
         fresh = build(model, optimizer(), layout)
         restored, _, _ = ckpt.restore(fresh.abstract_state())
@@ -236,7 +236,7 @@ def test_batchnorm_statistics_restore_onto_another_mesh(cnn_dropout, tmp_path):
     target = build(model, optimizer(), make_layout(model, "zero3", make_mesh({"data": 2, "fsdp": 2},
                                                                              devices=jax.devices()[:4])))
     with Checkpointer(tmp_path / "ckpt") as ckpt:
-        assert ckpt.save(2, state, force=True)
+        assert ckpt.save(2, state, data_state={}, config={}, force=True)
         ckpt.wait()
         restored, _, _ = ckpt.restore(target.abstract_state())
     jax.tree.map(np.testing.assert_array_equal, _host(restored.model_state), _host(state.model_state))
