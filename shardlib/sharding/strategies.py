@@ -36,6 +36,7 @@ from collections.abc import Mapping
 
 from shardlib.sharding.mesh import MESH_AXES
 from shardlib.sharding.rules import Rules
+from shardlib.registry import lookup
 
 # Megatron-style tensor parallelism: attention heads and the MLP hidden dimension are split, so
 # the in-projections are column-parallel and the out-projections row-parallel; the vocabulary of
@@ -162,9 +163,5 @@ def pipelined(strategy: Strategy) -> Strategy:
 
 
 def get_strategy(name: str | Strategy) -> Strategy:
-    if isinstance(name, Strategy):
-        return name
-    try:
-        return STRATEGIES[name]
-    except KeyError:
-        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}") from None
+    """The named preset, or the object itself; an unknown name lists the known ones."""
+    return lookup(STRATEGIES, name, Strategy, "strategy")

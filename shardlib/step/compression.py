@@ -49,6 +49,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardlib.registry import lookup
+
 Axes = Union[str, Sequence[str]]
 
 INT8_MAX = 127
@@ -78,15 +80,8 @@ METHODS: dict[str, Compression] = {
 
 
 def get_compression(method: str | Compression) -> Compression:
-    """The ``Compression`` for a name (or the object itself); a clear error for unknown names."""
-    if isinstance(method, Compression):
-        return method
-    if method not in METHODS:
-        raise ValueError(
-            f"unknown gradient compression {method!r}: choose one of {', '.join(METHODS)} "
-            "(shardlib.step.compression.METHODS)"
-        )
-    return METHODS[method]
+    """The named preset, or the object itself; an unknown name lists the known ones."""
+    return lookup(METHODS, method, Compression, "gradient compression")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from shardlib.model import Stages
 from shardlib.sharding.strategies import PIPE_AXIS
+from shardlib.registry import lookup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,12 +74,8 @@ SCHEDULES: dict[str, Schedule] = {
 
 
 def get_schedule(name: str | Schedule) -> Schedule:
-    if isinstance(name, Schedule):
-        return name
-    try:
-        return SCHEDULES[name]
-    except KeyError:
-        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}") from None
+    """The named preset, or the object itself; an unknown name lists the known ones."""
+    return lookup(SCHEDULES, name, Schedule, "pipeline schedule")
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:

@@ -19,6 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from shardlib.registry import lookup
+
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
@@ -48,12 +50,8 @@ POLICIES: dict[str, Precision] = {
 
 
 def get_precision(name: str | Precision) -> Precision:
-    if isinstance(name, Precision):
-        return name
-    try:
-        return POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown precision {name!r}; choose one of {', '.join(POLICIES)}") from None
+    """The named preset, or the object itself; an unknown name lists the known ones."""
+    return lookup(POLICIES, name, Precision, "precision")
 
 
 def cast_floating(tree: Any, dtype: Any) -> Any:
