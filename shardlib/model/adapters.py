@@ -71,8 +71,9 @@ class Model:
     ``pipeline`` (`Stages`) lets the step split the layer stack over the ``pipe`` mesh axis.
 
     ``takes_call``: ``loss(params, batch, specs, call)`` receives a `Call` and returns
-    ``(loss, aux, new model state)``; the adapters' losses still answer the three-argument call
-    with ``(loss, aux)`` for models that need no key and no state. ``uses_key``: the step
+    ``(loss, aux, new model state)``; the adapters set it only where the call matters (a key,
+    state, or linen's train flag), so a model without them keeps the three-argument loss that
+    code wrapping ``Model.loss`` with ``dataclasses.replace`` expects. ``uses_key``: the step
     derives a key per step and device (`Call.key`). ``init_state(key)``: the mutable model state
     (kept replicated in the train state, averaged over data-parallel devices after each step).
     """
@@ -197,7 +198,8 @@ def from_nnx(
     uses_key = bool(jax.tree.leaves(parts.rngs))
     return Model(init=init, loss=_with_call(run, uses_key or stateful), logical_axes=logical,
                  gathers_params=gathers_params, apply=lambda params, inputs: parts.bind(params)(inputs),
-                 pipeline=stages, takes_call=True, uses_key=uses_key, init_state=init_state if stateful else None)
+                 pipeline=stages, takes_call=uses_key or stateful, uses_key=uses_key,
+                 init_state=init_state if stateful else None)
 
 
 @dataclasses.dataclass(frozen=True)
