@@ -139,7 +139,7 @@ def test_loop_records_each_step_once_one_step_behind_and_validates_at_once():
             seen.append(("stop", k, state.params))
 
     clock = StepClock()
-    validation = Evaluate(lambda params: float(params), Every(3, last=6), clock)
+    validation = Evaluate(lambda state: float(state.params), Every(3, last=6), clock)
     record = Recorder([validation, note], clock, tokens_per_step=1, at_once=validation.due)
     final = run_steps(SimpleNamespace(params=0), 0, 6, step, lambda i: i, record=record,
                       after_step=[lambda k, state, metrics: saved.append((k, state.params))], preemption=Stop())

@@ -62,7 +62,7 @@ class Evaluate:
 
     def __call__(self, step: int, state: Any, record: dict[str, Any]) -> None:
         if self.due(step):
-            record["val_loss"] = self.evaluate(state.params)
+            record["val_loss"] = self.evaluate(state)
             self.clock.restart()  # validation time is not charged to the next step
 
     def close(self) -> None:

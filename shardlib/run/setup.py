@@ -56,7 +56,8 @@ class Prepared:
         return to_global(self.loader.batch(index), self.abstract_batch["inputs"].sharding, rows=self.loader.rows)
 
     def evaluator(self):
-        """``evaluate(params) -> float``: the mean validation loss over this run's windows."""
+        """``evaluate(state) -> float``: the mean validation loss over this run's windows (the model in
+        eval mode, with the state's running statistics when it keeps any)."""
         import jax
         import numpy as np
 
@@ -65,8 +66,8 @@ class Prepared:
         sharding = self.abstract_batch["inputs"].sharding
         val_global = [to_global(b, sharding, rows=self.loader.rows) for b in self.val_local]
 
-        def evaluate(params) -> float:
-            losses = [self.program.evaluate(params, b)["loss"] for b in val_global]
+        def evaluate(state) -> float:
+            losses = [self.program.evaluate(state.params, b, state.model_state)["loss"] for b in val_global]
             return float(np.mean(jax.device_get(losses)))
 
         return evaluate

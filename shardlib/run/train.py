@@ -153,7 +153,7 @@ def train(config: TrainConfig) -> TrainResult:
         wall_start = time.perf_counter()
         state, tally, stop = _loop(run, state, (start, resume_step), ckpt, log, evaluate, poisoned_fn)
         if not tally.step_times:  # resumed at or past --steps: nothing to train, still report where it stands
-            tally.last_val = evaluate(state.params)
+            tally.last_val = evaluate(state)
         preempted = stop is not None and stop.stopped_at is not None
         if preempted and run.is_main:
             print(stop.stop_line(), flush=True)
