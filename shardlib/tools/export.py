@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import struct
 import zipfile
@@ -254,14 +255,36 @@ def _to_host(array: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
+class _DropReadOnlyNotice(logging.Filter):
+    """Orbax warns "Given directory is read only" whenever a read-only manager opens; export means it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Given directory is read only")
+
+
+def _open_checkpoints(path: str | os.PathLike[str]) -> Checkpointer:
+    """The checkpoints of ``path``, read-only: a checkpoint directory, or a run folder holding ``checkpoints/``."""
+    directory = Path(path).expanduser()
+    if (directory / "checkpoints").is_dir():  # `shardlib train --out RUN` saves to RUN/checkpoints
+        directory = directory / "checkpoints"
+    absl_logger, notice = logging.getLogger("absl"), _DropReadOnlyNotice()
+    absl_logger.addFilter(notice)
+    try:
+        return Checkpointer(directory, create=False)
+    finally:
+        absl_logger.removeFilter(notice)
+
+
 def export_params(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, step: int | None = None) -> ExportSummary:
     """Write the parameters of checkpoint ``step`` (default: latest complete) to ``out``.
+
+    ``ckpt_dir``: a checkpoint directory, or the run folder of `shardlib train` holding one.
 
     Call on every process of a multi-process job (the gathers are collective); process 0 writes.
     """
     out_path = Path(out).expanduser().resolve()
     _check_suffix(out_path)
-    ckpt = Checkpointer(ckpt_dir, create=False)
+    ckpt = _open_checkpoints(ckpt_dir)
     try:
         step = ckpt.resolve_step(step)
         config = ckpt.saved_config(step)
@@ -303,7 +326,8 @@ def export_params(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str],
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ckpt", required=True, help="checkpoint directory written by `shardlib train`")
+    parser.add_argument("--ckpt", required=True, help="run folder of `shardlib train` (its --out) or the checkpoints "
+                                                    "directory inside it")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest complete one)")
     parser.add_argument("--out", required=True, help="output file: FILE.npz or FILE.safetensors")
 
