@@ -8,7 +8,6 @@ line and no traceback.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -44,9 +43,8 @@ def _run(tmp_path: Path, *flags: str) -> tuple[int, Path]:
 # are covered from the CLI without another compile.
 EXTRA = {"zero2": ["--precision", "bf16"], "zero1": ["--precision", "fp16"],
          "dp": ["--grad-accum", "2", "--grad-compression", "int8"]}
-HAVE_CHECKPOINTS = importlib.util.find_spec("shardlib.runtime.checkpoint") is not None
 # zero3, the default, is driven through the CLI by the resume test and through `train` below.
-CLI_STRATEGIES = sorted(set(STRATEGIES) - ({"zero3"} if HAVE_CHECKPOINTS else set()))
+CLI_STRATEGIES = sorted(set(STRATEGIES) - {"zero3"})
 
 
 @pytest.mark.parametrize("strategy", CLI_STRATEGIES)
@@ -147,7 +145,6 @@ def test_loop_records_each_step_once_one_step_behind_and_validates_at_once():
     assert seen == [(1, 2, None), (2, 3, None), (3, 3, 3.0), (4, 5, None), (5, 5, None), ("stop", 5, 5)]
 
 
-@pytest.mark.skipif(not HAVE_CHECKPOINTS, reason="shardlib/checkpoint.py not present")
 def test_resume_continues_exactly(tmp_path):
     flags = ["--strategy", "zero3", "--steps", "4", "--eval-every", "0", "--sample-tokens", "0", "--seed", "3"]
     code, out = _run(tmp_path, *flags, "--ckpt-every", "2")
@@ -190,12 +187,6 @@ def test_bad_flags_give_one_line(flags, named, tmp_path, capsys):
     assert len(err) == 1, err
     assert err[0].startswith("shardlib train: error: ") and named in err[0], err[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
-
-
-@pytest.mark.skipif(HAVE_CHECKPOINTS, reason="checkpointing is available")
-def test_checkpoint_flags_without_checkpoint_module(tmp_path, capsys):
-    assert main(["train", *TINY, "--steps", "2", "--ckpt-every", "1", "--out", str(tmp_path)]) == 2
-    assert "--ckpt-every" in capsys.readouterr().err
 
 
 def _subprocess_env() -> dict[str, str]:

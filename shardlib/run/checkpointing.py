@@ -29,12 +29,8 @@ def open_checkpointer(config: TrainConfig, out_dir: Path):
     """
     if config.ckpt_every == 0 and config.resume_from is None:
         return None, False
-    try:
-        from shardlib.runtime import checkpoint
-    except ImportError:
-        field = "ckpt_every" if config.ckpt_every else "resume_from"
-        raise TrainConfigError(field, "checkpointing is not available in this install (shardlib/checkpoint.py "
-                                      "is missing); drop the flag") from None
+    from shardlib.runtime import checkpoint
+
     if config.resume_from is None:
         directory = out_dir.absolute() / "checkpoints"
     else:
