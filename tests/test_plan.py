@@ -159,6 +159,7 @@ def test_hsdp_data_axis_traffic_crosses_nodes_of_four():
     (["--model", "tiny", "--devices", "8", "--mesh", "data=2,fsdp=2"], ["needs 4 devices", "8 are available"]),
     (["--model", "tiny", "--devices", "8", "--strategy", "zero4"], ["unknown strategy 'zero4'", "--strategy"]),
     (["--model", "tiny", "--devices", "8", "--hbm", "lots"], ["cannot read 'lots'", "--hbm"]),
+    (["--model", "tiny", "--devices", "8", "--hbm", "80"], ["'80' has no unit", "--hbm 80GB"]),  # not 80 bytes
 ])
 def test_plan_errors_are_one_line_naming_the_flag(capsys, argv, words):
     code, out, err = run_cli(capsys, "plan", *argv)

@@ -171,18 +171,24 @@ def profile_for_device(device: Any) -> HardwareProfile | None:
     return next((HARDWARE[name] for pattern, name in _DEVICE_KINDS if pattern in kind), None)
 
 
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def parse_bytes(text: str | int | float) -> int:
-    """``"80GB"`` -> 80e9, ``"16GiB"`` -> 16 * 2**30, ``12345`` -> 12345 (for ``--hbm``)."""
+    """``"80GB"`` -> 80e9, ``"16GiB"`` -> 16 * 2**30, ``12345`` -> 12345 (for ``--hbm``).
+
+    A string needs its unit: a bare ``"80"`` is refused, since it almost always means 80 GB.
+    """
     if isinstance(text, (int, float)):
         return int(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*", text.lower())
     if not m:
         raise HardwareError(f"cannot read {text!r} as a size (--hbm); write e.g. 80GB, 16GiB or 1.5TB")
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+    if m.group(2) is None:
+        raise HardwareError(f"size {text!r} has no unit (--hbm); write e.g. --hbm {m.group(1)}GB or "
+                            f"--hbm {m.group(1)}GiB (or {m.group(1)}B for bytes)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -626,10 +626,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add a pipe=S axis to every candidate's default mesh (or give pipe in --mesh)")
     parser.add_argument("--microbatches", type=int, metavar="M", help="pipeline microbatches (default 2 x stages)")
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
-    parser.add_argument("--hbm", help="memory per device, e.g. 80GB or 16GiB (default: the hardware's)")
+    parser.add_argument("--hbm", type=_hbm_flag, help="memory per device with its unit, e.g. 80GB or 16GiB "
+                                                      "(default: the hardware's)")
     parser.add_argument("--hardware", default="h100", help=f"profile for the time estimate: {', '.join(hw.HARDWARE)}")
     parser.add_argument("--no-remat", action="store_true", help="plan without rematerialisation")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+
+
+def _hbm_flag(text: str) -> int:
+    """``--hbm`` in bytes, read before JAX starts; a size without a unit is a usage error."""
+    try:
+        return hw.parse_bytes(text)
+    except hw.HardwareError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def setup_devices(n: int) -> None:
