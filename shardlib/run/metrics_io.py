@@ -2,6 +2,8 @@
 
 Kept apart from the loop so the loop only says *what* happened at a step. Only process 0
 writes (metrics are global already, so the other processes would write the same numbers).
+TensorBoard and matplotlib are optional (the ``shardlib[cli]`` extra): without them the run says
+so in one line and ``metrics.jsonl`` still holds every number.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -64,9 +68,7 @@ class MetricsLog:
             self.path.unlink()  # a fresh run in an old directory must not mix two runs' steps
         self._file = open(self.path, "a", encoding="utf-8")
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._writer = SummaryWriter(logdir=str(self.out_dir), flush_secs=10)
+            self._writer = _event_writer(self.out_dir)
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Log one step's record (must contain ``step``)."""
@@ -98,6 +100,53 @@ class MetricsLog:
             self._writer = None
 
 
+def _note(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr, flush=True)
+
+
+def _event_writer(out_dir: Path) -> Any | None:
+    """TensorBoard's event writer from whichever package is installed: tensorboardX, else
+    tensorboard's own (GPU and TPU images often ship tensorboard alone), else None and a note."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        pass
+    else:
+        return SummaryWriter(logdir=str(out_dir), flush_secs=10)
+    try:
+        return _TensorBoardEvents(out_dir)
+    except ImportError:
+        _note("TensorBoard events are off: neither tensorboardX nor tensorboard is installed "
+              "(pip install 'shardlib[cli]'); metrics.jsonl has every number")
+        return None
+
+
+class _TensorBoardEvents:
+    """tensorboardX's ``add_scalar``/``add_text``/``close`` on tensorboard's own event file writer
+    and summary protos, which need neither TensorFlow nor PyTorch."""
+
+    def __init__(self, out_dir: Path) -> None:
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.plugins.scalar.summary_v2 import scalar_pb
+        from tensorboard.plugins.text.summary_v2 import text_pb
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event, self._scalar_pb, self._text_pb = event_pb2.Event, scalar_pb, text_pb
+        self._file = EventFileWriter(str(out_dir), flush_secs=10)
+
+    def _add(self, summary: Any, step: int) -> None:
+        self._file.add_event(self._event(wall_time=time.time(), step=step, summary=summary))
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self._add(self._scalar_pb(tag, value), step)
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        self._add(self._text_pb(tag, text), step)
+
+    def close(self) -> None:
+        self._file.close()
+
+
 def _tb_tag(key: str) -> str:
     """Group the curves in TensorBoard: losses together, throughput together."""
     if key.endswith("loss"):
@@ -107,12 +156,17 @@ def _tb_tag(key: str) -> str:
     return f"train/{key}"
 
 
-def plot_loss_curve(records: list[Mapping[str, Any]], path: str | os.PathLike[str], title: str = "") -> Path:
-    """Train (and validation, where present) loss against step, saved as a PNG."""
+def plot_loss_curve(records: list[Mapping[str, Any]], path: str | os.PathLike[str], title: str = "") -> Path | None:
+    """Train (and validation, where present) loss against step, saved as a PNG; None (and a note)
+    without matplotlib, which only this plot needs."""
     # The object API with an explicit Agg canvas: renders without a display and leaves pyplot's
     # global backend alone (a notebook's inline plots keep working).
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        _note(f"no loss curve ({path}): matplotlib is not installed (pip install 'shardlib[cli]')")
+        return None
 
     fig = Figure(figsize=(7, 4), dpi=100)
     FigureCanvasAgg(fig)

@@ -466,9 +466,9 @@ class Checkpointer:
 
 def _preemption_sync_available() -> bool:
     """True when jax.distributed runs a preemption sync manager (which owns SIGTERM)."""
-    from jax._src import distributed
+    from shardlib.compat import distributed_state
 
-    state = distributed.global_state
+    state = distributed_state()
     return state.client is not None and getattr(state, "preemption_sync_manager", None) is not None
 
 

@@ -36,9 +36,9 @@ def simulate_cpu_devices(n: int) -> int:
         raise ValueError(f"simulate_cpu_devices needs a positive device count, got {n}")
     raise_cpu_collective_timeout()
     import jax
-    from jax._src import xla_bridge
+    from shardlib.compat import backends_initialized
 
-    if not xla_bridge.backends_are_initialized():
+    if not backends_initialized():
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", n)
     have = len(jax.devices("cpu"))

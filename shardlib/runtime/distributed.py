@@ -262,9 +262,9 @@ def plan(
 
 def backend_started() -> bool:
     """True once anything in this process started a JAX backend (jax.devices(), an array, jit...)."""
-    from jax._src import xla_bridge
+    from shardlib.compat import backends_initialized
 
-    return xla_bridge.backends_are_initialized()
+    return backends_initialized()
 
 
 def _timeout(env: Mapping[str, str], name: str, default: int) -> int:

@@ -647,11 +647,10 @@ def setup_devices(n: int) -> None:
     A started backend with more devices than the plan needs is fine (the plan takes the first n),
     which is why this does not call `simulate_cpu_devices` then: that asks for exactly n.
     """
-    from jax._src import xla_bridge
-
+    from shardlib.compat import backends_initialized
     from shardlib.runtime.devices import simulate_cpu_devices
 
-    if not xla_bridge.backends_are_initialized():
+    if not backends_initialized():
         simulate_cpu_devices(max(n, 1))
 
 

@@ -1,0 +1,49 @@
+"""The one place shardlib reaches into JAX past its public API, so a JAX release that moves
+something breaks here, with an error that names it, and not deep inside a training run.
+
+Which JAX versions were checked (the range pyproject.toml allows, jax>=0.10.2,<0.13): the
+sources of jax 0.10.2, 0.11.2 and 0.12.0.1. In all three, every public name shardlib uses is
+present with the same signature: ``jax.shard_map(f, mesh=, in_specs=, out_specs=,
+axis_names=)``, ``jax.sharding.AxisType`` (Auto/Explicit/Manual), ``jax.lax.pcast(x, axes,
+to="varying")``, ``jax.typeof(x).mat.varying`` (also ``.manual_axis_type``), the
+``jax_num_cpu_devices`` / ``jax_platforms`` options. So none of them needs a shim, and none is
+written: ``jax.experimental.shard_map`` and ``jax.lax.pvary`` (removed in jax 0.10.0 in favour
+of ``pcast``) are not used, nor are memory kinds. jax 0.11 removed names from ``jax.core`` and
+``jax.interpreters`` (moved to ``jax.extend``); shardlib uses neither module.
+
+What remains are JAX's private modules below: present and unchanged in 0.10.2 to 0.12.0.1,
+but with no promise, so each is looked up here alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+__all__ = ["backends_initialized", "distributed_state"]
+
+
+def _private(module: str, name: str) -> Any:
+    """``jax._src.<module>.<name>``, or an error naming it and the tested JAX range."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(f"jax._src.{module}"), name)
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(
+            f"shardlib needs jax._src.{module}.{name}, which jax {jax.__version__} does not have; "
+            "shardlib is tested with jax>=0.10.2,<0.13 (docs/install.md): install a jax in that range"
+        ) from e
+
+
+def backends_initialized() -> bool:
+    """True once a JAX backend started in this process; after that the CPU device count and the
+    platform can no longer change. JAX has no public call for this (private in 0.10.2-0.12.0.1)."""
+    return bool(_private("xla_bridge", "backends_are_initialized")())
+
+
+def distributed_state() -> Any:
+    """``jax.distributed``'s process state (its client and preemption sync manager), which JAX
+    does not expose publicly (private ``global_state`` in 0.10.2-0.12.0.1)."""
+    return _private("distributed", "global_state")
