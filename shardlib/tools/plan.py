@@ -277,8 +277,9 @@ class Planner:
         layout = make_layout(self.model, strategy, mesh)
         self._layouts[(strategy, json.dumps(dict(sizes), sort_keys=True))] = layout
         pipelined = layout.pipeline_stages > 1
-        program = build(self.model, optax.adamw(1e-4), layout, microbatches=self.microbatches if pipelined else None,
-                        schedule=self.schedule)
+        # The precision reaches the step as `shardlib train` passes it: weights cast where the step casts them.
+        program = build(self.model, optax.adamw(1e-4), layout, precision=self.precision,
+                        microbatches=self.microbatches if pipelined else None, schedule=self.schedule)
         shape = ((batch_size, self.seq_len), jnp.int32)
         batch = program.abstract_batch({"inputs": shape, "targets": shape})
         lowered = program.step.lower(program.abstract_state(), batch)  # checks the batch divides
