@@ -184,12 +184,12 @@ def test_batch_size_and_window_errors(corpus: bytes) -> None:
     train, _ = D.split_train_val(corpus)
     msg = (
         "batch size 30 is not divisible by the 8 data-parallel devices (mesh axes data×fsdp); "
-        "use a multiple of 8 such as 32"
+        "use a multiple of 8: 24 or 32"
     )
     with pytest.raises(ValueError) as e:
         D.ByteBatches(train, 30, 16, process_index=0, process_count=1, data_parallel_size=8)
     assert str(e.value) == msg
-    with pytest.raises(ValueError, match="not divisible by the 4 processes.*such as 12"):
+    with pytest.raises(ValueError, match="not divisible by the 4 processes.*multiple of 4: 8 or 12"):
         D.ByteBatches(train, 10, 16, process_index=0, process_count=4)
     with pytest.raises(ValueError, match="not divisible by the 4 processes"):
         D.val_batches(train, 10, 16, process_index=0, process_count=4)

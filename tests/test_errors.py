@@ -29,7 +29,7 @@ def test_batch_not_divisible_by_the_data_axes():
                            logical_axes={"w": ("embed", "mlp")})
     program = build(model, optax.sgd(0.1), make_layout(model, "dp", make_mesh({"data": 8})))
     state = program.init(jax.random.key(0))
-    with pytest.raises(ValueError, match="batch 'x' has 12 rows, which the 8 data-parallel devices .* use a multiple of 8 such as 8"):
+    with pytest.raises(ValueError, match="batch 'x' has 12 rows, which the 8 data-parallel devices .* use a multiple of 8: 8 or 16"):
         program.step(state, {"x": np.ones((12, 4), np.float32)})
 
 

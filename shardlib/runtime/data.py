@@ -90,8 +90,8 @@ def _files_for_glob(pattern: str) -> list[Path]:
     files = sorted(Path(m) for m in glob.glob(pattern, recursive=True) if os.path.isfile(m))
     if not files:
         raise ValueError(
-            f"load_text: glob {pattern!r} matches no files; check the pattern (use '**' to recurse) "
-            "or pass None for the built-in corpus"
+            f"load_text: glob {pattern!r} matches no files; check the pattern (use '**' to recurse), "
+            "or leave --data out for the built-in corpus"
         )
     return files
 
@@ -106,8 +106,8 @@ def resolve_text_files(path: str) -> list[Path]:
     if _GLOB_CHARS & set(path):
         return _files_for_glob(os.path.expanduser(path))
     raise ValueError(
-        f"load_text: path {path!r} does not exist; pass a text file, a folder of .txt files, a glob, "
-        "or None for the built-in corpus"
+        f"load_text: path {path!r} does not exist; give --data PATH a text file, a folder of .txt files or a "
+        "glob, or leave --data out for the built-in corpus (load_text(None) from Python)"
     )
 
 
@@ -153,8 +153,10 @@ def split_train_val(data: bytes | np.ndarray, val_fraction: float = 0.05) -> tup
 # --------------------------------------------------------------------------------------------
 
 
-def _next_multiple(n: int, k: int) -> int:
-    return -(-n // k) * k
+def nearest_multiples(n: int, k: int) -> str:
+    """The multiples of ``k`` either side of ``n`` ("8 or 16" for 12 and 8), for refusal messages."""
+    below, above = n // k * k, -(-n // k) * k
+    return f"{below} or {above}" if 0 < below < above else str(max(above, k))
 
 
 def check_batch_size(
@@ -169,14 +171,14 @@ def check_batch_size(
     if data_parallel_size is not None and global_batch_size % data_parallel_size:
         raise ValueError(
             f"batch size {global_batch_size} is not divisible by the {data_parallel_size} data-parallel devices "
-            f"(mesh axes {'×'.join(data_parallel_axes)}); use a multiple of {data_parallel_size} such as "
-            f"{_next_multiple(global_batch_size, data_parallel_size)}"
+            f"(mesh axes {'×'.join(data_parallel_axes)}); use a multiple of {data_parallel_size}: "
+            f"{nearest_multiples(global_batch_size, data_parallel_size)}"
         )
     if global_batch_size % process_count:
         raise ValueError(
             f"batch size {global_batch_size} is not divisible by the {process_count} processes (each loads an "
-            f"equal block of rows); use a multiple of {process_count} such as "
-            f"{_next_multiple(global_batch_size, process_count)}"
+            f"equal block of rows); use a multiple of {process_count}: "
+            f"{nearest_multiples(global_batch_size, process_count)}"
         )
 
 

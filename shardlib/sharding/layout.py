@@ -112,10 +112,10 @@ class Layout:
                 what = f"the {self.batch_size_multiple} data-parallel devices (mesh axes {axes})"
                 if microbatches > 1:
                     what += f" times {microbatches} microbatches"
-                raise ValueError(
-                    f"batch {name!r} has {size} rows, which {what} cannot split evenly; "
-                    f"use a multiple of {n} such as {max(n, size // n * n)}"
-                )
+                from shardlib.runtime.data import nearest_multiples
+
+                raise ValueError(f"batch {name!r} has {size} rows, which {what} cannot split evenly; "
+                                 f"use a multiple of {n}: {nearest_multiples(size, n)}")
 
     def replicated(self) -> list[rules_lib.LeafLayout]:
         """Tensors the strategy shards that stayed whole on every device (each with its notes)."""
