@@ -59,7 +59,9 @@ class Plain:
 class Accumulated(Plain):
     """This device's rows as ``microbatches`` slices in one scan. With ``reduce_each`` (ZeRO-2/3's
     ``shard_grad_buffer``) every microbatch is reduce-scattered into a buffer 1/N the size of the
-    gradients, trading K reductions for memory; otherwise full gradients add up, reduced once."""
+    gradients (`Reducer.scatter`, trading K reduce-scatters for memory) and the sum over the axes
+    left (hsdp's ``data``: the slow link) runs once, on that buffer (`Reducer.finish`); otherwise
+    full gradients add up, reduced once."""
 
     microbatches: int
     reduce_each: bool
@@ -68,7 +70,7 @@ class Accumulated(Plain):
         """One microbatch: ((loss, aux, grads), residuals, model state after it)."""
         (loss, aux), grads, state = _scaled_value_and_grad(self.call, params, rows, ctx)
         if self.reduce_each:
-            grads, residuals = self.reducer(grads, residuals)
+            grads, residuals = self.reducer.scatter(grads, residuals)
         return (loss, aux, grads), residuals, state
 
     def value_and_grad(self, params: Any, batch: Any, ctx: StepContext, residuals: Any):
@@ -87,8 +89,8 @@ class Accumulated(Plain):
         rest = (jnp.arange(1, k), jax.tree.map(lambda x: x[1:], micro))
         (total, residuals, state), _ = jax.lax.scan(add, first, rest)
         loss, aux, grads = jax.tree.map(lambda x: x / k, total)
-        if not self.reduce_each:
-            grads, residuals = self.reducer(grads, residuals)
+        finish = self.reducer.finish if self.reduce_each else self.reducer
+        grads, residuals = finish(grads, residuals)
         return (loss, aux), grads, residuals, state
 
 

@@ -124,8 +124,9 @@ def _mapped_grads(layout: Layout, provider: grads_lib.Provider, reducer: reduce_
         loss, aux = jax.lax.psum(loss, reducer.axes), jax.lax.psum(aux, reducer.axes)
         return loss, aux, grads, residuals, average_state(model_state, reducer.axes)
 
+    residual_specs = reducer.residual_specs(manual_axes)
+
     def grads_fn(params, batch, ctx, residuals):
-        residual_specs = reducer.residual_specs(params)
         return jax.shard_map(
             body, mesh=layout.mesh,
             in_specs=(mapped_params, reduce_lib.batch_specs(layout, batch), P(), residual_specs),

@@ -40,25 +40,43 @@ def vary(params: Any, specs: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(one, params, specs)
 
 
-def _reduce_grad(grad: jax.Array, param_spec: P, state_spec: P, batch_axes: tuple[str, ...],
-                 method: compression_lib.Compression, residual: jax.Array | None):
-    """Reduce one local gradient into its state layout over the batch axes -> (grad, residual).
+def _listed(paths: list[str], shown: int = 3) -> str:
+    more = len(paths) - shown
+    return ", ".join(paths[:shown]) + (f" and {more} more" if more > 0 else "")
 
-    A tensor reduced twice carries its residual through the first reduction only.
+
+def _scatter_dims(param_spec: P, state_spec: P) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    """The dims only the optimizer state shards (ZeRO-1/2): each is reduce-scattered here."""
+    return tuple((dim, rules_lib.as_axes(s_axes)) for dim, (p_axes, s_axes) in enumerate(zip(param_spec, state_spec))
+                 if s_axes and not p_axes)
+
+
+def _rest_axes(param_spec: P, state_spec: P, batch_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The batch axes neither layout shards: the gradient is summed over them (dp, hsdp's ``data``)."""
+    return tuple(a for a in batch_axes if a not in spec_axes(param_spec) | spec_axes(state_spec))
+
+
+def _scatter_grad(grad: jax.Array, dims, method: compression_lib.Compression, residual: jax.Array | None):
+    """Reduce-scatter every dim in ``dims``, one after the other -> (grad, residual).
+
+    A residual belongs to one reduction: it rides the first, the later ones use `_second_pass`.
     """
-    for dim, (p_axes, s_axes) in enumerate(zip(param_spec, state_spec)):
-        if s_axes and not p_axes:
-            grad, residual = compression_lib.compressed_psum_scatter(
-                grad, rules_lib.as_axes(s_axes), dim, method, residual)
-            method, residual_out, residual = _second_pass(method), residual, None
-            break
-    else:
-        residual_out = None
-    rest = tuple(a for a in batch_axes if a not in spec_axes(param_spec) | spec_axes(state_spec))
-    if rest:
-        grad, new = compression_lib.compressed_psum(grad, rest, method, residual)
-        residual_out = new if residual_out is None else residual_out
-    return grad, residual_out if residual_out is not None else residual
+    for i, (dim, axes) in enumerate(dims):
+        grad, new = compression_lib.compressed_psum_scatter(
+            grad, axes, dim, method if i == 0 else _second_pass(method), residual if i == 0 else None)
+        residual = new if i == 0 else residual
+    return grad, residual
+
+
+def _sum_grad(grad: jax.Array, rest: tuple[str, ...], scattered: bool, method: compression_lib.Compression,
+              residual: jax.Array | None):
+    """Sum over the ``rest`` axes -> (grad, residual); after a scatter without the residual."""
+    if not rest:
+        return grad, residual
+    if scattered:
+        return compression_lib.compressed_psum(grad, rest, _second_pass(method))[0], residual
+    grad, new = compression_lib.compressed_psum(grad, rest, method, residual)
+    return grad, (residual if new is None else new)
 
 
 def _second_pass(method: compression_lib.Compression) -> compression_lib.Compression:
@@ -66,48 +84,102 @@ def _second_pass(method: compression_lib.Compression) -> compression_lib.Compres
     return compression_lib.get_compression("bf16") if method.needs_residual else method
 
 
+def _autodiff_only(layout: Layout, axes: tuple[str, ...]) -> list[str]:
+    """Parameters stored over the batch axes whose whole reduction is autodiff's reduce-scatter
+    (no batch axis left for the Reducer to sum over): compression would touch none of it."""
+    leaves = jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout)
+    manual = zip(leaves, jax.tree.leaves(layout.manual(layout.params)), jax.tree.leaves(layout.manual(layout.state)))
+    return [leaf.path for leaf, p_spec, s_spec in manual
+            if spec_axes(p_spec) & set(axes) and not _rest_axes(p_spec, s_spec, axes)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Reducer:
     """Local gradients -> gradients in the optimizer-state layout, with error-feedback residuals
-    (one per device of ``axes``, leading axis) when the compression method keeps them."""
+    when the compression method keeps them.
+
+    Two phases, so that an accumulated step can run the first per microbatch and the second once:
+    `scatter` (the dims only the state shards: shrinks the gradient to its state shard) and
+    `finish` (the sum over the batch axes neither layout shards, e.g. hsdp's ``data``).
+    """
 
     param_specs: Any  # storage specs over the manual batch axes
     state_specs: Any  # optimizer-state specs over the manual batch axes
     axes: tuple[str, ...]  # the batch axes to reduce over (size > 1)
     method: compression_lib.Compression
+    storage_specs: Any = None  # full storage specs (tensor axes too): where the residuals live
 
     @classmethod
     def for_layout(cls, layout: Layout, method: compression_lib.Compression, exclude: tuple[str, ...] = ()) -> Reducer:
-        """Over the layout's batch axes but ``exclude``; refuses to compress an autodiff reduce-scatter."""
-        if method.name != "none" and sharded_paths(layout):
+        """Over the layout's batch axes but ``exclude``; refuses compression where a parameter's
+        whole reduction is the autodiff reduce-scatter (hsdp's data-axis sum is compressible)."""
+        axes = active_axes(layout, exclude)
+        untouched = _autodiff_only(layout, axes) if method.name != "none" else []
+        if untouched:
             raise ValueError(
-                f"grad_compression={method.name!r} cannot compress {layout.strategy.name}'s gradient reduce-scatter: "
-                "it is the transpose of the weight all-gather, derived by autodiff; use precision='bf16', which "
-                "gathers and reduce-scatters in bfloat16, or a strategy that keeps parameters unsharded (dp, zero1, zero2)"
+                f"grad_compression={method.name!r} cannot compress {layout.strategy.name}'s gradient reduce-scatter of "
+                f"{_listed(untouched)}: it is the transpose of the weight all-gather, derived by autodiff, "
+                "and no other batch axis is left to compress; use precision='bf16', which gathers and reduce-scatters "
+                "in bfloat16, hsdp with data > 1 (its data-axis all-reduce is compressed), or a strategy that keeps "
+                "parameters unsharded (dp, zero1, zero2)"
             )
-        return cls(layout.manual(layout.params), layout.manual(layout.state), active_axes(layout, exclude), method)
+        storage = jax.tree.map(lambda l: l.spec, layout.params, is_leaf=rules_lib.is_layout)
+        return cls(layout.manual(layout.params), layout.manual(layout.state), axes, method, storage)
 
-    def __call__(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
+    def _map(self, fn, grads: Any, residuals: Any) -> tuple[Any, Any]:
+        """``fn(grad, param_spec, state_spec, residual) -> (grad, residual)`` over every tensor."""
         flat, treedef = jax.tree.flatten(grads)
         rows = zip(flat, treedef.flatten_up_to(self.param_specs), treedef.flatten_up_to(self.state_specs),
                    treedef.flatten_up_to(residuals) if residuals is not None else [None] * len(flat))
-        out = [_reduce_grad(g, ps, ss, self.axes, self.method, r) for g, ps, ss, r in rows]
+        out = [fn(g, ps, ss, r) for g, ps, ss, r in rows]
         residuals = treedef.unflatten([r for _, r in out]) if self.method.needs_residual else None
         return treedef.unflatten([g for g, _ in out]), residuals
 
-    # ---- error-feedback residuals: one per device, stacked along a leading axis over ``axes``.
+    def scatter(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
+        """Reduce-scatter every dim only the state shards: gradients become their state shards."""
+        return self._map(lambda g, ps, ss, r: _scatter_grad(g, _scatter_dims(ps, ss), self.method, r), grads, residuals)
 
-    def residual_specs(self, params: Any) -> Any:
-        """The residuals' specs (None without residuals): the leading axis split over ``axes``."""
+    def finish(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
+        """Sum `scatter`'s output over the batch axes neither layout shards."""
+        def one(g, ps, ss, r):
+            return _sum_grad(g, _rest_axes(ps, ss, self.axes), bool(_scatter_dims(ps, ss)), self.method, r)
+
+        return self._map(one, grads, residuals)
+
+    def __call__(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
+        return self.finish(*self.scatter(grads, residuals))
+
+    # ---- error-feedback residuals: one per device that computes a distinct local gradient.
+
+    def _lead_axes(self, param_spec: P) -> tuple[str, ...]:
+        """The batch axes a parameter is not stored over: its local gradients differ along them."""
+        return tuple(a for a in self.axes if a not in spec_axes(param_spec))
+
+    def residual_specs(self, manual_axes: tuple[str, ...] | None = None) -> Any:
+        """The residuals' specs (None without residuals): a leading axis over `_lead_axes`, then the
+        parameter's storage spec, so a residual is sharded like the local gradient it corrects
+        (over ``tensor`` and a ZeRO-3 shard as the parameter is). ``manual_axes``: restricted to
+        them, for the ``shard_map``."""
         if not self.method.needs_residual:
             return None
-        return jax.tree.map(lambda _: P(self.axes or None), params)
+
+        def one(param_spec, storage):
+            lead = self._lead_axes(param_spec)
+            spec = P(None if not lead else lead[0] if len(lead) == 1 else lead, *storage)
+            return spec if manual_axes is None else restrict(spec, manual_axes)
+
+        return jax.tree.map(one, self.param_specs, self.storage_specs)
 
     def zero_residuals(self, params: Any, mesh: jax.sharding.Mesh) -> Any:
         if not self.method.needs_residual:
             return None
-        n = math.prod(mesh.shape[a] for a in self.axes)
-        return jax.tree.map(lambda p: jnp.zeros((n, *p.shape), jnp.float32), params)
+        flat, treedef = jax.tree.flatten(params)
+
+        def zeros(p, param_spec):
+            n = math.prod(mesh.shape[a] for a in self._lead_axes(param_spec))
+            return jnp.zeros((n, *p.shape), jnp.float32)
+
+        return treedef.unflatten([zeros(p, s) for p, s in zip(flat, treedef.flatten_up_to(self.param_specs))])
 
     @staticmethod
     def local(residuals: Any) -> Any:

@@ -60,7 +60,7 @@ def abstract_state(init: Callable[[jax.Array], Any], shardings: Any) -> Any:
 def state_sharding(model: Model, tx: optax.GradientTransformation, layout: Layout,
                    policy: precision_lib.Precision, reducer: Reducer) -> TrainState:
     """Where each field lives: parameters in storage, optimizer state in the state layout
-    (its scalars replicated), residuals one per data-parallel device."""
+    (its scalars replicated), residuals like the local gradients they correct (`Reducer.residual_specs`)."""
     mesh = layout.mesh
     replicated = NamedSharding(mesh, P())
     abstract_params = model.abstract()
@@ -69,7 +69,7 @@ def state_sharding(model: Model, tx: optax.GradientTransformation, layout: Layou
         tx, lambda _, sharding: sharding, abstract_opt, layout.state_shardings(),
         transform_non_params=lambda _: replicated,
     )
-    residual_specs = reducer.residual_specs(abstract_params)
+    residual_specs = reducer.residual_specs()
     return TrainState(
         step=replicated, params=layout.param_shardings(), opt_state=opt_shardings,
         loss_scale=jax.tree.map(lambda _: replicated, precision_lib.init_loss_scale(policy)),
