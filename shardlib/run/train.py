@@ -171,7 +171,7 @@ def _initial_state(run):
     ckpt, resume = open_checkpointer(config, run.out_dir)
     if not resume:
         return ckpt, run.program.init(jax.random.key(config.seed)), 0, None
-    state, data_state, _ = ckpt.restore(run.program.abstract_state())
+    state, data_state, _ = ckpt.restore(run.program.abstract_state(), fresh=run.program.fresh_transient)
     run.loader.restore(data_state)
     if run.is_main and config.verbose:
         print(f"resumed    step {run.loader.step} from {ckpt.directory}", flush=True)
