@@ -205,6 +205,70 @@ def test_every_and_keep_retain_the_newest(trained, tmp_path) -> None:
     assert data_state == _data_state(6)
 
 
+# ---------------------------------------------------------------- transient fields
+
+
+def _dropout_bn_model():
+    """A model with both a dropout key (TrainState.rng) and BatchNorm statistics (model_state)."""
+    from shardlib import from_nnx
+    from tests import zoo
+
+    return from_nnx(lambda rngs: zoo.NnxCNN(rngs=rngs, dropout_rate=0.5), zoo.cnn_loss)
+
+
+def _built(model, sizes: dict, n_devices: int, **options):
+    mesh = make_mesh(sizes, devices=jax.devices()[:n_devices])
+    return build(model, optax.adamw(1e-2), make_layout(model, "dp", mesh), **options)
+
+
+def _assert_learned_fields_bitwise(saved, restored) -> None:
+    for name in ("step", "params", "opt_state", "rng", "model_state"):
+        _assert_bitwise(getattr(saved, name), getattr(restored, name))
+
+
+@pytest.mark.parametrize(
+    "source, target, field, expected",
+    [
+        (({"data": 8}, 8, {"grad_compression": "int8"}), ({"data": 4}, 4, {"grad_compression": "int8"}),
+         "grad_residual", "re-initialised"),
+        (({"data": 8}, 8, {"grad_compression": "int8"}), ({"data": 8}, 8, {}), "grad_residual", "dropped"),
+        (({"data": 8}, 8, {"precision": "fp16"}), ({"data": 8}, 8, {"precision": "f32"}), "loss_scale", "dropped"),
+        (({"data": 4}, 4, {"precision": "f32"}), ({"data": 8}, 8, {"precision": "fp16"}), "loss_scale", "re-initialised"),
+    ],
+    ids=["int8x8-to-int8x4", "int8-to-none", "fp16-to-f32", "f32x4-to-fp16x8"],
+)
+def test_transient_fields_start_afresh_where_the_layout_differs(tmp_path, caplog, source, target, field, expected):
+    model = _dropout_bn_model()
+    src, dst = _built(model, *source[:2], **source[2]), _built(model, *target[:2], **target[2])
+    state = _distinct_state(src, seed=4)
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        assert ckpt.save(5, state, data_state=_data_state(5), config=CONFIG, force=True)
+        ckpt.wait()
+        with caplog.at_level(logging.WARNING, logger="shardlib.runtime.checkpoint"):
+            restored, data_state, config = ckpt.restore(dst.abstract_state(), fresh=dst.fresh_transient)
+        again, _, _ = ckpt.restore(src.abstract_state())  # the checkpoint itself is unchanged
+    _assert_learned_fields_bitwise(state, restored)
+    _assert_bitwise(state, again)
+    assert data_state == _data_state(5) and config == CONFIG
+    fresh = _host(dst.fresh_transient()[field])
+    _assert_bitwise(fresh, getattr(restored, field))  # zeros / the initial scale, or None
+    if expected == "re-initialised":
+        assert jax.tree.leaves(getattr(restored, field))
+    for leaf, sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(dst.state_sharding)):
+        assert leaf.sharding == sharding
+    assert f"{expected} (" in caplog.text and field.split("_")[-1] in caplog.text
+
+
+def test_transient_fields_need_the_fresh_values_to_start_afresh(tmp_path):
+    model = _dropout_bn_model()
+    src, dst = _built(model, {"data": 8}, 8, grad_compression="int8"), _built(model, {"data": 4}, 4, grad_compression="int8")
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        ckpt.save(1, _distinct_state(src, seed=5), data_state=_data_state(1), config=CONFIG, force=True)
+        ckpt.wait()
+        with pytest.raises(CheckpointMismatchError, match="grad_residual: their shapes differ.*fresh=program.fresh_transient"):
+            ckpt.restore(dst.abstract_state())
+
+
 # ---------------------------------------------------------------- crash safety
 
 _KILLED_SAVER = textwrap.dedent(

@@ -20,17 +20,20 @@ displaces a good checkpoint by retention.
 
 Restoring onto another layout: pass the *new* program's ``abstract_state()`` (ShapeDtypeStructs
 carrying NamedShardings). Orbax reads each device's slice of every array from the saved chunks,
-so the device count, mesh and strategy may all differ from the run that saved it.
+so the device count, mesh and strategy may all differ from the run that saved it. The transient
+fields (fp16's loss scale, int8's per-device residuals) are the exception: where the target has
+other shapes or none, they start afresh (``fresh=program.fresh_transient``) or are dropped, noted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import signal
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlib.sharding.rules import path_str
+from shardlib.step.state import TRANSIENT_FIELDS
 
 log = logging.getLogger("shardlib.runtime.checkpoint")
 
@@ -160,6 +164,24 @@ def _mesh_of(state: Any) -> dict[str, int] | None:
         if isinstance(sharding, NamedSharding):
             return {str(k): int(v) for k, v in sharding.mesh.shape.items()}
     return None
+
+
+def _field(path: str) -> str:
+    return path.split("/", 1)[0]
+
+
+def transient_changes(saved: Mapping[str, tuple], target: Mapping[str, tuple]) -> dict[str, str]:
+    """Transient field -> why the checkpoint's value cannot be restored into ``target`` (absent
+    from either side, or other shapes: another precision, compression or device count)."""
+    changes = {}
+    for name in TRANSIENT_FIELDS:
+        s = {p: v for p, v in saved.items() if _field(p) == name}
+        t = {p: v for p, v in target.items() if _field(p) == name}
+        if s == t:
+            continue
+        changes[name] = ("the checkpoint holds none" if not s else "the restore target keeps none" if not t
+                         else "their shapes differ: another device count or layout")
+    return changes
 
 
 # --------------------------------------------------------------------------------------------
@@ -404,21 +426,27 @@ class Checkpointer:
 
     # ---- restore ------------------------------------------------------------------------
 
-    def check_compatible(self, target: Any, step: int | None = None) -> None:
-        """Raise `CheckpointMismatchError` listing every path whose presence, shape or dtype differs."""
+    def check_compatible(self, target: Any, step: int | None = None, ignore: tuple[str, ...] = ()) -> None:
+        """Raise `CheckpointMismatchError` listing every path whose presence, shape or dtype
+        differs (top-level fields in ``ignore`` aside)."""
         step = self.resolve_step(step)
-        problems = signature_mismatches(self.saved_signature(step), tree_signature(target))
+        keep = lambda sig: {p: v for p, v in sig.items() if _field(p) not in ignore}
+        problems = signature_mismatches(keep(self.saved_signature(step)), keep(tree_signature(target)))
         if problems:
             raise CheckpointMismatchError(
                 f"checkpoint {self.directory} step {step} does not match the restore target {describe_mismatches(problems)}. "
                 f"Restore it with the model and optimizer that saved it (its config: {self.saved_config(step)})"
             )
 
-    def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    def restore(self, abstract_state: Any, step: int | None = None, *,
+                fresh: Callable[[], Mapping[str, Any]] | None = None) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         """(state, this process's data state, config) of ``step`` (default: latest complete).
 
         ``abstract_state`` is the new program's ``abstract_state()``: its shardings say where
-        every restored shard goes, on any mesh, device count or strategy.
+        every restored shard goes, on any mesh, device count or strategy. Fields that describe
+        how the step runs (`TRANSIENT_FIELDS`: fp16's loss scale, int8's residuals) restore only
+        where the target has them with the saved shapes; otherwise they start afresh from
+        ``fresh()`` (the new program's ``fresh_transient``), or are dropped, with a note.
         """
         step = self.resolve_step(step)
         unsharded = [path_str(p) for p, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]
@@ -428,7 +456,10 @@ class Checkpointer:
                 f"restore target has no sharding for {_listed(unsharded)}; pass program.abstract_state() "
                 "(ShapeDtypeStructs with shardings) so every shard knows which device it goes to"
             )
-        self.check_compatible(abstract_state, step)
+        reinit = transient_changes(self.saved_signature(step), tree_signature(abstract_state))
+        self.check_compatible(abstract_state, step, ignore=tuple(reinit))
+        if reinit:
+            return self._restore_reinitialising(abstract_state, step, reinit, fresh)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
@@ -438,6 +469,28 @@ class Checkpointer:
             ),
         )
         return restored["state"], pick_data_state(restored["data"], self.directory, step), dict(restored["config"])
+
+    def _restore_reinitialising(self, abstract_state: Any, step: int, reinit: Mapping[str, str],
+                                fresh: Callable[[], Mapping[str, Any]] | None) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        """`restore` where transient fields differ: every other field read exactly (a partial
+        restore), those in ``reinit`` taken from ``fresh()`` or left None, with a note why."""
+        wanted = [name for name in reinit if getattr(abstract_state, name) is not None]
+        if wanted and fresh is None:
+            raise CheckpointMismatchError(
+                f"checkpoint {self.directory} step {step}: {'; '.join(f'{n}: {reinit[n]}' for n in wanted)}, so they "
+                "must start afresh; pass fresh=program.fresh_transient to Checkpointer.restore"
+            )
+        kept = {f.name: getattr(abstract_state, f.name) for f in dataclasses.fields(abstract_state)
+                if f.name not in reinit and getattr(abstract_state, f.name) is not None}
+        new = dict(fresh()) if wanted else {}
+        state = dataclasses.replace(abstract_state, **self.restore_subtree(kept, step),
+                                    **{name: new.get(name) for name in reinit})
+        for name, why in reinit.items():
+            done = "re-initialised" if name in wanted else "dropped"
+            log.warning("checkpoint %s step %d: %s %s (%s); everything else restored exactly",
+                        self.directory, step, TRANSIENT_FIELDS[name], done, why)
+        data, config = self._json_item("data", step), self.saved_config(step)
+        return state, pick_data_state(data, self.directory, step), config
 
     def restore_subtree(self, target: Mapping[str, Any], step: int | None = None) -> dict[str, Any]:
         """Restore only some top-level entries of the state (e.g. ``{"params": abstract}``).
@@ -502,8 +555,10 @@ class PreemptionGuard:
         self._previous: dict[int, Any] = {}
         self.synced = False
         self._logged = False
+        self.received: int | None = None  # the signal that asked to stop (None: none, or JAX's service holds it)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signum
         self._event.set()  # nothing else: a handler must not take locks (logging) the loop may hold
 
     def __enter__(self) -> PreemptionGuard:

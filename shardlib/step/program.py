@@ -33,7 +33,8 @@ from shardlib.step import precision as precision_lib
 from shardlib.step import reduce as reduce_lib
 from shardlib.step import update as update_lib
 from shardlib.step.compute import ModelCall, StepContext, average_state
-from shardlib.step.state import TrainState, abstract_state, initializer, state_sharding, step_key
+from shardlib.step.state import (TrainState, abstract_state, initializer, state_sharding, step_key,
+                                 transient_initializer)
 
 __all__ = ["TrainProgram", "TrainState", "abstract_state", "build"]
 
@@ -49,6 +50,9 @@ class TrainProgram:
     step: Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]
     evaluate: Callable[..., dict[str, jax.Array]]  # (params, batch, model_state=None): the model in eval mode
     state_sharding: TrainState
+    # () -> fresh loss scale and residuals: the restore of a checkpoint saved under another
+    # precision, compression or device count takes them (Checkpointer.restore(..., fresh=...))
+    fresh_transient: Callable[[], dict[str, Any]] | None = None
 
     @property
     def mesh(self):
@@ -87,8 +91,12 @@ def build(
     buffer that is 1/N of the gradients, trading K reductions for memory, as ZeRO-2 does.
 
     ``grad_compression`` ("none", "bf16", "int8") compresses the gradient reductions the step
-    writes (dp, zero1, zero2, tp, and the data-axis all-reduce of hsdp); int8 keeps per-device
-    error-feedback residuals in the train state.
+    writes: dp, zero1, zero2, tp, and the data-axis all-reduce of hsdp and fsdp_tp (data > 1; their
+    fsdp reduce-scatter is autodiff's transpose of the weight gather and stays uncompressed, so
+    zero3 and hsdp on data=1 are refused). int8 keeps error-feedback residuals in the train state,
+    sharded like the local gradients they correct. Under ``grad_accum`` with
+    ``shard_grad_buffer`` the sum over the axes the buffer is not sharded over (hsdp's ``data``)
+    runs once per step, after the microbatches.
 
     When the mesh's ``pipe`` axis has S > 1 devices the layer stack is split into S stages
     (`shardlib.step.pipeline`): each device's rows run as ``microbatches`` (default 2S) microbatches
@@ -106,7 +114,8 @@ def build(
     update = update_lib.Update(tx, policy, layout.state_shardings(), layout.param_shardings(), lr_schedule)
     step = _train_step(layout, provider, reducer, update, sharding, donate)
     return TrainProgram(model, tx, layout, initializer(model, tx, layout, policy, reducer, sharding),
-                        _CheckedStep(step, layout, microbatches), _eval_step(layout, provider, model), sharding)
+                        _CheckedStep(step, layout, microbatches), _eval_step(layout, provider, model), sharding,
+                        transient_initializer(model, layout, policy, reducer, sharding))
 
 
 def _mapped_grads(layout: Layout, provider: grads_lib.Provider, reducer: reduce_lib.Reducer):

@@ -79,6 +79,22 @@ def state_sharding(model: Model, tx: optax.GradientTransformation, layout: Layou
     )
 
 
+# Fields that say how the step runs, not what it learned: restoring onto a layout whose precision,
+# compression or device count gives them another shape (or none) starts them afresh instead.
+TRANSIENT_FIELDS = {"loss_scale": "the fp16 loss scale", "grad_residual": "the int8 error-feedback residuals"}
+
+
+def transient_initializer(model: Model, layout: Layout, policy: precision_lib.Precision, reducer: Reducer,
+                          sharding: TrainState) -> Callable[[], dict[str, Any]]:
+    """The jitted fresh values of `TRANSIENT_FIELDS` (the initial loss scale, zero residuals), in
+    their shardings: what `shardlib.runtime.checkpoint` restores in their place."""
+    def fresh():
+        return {"loss_scale": precision_lib.init_loss_scale(policy),
+                "grad_residual": reducer.zero_residuals(model.abstract(), layout.mesh)}
+
+    return jax.jit(fresh, out_shardings={"loss_scale": sharding.loss_scale, "grad_residual": sharding.grad_residual})
+
+
 def abstract_model_state(model: Model) -> Any:
     return None if model.init_state is None else jax.eval_shape(model.init_state, jax.random.key(0))
 
