@@ -91,23 +91,26 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
-# ---------------------------------------------------------------- preemption (SIGTERM)
+# ---------------------------------------------------------------- preemption (SIGTERM) and Ctrl-C (SIGINT)
 
 
-def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path, capsys) -> None:
+@pytest.mark.parametrize("sig, heading", [(signal.SIGTERM, "preempted  SIGTERM received"),
+                                          (signal.SIGINT, "stopped    Ctrl-C (SIGINT) received")], ids=["SIGTERM", "SIGINT"])
+def test_stop_signal_finishes_the_step_saves_and_exits_0(sig, heading, tmp_path, capsys) -> None:
     out = tmp_path / "run"
     proc = _spawn(out, *TINY, "--steps", "1000", "--ckpt-every", "1000")
     _wait_for_step(proc, out, 3)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)  # Ctrl-C in a terminal: the same stop as a scheduler's SIGTERM
     assert proc.wait(timeout=120) == 0
     printed = (tmp_path / "run.log").read_text()
     reached = _steps_written(out)
-    stop = [line for line in printed.splitlines() if line.startswith("preempted")]
+    stop = [line for line in printed.splitlines() if line.startswith(heading)]
     assert len(stop) == 1 and f"stopped after step {reached};" in stop[0] and f"checkpoint step {reached} " in stop[0]
+    assert stop[0].endswith("; run the same command again to resume"), stop[0]
     assert "summary" not in printed  # one line, no end-of-run report
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, reached + 1))
     with Checkpointer(out / "checkpoints") as ckpt:
-        assert ckpt.all_steps() == [reached]  # off the --ckpt-every schedule: saved because of SIGTERM
+        assert ckpt.all_steps() == [reached]  # off the --ckpt-every schedule: saved because of the signal
     # Restarting into the same --out continues from it (no --resume-from needed).
     capsys.readouterr()
     assert main(["train", *TINY, "--steps", str(reached + 2), "--ckpt-every", "1000", "--out", str(out)]) == 0

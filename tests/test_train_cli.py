@@ -23,6 +23,8 @@ import pytest
 from shardlib import STRATEGIES
 from shardlib.cli import main
 from shardlib.run.actions import Evaluate, Every, StepClock
+from shardlib.run.checkpointing import resume_hint
+from shardlib.run.console import checkpoint_setting
 from shardlib.run.config import DEFAULT_CPU_DEVICES, add_arguments, from_args
 from shardlib.run.loop import Recorder, run_steps
 from shardlib.run.metrics_io import read_metrics
@@ -176,6 +178,9 @@ BAD_FLAGS = [
     (["--grad-compression", "int8"], "--grad-compression"),  # zero3's reduce-scatter is autodiff's
     (["--pipeline-stages", "3"], "--mesh"),  # 3 stages leave 8/3 devices
     (["--pipeline-stages", "2", "--grad-accum", "2"], "--pipeline-stages"),
+    (["--schedule", "gpipe"], "--schedule"),  # no pipeline: the schedule would be ignored
+    (["--microbatches", "4"], "--microbatches"),
+    (["--strategy", "dp", "--grad-accum", "3"], "--batch-size"),  # 2 rows per device cannot make 3 microbatches
 ]
 
 
@@ -187,6 +192,40 @@ def test_bad_flags_give_one_line(flags, named, tmp_path, capsys):
     assert len(err) == 1, err
     assert err[0].startswith("shardlib train: error: ") and named in err[0], err[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_banner_names_data_and_checkpoints_and_a_finished_rerun_prints_no_nan(tmp_path, capsys):
+    flags = ["--steps", "1", "--eval-every", "0", "--sample-tokens", "0", "--no-tensorboard", "--ckpt-every", "1"]
+    code, out = _run(tmp_path, *flags)
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "compute f32) for 1 step\n" in printed
+    assert "data       built-in pydoc corpus" in printed and " validation bytes (" in printed
+    assert f"checkpoint {out.absolute() / 'checkpoints'}, every 1 step and at the end, keep 3" in printed
+    assert main(["train", *TINY, *flags, "--out", str(out)]) == 0  # the same command again: nothing left to run
+    printed = capsys.readouterr().out
+    assert "nan" not in printed, printed
+    assert "n/a (no steps run: resumed at step 1 of 1; raise --steps to train on)" in printed
+    assert "final train loss                   n/a (no steps run)" in printed
+
+
+def test_checkpoint_setting_and_resume_hint_follow_the_flags():
+    out = Path("runs/20250101-000000")
+    assert checkpoint_setting(TrainConfig(), out).startswith("off (--ckpt-every N saves every N steps")
+    assert checkpoint_setting(TrainConfig(ckpt_every=50, keep=2), out) == \
+        f"{out.absolute() / 'checkpoints'}, every 50 steps and at the end, keep 2"
+    assert resume_hint(TrainConfig(), out) == f"to resume, run the same command with --out {out}"
+    assert resume_hint(TrainConfig(out=str(out)), out) == "run the same command again to resume"
+
+
+def test_ctrl_c_without_checkpoints_says_nothing_was_saved(monkeypatch, capsys):
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("shardlib.run.train.train", interrupted)
+    assert main(["train", *TINY]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted; nothing saved (checkpointing is off: with --ckpt-every N" in err, err
 
 
 def _subprocess_env() -> dict[str, str]:

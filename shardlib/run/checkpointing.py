@@ -27,19 +27,30 @@ def open_checkpointer(config: TrainConfig, out_dir: Path):
     that saves into a directory already holding a complete checkpoint resumes from the latest
     one, so a job restarted with the same command after a crash or preemption continues.
     """
-    if config.ckpt_every == 0 and config.resume_from is None:
+    directory = saves_to(config, out_dir)
+    if directory is None:
         return None, False
     from shardlib.runtime import checkpoint
 
-    if config.resume_from is None:
-        directory = out_dir.absolute() / "checkpoints"
-    else:
-        directory = checkpoint_dir(config.resume_from)
-        if not directory.is_dir():
-            raise TrainConfigError("resume_from", f"no checkpoints at {directory}; pass the --out directory of a run "
-                                                  "trained with --ckpt-every")
+    if config.resume_from is not None and not directory.is_dir():
+        raise TrainConfigError("resume_from", f"no checkpoints at {directory}; pass the --out directory of a run "
+                                              "trained with --ckpt-every")
     ckpt = checkpoint.Checkpointer(directory, every=config.ckpt_every, keep=config.keep)
     return ckpt, config.resume_from is not None or ckpt.latest_step() is not None
+
+
+def saves_to(config: TrainConfig, out_dir: Path) -> Path | None:
+    """Where the run's checkpoints go (``OUT/checkpoints``, or the run resumed from); None when off."""
+    if config.ckpt_every == 0 and config.resume_from is None:
+        return None
+    return out_dir.absolute() / "checkpoints" if config.resume_from is None else checkpoint_dir(config.resume_from)
+
+
+def resume_hint(config: TrainConfig, out_dir: Path) -> str:
+    """How to continue a stopped run: the same command resumes only if it names the same run folder."""
+    if config.out is not None or config.resume_from is not None:
+        return "run the same command again to resume"
+    return f"to resume, run the same command with --out {out_dir}"
 
 
 class SaveCheckpoint:

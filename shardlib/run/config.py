@@ -39,7 +39,10 @@ class TrainConfigError(ValueError):
 
 
 def _flag_name(field: str) -> str:
-    return "--" + field.replace("_", "-")
+    """The flag of a `TrainConfig` field: its `Flag.name` when it has one (``--schedule``), else ``--field-name``."""
+    spec = next((f.metadata["flag"] for f in dataclasses.fields(TrainConfig) if f.name == field and "flag" in f.metadata),
+                None)
+    return spec.name if spec is not None and spec.name else "--" + field.replace("_", "-")
 
 
 _UNSET: Any = object()
@@ -196,7 +199,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One argument per `TrainConfig` field that has a `Flag`, in field order."""
     hints = typing.get_type_hints(TrainConfig)
     for field, spec in _flags():
-        name = spec.name or ("--no-" + field.name.replace("_", "-") if spec.negate else _flag_name(field.name))
+        name = "--no-" + field.name.replace("_", "-") if spec.negate and not spec.name else _flag_name(field.name)
         parser.add_argument(name, **_argument(field, spec, hints[field.name]))
 
 

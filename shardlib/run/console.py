@@ -4,8 +4,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from shardlib.run.checkpointing import saves_to
+
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from shardlib.run.config import TrainConfig
     from shardlib.run.setup import Prepared
+
+
+def plural(n: int, word: str) -> str:
+    """``1 step``, ``3 steps``."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def device_line(note: str | None) -> str:
@@ -32,7 +42,7 @@ def banner(run: Prepared, note: str | None) -> str:
     config, mesh, microbatches = run.config, run.mesh, run.program.step.microbatches
     lines = [
         f"shardlib train: {config.model} ({run.n_params / 1e6:.2f}M params, compute {config.precision}) "
-        f"for {config.steps} steps",
+        f"for {plural(config.steps, 'step')}",
         device_line(note),
     ]
     if jax.process_count() > 1:
@@ -49,20 +59,45 @@ def banner(run: Prepared, note: str | None) -> str:
            f"{bubble_fraction(mesh.shape['pipe'], microbatches):.1%} = (S-1)/(M+S-1)"] if mesh.shape["pipe"] > 1 else []),
         f"memory     {format_bytes(run.state_bytes)} params+optimizer state + {format_bytes(run.mem.temp_bytes)} "
         "temporaries per device (compiled step)",
+        data_line(config.data, *run.data_bytes),
+        f"checkpoint {checkpoint_setting(config, run.out_dir)}",
         f"output     {run.out_dir}",
     ]
     return "\n".join(lines)
 
 
-def summary_rows(run: Prepared, *, startup: float, steps: int, wall: float, step_time: float,
+def data_line(path: str | None, train_bytes: int, val_bytes: int) -> str:
+    from shardlib.tools.report import format_bytes
+
+    name = "built-in pydoc corpus (--data PATH for your own text)" if path is None else path
+    return (f"data       {name}: {train_bytes:,} train + {val_bytes:,} validation bytes "
+            f"({format_bytes(train_bytes + val_bytes)})")
+
+
+def checkpoint_setting(config: TrainConfig, out_dir: Path) -> str:
+    """Where checkpoints go, how often, how many are kept; or off, and the flag that turns them on."""
+    directory = saves_to(config, out_dir)
+    if directory is None:
+        return "off (--ckpt-every N saves every N steps, at the end, and on Ctrl-C or SIGTERM)"
+    when = (f"every {plural(config.ckpt_every, 'step')} and at the end" if config.ckpt_every
+            else "on Ctrl-C or SIGTERM only (--ckpt-every 0)")
+    return f"{directory}, {when}, keep {config.keep}"
+
+
+def summary_rows(run: Prepared, *, startup: float, start: int, steps: int, wall: float, step_time: float,
                  tokens_per_s: float, mfu: float | None, last_loss: float, last_val: float | None) -> list[tuple[str, Any]]:
-    """The end-of-run table: layout, memory and traffic, then speed and the final losses."""
+    """The end-of-run table: layout, memory and traffic, then speed and the final losses.
+
+    ``start``: the step the run resumed at; ``steps``: how many it ran. A run that ran none (a
+    finished run started again) has no speed or train loss, and says why instead of printing nan.
+    """
     import jax
 
     from shardlib.sharding.mesh import describe
     from shardlib.tools.report import format_bytes
 
     device = jax.devices()[0]
+    idle = f"n/a (no steps run: resumed at step {start} of {run.config.steps}; raise --steps to train on)"
     return [
         ("strategy", run.strategy.name),
         ("mesh", describe(run.mesh)),
@@ -74,10 +109,11 @@ def summary_rows(run: Prepared, *, startup: float, steps: int, wall: float, step
         *pipeline_rows(run.layout.pipeline_stages, run.program.step.microbatches, run.comm),
         ("startup (build, compile, init)", f"{startup:.1f} s"),
         ("steps", f"{steps} in {wall:.1f} s"),
-        ("step time (mean, after the first)", f"{step_time:.3f} s"),
-        ("tokens / s", f"{tokens_per_s:,.0f}"),
-        ("MFU", f"{mfu:.1%}" if mfu is not None else f"n/a (peak FLOP/s of {device.device_kind} unknown)"),
-        ("final train loss", f"{last_loss:.4f}"),
+        ("step time (mean, after the first)", f"{step_time:.3f} s" if steps else idle),
+        ("tokens / s", f"{tokens_per_s:,.0f}" if steps else "n/a (no steps run)"),
+        ("MFU", "n/a (no steps run)" if not steps else f"{mfu:.1%}" if mfu is not None else
+         f"n/a (peak FLOP/s of {device.device_kind} unknown)"),
+        ("final train loss", f"{last_loss:.4f}" if steps else "n/a (no steps run)"),
         ("final val loss", f"{last_val:.4f}" if last_val is not None else "-"),
     ]
 

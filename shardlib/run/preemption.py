@@ -1,12 +1,14 @@
-"""Preemption: SIGTERM means "finish this step, record it, save it, exit 0".
+"""Preemption: SIGTERM or Ctrl-C (SIGINT) means "finish this step, record it, save it, exit 0".
 
 `shardlib.runtime.checkpoint.PreemptionGuard` catches the signal (or asks JAX's preemption
-service); `Preemption` is the loop's side of it.
+service); `Preemption` is the loop's side of it. Without checkpointing nothing catches them:
+SIGTERM ends the process and Ctrl-C raises KeyboardInterrupt.
 """
 
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +22,7 @@ def preemption_guard(enabled: bool) -> Iterator[Any]:
 
     Python delivers signals to the main thread only; a loop running elsewhere (a notebook
     thread) keeps SIGTERM's default behaviour unless JAX's preemption service handles it.
+    With that service (multi-process jobs) only SIGTERM is caught there; Ctrl-C interrupts.
     """
     if not enabled:
         yield None
@@ -29,14 +32,19 @@ def preemption_guard(enabled: bool) -> Iterator[Any]:
     if threading.current_thread() is not threading.main_thread() and not _preemption_sync_available():
         yield None
         return
-    with PreemptionGuard() as guard:
+    with PreemptionGuard(signals=STOP_SIGNALS) as guard:
         yield guard
 
 
-def stop_line(step: int, saved: int | None, directory: str) -> str:
-    """The one line a preempted run prints before exiting 0."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # a scheduler's preemption notice, and Ctrl-C
+
+
+def stop_line(step: int, saved: int | None, directory: str, *, signal_name: str = "SIGTERM",
+              resume: str = "run the same command again to resume") -> str:
+    """The one line a stopped run prints before exiting 0; ``resume`` says how to continue."""
     where = f"checkpoint step {saved} in {directory}" if saved is not None else f"no checkpoint could be saved in {directory}"
-    return f"preempted  SIGTERM received: stopped after step {step}; {where}; run the same command again to resume"
+    heading = "stopped  " if signal_name.startswith("Ctrl-C") else "preempted"
+    return f"{heading}  {signal_name} received: stopped after step {step}; {where}; {resume}"
 
 
 class Preemption:
@@ -46,8 +54,8 @@ class Preemption:
     step are logged. A step already saved on the checkpoint schedule is not saved twice.
     """
 
-    def __init__(self, guard: Any, saver: SaveCheckpoint, last_step: int) -> None:
-        self.guard, self.saver, self.last_step = guard, saver, last_step
+    def __init__(self, guard: Any, saver: SaveCheckpoint, last_step: int, resume: str) -> None:
+        self.guard, self.saver, self.last_step, self.resume = guard, saver, last_step, resume
         self.stopped_at: int | None = None
 
     def should_stop(self, step: int) -> bool:
@@ -59,11 +67,14 @@ class Preemption:
         self.stopped_at = step
 
     def stop_line(self) -> str:
-        return stop_line(self.stopped_at, self.saver.ckpt.latest_step(), self.saver.ckpt.directory)
+        received = getattr(self.guard, "received", None)  # None: JAX's preemption service (SIGTERM)
+        name = "Ctrl-C (SIGINT)" if received == signal.SIGINT else "SIGTERM"
+        return stop_line(self.stopped_at, self.saver.ckpt.latest_step(), self.saver.ckpt.directory,
+                         signal_name=name, resume=self.resume)
 
 
 @contextlib.contextmanager
-def preemption(saver: SaveCheckpoint | None, last_step: int) -> Iterator[Preemption | None]:
-    """A `Preemption` for the loop while SIGTERM is caught; None when the run does not checkpoint."""
+def preemption(saver: SaveCheckpoint | None, last_step: int, resume: str) -> Iterator[Preemption | None]:
+    """A `Preemption` for the loop while SIGTERM and Ctrl-C are caught; None when the run does not checkpoint."""
     with preemption_guard(saver is not None) as guard:
-        yield None if guard is None else Preemption(guard, saver, last_step)
+        yield None if guard is None else Preemption(guard, saver, last_step, resume)

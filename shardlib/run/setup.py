@@ -38,6 +38,7 @@ class Prepared:
     comm: Any
     state_bytes: int
     n_params: int
+    data_bytes: tuple[int, int]  # (train, validation) bytes of the corpus
 
     @property
     def is_main(self) -> bool:
@@ -85,6 +86,7 @@ def prepare(config: TrainConfig) -> Prepared:
     model_config = _model_config(config)
     train_bytes, val_bytes = _load_data(config)
     mesh = _mesh(config, strategy)
+    _check_pipeline_flags(config, mesh)
     model = trainable(model_config)
     layout = make_layout(model, strategy, mesh)
     if config.resume_from is not None and config.out is None:  # keep writing into the resumed run
@@ -96,13 +98,15 @@ def prepare(config: TrainConfig) -> Prepared:
     program = build_program(config, model, layout, schedule)
     shapes = {k: ((config.batch_size, config.seq_len), np.int32) for k in ("inputs", "targets")}
     abstract_batch = program.abstract_batch(shapes)
+    _check_batch_split(layout, program, abstract_batch)
     step_fn = program.compile_step(program.abstract_state(), abstract_batch)
     mem = memory_stats(step_fn)
     return Prepared(config=config, strategy=strategy, model_config=model_config, model=model, mesh=mesh,
                     layout=layout, out_dir=out_dir, loader=loader, val_local=val_local, schedule=schedule,
                     program=program, abstract_batch=abstract_batch, step_fn=step_fn, mem=mem,
                     comm=collective_stats(step_fn), n_params=param_count(model_config),
-                    state_bytes=mem.argument_bytes - _per_device_bytes(abstract_batch))
+                    state_bytes=mem.argument_bytes - _per_device_bytes(abstract_batch),
+                    data_bytes=(len(train_bytes), len(val_bytes)))
 
 
 def _strategy(config: TrainConfig):
@@ -147,6 +151,28 @@ def _mesh(config: TrainConfig, strategy):
     except MeshError as err:
         hint = "" if config.mesh is not None else f" (the default mesh of strategy {strategy.name}; pass --mesh)"
         raise TrainConfigError("mesh", f"{err}{hint}") from None
+
+
+def _check_pipeline_flags(config: TrainConfig, mesh) -> None:
+    """``--schedule`` and ``--microbatches`` shape a pipeline; without one they would be ignored, so refuse them."""
+    if mesh.shape["pipe"] > 1:
+        return
+    if config.pipeline_schedule != TrainConfig.pipeline_schedule:
+        raise TrainConfigError("pipeline_schedule", f"{config.pipeline_schedule} schedules a pipeline, and this run has "
+                                                    "none; add --pipeline-stages S (S >= 2), or drop --schedule")
+    if config.microbatches is not None:
+        raise TrainConfigError("microbatches", "splits the batch of a pipelined run, and this run has none; add "
+                                               "--pipeline-stages S (S >= 2), or use --grad-accum K to split the batch "
+                                               "without a pipeline")
+
+
+def _check_batch_split(layout, program, abstract_batch: Mapping[str, Any]) -> None:
+    """Before the compile: the batch must split over the data-parallel devices times the microbatches."""
+    try:
+        layout.check_batch(abstract_batch, microbatches=program.step.microbatches)
+    except ValueError as err:
+        flag = "--microbatches" if layout.pipeline_stages > 1 else "--grad-accum"
+        raise TrainConfigError("batch_size", f"{err} (the microbatches are {flag})") from None
 
 
 def lr_schedule(config: TrainConfig):

@@ -35,6 +35,8 @@ from shardlib.run.config import (  # noqa: F401  (re-exported: the CLI and noteb
 from shardlib.run.nonfinite import EXIT_DIVERGED, DivergedError  # light: imports neither JAX nor NumPy
 from shardlib.run.sampling import sample_text
 
+EXIT_INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
+
 
 @dataclasses.dataclass
 class TrainResult:
@@ -202,7 +204,7 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate, poison
     import jax
 
     from shardlib.run.actions import Evaluate, Every, Progress, StepClock, Tally
-    from shardlib.run.checkpointing import SaveCheckpoint
+    from shardlib.run.checkpointing import SaveCheckpoint, resume_hint
     from shardlib.run.examples import ExampleLog, examples_path
     from shardlib.run.loop import Recorder, run_steps
     from shardlib.run.nonfinite import NonFiniteGuard, with_nan_steps
@@ -225,7 +227,7 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate, poison
         seed=run.loader.seed, config=dataclasses.asdict(config))
     step = with_nan_steps(run.step_fn, poisoned_fn, config.inject_nan_steps)
     try:
-        with preemption(saver, config.steps) as stop:
+        with preemption(saver, config.steps, resume_hint(config, run.out_dir)) as stop:
             state = run_steps(state, first, config.steps, step, run.load, record=record,
                               after_step=[saver] if saver is not None else [], preemption=stop)
     finally:
@@ -263,7 +265,7 @@ def _finish(run, state, start: int, tally, log, config_path, *, preempted: bool,
                              context=config.seq_len, seed=config.seed)
     steps = len(tally.step_times) + start
     summary = console.summary_table(console.summary_rows(
-        run, startup=startup, steps=len(tally.step_times), wall=wall, step_time=step_time,
+        run, startup=startup, start=start, steps=len(tally.step_times), wall=wall, step_time=step_time,
         tokens_per_s=tokens_per_s, mfu=utilisation, last_loss=tally.last_loss, last_val=tally.last_val))
     curve = _write_outputs(run, log, summary, sample, steps, preempted=preempted) if run.is_main else None
     return TrainResult(
@@ -308,6 +310,12 @@ def run(args) -> int:
     except DivergedError as err:  # not a usage error (exit 2): one line, its own status
         print(f"shardlib train: error: {err}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
+    except KeyboardInterrupt:  # a checkpointing run's loop turns Ctrl-C into a save and a clean stop instead
+        if config.ckpt_every == 0 and config.resume_from is None:
+            print("shardlib train: interrupted; nothing saved (checkpointing is off: with --ckpt-every N a run "
+                  "saves every N steps, and Ctrl-C saves before stopping)", file=sys.stderr, flush=True)
+            return EXIT_INTERRUPTED
+        raise
     return 0
 
 
