@@ -1,7 +1,10 @@
-"""The ZeRO contract (docs/design.md): persistent bytes per device and collective bytes per step,
-read from the compiled program itself (memory_analysis and the optimised HLO)."""
+"""The strategy contract (README "Strategies", docs/design.md): per-device persistent bytes,
+collective bytes per step and an upper bound on temporary bytes, read from the compiled program
+itself (memory_analysis and the optimised HLO) and compared with formulas written here from the
+model's shapes. Compile only: nothing is run."""
 
 import dataclasses
+from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
@@ -11,38 +14,108 @@ import pytest
 from shardlib.models import GPTConfig, trainable
 from shardlib import build, make_layout, make_mesh
 from shardlib.tools.report import collective_stats, memory_stats
-from tests.helpers import BATCH, SEQ, optimizer, tiny_model
+from tests.helpers import BATCH, SEQ, TINY, optimizer
 
 N = 8
+# tiny's shapes with eight layers, so that one layer is an eighth of the stack and a whole-model
+# gather stands out against the one or two layers ZeRO-3 may hold (the temporary-bytes bounds).
+CONFIG = dataclasses.replace(TINY, n_layers=8)
 # Persistent bytes per device, in units of Psi (fp32 params + two fp32 Adam moments).
 MEMORY_CONTRACT = {"dp": 12, "zero1": 4 + 8 / N, "zero2": 4 + 8 / N, "zero3": 12 / N}
-MESHES = {"dp": {"data": N}, "zero1": {"data": N}, "zero2": {"data": N}, "zero3": {"fsdp": N}}
+CASES = {  # name -> (strategy, mesh)
+    "dp": ("dp", {"data": N}), "zero1": ("zero1", {"data": N}), "zero2": ("zero2", {"data": N}),
+    "zero3": ("zero3", {"fsdp": N}), "tp": ("tp", {"data": 2, "tensor": 4}),
+    "fsdp_tp": ("fsdp_tp", {"fsdp": 4, "tensor": 2}), "hsdp": ("hsdp", {"data": 2, "fsdp": 4}),
+    "dp_pipe": ("dp", {"pipe": 2, "data": 4}), "zero3_pipe": ("zero3", {"pipe": 2, "fsdp": 4}),
+}
+TENSOR_NAMES = {"heads", "kv_heads", "mlp", "vocab"}  # the logical names tp splits (strategies.TENSOR_RULES)
 
 
-def _compiled(model, strategy, batch=BATCH, seq=SEQ):
-    program = build(model, optimizer(), make_layout(model, strategy, make_mesh(MESHES[strategy])))
+def _size(shape) -> int:
+    return int(np.prod(shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """Parameter counts by role, from the model's logical axes."""
+
+    psi: int  # all parameters
+    stack: int  # the scanned layers (leading "layers" axis)
+    untensored: int  # no dimension tp splits: the norm scales
+
+    @property
+    def embed_head(self) -> int:  # embedding, final norm, output head
+        return self.psi - self.stack
+
+
+def _leaves(model):
+    layout = make_layout(model, "zero3", make_mesh({"fsdp": N}))
+    return jax.tree.leaves(layout.params, is_leaf=lambda x: hasattr(x, "spec"))
+
+
+def _shapes(model) -> Shapes:
+    leaves = _leaves(model)
+    stack = sum(_size(l.shape) for l in leaves if l.logical[0] == "layers")
+    untensored = sum(_size(l.shape) for l in leaves if not TENSOR_NAMES & set(l.logical))
+    return Shapes(sum(_size(l.shape) for l in leaves), stack, untensored)
+
+
+def _compiled(model, strategy, mesh, batch=BATCH, seq=SEQ):
+    program = build(model, optimizer(), make_layout(model, strategy, make_mesh(mesh)))
     shapes = {"inputs": ((batch, seq), jnp.int32), "targets": ((batch, seq), jnp.int32)}
-    batch_bytes = 2 * batch * seq * 4 // N
+    rows_split = mesh.get("data", 1) * mesh.get("fsdp", 1)
+    batch_bytes = 2 * batch * seq * 4 // rows_split
     return program.compile_step(program.abstract_state(), program.abstract_batch(shapes)), batch_bytes
 
 
-def _psi(model) -> int:
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model.abstract()))
-
-
 @pytest.fixture(scope="module")
-def tiny_compiled():
-    model = tiny_model()
-    return model, {s: _compiled(model, s) for s in MESHES}
+def contract():
+    """Every case compiled once, shared by all assertions."""
+    model = trainable(CONFIG)
+    return model, _shapes(model), {name: _compiled(model, *CASES[name]) for name in CASES}
 
 
-@pytest.mark.parametrize("strategy", list(MESHES))
-def test_persistent_bytes_tiny(strategy, tiny_compiled):
-    model, compiled = tiny_compiled
-    program, batch_bytes = compiled[strategy]
+def _psi(model) -> int:
+    return sum(_size(x.shape) for x in jax.tree.leaves(model.abstract()))
+
+
+def _ring(bytes_full: float, n: int = N) -> float:
+    return bytes_full * (n - 1) / n
+
+
+def _by_group(compiled) -> dict[tuple[str, int], float]:
+    """Bytes sent per step by (kind, devices per group): tells the mesh axes of one case apart."""
+    out = defaultdict(float)
+    for record in collective_stats(compiled).records:
+        out[record.kind, record.group_size] += record.bytes_per_step
+    return out
+
+
+# ---------------------------------------------------------------- persistent bytes
+
+
+def _persistent(name: str, s: Shapes) -> float:
+    """The README table's figure for each case, in bytes (12 bytes per parameter unsharded)."""
+    if name in MEMORY_CONTRACT:
+        return MEMORY_CONTRACT[name] * s.psi
+    if name == "tp":  # T=4: every tensor with a heads/mlp/vocab dim split, the norm scales replicated
+        return 12 * ((s.psi - s.untensored) / 4 + s.untensored)
+    if name == "fsdp_tp":  # F=4, T=2: the norm scales only over fsdp
+        return 12 * ((s.psi - s.untensored) / 8 + s.untensored / 4)
+    if name == "hsdp":  # F=4, replicated over data
+        return 12 * s.psi / 4
+    if name == "dp_pipe":  # S=2: dp's figure for the stage's half of the stack, embedding and head replicated
+        return 12 * (s.stack / 2 + s.embed_head)
+    assert name == "zero3_pipe"  # S=2, F=4: zero3's figure over fsdp for the stage's half and for the rest
+    return 12 * (s.stack / 2 + s.embed_head) / 4
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_persistent_bytes(name, contract):
+    model, shapes, compiled = contract
+    program, batch_bytes = compiled[name]
     persistent = memory_stats(program).argument_bytes - batch_bytes
-    expected = MEMORY_CONTRACT[strategy] * _psi(model)  # the table is in bytes: 12 Psi = 4 + 4 + 4 bytes per parameter
-    assert persistent == pytest.approx(expected, rel=0.02)
+    assert persistent == pytest.approx(_persistent(name, shapes), rel=0.02)
 
 
 def test_persistent_bytes_100m_model_compiled_abstractly():
@@ -50,21 +123,20 @@ def test_persistent_bytes_100m_model_compiled_abstractly():
     model = trainable(config)
     psi = _psi(model)
     assert psi > 100e6
-    for strategy in ("dp", "zero1", "zero3"):  # zero2 has zero1's persistent state (checked on tiny)
-        compiled, batch_bytes = _compiled(model, strategy, batch=N, seq=128)
+    for strategy in ("dp", "zero1", "zero3"):  # zero2 has zero1's persistent state (checked above)
+        compiled, batch_bytes = _compiled(model, strategy, CASES[strategy][1], batch=N, seq=128)
         persistent = memory_stats(compiled).argument_bytes - batch_bytes
         assert persistent == pytest.approx(MEMORY_CONTRACT[strategy] * psi, rel=0.02), strategy
 
 
-def _ring(bytes_full: float) -> float:
-    return bytes_full * (N - 1) / N
+# ---------------------------------------------------------------- collective bytes
 
 
 @pytest.mark.parametrize("strategy,psi_factor", [("dp", 2), ("zero1", 2), ("zero2", 2), ("zero3", 3)])
-def test_collective_bytes_match_the_zero_paper(strategy, psi_factor, tiny_compiled):
-    model, compiled = tiny_compiled
+def test_collective_bytes_match_the_zero_paper(strategy, psi_factor, contract):
+    model, shapes, compiled = contract
     stats = collective_stats(compiled[strategy][0])
-    psi_bytes = _psi(model) * 4
+    psi_bytes = shapes.psi * 4
     assert stats.total_bytes == pytest.approx(_ring(psi_factor * psi_bytes), rel=0.10)
     by_kind = stats.bytes_by_kind()
     if strategy == "dp":
@@ -79,18 +151,84 @@ def test_collective_bytes_match_the_zero_paper(strategy, psi_factor, tiny_compil
         # the output head's gathered weights from the end of the forward to the start of the
         # backward (freeing and re-gathering them there would save no memory). All gradients
         # are reduce-scattered once.
-        layers = sum(int(np.prod(l.shape)) for l in _leaves(model) if l.logical[0] == "layers") * 4
         assert by_kind["reduce-scatter"] == pytest.approx(_ring(psi_bytes), rel=0.01)
-        assert by_kind["all-gather"] == pytest.approx(_ring(psi_bytes + layers), rel=0.01)
+        assert by_kind["all-gather"] == pytest.approx(_ring(psi_bytes + 4 * shapes.stack), rel=0.01)
 
 
-def _leaves(model):
-    program = make_layout(model, "zero3", make_mesh(MESHES["zero3"]))
-    return jax.tree.leaves(program.params, is_leaf=lambda x: hasattr(x, "spec"))
+def test_hsdp_traffic_is_zero3_within_fsdp_plus_a_data_all_reduce(contract):
+    _, s, compiled = contract
+    by = _by_group(compiled["hsdp"][0])  # fsdp groups of 4, data groups of 2
+    assert by["reduce-scatter", 4] == pytest.approx(_ring(4 * s.psi, 4), rel=0.01)
+    assert by["all-gather", 4] == pytest.approx(_ring(4 * (s.psi + s.stack), 4), rel=0.01)  # as zero3's
+    assert by["all-reduce", 2] == pytest.approx(2 * _ring(4 * s.psi / 4, 2), rel=0.01)  # the shards, once
+    expected = _ring(4 * (2 * s.psi + s.stack), 4) + 2 * _ring(4 * s.psi / 4, 2)
+    assert collective_stats(compiled["hsdp"][0]).total_bytes == pytest.approx(expected, rel=0.10)
 
 
-def test_fsdp_gathers_weights_never_activations(tiny_compiled):
-    model, compiled = tiny_compiled
+def _tp_activation_all_reduces(layers: int) -> int:
+    """Megatron over `tensor` with remat, per step: each layer's two row-parallel outputs (attention
+    and MLP out-projections) in the forward; in the backward the recomputed attention output (the
+    MLP's output is not needed by the backward) and the input gradient of each column-parallel
+    projection (wq, wk, wv, w_gate, w_up): 8 per layer. Plus the vocab-split embedding lookup's
+    output and the head's input gradient."""
+    return 8 * layers + 2
+
+
+def test_tp_traffic_is_activation_all_reduces_plus_the_data_gradient_all_reduce(contract):
+    _, s, compiled = contract
+    data, tensor, rows = 2, 4, BATCH // 2
+    residual = rows * SEQ * CONFIG.d_model * 4  # one all-reduced activation [rows, seq, d_model]
+    token_row = rows * SEQ * 4  # one float per token: the vocab-split softmax's max, sum, label logit
+    by = _by_group(compiled["tp"][0])
+    activations = _tp_activation_all_reduces(CONFIG.n_layers) * 2 * _ring(residual, tensor)
+    softmax = 3 * 2 * _ring(token_row, tensor)
+    assert by["all-reduce", tensor] == pytest.approx(activations + softmax, rel=0.01)
+    local_params = 4 * ((s.psi - s.untensored) / tensor + s.untensored)
+    assert by["all-reduce", data] == pytest.approx(2 * _ring(local_params, data), rel=0.01)
+    argmax = 2 * _ring(token_row * tensor, tensor)  # accuracy's argmax: each shard's max and index
+    expected = activations + softmax + 2 * _ring(local_params, data) + argmax
+    assert collective_stats(compiled["tp"][0]).total_bytes == pytest.approx(expected, rel=0.10)
+
+
+def test_fsdp_tp_reduce_scatters_whole_gradients_over_fsdp(contract):
+    # GSPMD gathers the layer weights over `tensor` inside the step rather than splitting the
+    # matmuls, so each gradient reaches the fsdp reduce-scatter whole: zero3's figure over fsdp,
+    # not / T. Its tensor-axis traffic (weight all-gathers and activation all-reduces, GSPMD's
+    # choice) is not a contract figure.
+    _, s, compiled = contract
+    by = _by_group(compiled["fsdp_tp"][0])
+    assert by["reduce-scatter", 4] == pytest.approx(_ring(4 * s.psi, 4), rel=0.01)
+
+
+def _permute_sends(stages: int, microbatches: int) -> int:
+    """1F1B: S-1 warm-up ticks send activations, M steady ticks send activations and cotangents,
+    S-1 cool-down ticks send cotangents; the very last send has no reader and XLA drops it."""
+    return (stages - 1) + 2 * microbatches + (stages - 1) - 1
+
+
+@pytest.mark.parametrize("name", ["dp_pipe", "zero3_pipe"])
+def test_pipeline_permutes_one_microbatch_per_tick(name, contract):
+    stages, microbatches, rows = 2, 4, BATCH // 4  # microbatches: build's default 2 S
+    microbatch = rows // microbatches * SEQ * CONFIG.d_model * 4
+    by_kind = collective_stats(contract[2][name][0]).bytes_by_kind()
+    assert by_kind["collective-permute"] == pytest.approx(_permute_sends(stages, microbatches) * microbatch, rel=0.01)
+
+
+def test_dp_pipe_traffic(contract):
+    _, s, compiled = contract
+    stages, data, rows = 2, 4, BATCH // 4
+    local_params = 4 * (s.stack / stages + s.embed_head)
+    by = _by_group(compiled["dp_pipe"][0])
+    assert by["all-reduce", data] == pytest.approx(2 * _ring(local_params, data), rel=0.01)
+    # the embedding's gradient lives on stage 0, the head's on the last: summed over pipe
+    assert by["all-reduce", stages] == pytest.approx(2 * _ring(4 * s.embed_head, stages), rel=0.01)
+    permutes = _permute_sends(stages, 4) * (rows // 4) * SEQ * CONFIG.d_model * 4
+    expected = 2 * _ring(local_params, data) + 2 * _ring(4 * s.embed_head, stages) + permutes
+    assert collective_stats(compiled["dp_pipe"][0]).total_bytes == pytest.approx(expected, rel=0.10)
+
+
+def test_fsdp_gathers_weights_never_activations(contract):
+    model, _, compiled = contract
     weight_shapes = set()
     for leaf in _leaves(model):
         weight_shapes.add(leaf.shape)
@@ -101,3 +239,64 @@ def test_fsdp_gathers_weights_never_activations(tiny_compiled):
     for record in gathers:
         shape = tuple(int(d) for d in record.shape.split("[")[1].rstrip("]").split(",") if d)
         assert shape in weight_shapes, f"{record.name} gathers {record.shape}, which is not a weight"
+
+
+# ---------------------------------------------------------------- temporary bytes (upper bounds)
+
+
+def _activations(rows: int, layers: int, split: int = 1) -> int:
+    """Activation bytes one device may hold, f32: every layer's input kept for its remat, and one
+    block's and the head's intermediates, values and cotangents (q, k, v, attention output,
+    scores, probabilities; gate, up, hidden; logits, softmax, their cotangent). ``split``: the
+    tensor-parallel degree that divides heads, mlp and vocab."""
+    t, d, f, v, h = SEQ, CONFIG.d_model, CONFIG.d_ff, CONFIG.vocab_size, CONFIG.n_heads
+    block = rows * t * (4 * d + 3 * f) + 2 * rows * h * t * t
+    head = 3 * rows * t * v
+    return 4 * (layers * rows * t * d + 2 * (block + head) // split)
+
+
+def _temp_bound(name: str, s: Shapes) -> float:
+    """What the step's temporaries may hold at most, from the shapes (bytes per device)."""
+    layer, embed_head, layers = 4 * s.stack / CONFIG.n_layers, 4 * s.embed_head, CONFIG.n_layers
+    # ZeRO-3 family: two gathered layers (the one computing, the next one's gather), one layer's
+    # whole gradient before its reduce-scatter, the embedding and head gathered and their whole
+    # gradients, and three state-layout copies (gradient shards, Adam's update, the new shards).
+    zero3 = lambda shards: 3 * layer + 2 * embed_head + 3 * 4 * s.psi / shards
+    if name == "dp":  # the whole gradients and Adam's update (new params and moments land in the donated buffers)
+        return 2 * 4 * s.psi + _activations(BATCH // N, layers)
+    if name in ("zero1", "zero2"):  # whole local gradients, the new params all-gathered, plus zero3's state copies
+        return 2 * 4 * s.psi + 3 * 4 * s.psi / N + _activations(BATCH // N, layers)
+    if name == "zero3":
+        return zero3(N) + _activations(BATCH // N, layers)
+    if name == "hsdp":
+        return zero3(4) + _activations(BATCH // N, layers)
+    if name == "fsdp_tp":  # GSPMD gathers whole layers over tensor too (see the traffic test): zero3's
+        return zero3(8) + _activations(BATCH // 4, layers)
+    if name == "tp":  # gradients and Adam's update of the local (tensor-split) parameters
+        return 2 * 4 * ((s.psi - s.untensored) / 4 + s.untensored) + _activations(BATCH // 2, layers, split=4)
+    stages, rows = 2, BATCH // 4 // 4  # one microbatch's rows
+    stage = 4 * s.stack / stages
+    # 1F1B keeps 2S-1 stage inputs of one microbatch and runs one stage's layers at a time
+    kept = (2 * stages - 1) * rows * SEQ * CONFIG.d_model * 4 + _activations(rows, layers // stages)
+    if name == "dp_pipe":  # the stage's gradient accumulator, one microbatch's gradients, the
+        # embedding/head gradients' pipe all-reduce and Adam's update: four copies of the local params
+        return 4 * (stage + embed_head) + kept
+    assert name == "zero3_pipe"
+    # XLA hoists the stage's layer gathers out of the microbatch loop: the stage's whole slice of
+    # the stack is gathered once, and its whole gradient accumulated across microbatches.
+    return 2 * stage + 2 * embed_head + 3 * (stage + embed_head) / 4 + kept
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_temporary_bytes_bounded(name, contract):
+    _, shapes, compiled = contract
+    assert memory_stats(compiled[name][0]).temp_bytes <= _temp_bound(name, shapes)
+
+
+def test_temporary_bound_catches_a_whole_model_gather(contract):
+    """The same model gathering every weight before the forward (gathers_params=False) must break
+    zero3's bound: all eight layers are alive at once instead of two."""
+    model, shapes, _ = contract
+    whole = dataclasses.replace(model, gathers_params=False)
+    compiled, _ = _compiled(whole, "zero3", CASES["zero3"][1])
+    assert memory_stats(compiled).temp_bytes > _temp_bound("zero3", shapes)
