@@ -144,6 +144,14 @@ def _stacked_blocks(config: GPTConfig, rngs: nnx.Rngs) -> Block:
     return make(rngs)
 
 
+def _stream_dtype(config: GPTConfig, weight_dtype: Any) -> jnp.dtype:
+    """The residual stream's dtype: ``config.compute_dtype``, or the dtype the train step hands the
+    weights in when that is narrower, so that ``build(..., precision="bf16")`` computes a float32
+    config in bf16 instead of upcasting the bf16 weights again."""
+    config_dtype, weight_dtype = jnp.dtype(config.compute_dtype), jnp.dtype(weight_dtype)
+    return weight_dtype if jnp.finfo(weight_dtype).bits < jnp.finfo(config_dtype).bits else config_dtype
+
+
 class GPT(nnx.Module):
     """Decoder-only language model: tokens int32[B, T] -> logits float32[B, T, vocab]."""
 
@@ -165,19 +173,18 @@ class GPT(nnx.Module):
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """int32[B, T] -> the residual stream [B, T, d_model] in the compute dtype."""
-        dtype = jnp.dtype(self.config.compute_dtype)
         # The lookup's backward needs no weights at all, so it is not rematerialised.
-        x = jnp.take(gather_layer(self.embedding)[...], tokens, axis=0).astype(dtype)
+        table = gather_layer(self.embedding)[...]
+        x = jnp.take(table, tokens, axis=0).astype(_stream_dtype(self.config, table.dtype))
         return constrain(x, RESIDUAL)
 
     def head(self, x: jax.Array) -> jax.Array:
         """Residual stream -> float32 logits [B, T, vocab]."""
-        dtype = jnp.dtype(self.config.compute_dtype)
         final_norm, lm_head = nnx.split(self.final_norm), self.lm_head
 
         def head(x):
             norm = nnx.merge(final_norm[0], gather_layer(final_norm[1]))
-            w = gather_layer(lm_head)[...].astype(dtype)
+            w = gather_layer(lm_head)[...].astype(x.dtype)
             return jnp.einsum("btd,dv->btv", norm(x), w, preferred_element_type=jnp.float32)
 
         if self.config.remat:

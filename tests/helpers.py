@@ -1,4 +1,5 @@
-"""Shared fixtures for strategy tests: the tiny GPT, fixed batches, and a one-device reference."""
+"""Shared fixtures for strategy tests: the tiny GPT, fixed batches, and a one-device reference
+written without shardlib's step."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import jax
 import numpy as np
 import optax
 
-from shardlib.models import get_config, trainable
+from shardlib.models import GPT, get_config, next_token_loss, trainable
 from shardlib import build, make_layout, make_mesh
 from shardlib.runtime.data import ByteBatches, load_text
+from tests import zoo
 
 TINY = get_config("tiny")
 BATCH, SEQ, STEPS = 16, 32, 5
@@ -48,5 +50,12 @@ def run(strategy: str, mesh_sizes, devices=None, steps: int = STEPS, model=None)
     return np.array(losses), jax.tree.map(np.asarray, state.params), program, state
 
 
-def reference(steps: int = STEPS, model=None):
-    return run("dp", {}, devices=jax.devices()[:1], steps=steps, model=model)
+def reference(steps: int = STEPS, config=TINY, seed: int = 0):
+    """Per-step losses and final params (as numpy) of the same AdamW steps on one device, with
+    no shardlib code in the step: the NNX module itself (`nnx.split` / `nnx.merge`), its loss,
+    ``jax.jit(jax.value_and_grad)`` and optax (`tests.zoo.plain_steps`). Initialised as
+    `shardlib.from_nnx` initialises (``nnx.Rngs(jax.random.key(seed))``), so both start equal."""
+    params, _, loss = zoo.nnx_functional(lambda rngs: GPT(config, rngs=rngs), lambda m, b: next_token_loss(m, b)[0],
+                                         seed=jax.random.key(seed))
+    params, losses = zoo.plain_steps(lambda p, b: loss(p, None, b)[0], params, optimizer(), batches(steps))
+    return np.array(losses), jax.tree.map(np.asarray, params)
