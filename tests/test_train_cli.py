@@ -218,6 +218,13 @@ def test_checkpoint_setting_and_resume_hint_follow_the_flags():
     assert resume_hint(TrainConfig(out=str(out)), out) == "run the same command again to resume"
 
 
+def test_missing_data_path_is_worded_for_the_flag(tmp_path, capsys):
+    assert main(["train", *TINY, "--data", str(tmp_path / "corpus.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "give --data PATH a text file" in err and "leave --data out for the built-in corpus" in err, err
+    assert "or None" not in err
+
+
 def test_ctrl_c_without_checkpoints_says_nothing_was_saved(monkeypatch, capsys):
     def interrupted(config):
         raise KeyboardInterrupt
