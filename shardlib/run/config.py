@@ -145,7 +145,8 @@ class TrainConfig:
                                           "microbatches per stage)", name="--schedule", choices=["1f1b", "gpipe"])
     data: str | None = flag(None, "text file, folder of .txt files, or glob (default: the built-in pydoc corpus)",
                             metavar="PATH")
-    out: str | None = flag(None, "run directory (default runs/<timestamp>)", metavar="DIR")
+    out: str | None = flag(None, "run directory (default runs/<timestamp>, new each run); with --ckpt-every, a re-run "
+                                    "with the same --out resumes", metavar="DIR")
     eval_every: int = flag(25, "validate every N steps and at the end (default %(default)s; 0: at the end only)",
                            metavar="N")
     eval_batches: int = 8
