@@ -70,6 +70,11 @@ class MetricsLog:
         if tensorboard:
             self._writer = _event_writer(self.out_dir)
 
+    @property
+    def writes_events(self) -> bool:
+        """Whether TensorBoard events are being written (a writer was requested and is installed)."""
+        return self._writer is not None
+
     def write(self, record: Mapping[str, Any]) -> None:
         """Log one step's record (must contain ``step``)."""
         clean = {k: _jsonable(v) for k, v in record.items()}

@@ -293,7 +293,9 @@ def _write_outputs(run, log, summary: str, sample: str | None, steps: int, *, pr
         print(summary)
         if sample is not None:
             print(f"\nsample (prompt {config.prompt!r}):\n{sample}\n")
-        print(f"wrote {out_dir}/: metrics.jsonl, config.json, loss_curve.png, TensorBoard events", flush=True)
+        written = ["metrics.jsonl", "config.json"] + (["loss_curve.png"] if curve else []) + \
+            (["sample.txt"] if sample is not None else []) + (["TensorBoard events"] if log.writes_events else [])
+        print(f"wrote {out_dir}/: {', '.join(written)}", flush=True)
     return curve
 
 
