@@ -37,17 +37,23 @@ def optimizer() -> optax.GradientTransformation:
     return optax.adamw(3e-3, eps=1e-5, weight_decay=0.1)
 
 
+def train(program, steps: int = STEPS, batch: int = BATCH):
+    """Per-step losses, final params (as numpy) and the final state of ``steps`` steps of ``program``."""
+    state = program.init(jax.random.key(0))
+    losses = []
+    for rows in batches(steps, batch=batch):
+        state, metrics = program.step(state, rows)
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), jax.tree.map(np.asarray, state.params), state
+
+
 def run(strategy: str, mesh_sizes, devices=None, steps: int = STEPS, model=None):
     """Per-step losses and final params (as numpy) of ``steps`` AdamW steps."""
     model = model or tiny_model()
     mesh = make_mesh(mesh_sizes, devices=devices)
     program = build(model, optimizer(), make_layout(model, strategy, mesh))
-    state = program.init(jax.random.key(0))
-    losses = []
-    for batch in batches(steps):
-        state, metrics = program.step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.tree.map(np.asarray, state.params), program, state
+    losses, params, state = train(program, steps)
+    return losses, params, program, state
 
 
 def reference(steps: int = STEPS, config=TINY, seed: int = 0):

@@ -27,7 +27,7 @@ from shardlib.step import pipeline
 from shardlib.tools import report
 from shardlib.runtime.checkpoint import Checkpointer
 from shardlib.sharding.rules import RuleError
-from tests.helpers import TINY, batches, optimizer
+from tests.helpers import TINY, batches, optimizer, train
 
 FOUR_LAYERS = dataclasses.replace(TINY, n_layers=4)
 MICROBATCHES = 4
@@ -48,12 +48,7 @@ def _program(model, strategy, sizes, microbatches=MICROBATCHES, schedule="1f1b",
 
 
 def _train(program, steps=5):
-    state = program.init(jax.random.key(0))
-    losses = []
-    for batch in batches(steps, batch=ROWS):
-        state, metrics = program.step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.tree.map(np.asarray, state.params), state
+    return train(program, steps, ROWS)
 
 
 @pytest.fixture(scope="module")

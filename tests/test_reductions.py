@@ -20,18 +20,13 @@ from shardlib.models import trainable
 from shardlib.sharding.rules import is_layout
 from shardlib.sharding.strategies import get_strategy
 from shardlib.tools.report import collective_stats
-from tests.helpers import TINY, batches, optimizer, tiny_model
+from tests.helpers import TINY, batches, optimizer, tiny_model, train
 
 HSDP_MESH = {"data": 2, "fsdp": 4}
 
 
 def _train(program, steps=2, batch=16):
-    state = program.init(jax.random.key(0))
-    losses = []
-    for rows in batches(steps, batch=batch):
-        state, metrics = program.step(state, rows)
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.tree.map(np.asarray, state.params), state
+    return train(program, steps, batch)
 
 
 def _plain_reference(model, steps=2, batch=16):
