@@ -15,6 +15,7 @@ from shardlib.step.compute import batch_axis_names
 from shardlib.step.precision import POLICIES, Precision
 from shardlib.step.pipeline import SCHEDULES, bubble_fraction
 from shardlib.runtime.devices import simulate_cpu_devices
+from shardlib.runtime.xla_flags import set_gpu_overlap_flags
 
 # Heavier parts (Orbax, the planner) load on first use, so `import shardlib` stays quick.
 _LAZY = {
@@ -38,6 +39,6 @@ __all__ = [
     "MESH_AXES", "SCHEDULES", "STRATEGIES", "Stages", "bubble_fraction", "LeafLayout", "Layout", "MeshError", "Model", "ReplicationWarning", "RuleError", "Strategy",
     "TrainProgram", "TrainState", "build", "check_replication", "constrain", "from_functions",
     "from_linen", "from_nnx", "gather_layer", "get_strategy", "layout_tree", "make_layout",
-    "make_mesh", "parse_mesh", "sharding_report", "simulate_cpu_devices",
+    "make_mesh", "parse_mesh", "set_gpu_overlap_flags", "sharding_report", "simulate_cpu_devices",
 ]
 __version__ = "0.1.0"

@@ -121,6 +121,8 @@ class TrainConfig:
     cpu_devices: int | None = flag(
         None, "simulate N CPU devices when there is no accelerator (default %(default)s)", metavar="N",
         cli_default=DEFAULT_CPU_DEVICES)
+    xla_gpu_overlap: bool = flag(False, "set XLA's GPU flags for compute/communication overlap (latency-hiding "
+                                        "scheduler, collective combining; docs/gpu.md); a no-op off GPU")
     steps: int = flag(DEFAULT_STEPS, "training steps (default %(default)s)", metavar="N")
     batch_size: int = flag(DEFAULT_BATCH, "global batch size in sequences (default %(default)s)", metavar="B")
     seq_len: int = flag(DEFAULT_SEQ_LEN, "sequence length in bytes (default %(default)s)", metavar="T")

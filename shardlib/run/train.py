@@ -122,6 +122,18 @@ def _simulate_cpu_devices(n: int) -> str | None:
     return None
 
 
+def _set_xla_flags(gpu_overlap: bool) -> str | None:
+    """``--xla-gpu-overlap``: XLA's GPU overlap flags, which must be set before JAX starts (a note, or None)."""
+    if not gpu_overlap:
+        return None
+    from shardlib.runtime.xla_flags import set_gpu_overlap_flags
+
+    try:
+        return set_gpu_overlap_flags()
+    except RuntimeError as err:
+        raise TrainConfigError("xla_gpu_overlap", str(err)) from None
+
+
 def _device_count_error(n: int) -> TrainConfigError:
     import jax
 
@@ -141,7 +153,8 @@ def train(config: TrainConfig) -> TrainResult:
     from shardlib.run.setup import prepare
 
     t_begin = time.perf_counter()
-    note = setup_devices(config.cpu_devices)
+    xla_note = _set_xla_flags(config.xla_gpu_overlap)
+    note = "; ".join(filter(None, (xla_note, setup_devices(config.cpu_devices)))) or None
     check_numbers(config)
     run = prepare(config)
     if run.is_main and config.verbose:
