@@ -1,0 +1,86 @@
+"""GPU readiness on a CPU machine: the XLA_FLAGS string `set_gpu_overlap_flags` writes, and the MFU
+benchmark's smoke run. The flags' effect on a GPU is measured by hand (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from shardlib.runtime import xla_flags
+from shardlib.runtime.xla_flags import GPU_OVERLAP_FLAGS, flag_names, set_gpu_overlap_flags, with_flags
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _subprocess_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return {**env, "PYTHONPATH": str(ROOT), **extra}
+
+
+def test_flags_string_for_an_empty_environment():
+    expected = " ".join(f"--{name}={value}" for name, value in GPU_OVERLAP_FLAGS)
+    assert with_flags("") == expected
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in expected.split()
+    assert {"xla_gpu_all_reduce_combine_threshold_bytes", "xla_gpu_all_gather_combine_threshold_bytes",
+            "xla_gpu_reduce_scatter_combine_threshold_bytes"} <= flag_names(expected)
+
+
+def test_user_flags_win_and_are_kept_verbatim():
+    user = "--xla_gpu_enable_latency_hiding_scheduler=false  --xla_gpu_all_gather_combine_threshold_bytes=1 --xla_dump_to=/tmp/d"
+    merged = with_flags(user)
+    assert merged.startswith(user.strip())
+    tokens = merged.split()
+    for name in ("xla_gpu_enable_latency_hiding_scheduler", "xla_gpu_all_gather_combine_threshold_bytes"):
+        assert sum(t.startswith(f"--{name}=") for t in tokens) == 1  # set once: the user's value
+    assert "--xla_gpu_enable_latency_hiding_scheduler=false" in tokens
+    assert "--xla_gpu_all_reduce_combine_threshold_bytes=134217728" in tokens
+    assert with_flags(merged) == merged  # idempotent
+
+
+def test_calling_after_the_backend_started_is_an_error():
+    jax.devices()  # this test process's backend is up
+    with pytest.raises(RuntimeError, match="already started.*before any JAX computation"):
+        set_gpu_overlap_flags("gpu")
+
+
+def test_gpu_sets_the_flags_and_cpu_tpu_leave_them(monkeypatch):
+    """In this process the backend is up, so the start check is stubbed to test the platform branch."""
+    monkeypatch.setattr("shardlib.compat.backends_initialized", lambda: False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_pipelined_all_gather=false")
+    for platform in ("cpu", "tpu"):
+        note = set_gpu_overlap_flags(platform)
+        assert "not set" in note and "GPU-only" in note
+        assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_pipelined_all_gather=false"
+    note = set_gpu_overlap_flags("cuda")
+    assert "kept your XLA_FLAGS value of xla_gpu_enable_pipelined_all_gather" in note
+    assert os.environ["XLA_FLAGS"] == with_flags("--xla_gpu_enable_pipelined_all_gather=false")
+    assert xla_flags._platform_before_start() == (False, f"JAX_PLATFORMS={os.environ['JAX_PLATFORMS']}")
+
+
+def test_every_flag_is_known_to_this_jaxlib():
+    """XLA aborts a process on an unknown XLA_FLAGS entry; a JAX release that drops one fails here."""
+    env = _subprocess_env(JAX_PLATFORMS="cpu", XLA_FLAGS=with_flags(""))
+    result = subprocess.run([sys.executable, "-c", "import jax; print(int(jax.numpy.ones(3).sum()))"],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "3", result.stderr[-2000:]
+
+
+def test_benchmark_mfu_smoke_run_on_cpu():
+    env = _subprocess_env(JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_mfu.py"), "--steps", "2", "--warmup", "1",
+           "--batch-size", "8", "--seq-len", "32", "--xla-gpu-overlap"]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "model       tiny" in out and "zero3, bf16" in out
+    assert "devices     8 x cpu" in out
+    assert "batch       8 x 32 tokens" in out
+    assert re.search(r"tokens/s    [\d,]+\n", out) and float(re.search(r"tokens/s +([\d,]+)", out)[1].replace(",", "")) > 0
+    assert "MFU         n/a (no peak figure for cpu)" in out
+    assert "XLA GPU overlap flags not set (JAX_PLATFORMS=cpu)" in out
