@@ -82,6 +82,7 @@ def build(
     microbatches: int | None = None,
     schedule: str = "1f1b",
     donate: bool = True,
+    bucket_bytes: int | None = reduce_lib.DEFAULT_BUCKET_BYTES,
 ) -> TrainProgram:
     """Compile-ready init, train step and eval step for ``model`` under ``layout``.
 
@@ -98,6 +99,11 @@ def build(
     ``shard_grad_buffer`` the sum over the axes the buffer is not sharded over (hsdp's ``data``)
     runs once per step, after the microbatches.
 
+    ``bucket_bytes`` packs the uncompressed gradient reductions the step writes (dp, zero1, zero2,
+    hsdp's data axis) into buckets of at most that many bytes, one collective each, as PyTorch
+    DDP does (`shardlib.step.buckets`); 0 or None: one collective per tensor. Compressed
+    reductions stay per tensor.
+
     When the mesh's ``pipe`` axis has S > 1 devices the layer stack is split into S stages
     (`shardlib.step.pipeline`): each device's rows run as ``microbatches`` (default 2S) microbatches
     through the ``schedule`` ("1f1b" or "gpipe"), which replaces ``grad_accum``.
@@ -105,7 +111,7 @@ def build(
     policy = precision_lib.get_precision(precision)
     method = compression_lib.get_compression(grad_compression)
     microbatches, schedule = grads_lib.check_options(model, layout, grad_accum, method, microbatches, schedule)
-    reducer = reduce_lib.Reducer.for_layout(layout, method)
+    reducer = reduce_lib.Reducer.for_layout(layout, method, bucket_bytes=bucket_bytes)
     rows_split = math.prod(layout.mesh.shape[a] for a in layout.batch_axes)
     call = ModelCall.for_layout(model, layout, policy, rows_split)
     provider = grads_lib.for_layout(call, reducer, layout, grad_accum=grad_accum, microbatches=microbatches,

@@ -19,10 +19,15 @@ from jax.sharding import PartitionSpec as P
 
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout, restrict, spec_axes
+from shardlib.step import buckets as buckets_lib
 from shardlib.step import compression as compression_lib
 from shardlib.step.compute import active_axes, sharded_paths
 
-__all__ = ["Reducer", "active_axes", "batch_specs", "vary"]  # active_axes: the axes reductions run over
+# DDP's default (25 MiB): large enough that a bucket's fixed cost is small against its bytes,
+# small enough that the concatenated copy it needs stays a fraction of a large model's gradients.
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "Reducer", "active_axes", "batch_specs", "vary"]  # active_axes: the axes reductions run over
 
 
 def batch_specs(layout: Layout, batch: Any) -> Any:
@@ -108,11 +113,17 @@ class Reducer:
     axes: tuple[str, ...]  # the batch axes to reduce over (size > 1)
     method: compression_lib.Compression
     storage_specs: Any = None  # full storage specs (tensor axes too): where the residuals live
+    bucket_bytes: int = 0  # pack uncompressed reductions into buckets of this size (`buckets`); 0: one per tensor
 
     @classmethod
-    def for_layout(cls, layout: Layout, method: compression_lib.Compression, exclude: tuple[str, ...] = ()) -> Reducer:
+    def for_layout(cls, layout: Layout, method: compression_lib.Compression, exclude: tuple[str, ...] = (),
+                   bucket_bytes: int | None = 0) -> Reducer:
         """Over the layout's batch axes but ``exclude``; refuses compression where a parameter's
-        whole reduction is the autodiff reduce-scatter (hsdp's data-axis sum is compressible)."""
+        whole reduction is the autodiff reduce-scatter (hsdp's data-axis sum is compressible).
+        ``bucket_bytes`` (0 or None: off) buckets the uncompressed reductions only: a compressed
+        one keeps its per-tensor chunks, scales and residual."""
+        if bucket_bytes is not None and bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes must be >= 0 (0 or None: one collective per tensor), got {bucket_bytes}")
         axes = active_axes(layout, exclude)
         untouched = _autodiff_only(layout, axes) if method.name != "none" else []
         if untouched:
@@ -124,27 +135,65 @@ class Reducer:
                 "parameters unsharded (dp, zero1, zero2)"
             )
         storage = jax.tree.map(lambda l: l.spec, layout.params, is_leaf=rules_lib.is_layout)
-        return cls(layout.manual(layout.params), layout.manual(layout.state), axes, method, storage)
+        return cls(layout.manual(layout.params), layout.manual(layout.state), axes, method, storage,
+                   int(bucket_bytes or 0))
 
     def _map(self, fn, grads: Any, residuals: Any) -> tuple[Any, Any]:
         """``fn(grad, param_spec, state_spec, residual) -> (grad, residual)`` over every tensor."""
         flat, treedef = jax.tree.flatten(grads)
-        rows = zip(flat, treedef.flatten_up_to(self.param_specs), treedef.flatten_up_to(self.state_specs),
-                   treedef.flatten_up_to(residuals) if residuals is not None else [None] * len(flat))
-        out = [fn(g, ps, ss, r) for g, ps, ss, r in rows]
+        rs = treedef.flatten_up_to(residuals) if residuals is not None else [None] * len(flat)
+        out = [fn(g, ps, ss, r) for g, (ps, ss), r in zip(flat, self._specs_of(treedef), rs)]
         residuals = treedef.unflatten([r for _, r in out]) if self.method.needs_residual else None
         return treedef.unflatten([g for g, _ in out]), residuals
 
+    @property
+    def bucketed(self) -> bool:
+        """Whether the reductions run in buckets: asked for, and uncompressed (no residuals)."""
+        return self.bucket_bytes > 0 and self.method.name == "none"
+
+    def _specs_of(self, treedef) -> list[tuple[P, P]]:
+        return list(zip(treedef.flatten_up_to(self.param_specs), treedef.flatten_up_to(self.state_specs)))
+
     def scatter(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
         """Reduce-scatter every dim only the state shards: gradients become their state shards."""
+        if self.bucketed:
+            return self._scatter_buckets(grads), residuals
         return self._map(lambda g, ps, ss, r: _scatter_grad(g, _scatter_dims(ps, ss), self.method, r), grads, residuals)
 
     def finish(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
         """Sum `scatter`'s output over the batch axes neither layout shards."""
+        if self.bucketed:
+            return self._finish_buckets(grads), residuals
+
         def one(g, ps, ss, r):
             return _sum_grad(g, _rest_axes(ps, ss, self.axes), bool(_scatter_dims(ps, ss)), self.method, r)
 
         return self._map(one, grads, residuals)
+
+    def _scatter_buckets(self, grads: Any) -> Any:
+        """`scatter` in buckets: tensors with one scattered dim that divides share collectives; a
+        tensor scattered on two dims (or not dividing: its error) goes alone."""
+        flat, treedef = jax.tree.flatten(grads)
+        dims = [_scatter_dims(ps, ss) for ps, ss in self._specs_of(treedef)]
+
+        def key(g, d):
+            bucketable = len(d) == 1 and g.size and g.shape[d[0][0]] % jax.lax.axis_size(d[0][1]) == 0
+            return (d[0][1], g.dtype) if bucketable else None
+
+        keys = [key(g, d) for g, d in zip(flat, dims)]
+        out = buckets_lib.apply(flat, keys, self.bucket_bytes, lambda k, ids: buckets_lib.psum_scatter(
+            [flat[i] for i in ids], [dims[i][0][0] for i in ids], k[0]))
+        return treedef.unflatten([o if o is not None else _scatter_grad(g, d, self.method, None)[0]
+                                  for o, g, d in zip(out, flat, dims)])
+
+    def _finish_buckets(self, grads: Any) -> Any:
+        """`finish` in buckets: tensors summed over the same axes share collectives."""
+        flat, treedef = jax.tree.flatten(grads)
+        rest = [_rest_axes(ps, ss, self.axes) for ps, ss in self._specs_of(treedef)]
+        keys = [(axes, g.dtype) if axes and g.size else None for g, axes in zip(flat, rest)]
+        out = buckets_lib.apply(flat, keys, self.bucket_bytes,
+                                lambda k, ids: buckets_lib.psum([flat[i] for i in ids], k[0]))
+        return treedef.unflatten([g if o is None else o for o, g in zip(out, flat)])
 
     def __call__(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
         return self.finish(*self.scatter(grads, residuals))
