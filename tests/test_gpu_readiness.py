@@ -32,7 +32,8 @@ def test_flags_string_for_an_empty_environment():
 
 
 def test_user_flags_win_and_are_kept_verbatim():
-    user = "--xla_gpu_enable_latency_hiding_scheduler=false  --xla_gpu_all_gather_combine_threshold_bytes=1 --xla_dump_to=/tmp/d"
+    user = ("--xla_gpu_enable_latency_hiding_scheduler=false  --xla_gpu_all_gather_combine_threshold_bytes=1 "
+            "--xla_dump_to=/tmp/d")
     merged = with_flags(user)
     assert merged.startswith(user.strip())
     tokens = merged.split()
@@ -81,6 +82,39 @@ def test_benchmark_mfu_smoke_run_on_cpu():
     assert "model       tiny" in out and "zero3, bf16" in out
     assert "devices     8 x cpu" in out
     assert "batch       8 x 32 tokens" in out
-    assert re.search(r"tokens/s    [\d,]+\n", out) and float(re.search(r"tokens/s +([\d,]+)", out)[1].replace(",", "")) > 0
+    tokens_per_s = re.search(r"^tokens/s +([\d,]+)$", out, re.MULTILINE)
+    assert tokens_per_s and int(tokens_per_s[1].replace(",", "")) > 0
     assert "MFU         n/a (no peak figure for cpu)" in out
     assert "XLA GPU overlap flags not set (JAX_PLATFORMS=cpu)" in out
+
+
+def test_train_flag_after_the_backend_started_names_the_flag():
+    from shardlib.run.config import TrainConfig, TrainConfigError
+    from shardlib.run.train import train
+
+    jax.devices()
+    with pytest.raises(TrainConfigError, match="--xla-gpu-overlap: .*already started"):
+        train(TrainConfig(model="tiny", xla_gpu_overlap=True))
+
+
+def test_benchmark_mfu_figure_against_the_palm_formula(monkeypatch):
+    """The MFU line on a device with a peak: 6 N + 12 L H Q T FLOPs per token, written here from the shapes."""
+    import argparse
+    import importlib.util
+
+    from shardlib.models import get_config
+
+    spec = importlib.util.spec_from_file_location("benchmark_mfu", ROOT / "scripts" / "benchmark_mfu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr("shardlib.tools.flops.peak_flops_for", lambda device: 2e12)
+    c = get_config("tiny")
+    args = argparse.Namespace(model="tiny", strategy="zero3", precision="bf16", batch_size=16, seq_len=32, steps=3)
+    lines = bench.report(args, c, step_s=1e-4, compile_s=1.0)
+    layer = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads) + 3 * c.d_model * c.d_ff + 2 * c.d_model
+    matmul_params = c.vocab_size * c.d_model + c.n_layers * layer + c.d_model  # the output head, layers, final norm
+    per_token = 6 * matmul_params + 12 * c.n_layers * c.n_heads * c.head_dim * 32
+    expected = per_token * 16 * 32 / (1e-4 * len(jax.devices()) * 2e12)
+    mfu_line = next(line for line in lines if line.startswith("MFU"))
+    assert f"{expected:.1%} (of 2 TFLOP/s" in mfu_line
+    assert any(line == f"tokens/s    {16 * 32 / 1e-4:,.0f}" for line in lines)

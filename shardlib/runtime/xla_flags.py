@@ -7,25 +7,26 @@ when the backend starts, so this must run before any JAX computation (an error s
 A flag already in ``XLA_FLAGS`` is left as the user wrote it. Every flag is ``xla_gpu_*``, so on
 CPU and TPU nothing is set and a note says why.
 
-| flag | value | what it does | source |
-|---|---|---|---|
-| ``xla_gpu_enable_latency_hiding_scheduler`` | true | schedules async collectives early so they run under compute | [JAX] "Flags"; [TBX] (baked into NVIDIA's JAX image) |
-| ``xla_gpu_enable_highest_priority_async_stream`` | true | runs collectives on a high-priority stream | [TBX] "Enable asynchronous collective communication"; [MT] |
-| ``xla_gpu_all_reduce_combine_threshold_bytes`` | 134217728 | merges small all-reduces up to 128 MiB | [JAX] (tune to combine at least one layer); value from [MT] |
-| ``xla_gpu_all_gather_combine_threshold_bytes`` | 134217728 | merges a layer's weight all-gathers | [JAX]; value from [MT] |
-| ``xla_gpu_reduce_scatter_combine_threshold_bytes`` | 67108864 | merges a layer's gradient reduce-scatters | [JAX]; value from [MT] |
-| ``xla_gpu_enable_all_gather_combine_by_dim`` | false | combines all-gathers of different gather dimensions too | [TBX] "Enable Optimizations for FSDP communication"; [MT] |
-| ``xla_gpu_enable_reduce_scatter_combine_by_dim`` | false | the same for reduce-scatters | [TBX]; [MT] |
-| ``xla_gpu_enable_pipelined_all_gather`` | true | gathers the next scanned layer's weights during this one | [TBX] "Pipelined comm/compute for FSDP"; [MT] |
-| ``xla_gpu_enable_pipelined_reduce_scatter`` | true | reduce-scatters a layer's gradients during the next one | [TBX]; [MT] |
-| ``xla_gpu_enable_pipelined_all_reduce`` | true | the same for all-reduces (dp, hsdp) | [TBX]; [MT] |
-| ``xla_gpu_enable_while_loop_double_buffering`` | true | double-buffers the scanned layer loop, so the above can overlap | [TBX] "Enable Optimizations for FSDP communication"; [MT] |
+| flag (all ``--xla_gpu_...``)               | value   | why                                           | source        |
+|--------------------------------------------|---------|-----------------------------------------------|---------------|
+| ``enable_latency_hiding_scheduler``        | true    | starts async collectives early, under compute | JAX, TBX      |
+| ``enable_highest_priority_async_stream``   | true    | collectives on a high-priority stream         | TBX, MT       |
+| ``all_reduce_combine_threshold_bytes``     | 128 MiB | merges small all-reduces                      | JAX; MT value |
+| ``all_gather_combine_threshold_bytes``     | 128 MiB | merges a layer's weight all-gathers           | JAX; MT value |
+| ``reduce_scatter_combine_threshold_bytes`` | 64 MiB  | merges a layer's gradient reduce-scatters     | JAX; MT value |
+| ``enable_all_gather_combine_by_dim``       | false   | combines across gather dimensions too         | TBX, MT       |
+| ``enable_reduce_scatter_combine_by_dim``   | false   | the same for reduce-scatters                  | TBX, MT       |
+| ``enable_pipelined_all_gather``            | true    | gathers layer i+1 while layer i computes      | TBX, MT       |
+| ``enable_pipelined_reduce_scatter``        | true    | reduce-scatters grads during the next layer   | TBX, MT       |
+| ``enable_pipelined_all_reduce``            | true    | the same for all-reduces (dp, hsdp)           | TBX, MT       |
+| ``enable_while_loop_double_buffering``     | true    | double-buffers the layer scan for the above   | TBX, MT       |
 
-[JAX]: JAX "GPU performance tips", https://docs.jax.dev/en/latest/gpu_performance_tips.html
-[TBX]: NVIDIA JAX-Toolbox "GPU performance" (rosetta/docs/GPU_performance.md),
-       https://docs.nvidia.com/jax-toolbox/performance-profiling/gpu-performance
-[MT]:  MaxText's A3 (H100) Llama2-7B recipe, end_to_end/gpu/a3/test_llama2_7b.sh in
-       https://github.com/AI-Hypercomputer/maxtext
+JAX: "GPU performance tips" (its "Flags" list), https://docs.jax.dev/en/latest/gpu_performance_tips.html
+TBX: NVIDIA JAX-Toolbox "GPU performance" (rosetta/docs/GPU_performance.md; the latency-hiding
+     scheduler is also baked into NVIDIA's JAX image),
+     https://docs.nvidia.com/jax-toolbox/performance-profiling/gpu-performance
+MT:  MaxText's A3 (H100) Llama2-7B recipe, end_to_end/gpu/a3/test_llama2_7b.sh in
+     https://github.com/AI-Hypercomputer/maxtext
 
 Every flag is known to the jaxlib shardlib is tested with (0.10.2); XLA aborts on an unknown
 flag, so `tests/test_gpu_readiness.py` starts a process with all of them to catch one a JAX
