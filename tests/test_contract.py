@@ -4,6 +4,7 @@ itself (memory_analysis and the optimised HLO) and compared with formulas writte
 model's shapes. Compile only: nothing is run."""
 
 import dataclasses
+import itertools
 from collections import defaultdict
 
 import jax
@@ -13,6 +14,7 @@ import pytest
 
 from shardlib.models import GPTConfig, trainable
 from shardlib import build, make_layout, make_mesh
+from shardlib.tools.hlo import parse_shape, shape_leaves
 from shardlib.tools.report import collective_stats, memory_stats
 from tests.helpers import BATCH, SEQ, TINY, optimizer
 
@@ -42,6 +44,7 @@ class Shapes:
     psi: int  # all parameters
     stack: int  # the scanned layers (leading "layers" axis)
     untensored: int  # no dimension tp splits: the norm scales
+    stack_untensored: int  # the norm scales of the scanned layers
 
     @property
     def embed_head(self) -> int:  # embedding, final norm, output head
@@ -55,9 +58,23 @@ def _leaves(model):
 
 def _shapes(model) -> Shapes:
     leaves = _leaves(model)
-    stack = sum(_size(l.shape) for l in leaves if l.logical[0] == "layers")
-    untensored = sum(_size(l.shape) for l in leaves if not TENSOR_NAMES & set(l.logical))
-    return Shapes(sum(_size(l.shape) for l in leaves), stack, untensored)
+    stacked = lambda l: l.logical[0] == "layers"
+    untensored = lambda l: not TENSOR_NAMES & set(l.logical)
+    count = lambda keep: sum(_size(l.shape) for l in leaves if keep(l))
+    return Shapes(count(lambda l: True), count(stacked), count(untensored),
+                  count(lambda l: stacked(l) and untensored(l)))
+
+
+def _weight_shapes(model, splits=()) -> set[tuple[int, ...]]:
+    """Every shape a weight takes (whole, and one layer of a stack), with each dim divided by any
+    product of ``splits`` (mesh axis sizes) that divides it: the weight buffers a collective may move."""
+    factors = {int(np.prod(c)) for k in range(len(splits) + 1) for c in itertools.combinations(splits, k)}
+    shapes = set()
+    for leaf in _leaves(model):
+        for base in (leaf.shape, leaf.shape[1:]) if leaf.logical[0] == "layers" else (leaf.shape,):
+            options = [[d // f for f in factors if d % f == 0] for d in base]
+            shapes.update(itertools.product(*options))
+    return shapes
 
 
 def _compiled(model, strategy, mesh, batch=BATCH, seq=SEQ):
@@ -174,30 +191,65 @@ def _tp_activation_all_reduces(layers: int) -> int:
     return 8 * layers + 2
 
 
+def _tensor_traffic(rows: int, tensor: int) -> dict[str, float]:
+    """tp's traffic over `tensor` for ``rows`` rows per model replica: the activation all-reduces
+    (`_tp_activation_all_reduces`), the vocab-split softmax's three per-token all-reduces (max, sum,
+    label logit; forward and backward), and accuracy's argmax (each shard's max and index gathered)."""
+    residual = rows * SEQ * CONFIG.d_model * 4  # one all-reduced activation [rows, seq, d_model]
+    token_row = rows * SEQ * 4  # one float per token
+    activations = _tp_activation_all_reduces(CONFIG.n_layers) * 2 * _ring(residual, tensor)
+    return {"all-reduce": activations + 3 * 2 * _ring(token_row, tensor),
+            "all-gather": 2 * _ring(token_row * tensor, tensor)}
+
+
+def _local_params(s: Shapes, tensor: int, stack: bool = False) -> float:
+    """Parameters one tensor device holds of the whole model (or of the scanned stack): those with
+    a heads/mlp/vocab dim split T ways, the norm scales whole."""
+    total, untensored = (s.stack, s.stack_untensored) if stack else (s.psi, s.untensored)
+    return (total - untensored) / tensor + untensored
+
+
 def test_tp_traffic_is_activation_all_reduces_plus_the_data_gradient_all_reduce(contract):
     _, s, compiled = contract
-    data, tensor, rows = 2, 4, BATCH // 2
-    residual = rows * SEQ * CONFIG.d_model * 4  # one all-reduced activation [rows, seq, d_model]
-    token_row = rows * SEQ * 4  # one float per token: the vocab-split softmax's max, sum, label logit
+    data, tensor = 2, 4
     by = _by_group(compiled["tp"][0])
-    activations = _tp_activation_all_reduces(CONFIG.n_layers) * 2 * _ring(residual, tensor)
-    softmax = 3 * 2 * _ring(token_row, tensor)
-    assert by["all-reduce", tensor] == pytest.approx(activations + softmax, rel=0.01)
-    local_params = 4 * ((s.psi - s.untensored) / tensor + s.untensored)
+    over_tensor = _tensor_traffic(BATCH // data, tensor)
+    assert by["all-reduce", tensor] == pytest.approx(over_tensor["all-reduce"], rel=0.01)
+    local_params = 4 * _local_params(s, tensor)
     assert by["all-reduce", data] == pytest.approx(2 * _ring(local_params, data), rel=0.01)
-    argmax = 2 * _ring(token_row * tensor, tensor)  # accuracy's argmax: each shard's max and index
-    expected = activations + softmax + 2 * _ring(local_params, data) + argmax
+    expected = sum(over_tensor.values()) + 2 * _ring(local_params, data)
     assert collective_stats(compiled["tp"][0]).total_bytes == pytest.approx(expected, rel=0.10)
 
 
-def test_fsdp_tp_reduce_scatters_whole_gradients_over_fsdp(contract):
-    # GSPMD gathers the layer weights over `tensor` inside the step rather than splitting the
-    # matmuls, so each gradient reaches the fsdp reduce-scatter whole: zero3's figure over fsdp,
-    # not / T. Its tensor-axis traffic (weight all-gathers and activation all-reduces, GSPMD's
-    # choice) is not a contract figure.
+def test_fsdp_tp_is_zero3_over_the_tensor_shards_plus_tp_over_tensor(contract):
+    """F=4, T=2. Over fsdp, zero3's exact figure for the parameters one tensor device holds (each
+    layer gathered forward and again for the backward, every gradient reduce-scattered once): the
+    gathers keep the tensor split (`hooks.gather_shards`). Over tensor, tp's traffic for the fsdp
+    device's rows: the matmuls are split, so only activations cross it."""
     _, s, compiled = contract
+    fsdp, tensor = 4, 2
     by = _by_group(compiled["fsdp_tp"][0])
-    assert by["reduce-scatter", 4] == pytest.approx(_ring(4 * s.psi, 4), rel=0.01)
+    local, local_stack = 4 * _local_params(s, tensor), 4 * _local_params(s, tensor, stack=True)
+    assert by["reduce-scatter", fsdp] == pytest.approx(_ring(local, fsdp), rel=0.01)
+    assert by["all-gather", fsdp] == pytest.approx(_ring(local + local_stack, fsdp), rel=0.01)
+    over_tensor = _tensor_traffic(BATCH // fsdp, tensor)
+    assert by["all-reduce", tensor] == pytest.approx(over_tensor["all-reduce"], rel=0.01)
+    assert by["all-gather", tensor] == pytest.approx(over_tensor["all-gather"], rel=0.01)
+    expected = _ring(2 * local + local_stack, fsdp) + sum(over_tensor.values())
+    assert collective_stats(compiled["fsdp_tp"][0]).total_bytes == pytest.approx(expected, rel=0.10)
+
+
+@pytest.mark.parametrize("name,splits", [("tp", ()), ("fsdp_tp", (4,))])  # splits: the batch axes that shard weights
+def test_no_weight_is_gathered_over_tensor(name, splits, contract):
+    """The layers compute with tensor-split weights: no all-gather over `tensor` (groups of T)
+    moves a buffer shaped like a weight, whole or split over any of the mesh's axes."""
+    model, _, compiled = contract
+    tensor = CASES[name][1]["tensor"]
+    weights = _weight_shapes(model, splits + (tensor,))
+    gathers = [r for r in collective_stats(compiled[name][0]).of_kind("all-gather") if r.group_size == tensor]
+    for record in gathers:
+        for leaf in shape_leaves(parse_shape(record.shape)):
+            assert leaf.dims not in weights, f"{record.name} gathers {record.shape} over tensor, a weight's shape"
 
 
 def _permute_sends(stages: int, microbatches: int) -> int:
@@ -229,16 +281,12 @@ def test_dp_pipe_traffic(contract):
 
 def test_fsdp_gathers_weights_never_activations(contract):
     model, _, compiled = contract
-    weight_shapes = set()
-    for leaf in _leaves(model):
-        weight_shapes.add(leaf.shape)
-        if leaf.logical[0] == "layers":
-            weight_shapes.add(leaf.shape[1:])
+    weight_shapes = _weight_shapes(model)
     gathers = collective_stats(compiled["zero3"][0]).of_kind("all-gather")
     assert gathers
     for record in gathers:
-        shape = tuple(int(d) for d in record.shape.split("[")[1].rstrip("]").split(",") if d)
-        assert shape in weight_shapes, f"{record.name} gathers {record.shape}, which is not a weight"
+        for leaf in shape_leaves(parse_shape(record.shape)):
+            assert leaf.dims in weight_shapes, f"{record.name} gathers {record.shape}, which is not a weight"
 
 
 # ---------------------------------------------------------------- temporary bytes (upper bounds)
@@ -261,7 +309,7 @@ def _temp_bound(name: str, s: Shapes) -> float:
     # ZeRO-3 family: two gathered layers (the one computing, the next one's gather), one layer's
     # whole gradient before its reduce-scatter, the embedding and head gathered and their whole
     # gradients, and three state-layout copies (gradient shards, Adam's update, the new shards).
-    zero3 = lambda shards: 3 * layer + 2 * embed_head + 3 * 4 * s.psi / shards
+    zero3 = lambda shards, layer=layer, embed_head=embed_head: 3 * layer + 2 * embed_head + 3 * 4 * s.psi / shards
     if name == "dp":  # the whole gradients and Adam's update (new params and moments land in the donated buffers)
         return 2 * 4 * s.psi + _activations(BATCH // N, layers)
     if name in ("zero1", "zero2"):
@@ -276,8 +324,11 @@ def _temp_bound(name: str, s: Shapes) -> float:
         return zero3(N) + _activations(BATCH // N, layers)
     if name == "hsdp":
         return zero3(4) + _activations(BATCH // N, layers)
-    if name == "fsdp_tp":  # GSPMD gathers whole layers over tensor too (see the traffic test): zero3's
-        return zero3(8) + _activations(BATCH // 4, layers)
+    if name == "fsdp_tp":  # zero3 over fsdp of the tensor-split layers (gathered 1/T, see the traffic test)
+        tensor = 2
+        tp_layer = 4 * _local_params(s, tensor, stack=True) / layers
+        tp_embed_head = 4 * _local_params(s, tensor) - tp_layer * layers
+        return zero3(8, tp_layer, tp_embed_head) + _activations(BATCH // 4, layers, split=tensor)
     if name == "tp":  # gradients and Adam's update of the local (tensor-split) parameters
         return 2 * 4 * ((s.psi - s.untensored) / 4 + s.untensored) + _activations(BATCH // 2, layers, split=4)
     stages, rows = 2, BATCH // 4 // 4  # one microbatch's rows

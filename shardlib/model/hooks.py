@@ -16,11 +16,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 from jax.sharding import PartitionSpec as P
+
+from shardlib.sharding.rules import as_axes
 
 SPEC_METADATA = "shardlib_spec"  # Variable metadata: (path, storage spec over the manual axes)
 
@@ -32,6 +34,8 @@ class ComputeContext:
     activation_spec: Callable[[Sequence[str | None], tuple[int, ...]], P]
     gathered: set[str] = dataclasses.field(default_factory=set)  # paths gather_layer saw (checked by the step)
     cast_to: Any = None  # compute dtype to cast gathered weights to (when the cast follows the gather)
+    # path -> storage spec over the axes left to GSPMD (``tensor``): the split a gather must keep
+    auto_specs: Mapping[str, P] = dataclasses.field(default_factory=dict)
 
 
 _CONTEXT: contextvars.ContextVar[ComputeContext | None] = contextvars.ContextVar(
@@ -69,6 +73,25 @@ def all_gather_spec(x: jax.Array, spec: Sequence[Any]) -> jax.Array:
     return x
 
 
+def gather_shards(x: jax.Array, spec: Sequence[Any], auto_spec: Sequence[Any] = ()) -> jax.Array:
+    """All-gather ``x`` over the manual axes of ``spec`` while it stays split over the GSPMD axes
+    of ``auto_spec`` (``tensor``).
+
+    GSPMD cannot partition a manual all-gather over an operand it has split on another axis: it
+    all-gathers the operand over ``tensor`` first, so fsdp_tp's layers would compute with whole
+    weights and reduce-scatter whole gradients (docs/design.md, "fsdp_tp's gathers keep the
+    tensor split"). Mapping the auto axes by hand around the gather gathers each tensor shard
+    on its own; the transpose reduce-scatters gradients of 1/T the size.
+    """
+    # A dim split over both kinds (an annotation such as ("fsdp", "tensor") on one dim) is left to
+    # GSPMD as before: mapped by hand, its blocks would come back in the wrong order.
+    kept = P(*(None if manual else auto for manual, auto in zip(spec, auto_spec)))
+    auto = {a for entry in kept for a in as_axes(entry)}
+    if not auto or not any(spec):
+        return all_gather_spec(x, spec)
+    return jax.shard_map(lambda shard: all_gather_spec(shard, spec), in_specs=kept, out_specs=kept, axis_names=auto)(x)
+
+
 def _gather_variable(variable: Any, ctx: ComputeContext) -> Any:
     stamp = variable.get_metadata().get(SPEC_METADATA) if hasattr(variable, "get_metadata") else None
     if not stamp:
@@ -76,14 +99,21 @@ def _gather_variable(variable: Any, ctx: ComputeContext) -> Any:
     path, spec = stamp
     ctx.gathered.add(path)
     value = variable.get_value()
-    if len(spec) == value.ndim + 1:  # a slice of a scanned stack: drop the 'layers' entry
-        spec = spec[1:]
-    if len(spec) != value.ndim:
-        raise ValueError(f"gather_layer: {path} has spec {spec}, which does not fit a value of shape {value.shape}")
-    value = all_gather_spec(value, spec)
+    spec = _fit(path, spec, value)
+    value = gather_shards(value, spec, _fit(path, ctx.auto_specs.get(path, (None,) * len(spec)), value))
     if ctx.cast_to is not None and jax.numpy.issubdtype(value.dtype, jax.numpy.floating):
         value = value.astype(ctx.cast_to)
     return variable.replace(value)
+
+
+def _fit(path: str, spec: Sequence[Any], value: jax.Array) -> tuple:
+    """``spec`` for ``value``: a slice of a scanned stack drops the leading 'layers' entry."""
+    spec = tuple(spec)
+    if len(spec) == value.ndim + 1:
+        spec = spec[1:]
+    if len(spec) != value.ndim:
+        raise ValueError(f"gather_layer: {path} has spec {spec}, which does not fit a value of shape {value.shape}")
+    return spec
 
 
 def gather_layer(state: Any) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -81,6 +81,11 @@ def activation_spec(layout: Layout) -> Callable[[Any, tuple[int, ...]], P]:
     return lambda logical, shape: resolve(tuple(logical), tuple(shape))
 
 
+def auto_axes(layout: Layout) -> tuple[str, ...]:
+    """The mesh axes left to GSPMD inside the step (``tensor``)."""
+    return tuple(a for a in layout.mesh.axis_names if a not in layout.manual_axes)
+
+
 def sharded_paths(layout: Layout) -> tuple[str, ...]:
     """Parameters whose storage is split over a batch axis: the ones ZeRO-3 must gather."""
     return tuple(l.path for l in jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout)
@@ -94,6 +99,8 @@ class ModelCall:
 
     model: Model
     specs: Any  # storage specs over the manual batch axes: what the gathers read
+    auto_specs: Any  # storage specs over the GSPMD axes (a tree like specs): the split the gathers keep
+    auto_by_path: Mapping[str, P]  # the same by parameter path, for the model's own gather_layer calls
     must_gather: tuple[str, ...]
     activation_spec: Callable[[Any, tuple[int, ...]], P]
     compute_dtype: Any
@@ -105,7 +112,10 @@ class ModelCall:
     def for_layout(cls, model: Model, layout: Layout, policy: precision_lib.Precision,
                    rows_split: int, exclude: tuple[str, ...] = ()) -> ModelCall:
         cast_first = policy.casts_before_gather(layout.mesh.devices.flat[0].platform)
-        return cls(model, layout.manual(layout.params), sharded_paths(layout), activation_spec(layout),
+        auto = layout.manual(layout.params, auto_axes(layout))
+        by_path = {l.path: spec for l, spec in zip(jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout),
+                                                   jax.tree.leaves(auto))}
+        return cls(model, layout.manual(layout.params), auto, by_path, sharded_paths(layout), activation_spec(layout),
                    policy.compute_dtype, cast_first, rows_split, active_axes(layout, exclude))
 
     def _compute(self, tree: Any) -> Any:
@@ -121,14 +131,15 @@ class ModelCall:
         if self.cast_first:
             params = self._compute(params)
         if not self.model.gathers_params:
-            params = jax.tree.map(hooks.all_gather_spec, params, self.specs)
+            params = jax.tree.map(hooks.gather_shards, params, self.specs, self.auto_specs)
             return params if self.cast_first else self._compute(params)
         unsharded = lambda p, spec: p if spec_axes(spec) else self._compute(p)
         return params if self.cast_first else jax.tree.map(unsharded, params, self.specs)
 
     def traced(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` in a compute context; name any sharded parameter the model never gathered."""
-        ctx = hooks.ComputeContext(self.activation_spec, cast_to=None if self.cast_first else self.compute_dtype)
+        ctx = hooks.ComputeContext(self.activation_spec, cast_to=None if self.cast_first else self.compute_dtype,
+                                   auto_specs=self.auto_by_path)
         with hooks.compute_context(ctx):
             try:
                 out = fn()
