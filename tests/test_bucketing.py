@@ -19,7 +19,8 @@ from shardlib.step.reduce import Reducer
 from shardlib.tools.report import collective_stats
 from tests.helpers import batches, optimizer, tiny_model
 
-MESHES = {"dp": {"data": 8}, "zero1": {"fsdp": 8}, "zero2": {"fsdp": 8}, "hsdp": {"data": 2, "fsdp": 4}}
+MESHES = {"dp": {"data": 8}, "zero1": {"fsdp": 8}, "zero2": {"fsdp": 8}, "hsdp": {"data": 2, "fsdp": 4},
+          "tp": {"data": 2, "tensor": 4}}  # tp: tensor-sharded gradients stay out of buckets (no resharding)
 STEPS = 2
 
 

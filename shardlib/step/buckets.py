@@ -5,7 +5,8 @@ latency) on top of its bytes; a model of a few hundred small tensors pays it a f
 times per step. PyTorch DDP's buckets and FSDP's flat parameters answer this by packing
 gradients into flat buffers; so does `Reducer` with ``bucket_bytes`` (see `shardlib.step.reduce`).
 
-A bucket holds tensors of one dtype reduced over the same mesh axes, in tree order, until the
+A bucket holds tensors of one dtype reduced over the same mesh axes and varying over the same
+manual axes (a tensor invariant over ``pipe`` must not come back varying over it), in tree order, until the
 next tensor would take it past ``limit`` bytes; a tensor at least ``limit`` bytes long is its own
 bucket. The bytes on the wire are unchanged: a bucket sends exactly the sum of its tensors.
 
@@ -47,16 +48,22 @@ def _nbytes(x: jax.Array) -> int:
     return x.size * np.dtype(x.dtype).itemsize
 
 
+def _varying(x: jax.Array) -> frozenset[str]:
+    """The manual axes ``x`` varies over (its ``shard_map`` type)."""
+    return getattr(getattr(jax.typeof(x), "mat", None), "varying", frozenset())
+
+
 def apply(xs: Sequence[jax.Array], keys: Sequence[Hashable | None], limit: int,
           reduce: Callable[[Hashable, list[int]], list[jax.Array]]) -> list[jax.Array | None]:
     """Bucket the tensors of equal non-None key and run ``reduce(key, indices) -> reduced`` on each
-    bucket; -> the reduced tensor at each bucketed index, None where the key is None."""
-    groups: dict[Hashable, list[int]] = {}
+    bucket; -> the reduced tensor at each bucketed index, None where the key is None. Tensors
+    that vary over different manual axes never share a bucket."""
+    groups: dict[tuple[Hashable, frozenset[str]], list[int]] = {}
     for i, key in enumerate(keys):
         if key is not None:
-            groups.setdefault(key, []).append(i)
+            groups.setdefault((key, _varying(xs[i])), []).append(i)
     out: list[jax.Array | None] = [None] * len(xs)
-    for key, members in groups.items():
+    for (key, _), members in groups.items():
         for bucket in pack([_nbytes(xs[i]) for i in members], limit):
             ids = [members[j] for j in bucket]
             for i, reduced in zip(ids, reduce(key, ids)):

@@ -154,6 +154,13 @@ class Reducer:
     def _specs_of(self, treedef) -> list[tuple[P, P]]:
         return list(zip(treedef.flatten_up_to(self.param_specs), treedef.flatten_up_to(self.state_specs)))
 
+    def _whole_locally(self, treedef) -> list[bool]:
+        """Per tensor: whether its local gradient is not sharded over the step's automatic axes
+        (``tensor``). Only those are bucketed: flattening a tensor-sharded gradient into a bucket
+        would make GSPMD reshard it, collectives over ``tensor`` the buckets were to save."""
+        storage = treedef.flatten_up_to(self.param_specs if self.storage_specs is None else self.storage_specs)
+        return [spec_axes(full) <= spec_axes(ps) for full, ps in zip(storage, treedef.flatten_up_to(self.param_specs))]
+
     def scatter(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
         """Reduce-scatter every dim only the state shards: gradients become their state shards."""
         if self.bucketed:
@@ -176,11 +183,11 @@ class Reducer:
         flat, treedef = jax.tree.flatten(grads)
         dims = [_scatter_dims(ps, ss) for ps, ss in self._specs_of(treedef)]
 
-        def key(g, d):
-            bucketable = len(d) == 1 and g.size and g.shape[d[0][0]] % jax.lax.axis_size(d[0][1]) == 0
+        def key(g, d, local):
+            bucketable = local and len(d) == 1 and g.size and g.shape[d[0][0]] % jax.lax.axis_size(d[0][1]) == 0
             return (d[0][1], g.dtype) if bucketable else None
 
-        keys = [key(g, d) for g, d in zip(flat, dims)]
+        keys = [key(g, d, local) for g, d, local in zip(flat, dims, self._whole_locally(treedef))]
         out = buckets_lib.apply(flat, keys, self.bucket_bytes, lambda k, ids: buckets_lib.psum_scatter(
             [flat[i] for i in ids], [dims[i][0][0] for i in ids], k[0]))
         return treedef.unflatten([o if o is not None else _scatter_grad(g, d, self.method, None)[0]
@@ -190,10 +197,12 @@ class Reducer:
         """`finish` in buckets: tensors summed over the same axes share collectives."""
         flat, treedef = jax.tree.flatten(grads)
         rest = [_rest_axes(ps, ss, self.axes) for ps, ss in self._specs_of(treedef)]
-        keys = [(axes, g.dtype) if axes and g.size else None for g, axes in zip(flat, rest)]
+        keys = [(axes, g.dtype) if axes and g.size and local else None
+                for g, axes, local in zip(flat, rest, self._whole_locally(treedef))]
         out = buckets_lib.apply(flat, keys, self.bucket_bytes,
                                 lambda k, ids: buckets_lib.psum([flat[i] for i in ids], k[0]))
-        return treedef.unflatten([g if o is None else o for o, g in zip(out, flat)])
+        return treedef.unflatten([o if o is not None else _sum_grad(g, axes, False, self.method, None)[0]
+                                  for o, g, axes in zip(out, flat, rest)])
 
     def __call__(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
         return self.finish(*self.scatter(grads, residuals))
