@@ -7,8 +7,9 @@ non-finite skip, no grad-norm metric. Both programs run on the same simulated de
 process, interleaved (shardlib, baseline, shardlib, ...), so machine load hits both alike; the
 reported ratio is the median of the per-repeat ratios shardlib / baseline (goal: <= 1.03).
 
-Also printed per program: per-device peak bytes (XLA buffer assignment) and collective bytes sent
-per device per step (optimised HLO, ring volumes).
+Also printed per program: per-device peak bytes (XLA buffer assignment), collective bytes sent
+per device per step (optimised HLO, ring volumes) and collectives run per step (loop trips
+counted; what gradient buckets, ``build(bucket_bytes=)``, bring down).
 
   python scripts/benchmark.py                       # 7 strategies, "small" GPT, batch 32, 8 devices
   python scripts/benchmark.py --markdown            # a table for BENCHMARKS.md
@@ -67,8 +68,9 @@ def _figures(compiled: Any, n_devices: int) -> dict[str, int]:
     from shardlib.tools.hlo import collective_stats
     from shardlib.tools.memory import memory_stats, peak_bytes
 
-    return {"peak": peak_bytes(memory_stats(compiled)),
-            "comm": collective_stats(compiled.as_text(), num_devices=n_devices).total_bytes}
+    stats = collective_stats(compiled.as_text(), num_devices=n_devices)
+    return {"peak": peak_bytes(memory_stats(compiled)), "comm": stats.total_bytes,
+            "collectives": sum(stats.count_by_kind().values())}
 
 
 def _time(fn: Any, state: Any, batch: Any) -> tuple[Any, float]:
@@ -136,6 +138,7 @@ def render(rows: Sequence[dict[str, Any]], markdown: bool) -> str:
         "ratio (median)": f"{r['ratio']:.3f}", "ratio range": f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}",
         "shardlib peak/dev": format_bytes(r["shardlib_peak"]), "jit peak/dev": format_bytes(r["baseline_peak"]),
         "shardlib comm/step": format_bytes(r["shardlib_comm"]), "jit comm/step": format_bytes(r["baseline_comm"]),
+        "shardlib collectives/step": r["shardlib_collectives"], "jit collectives/step": r["baseline_collectives"],
     } for r in rows]
     return format_markdown(table) if markdown else format_table(table)
 

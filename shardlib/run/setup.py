@@ -210,11 +210,13 @@ def build_program(config: TrainConfig, model, layout, schedule):
     """The train program of ``config``'s options; a refused combination names its flag."""
     from shardlib import build
 
+    if config.bucket_mb < 0:
+        raise TrainConfigError("bucket_mb", f"--bucket-mb must be >= 0 (0: one collective per tensor), got {config.bucket_mb}")
     try:
         return build(model, optimizer(config, model, schedule), layout, lr_schedule=schedule,
                      precision=config.precision, grad_accum=config.grad_accum,
                      grad_compression=config.grad_compression, microbatches=config.microbatches,
-                     schedule=config.pipeline_schedule)
+                     schedule=config.pipeline_schedule, bucket_bytes=int(config.bucket_mb * 2**20))
     except ValueError as err:
         field = ("pipeline_stages" if layout.pipeline_stages > 1 else
                  "grad_compression" if config.grad_compression != "none" else "grad_accum")
