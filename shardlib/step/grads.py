@@ -70,7 +70,9 @@ class Accumulated(Plain):
         """One microbatch: ((loss, aux, grads), residuals, model state after it)."""
         (loss, aux), grads, state = _scaled_value_and_grad(self.call, params, rows, ctx)
         if self.reduce_each:
-            grads, residuals = self.reducer.scatter(grads, residuals)
+            # Per tensor, never in buckets: a bucket's concatenated copy would sit beside the 1/N
+            # buffer that shard_grad_buffer exists to keep small (K collectives per tensor here).
+            grads, residuals = dataclasses.replace(self.reducer, bucket_bytes=0).scatter(grads, residuals)
         return (loss, aux, grads), residuals, state
 
     def value_and_grad(self, params: Any, batch: Any, ctx: StepContext, residuals: Any):
