@@ -108,18 +108,18 @@ class Pipelined:
     microbatches: int
     branch: bool  # first / last stage alone run the embedding / head (only without collectives in them)
 
-    def _args(self) -> dict[str, Any]:
-        return dict(n_stages=self.n_stages, microbatches=self.microbatches, branch=self.branch,
-                    loss_weight=1.0 / (self.call.rows_split * self.microbatches))
+    def _rows(self) -> pipeline_lib.Rows:
+        return pipeline_lib.Rows(n_stages=self.n_stages, microbatches=self.microbatches, branch=self.branch,
+                                 loss_weight=1.0 / (self.call.rows_split * self.microbatches))
 
     def value_and_grad(self, params: Any, batch: Any, ctx: StepContext, residuals: Any):
         (loss, aux), grads = self.call.traced(lambda: pipeline_lib.value_and_grad(
-            self.call.stages(ctx), params, batch, schedule=self.schedule, seed=ctx.scale, **self._args()))
+            self.call.stages(ctx), params, batch, self._rows(), schedule=self.schedule, seed=ctx.scale))
         grads, residuals = self.reducer(grads, residuals)
         return (loss, aux), grads, residuals, None  # check_options refuses stateful models
 
     def loss(self, params: Any, batch: Any, ctx: StepContext):
-        return self.call.traced(lambda: pipeline_lib.loss(self.call.stages(ctx), params, batch, **self._args()))
+        return self.call.traced(lambda: pipeline_lib.loss(self.call.stages(ctx), params, batch, self._rows()))
 
 
 Provider = Plain | Pipelined  # Accumulated is a Plain

@@ -248,28 +248,30 @@ def _initial_carry(cut: _Cut, schedule: Schedule, S: int, M: int, zeros: tuple[A
     )
 
 
-def value_and_grad(
-    stages: Stages,
-    params: Mapping[str, Any],
-    batch: Mapping[str, jax.Array],
-    *,
-    n_stages: int,
-    microbatches: int,
-    schedule: str | Schedule = "1f1b",
-    loss_weight: float = 1.0,
-    seed: jax.Array | float = 1.0,
-    branch: bool = False,
-) -> tuple[tuple[jax.Array, dict[str, jax.Array]], Any]:
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """How one device's rows run through the stages: ``n_stages`` S and ``microbatches`` M; each
+    microbatch's loss counts ``loss_weight``; ``branch``: skip the embedding / head on the stages
+    that do not use them (only when they hold no collective)."""
+
+    n_stages: int
+    microbatches: int
+    loss_weight: float = 1.0
+    branch: bool = False
+
+
+def value_and_grad(stages: Stages, params: Mapping[str, Any], batch: Mapping[str, jax.Array], rows: Rows, *,
+                   schedule: str | Schedule = "1f1b",
+                   seed: jax.Array | float = 1.0) -> tuple[tuple[jax.Array, dict[str, jax.Array]], Any]:
     """Pipelined loss and gradients of this device's rows; call inside ``shard_map`` with ``pipe`` manual.
 
     ``params`` holds this stage's slice of the layer stack and the full embedding / head.
     Returns ((loss, aux), grads): ``loss_weight`` times the sum of the microbatch losses (the
     same on every stage), and the gradient of ``seed * loss`` (``seed``: a loss scale); the
-    stack's gradients are this stage's, the others' already summed over ``pipe``. ``branch``:
-    skip the embedding / head on the stages that do not use them (only without collectives in them).
+    stack's gradients are this stage's, the others' already summed over ``pipe``.
     """
     schedule = get_schedule(schedule)
-    S, M = n_stages, microbatches
+    S, M, loss_weight, branch = rows.n_stages, rows.microbatches, rows.loss_weight, rows.branch
     cut = _cut(stages, params, batch, M)
     stage_index = jax.lax.axis_index(PIPE_AXIS)
     first, last = stage_index == 0, stage_index == S - 1
@@ -287,18 +289,10 @@ def value_and_grad(
     return (loss, aux), {k: grads[k] for k in params}
 
 
-def loss(
-    stages: Stages,
-    params: Mapping[str, Any],
-    batch: Mapping[str, jax.Array],
-    *,
-    n_stages: int,
-    microbatches: int,
-    loss_weight: float = 1.0,
-    branch: bool = False,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+def loss(stages: Stages, params: Mapping[str, Any], batch: Mapping[str, jax.Array],
+         rows: Rows) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Forward-only pipelined loss (evaluation): M + S - 1 forward ticks, nothing kept."""
-    S, M = n_stages, microbatches
+    S, M, loss_weight, branch = rows.n_stages, rows.microbatches, rows.loss_weight, rows.branch
     cut = _cut(stages, params, batch, M)
     cut = dataclasses.replace(cut, rest=jax.tree.map(_vary, cut.rest))  # each stage's copy is its own
     stage_index = jax.lax.axis_index(PIPE_AXIS)
