@@ -121,7 +121,7 @@ def wire_bytes(n_elements: int, n_devices: int, method: str | Compression, kind:
                grad_dtype: Any = jnp.float32) -> float:
     """Bytes one device sends to reduce a gradient of ``n_elements`` over ``n_devices``.
 
-    Ring convention of DESIGN.md: all-reduce 2(N-1)/N S, reduce-scatter / all-gather /
+    Ring convention of docs/design.md: all-reduce 2(N-1)/N S, reduce-scatter / all-gather /
     all-to-all (N-1)/N S for a full buffer of S bytes. int8 counts its padding and its float32
     scales, in both the all-to-all and (for ``psum``) the all-gather. ``grad_dtype`` is the wire
     type of ``none``.
