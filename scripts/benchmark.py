@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -28,16 +27,16 @@ from collections.abc import Sequence
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import add_shape_arguments, machine  # noqa: E402
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "tp", "fsdp_tp", "hsdp")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="small", help="models.CONFIGS name (default: small)")
+    add_shape_arguments(parser)
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default: 8)")
-    parser.add_argument("--batch-size", type=int, default=32, help="global sequences per step (default: 32)")
-    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's max_seq_len)")
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per program (default: 7)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per program (default: 2)")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), metavar="S")
@@ -119,14 +118,6 @@ def bench_strategy(name: str, args: argparse.Namespace, config: Any, model: Any,
         **{f"shardlib_{k}": v for k, v in _figures(ours, args.devices).items()},
         **{f"baseline_{k}": v for k, v in _figures(theirs, args.devices).items()},
     }
-
-
-def machine() -> str:
-    import jax
-
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
-            f"{len(jax.devices())} simulated {jax.devices()[0].platform.upper()} devices, "
-            f"jax {jax.__version__}, Python {platform.python_version()}")
 
 
 def render(rows: Sequence[dict[str, Any]], markdown: bool) -> str:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
 import queue
 import socket
 import statistics
@@ -42,6 +41,8 @@ from collections.abc import Sequence
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import add_shape_arguments, machine as _machine  # noqa: E402
 
 try:
     import torch
@@ -62,10 +63,8 @@ MISSING_TORCH = ("benchmark_torch: PyTorch is not installed; install the CPU whe
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="small", help="shardlib.models config name (default: small)")
+    add_shape_arguments(parser)
     parser.add_argument("--ranks", type=int, default=8, help="simulated devices = torch ranks (default: 8)")
-    parser.add_argument("--batch-size", type=int, default=32, help="global sequences per step (default: 32)")
-    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's max_seq_len)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per side per round (default: 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per side per round (default: 1)")
     parser.add_argument("--rounds", type=int, default=3, help="shardlib/torch rounds per strategy (default: 3)")
@@ -408,10 +407,7 @@ def render(rows: Sequence[dict[str, Any]], markdown: bool) -> str:
 
 
 def machine() -> str:
-    import jax
-
-    return (f"{platform.machine()}, {os.cpu_count()} CPU cores, {len(jax.devices())} simulated CPU devices, "
-            f"jax {jax.__version__}, torch {torch.__version__}, Python {platform.python_version()}")
+    return _machine(f"torch {torch.__version__}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
