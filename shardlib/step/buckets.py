@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shardlib.step.compression import _as_varying
+from shardlib.step.compression import as_varying
 
 __all__ = ["apply", "pack", "psum", "psum_scatter"]
 
@@ -78,9 +78,9 @@ def _split(flat: jax.Array, sizes: Sequence[int], axis: int) -> list[jax.Array]:
 def psum(xs: Sequence[jax.Array], axes: tuple[str, ...]) -> list[jax.Array]:
     """``[jax.lax.psum(x, axes) for x in xs]`` as one ``psum`` (all of one dtype)."""
     if len(xs) == 1:
-        return [jax.lax.psum(_as_varying(xs[0], axes), axes)]
+        return [jax.lax.psum(as_varying(xs[0], axes), axes)]
     flat = jnp.concatenate([x.reshape(-1) for x in xs])
-    summed = jax.lax.psum(_as_varying(flat, axes), axes)
+    summed = jax.lax.psum(as_varying(flat, axes), axes)
     return [part.reshape(x.shape) for part, x in zip(_split(summed, [x.size for x in xs], 0), xs)]
 
 
@@ -88,10 +88,10 @@ def psum_scatter(xs: Sequence[jax.Array], dims: Sequence[int], axes: tuple[str, 
     """``[jax.lax.psum_scatter(x, axes, scatter_dimension=d, tiled=True) for x, d in ...]`` as one
     ``psum_scatter`` (all of one dtype; every ``x.shape[d]`` divisible by the axes' size)."""
     if len(xs) == 1:
-        return [jax.lax.psum_scatter(_as_varying(xs[0], axes), axes, scatter_dimension=dims[0], tiled=True)]
+        return [jax.lax.psum_scatter(as_varying(xs[0], axes), axes, scatter_dimension=dims[0], tiled=True)]
     n = jax.lax.axis_size(axes)
     fronts = [jnp.moveaxis(x, d, 0) for x, d in zip(xs, dims)]
     rows = jnp.concatenate([f.reshape(n, -1) for f in fronts], axis=1)
-    mine = jax.lax.psum_scatter(_as_varying(rows, axes), axes, scatter_dimension=0, tiled=True)
+    mine = jax.lax.psum_scatter(as_varying(rows, axes), axes, scatter_dimension=0, tiled=True)
     parts = _split(mine, [f.size // n for f in fronts], 1)
     return [jnp.moveaxis(p.reshape(f.shape[0] // n, *f.shape[1:]), 0, d) for p, f, d in zip(parts, fronts, dims)]

@@ -155,7 +155,7 @@ def _axes_tuple(axes: Axes) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def _as_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+def as_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """Mark ``x`` as per-device over ``axes`` (all_to_all needs it; a psum of an invariant value
     is N times it, and treating it as N equal contributions gives the same sum)."""
     mat = getattr(jax.typeof(x), "mat", None)
@@ -247,7 +247,7 @@ def compressed_psum(
     n = jax.lax.axis_size(axes) if axes else 1
     if n == 1 or x.size == 0:
         return _no_comm(x, residual, comp)
-    u = _as_varying(_with_residual(x, residual), axes)
+    u = as_varying(_with_residual(x, residual), axes)
     if comp.name == "none":
         out = jax.lax.psum(u.astype(x.dtype), axes)
         return out, (None if residual is None else jnp.zeros_like(u))
@@ -297,7 +297,7 @@ def compressed_psum_scatter(
             f"which does not divide by the {n} devices of mesh axes {axes}; shard a dimension that "
             "divides, or reduce this tensor with compressed_psum"
         )
-    u = _as_varying(_with_residual(x, residual), axes)
+    u = as_varying(_with_residual(x, residual), axes)
     if comp.name == "none":
         out = jax.lax.psum_scatter(u.astype(x.dtype), axes, scatter_dimension=dim, tiled=True)
         return out, (None if residual is None else jnp.zeros_like(u))
