@@ -141,6 +141,8 @@ class TrainConfig:
                                          "feedback; default none)", choices=["none", "bf16", "int8"])
     bucket_mb: float = flag(25.0, "pack the uncompressed gradient reductions into buckets of this many MiB, one "
                                   "collective each (default %(default)s; 0: one per tensor)", metavar="MB")
+    offload: str = flag("none", "keep the optimizer state in pinned host memory between steps (ZeRO-Offload, "
+                                "docs/offload.md; default none)", choices=["none", "opt_state"])
     pipeline_stages: int = flag(1, "split the layers into S pipeline stages over the mesh's pipe axis (default 1: "
                                    "no pipeline)", metavar="S")
     microbatches: int | None = flag(None, "pipeline microbatches per step (default 2 x stages); the bubble is "

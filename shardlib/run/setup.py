@@ -93,6 +93,7 @@ def prepare(config: TrainConfig) -> Prepared:
         out_dir = checkpoint_dir(config.resume_from).parent
     else:
         out_dir = _out_dir(config)
+    _record_restart(out_dir, mesh)
     loader, val_local = _loaders(config, layout, train_bytes, val_bytes)
     schedule = lr_schedule(config)
     program = build_program(config, model, layout, schedule)
@@ -151,6 +152,22 @@ def _mesh(config: TrainConfig, strategy):
     except MeshError as err:
         hint = "" if config.mesh is not None else f" (the default mesh of strategy {strategy.name}; pass --mesh)"
         raise TrainConfigError("mesh", f"{err}{hint}") from None
+
+
+def _record_restart(out_dir: Path, mesh) -> None:
+    """After an elastic restart (`shardlib launch --elastic`), process 0 says who died and the new
+    mesh, and records it in ``metrics.jsonl`` (before the log opens, which keeps it)."""
+    import jax
+
+    from shardlib.run.metrics_io import append_record
+    from shardlib.runtime.elastic import describe_restart, restart_from_env
+    from shardlib.sharding.mesh import describe
+
+    note = restart_from_env()
+    if note is None or jax.process_index() != 0:
+        return
+    print(describe_restart(note, describe(mesh)), flush=True)
+    append_record(out_dir / "metrics.jsonl", {**note, "mesh": describe(mesh)})
 
 
 def _check_pipeline_flags(config: TrainConfig, mesh) -> None:
@@ -216,9 +233,11 @@ def build_program(config: TrainConfig, model, layout, schedule):
         return build(model, optimizer(config, model, schedule), layout, lr_schedule=schedule,
                      precision=config.precision, grad_accum=config.grad_accum,
                      grad_compression=config.grad_compression, microbatches=config.microbatches,
-                     schedule=config.pipeline_schedule, bucket_bytes=int(config.bucket_mb * 2**20))
+                     schedule=config.pipeline_schedule, bucket_bytes=int(config.bucket_mb * 2**20),
+                     offload=config.offload)
     except ValueError as err:
-        field = ("pipeline_stages" if layout.pipeline_stages > 1 else
+        field = ("offload" if "(--offload)" in str(err) else
+                 "pipeline_stages" if layout.pipeline_stages > 1 else
                  "grad_compression" if config.grad_compression != "none" else "grad_accum")
         raise TrainConfigError(field, str(err)) from None
 

@@ -29,12 +29,15 @@ from shardlib.model import Model
 from shardlib.sharding.layout import Layout
 from shardlib.step import compression as compression_lib
 from shardlib.step import grads as grads_lib
+from shardlib.step import offload as offload_lib
 from shardlib.step import precision as precision_lib
 from shardlib.step import reduce as reduce_lib
+from shardlib.step import staleness as staleness_lib
 from shardlib.step import update as update_lib
+from shardlib.step import zeropp
 from shardlib.step.compute import ModelCall, StepContext, average_state
-from shardlib.step.state import (TrainState, abstract_state, initializer, state_sharding, step_key,
-                                 transient_initializer)
+from shardlib.step.state import (TrainState, abstract_state, initializer, opt_state_sharding, state_sharding,
+                                 step_key, transient_initializer)
 
 __all__ = ["TrainProgram", "TrainState", "abstract_state", "build"]
 
@@ -83,6 +86,10 @@ def build(
     schedule: str = "1f1b",
     donate: bool = True,
     bucket_bytes: int | None = reduce_lib.DEFAULT_BUCKET_BYTES,
+    offload: str | offload_lib.Offload = "none",
+    staleness: int = 0,
+    weight_gather: str = "none",
+    stage_layers: str | tuple[int, ...] | None = None,
 ) -> TrainProgram:
     """Compile-ready init, train step and eval step for ``model`` under ``layout``.
 
@@ -93,8 +100,9 @@ def build(
 
     ``grad_compression`` ("none", "bf16", "int8") compresses the gradient reductions the step
     writes: dp, zero1, zero2, tp, and the data-axis all-reduce of hsdp and fsdp_tp (data > 1; their
-    fsdp reduce-scatter is autodiff's transpose of the weight gather and stays uncompressed, so
-    zero3 and hsdp on data=1 are refused). int8 keeps error-feedback residuals in the train state,
+    fsdp reduce-scatter is autodiff's transpose of the weight gather and stays uncompressed), and
+    under zero3 (and hsdp on data=1) the reduce-scatter in the weight gather's own backward (ZeRO++'s
+    qgZ, `shardlib.step.zeropp`; its int8 residual is the whole local gradient). int8 keeps error-feedback residuals in the train state,
     sharded like the local gradients they correct. Under ``grad_accum`` with
     ``shard_grad_buffer`` the sum over the axes the buffer is not sharded over (hsdp's ``data``)
     runs once per step, after the microbatches.
@@ -106,21 +114,44 @@ def build(
 
     When the mesh's ``pipe`` axis has S > 1 devices the layer stack is split into S stages
     (`shardlib.step.pipeline`): each device's rows run as ``microbatches`` (default 2S) microbatches
-    through the ``schedule`` ("1f1b" or "gpipe"), which replaces ``grad_accum``.
+    through the ``schedule`` ("1f1b" or "gpipe"), which replaces ``grad_accum``. ``stage_layers``
+    gives the layers each stage computes: None (even), a tuple such as (3, 1), or "auto" (balance
+    the stages' compiled costs, embedding and head included: `shardlib.step.stage_balance`).
+
+    ``weight_gather="int8"`` (qwZ) sends ZeRO-3's per-layer weight all-gathers, forward and the
+    backward's recompute, as int8 blocks with float32 scales (`shardlib.step.zeropp`); under zero3
+    ``grad_compression`` compresses the gradient reduce-scatter in the gather's own backward (qgZ).
+
+    ``offload="opt_state"`` keeps the optimizer state in pinned host memory between steps
+    (ZeRO-Offload, `shardlib.step.offload`): the step moves it to the device for the update only.
+
+    ``staleness=tau`` applies the gradient reduced at step t at step t + tau, so the reduction
+    overlaps the next steps' compute (`shardlib.step.staleness`); 0: synchronous.
     """
     policy = precision_lib.get_precision(precision)
     method = compression_lib.get_compression(grad_compression)
     microbatches, schedule = grads_lib.check_options(model, layout, grad_accum, method, microbatches, schedule)
+    stage_layers = grads_lib.check_stage_layers(model, layout, stage_layers)
     reducer = reduce_lib.Reducer.for_layout(layout, method, bucket_bytes=bucket_bytes)
     rows_split = math.prod(layout.mesh.shape[a] for a in layout.batch_axes)
     call = ModelCall.for_layout(model, layout, policy, rows_split)
+    gather = zeropp.step_gather(weight_gather, method if reducer.compresses_gathers else compression_lib.METHODS["none"],
+                                strategy=layout.strategy.name, gathers=bool(call.must_gather), grad_accum=grad_accum,
+                                pipelined=layout.pipeline_stages > 1)
+    call = dataclasses.replace(call, gather=gather)
     provider = grads_lib.for_layout(call, reducer, layout, grad_accum=grad_accum, microbatches=microbatches,
-                                    schedule=schedule)
-    sharding = state_sharding(model, tx, layout, policy, reducer)
-    update = update_lib.Update(tx, policy, layout.state_shardings(), layout.param_shardings(), lr_schedule)
-    step = _train_step(layout, provider, reducer, update, sharding, donate)
-    return TrainProgram(model, tx, layout, initializer(model, tx, layout, policy, reducer, sharding),
-                        _CheckedStep(step, layout, microbatches), _eval_step(layout, provider, model), sharding,
+                                    schedule=schedule, stage_layers=stage_layers)
+    placement = offload_lib.get_offload(offload)
+    offload_lib.check_backend(placement, layout.mesh.devices.flat)
+    sharding = state_sharding(model, tx, layout, policy, reducer, placement)
+    update = update_lib.Update(tx, policy, layout.state_shardings(), layout.param_shardings(), lr_schedule,
+                               offloaded=opt_state_sharding(model, tx, layout) if placement.opt_state else None)
+    tau = staleness_lib.check_staleness(staleness, layout, policy, reducer.axes)
+    queued = dataclasses.replace(sharding, pending=staleness_lib.queue_sharding(tau, layout))
+    step = _train_step(layout, provider, reducer, update, queued, donate)
+    init = staleness_lib.with_queue(initializer(model, tx, layout, policy, reducer, sharding), tau, layout, queued)
+    return TrainProgram(model, tx, layout, init,
+                        _CheckedStep(step, layout, microbatches), _eval_step(layout, provider, model), queued,
                         transient_initializer(model, layout, policy, reducer, sharding))
 
 
@@ -133,8 +164,9 @@ def _mapped_grads(layout: Layout, provider: grads_lib.Provider, reducer: reduce_
     vary_axes = reducer.axes + tuple(a for a in manual_axes if a not in layout.batch_axes)
 
     def body(params, batch, ctx, residuals):
-        params = reduce_lib.vary(params, mapped_params, vary_axes)
-        (loss, aux), grads, residuals, model_state = provider.value_and_grad(params, batch, ctx, reducer.local(residuals))
+        residuals = reducer.local(residuals)
+        params = reducer.carry(reduce_lib.vary(params, mapped_params, vary_axes), residuals)  # qgZ: with residuals
+        (loss, aux), grads, residuals, model_state = provider.value_and_grad(params, batch, ctx, residuals)
         residuals = reducer.stacked(residuals)
         loss, aux = jax.lax.psum(loss, reducer.axes), jax.lax.psum(aux, reducer.axes)
         return loss, aux, grads, residuals, average_state(model_state, reducer.axes)
@@ -162,6 +194,8 @@ def _train_step(layout: Layout, provider: grads_lib.Provider, reducer: reduce_li
         ctx = StepContext(scale=scale, key=step_key(state), model_state=state.model_state)
         loss, aux, grads, residuals, model_state = grads_fn(state.params, batch, ctx, state.grad_residual)
         produced = {"grad_residual": residuals, "model_state": model_state}
+        if state.pending is not None:  # staleness: apply a queued gradient, queue this one
+            return staleness_lib.delayed_update(update, state, loss, aux, grads, produced)
         new_state, grad_norm, finite = update(state, grads, loss, scale, produced)
         return new_state, update.metrics(state, loss, aux, grad_norm, finite)
 

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlib.model import Model
 from shardlib.sharding.layout import Layout
+from shardlib.step import offload as offload_lib
 from shardlib.step import precision as precision_lib
 from shardlib.step.reduce import Reducer
 
@@ -33,6 +34,7 @@ class TrainState:
     grad_residual: Any = None  # per-device error-feedback residuals under int8 gradient compression
     rng: Any = None  # uint32 key data of the run's dropout seed (Model.uses_key), else None: see `step_key`
     model_state: Any = None  # mutable model state (BatchNorm statistics), replicated; None without
+    pending: Any = None  # under staleness tau: the last tau reduced gradients, oldest first (`staleness`)
 
 
 # The root of the step keys: folded into the init key so that dropout never reuses a parameter
@@ -57,18 +59,27 @@ def abstract_state(init: Callable[[jax.Array], Any], shardings: Any) -> Any:
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
-def state_sharding(model: Model, tx: optax.GradientTransformation, layout: Layout,
-                   policy: precision_lib.Precision, reducer: Reducer) -> TrainState:
-    """Where each field lives: parameters in storage, optimizer state in the state layout
-    (its scalars replicated), residuals like the local gradients they correct (`Reducer.residual_specs`)."""
-    mesh = layout.mesh
-    replicated = NamedSharding(mesh, P())
-    abstract_params = model.abstract()
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    opt_shardings = optax.tree_utils.tree_map_params(
+def opt_state_sharding(model: Model, tx: optax.GradientTransformation, layout: Layout) -> Any:
+    """The optimizer state's shardings in device memory: the state layout, its scalars replicated."""
+    replicated = NamedSharding(layout.mesh, P())
+    abstract_opt = jax.eval_shape(tx.init, model.abstract())
+    return optax.tree_utils.tree_map_params(
         tx, lambda _, sharding: sharding, abstract_opt, layout.state_shardings(),
         transform_non_params=lambda _: replicated,
     )
+
+
+def state_sharding(model: Model, tx: optax.GradientTransformation, layout: Layout,
+                   policy: precision_lib.Precision, reducer: Reducer,
+                   offload: offload_lib.Offload = offload_lib.OFFLOADS["none"]) -> TrainState:
+    """Where each field lives: parameters in storage, optimizer state in the state layout
+    (its scalars replicated; in pinned host memory under ``offload="opt_state"``), residuals like
+    the local gradients they correct (`Reducer.residual_specs`)."""
+    mesh = layout.mesh
+    replicated = NamedSharding(mesh, P())
+    opt_shardings = opt_state_sharding(model, tx, layout)
+    if offload.opt_state:
+        opt_shardings = offload_lib.with_memory(opt_shardings, offload_lib.HOST_MEMORY)
     residual_specs = reducer.residual_specs()
     return TrainState(
         step=replicated, params=layout.param_shardings(), opt_state=opt_shardings,

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from shardlib.step import offload as offload_lib
 from shardlib.step import precision as precision_lib
 from shardlib.step.state import TrainState
 
@@ -38,6 +39,12 @@ class Update:
     state_shardings: Any  # the optimizer-state layout of the parameters
     param_shardings: Any  # their storage layout
     lr_schedule: Callable | None = None
+    # The optimizer state's device shardings when it lives in host memory (offload="opt_state"), else None.
+    offloaded: Any = None
+
+    def _opt_state_to(self, opt_state: Any, kind: str) -> Any:
+        """The optimizer state moved to memory ``kind``; unchanged without offload."""
+        return opt_state if self.offloaded is None else offload_lib.to_memory(opt_state, self.offloaded, kind)
 
     def __call__(self, state: TrainState, grads: Any, loss: jax.Array, scale: jax.Array,
                  produced: dict[str, Any]) -> tuple[TrainState, jax.Array, jax.Array]:
@@ -51,14 +58,15 @@ class Update:
         # anywhere in the gradients makes their norm non-finite, so no other pass over them is needed.
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        opt_in = self._opt_state_to(state.opt_state, offload_lib.DEVICE_MEMORY)  # host -> device when offloaded
 
         def apply_update(_):
-            updates, opt_state = self.tx.update(grads, state.opt_state, params_s)
+            updates, opt_state = self.tx.update(grads, opt_in, params_s)
             new_params = jax.lax.with_sharding_constraint(optax.apply_updates(params_s, updates), self.param_shardings)
             return new_params, opt_state, produced
 
         def skip_update(_):
-            return state.params, state.opt_state, {name: getattr(state, name) for name in produced}
+            return state.params, opt_in, {name: getattr(state, name) for name in produced}
 
         # A branch, not a select over the whole state: only one side runs, and no second copy
         # of the parameters and optimizer state stays alive for the select.
@@ -68,7 +76,7 @@ class Update:
             state,
             step=state.step + finite.astype(jnp.int32),
             params=params,
-            opt_state=opt_state,
+            opt_state=self._opt_state_to(opt_state, offload_lib.HOST_MEMORY),  # back to the host when offloaded
             loss_scale=precision_lib.update_loss_scale(state.loss_scale, finite, self.policy),
             **produced,
         )
@@ -80,7 +88,7 @@ class Update:
         metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32), **aux}
         if state.loss_scale is not None:
             metrics["loss_scale"] = state.loss_scale["scale"]
-        lr = _learning_rate(state.opt_state, state.step, self.lr_schedule)
+        lr = _learning_rate(self._opt_state_to(state.opt_state, offload_lib.DEVICE_MEMORY), state.step, self.lr_schedule)
         if lr is not None:
             metrics["lr"] = lr
         return metrics

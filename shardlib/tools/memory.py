@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
+from shardlib.tools.hlo import dtype_bits
 from shardlib.tools.tables import format_bytes, format_table
 
 
@@ -14,6 +16,12 @@ class MemoryStats:
 
     ``peak_is_estimate`` is True when the runtime gave no peak and ``peak_bytes`` is
     argument + output + temp - alias (an upper-bound-style estimate, not XLA's liveness peak).
+
+    ``host_*`` are the arguments and outputs in host memory (offloaded state). Where XLA reports
+    them separately they are its figures; XLA:CPU reports none and counts host buffers inside
+    ``argument_bytes`` (its device memory is host RAM), so they are then read from the memory
+    space of each entry parameter in the compiled module's layout (``S(5)``), and
+    ``host_counted_as_device`` says the device figures must have them taken out (`device_bytes`).
     """
 
     argument_bytes: int
@@ -23,6 +31,15 @@ class MemoryStats:
     generated_code_bytes: int
     peak_bytes: int
     peak_is_estimate: bool
+    host_argument_bytes: int = 0
+    host_output_bytes: int = 0
+    host_alias_bytes: int = 0
+    host_counted_as_device: bool = False
+
+    def device_bytes(self, field: str) -> int:
+        """``argument``, ``output`` or ``alias`` bytes in device memory only."""
+        total = getattr(self, f"{field}_bytes")
+        return total - getattr(self, f"host_{field}_bytes") if self.host_counted_as_device else total
 
     def rows(self) -> list[dict[str, str]]:
         peak_label = "peak (estimate)" if self.peak_is_estimate else "peak"
@@ -31,6 +48,8 @@ class MemoryStats:
             ("temporaries", self.temp_bytes), ("aliased (donated)", self.alias_bytes),
             ("generated code", self.generated_code_bytes), (peak_label, self.peak_bytes),
         ]
+        if self.host_argument_bytes or self.host_output_bytes:
+            items += [("host arguments", self.host_argument_bytes), ("host outputs", self.host_output_bytes)]
         return [{"buffer": k, "per device": format_bytes(v)} for k, v in items]
 
     def table(self) -> str:
@@ -56,7 +75,12 @@ def memory_stats(compiled: Any) -> MemoryStats:
     temp, alias = get("temp_size_in_bytes"), get("alias_size_in_bytes")
     peak = getattr(analysis, "peak_memory_in_bytes", None)
     estimate = peak is None or (int(peak) <= 0 and argument + output + temp > 0)
-    return MemoryStats(
+    host = {"host_argument_bytes": get("host_argument_size_in_bytes"),
+            "host_output_bytes": get("host_output_size_in_bytes"), "host_alias_bytes": get("host_alias_size_in_bytes")}
+    if not any(host.values()):
+        host = host_layout_bytes(compiled.as_text())
+        host["host_counted_as_device"] = any(host.values())
+    return MemoryStats(**host,
         argument_bytes=argument,
         output_bytes=output,
         temp_bytes=temp,
@@ -69,13 +93,60 @@ def memory_stats(compiled: Any) -> MemoryStats:
 
 
 def peak_bytes(mem: MemoryStats) -> int:
-    """Per-device peak: XLA's own figure, or its buffer assignment if larger.
+    """Per-device peak in device memory: XLA's own figure, or its buffer assignment if larger.
 
     The buffer assignment (arguments + outputs - donated + temporaries) is what the program
     holds at most; XLA:CPU's ``peak_memory_in_bytes`` reports only the argument bytes, so
-    `shardlib plan` and the benchmarks judge fit by this figure.
+    `shardlib plan` and the benchmarks judge fit by this figure. Offloaded (host) buffers are
+    not counted.
     """
-    return max(mem.peak_bytes, mem.argument_bytes + mem.output_bytes - mem.alias_bytes + mem.temp_bytes)
+    xla_peak = mem.peak_bytes - (mem.host_argument_bytes if mem.host_counted_as_device else 0)
+    assigned = mem.device_bytes("argument") + mem.device_bytes("output") - mem.device_bytes("alias")
+    return max(xla_peak, assigned + mem.temp_bytes)
 
 
-__all__ = ["MemoryStats", "memory_stats", "peak_bytes"]
+_HOST_MEMORY_SPACE = "S(5)"  # XLA's memory space of host buffers in a layout, e.g. f32[8]{0:S(5)}
+_LAYOUT_ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\](?:\{([^{}]*)\})?")
+_ALIAS_RE = re.compile(r"\{(\d+)\}:\s*\((\d+),")
+
+
+def _entry_arrays(text: str) -> list[tuple[int, bool]]:
+    """(bytes, in host memory) of every array in a layout list such as ``f32[2,8]{1,0:S(5)}, s32[]``."""
+    out = []
+    for dtype, dims, layout in _LAYOUT_ARRAY_RE.findall(text):
+        elements = 1
+        for d in filter(None, dims.split(",")):
+            elements *= int(d)
+        out.append((elements * dtype_bits(dtype) // 8, _HOST_MEMORY_SPACE in (layout or "")))
+    return out
+
+
+def _braced(text: str, start: int) -> str:
+    """The text inside the braces that open at ``text[start]``."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start + 1:i]
+    return text[start + 1:]
+
+
+def host_layout_bytes(hlo_text: str) -> dict[str, int]:
+    """Per-device bytes of the entry parameters and results XLA placed in host memory, and of the
+    donated ones among them, from the compiled module's header (``entry_computation_layout`` and
+    ``input_output_alias``): what XLA:CPU's memory analysis does not report separately."""
+    header = hlo_text.split("\n", 1)[0]
+    key = "entry_computation_layout="
+    start = header.find(key)
+    if start < 0:
+        return {"host_argument_bytes": 0, "host_output_bytes": 0, "host_alias_bytes": 0}
+    params_text, _, result_text = _braced(header, start + len(key)).partition(")->")
+    params, results = _entry_arrays(params_text), _entry_arrays(result_text)
+    aliased = {int(o): int(p) for o, p in _ALIAS_RE.findall(header.split("entry_computation_layout", 1)[0])}
+    return {"host_argument_bytes": sum(b for b, host in params if host),
+            "host_output_bytes": sum(b for b, host in results if host),
+            "host_alias_bytes": sum(results[o][0] for o, p in aliased.items()
+                                    if o < len(results) and p < len(params) and params[p][1] and results[o][1])}
+
+
+__all__ = ["MemoryStats", "host_layout_bytes", "memory_stats", "peak_bytes"]
