@@ -12,6 +12,8 @@ the weight before use and reduce-scatters its gradient, as the ZeRO paper prescr
   zero2     replicated         sharded, and so is the    same as zero1               2 Psi
                                accumulation buffer       (per microbatch under accumulation)
   zero3     sharded            sharded                   gather fwd + bwd + r-s      3 Psi
+  zero3_hpz zero3 stored over (fsdp, data); gathered over data once per step (a secondary
+            partition per host, ZeRO++ hpZ), then per layer over fsdp only
   tp        split on heads/mlp/vocab (Megatron column/row parallel), batch over data
   fsdp_tp   zero3 over fsdp x tp over tensor (2-D)
   hsdp      zero3 within fsdp, replicated across data (all-reduce over data); with data=1
@@ -79,6 +81,12 @@ MESH_AXIS_RULES: Rules = tuple(
 
 ZERO_AXES = ("data", "fsdp")  # ZeRO over every data-parallel device
 
+# hpZ (ZeRO++ hierarchical partitioning): ZeRO-3 with the intra-host axis major in every sharded
+# dim, so that a gather over the inter-host axis ("data") alone gives a contiguous block of the
+# intra-host split: the secondary partition (shardlib.step.hierarchical).
+HPZ_AXES = ("fsdp", "data")
+HPZ_RULES: Rules = tuple((name, HPZ_AXES) for name, _ in ZERO_RULES)
+
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
@@ -100,6 +108,9 @@ class Strategy:
     # Groups of mesh axes this strategy shards over: each group's size must exceed 1 (or the mesh
     # is one device), else the strategy would silently replicate everything.
     requires: tuple[tuple[str, ...], ...] = ()
+    # hpZ: the inter-host batch axis the step gathers the weights over once per step (a secondary
+    # partition within each host), so that the per-layer gathers cross intra-host links only.
+    secondary_axis: str | None = None
 
     @property
     def shards_params(self) -> bool:
@@ -131,6 +142,10 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("zero3", param_rules=ZERO_RULES, state_rules=ZERO_RULES, default_mesh={"fsdp": -1},
                  param_fallback=ZERO_AXES, state_fallback=ZERO_AXES, requires=(ZERO_AXES,), shard_grad_buffer=True,
                  summary="shard parameters, gradients and optimizer state (FSDP)"),
+        Strategy("zero3_hpz", param_rules=HPZ_RULES, state_rules=HPZ_RULES, default_mesh={"data": 2, "fsdp": -1},
+                 param_fallback=HPZ_AXES, state_fallback=HPZ_AXES, requires=(("data",), ("fsdp",)),
+                 shard_grad_buffer=True, secondary_axis="data",
+                 summary="zero3 + a secondary weight shard within each host (ZeRO++ hpZ): layer gathers stay on fsdp"),
         Strategy("tp", param_rules=TENSOR_RULES, state_rules=TENSOR_RULES, default_mesh={"tensor": -1},
                  requires=(("tensor",),), summary="Megatron tensor parallelism"),
         Strategy("fsdp_tp", param_rules=TENSOR_RULES + HSDP_RULES, state_rules=TENSOR_RULES + HSDP_RULES,

@@ -21,6 +21,7 @@ from shardlib.model import Call, Model, Stages, hooks
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout, restrict, spec_axes
 from shardlib.sharding.strategies import BATCH_RULES
+from shardlib.step import hierarchical
 from shardlib.step import precision as precision_lib
 
 
@@ -107,6 +108,8 @@ class ModelCall:
     cast_first: bool  # cast the shards before the gather (half the bytes on GPU / TPU)
     rows_split: int  # devices the rows are split over: the loss is a mean over all of them
     key_axes: tuple[str, ...] = ()  # the batch axes whose device index is folded into the key
+    # hpZ: gathered over the inter-host axis once per call, before the layers (then specs are intra-host)
+    secondary: hierarchical.SecondaryPartition | None = None
 
     @classmethod
     def for_layout(cls, model: Model, layout: Layout, policy: precision_lib.Precision,
@@ -115,8 +118,10 @@ class ModelCall:
         auto = layout.manual(layout.params, auto_axes(layout))
         by_path = {l.path: spec for l, spec in zip(jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout),
                                                    jax.tree.leaves(auto))}
-        return cls(model, layout.manual(layout.params), auto, by_path, sharded_paths(layout), activation_spec(layout),
-                   policy.compute_dtype, cast_first, rows_split, active_axes(layout, exclude))
+        secondary = hierarchical.for_layout(layout, model.gathers_params)
+        specs = secondary.intra_specs if secondary else layout.manual(layout.params)
+        return cls(model, specs, auto, by_path, sharded_paths(layout), activation_spec(layout),
+                   policy.compute_dtype, cast_first, rows_split, active_axes(layout, exclude), secondary)
 
     def _compute(self, tree: Any) -> Any:
         return precision_lib.cast_floating(tree, self.compute_dtype)
@@ -130,6 +135,8 @@ class ModelCall:
         cast by gather_layer, after their gather, unless the cast comes first)."""
         if self.cast_first:
             params = self._compute(params)
+        if self.secondary is not None:
+            params = self.secondary.gather(params, self.auto_specs)
         if not self.model.gathers_params:
             params = jax.tree.map(hooks.gather_shards, params, self.specs, self.auto_specs)
             return params if self.cast_first else self._compute(params)

@@ -43,6 +43,7 @@ _gib = format_bytes  # the short name the advice texts use
 
 PRECISIONS: dict[str, str] = {"f32": "float32", "bf16": "bfloat16"}
 ALL_STRATEGIES: tuple[str, ...] = ("dp", "zero1", "zero2", "zero3", "tp", "fsdp_tp", "hsdp")
+HPZ_STRATEGIES: tuple[str, ...] = ("zero3_hpz",)  # planned by default only across link domains
 REMAT_FLOPS = 4 / 3  # a rematerialised step runs the forward twice: (2 + 4 + 2) / (2 + 4)
 # XLA pass before which the CPU pipeline starts changing dtypes; the module dumped there is the
 # SPMD-partitioned program with its collectives still in their original element types.
@@ -169,11 +170,12 @@ def _largest_divisor(n: int, limit: int, *also: int) -> int:
     return 1
 
 
-def default_mesh(strategy: str, devices: int, config: Any) -> dict[str, int]:
+def default_mesh(strategy: str, devices: int, config: Any, domain: int = 8) -> dict[str, int]:
     """The mesh a strategy gets for N devices in `--all` (its default mesh, made to divide).
 
     tp: tensor = the largest t <= min(8, N) dividing N and the (kv) head counts, data = the rest;
-    fsdp_tp: tensor = 2 when the heads divide; hsdp: fsdp = up to 8 devices (one node), data = rest.
+    fsdp_tp: tensor = 2 when the heads divide; hsdp: fsdp = up to 8 devices (one node), data = rest;
+    zero3_hpz: fsdp = up to ``domain`` devices (one fast-link domain), data = the domains.
     """
     from shardlib.sharding.mesh import resolve_axis_sizes
     from shardlib.sharding.strategies import get_strategy
@@ -194,6 +196,9 @@ def default_mesh(strategy: str, devices: int, config: Any) -> dict[str, int]:
     if strat.name == "hsdp":
         f = _largest_divisor(devices, min(8, max(1, devices // 2)))
         return {"data": devices // f, "fsdp": f}
+    if strat.secondary_axis:
+        f = _largest_divisor(devices, min(domain, max(1, devices // 2)))
+        return {strat.secondary_axis: devices // f, "fsdp": f}
     sizes = resolve_axis_sizes(strat.default_mesh, devices)
     return {k: v for k, v in sizes.items() if v > 1} or {"data": 1}
 
@@ -260,9 +265,11 @@ class Planner:
         from shardlib.sharding.mesh import parse_mesh, resolve_axis_sizes
 
         if mesh is None:
+            domain = self.profile.domain_size
             if self.pipeline_stages == 1:
-                return default_mesh(strategy, self.n, self.config)
-            return {"pipe": self.pipeline_stages, **default_mesh(strategy, self.n // self.pipeline_stages, self.config)}
+                return default_mesh(strategy, self.n, self.config, domain)
+            return {"pipe": self.pipeline_stages,
+                    **default_mesh(strategy, self.n // self.pipeline_stages, self.config, domain)}
         sizes = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh)
         full = resolve_axis_sizes(sizes, self.n)  # MeshError naming the mismatch with --devices
         return {k: v for k, v in full.items() if v > 1} or {"data": 1}
@@ -401,9 +408,13 @@ class Planner:
 
     # -- all candidates -----------------------------------------------------------------------
 
+    def default_strategies(self) -> tuple[str, ...]:
+        """ALL_STRATEGIES, and hpZ when the devices span more than one link domain (else it cannot apply)."""
+        return ALL_STRATEGIES + (HPZ_STRATEGIES if self.n > self.profile.domain_size else ())
+
     def run(self, strategies: Sequence[str] | None = None, mesh: str | Mapping[str, int] | None = None) -> list[PlanRow]:
         """Compile every strategy (on ``mesh``, or on each strategy's default mesh) and mark the best."""
-        names = [check_strategy(name) for name in strategies or ALL_STRATEGIES]  # fail before compiling
+        names = [check_strategy(name) for name in strategies or self.default_strategies()]  # fail before compiling
         if mesh is not None:
             self.mesh_for(names[0], mesh)  # a mesh that does not match --devices: fail now
         rows = []
