@@ -14,6 +14,7 @@ Each runs inside the step's ``shard_map`` and has two methods:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -23,6 +24,7 @@ from shardlib.model import Model
 from shardlib.sharding.layout import Layout
 from shardlib.step import compression as compression_lib
 from shardlib.step import pipeline as pipeline_lib
+from shardlib.step import stage_balance
 from shardlib.step.compute import ModelCall, StepContext
 from shardlib.step.reduce import Reducer
 
@@ -107,32 +109,51 @@ class Pipelined:
     n_stages: int
     microbatches: int
     branch: bool  # first / last stage alone run the embedding / head (only without collectives in them)
+    stage_layers: stage_balance.StageLayers | str | None = None  # checked by check_options
 
-    def _rows(self) -> pipeline_lib.Rows:
+    def _rows(self, batch: Any) -> pipeline_lib.Rows:
         return pipeline_lib.Rows(n_stages=self.n_stages, microbatches=self.microbatches, branch=self.branch,
-                                 loss_weight=1.0 / (self.call.rows_split * self.microbatches))
+                                 loss_weight=1.0 / (self.call.rows_split * self.microbatches),
+                                 stage_layers=self.split(batch))
+
+    def split(self, batch: Any) -> stage_balance.StageLayers | None:
+        """Layers per stage; ``"auto"`` compiles the stage pieces for this device's microbatch
+        shape (cached) and balances them."""
+        if self.stage_layers != "auto":
+            return self.stage_layers
+        params = self.call.model.abstract()
+        rows = {k: jax.ShapeDtypeStruct((x.shape[0] // self.microbatches, *x.shape[1:]), x.dtype) for k, x in batch.items()}
+        pieces = stage_balance.measure_pieces(self.call.model.pipeline, params, rows)
+        n_layers = jax.tree.leaves(params[self.call.model.pipeline.stacked])[0].shape[0]
+        return pieces.auto(n_layers, self.n_stages, embed_everywhere=not self.branch)
 
     def value_and_grad(self, params: Any, batch: Any, ctx: StepContext, residuals: Any):
         (loss, aux), grads = self.call.traced(lambda: pipeline_lib.value_and_grad(
-            self.call.stages(ctx), params, batch, self._rows(), schedule=self.schedule, seed=ctx.scale))
+            self.call.stages(ctx), params, batch, self._rows(batch), schedule=self.schedule, seed=ctx.scale))
         grads, residuals = self.reducer(grads, residuals)
         return (loss, aux), grads, residuals, None  # check_options refuses stateful models
 
     def loss(self, params: Any, batch: Any, ctx: StepContext):
-        return self.call.traced(lambda: pipeline_lib.loss(self.call.stages(ctx), params, batch, self._rows()))
+        return self.call.traced(lambda: pipeline_lib.loss(self.call.stages(ctx), params, batch, self._rows(batch)))
 
 
 Provider = Plain | Pipelined  # Accumulated is a Plain
 
 
 def for_layout(call: ModelCall, reducer: Reducer, layout: Layout, *, grad_accum: int, microbatches: int,
-               schedule: pipeline_lib.Schedule) -> Provider:
+               schedule: pipeline_lib.Schedule, stage_layers: Any = None) -> Provider:
     """The variant ``layout`` and the step's options ask for (options checked by `check_options`)."""
     if layout.pipeline_stages > 1:
         # The embedding / head may sit in a branch only when they hold no collective: no parameter
         # gathered over the batch axes, no tensor parallelism.
         branch = not call.must_gather and layout.mesh.shape.get("tensor", 1) == 1
-        return Pipelined(call, reducer, schedule, layout.pipeline_stages, microbatches, branch)
+        if not branch and isinstance(stage_layers, tuple) and len(set(stage_layers)) > 1:
+            warnings.warn(
+                f"stage_layers={','.join(map(str, stage_layers))} cannot make the slowest stage faster here: with "
+                "collectives in the embedding / head / layers (ZeRO-3 gathers or tensor parallelism) every stage "
+                "computes the embedding and the head, and computes its padded layer slots and discards them; "
+                "use stage_layers=None (or 'auto', which keeps the even split)", UserWarning, stacklevel=3)
+        return Pipelined(call, reducer, schedule, layout.pipeline_stages, microbatches, branch, stage_layers)
     if grad_accum == 1:
         return Plain(call, reducer)
     return Accumulated(call, reducer, grad_accum, layout.strategy.shard_grad_buffer)
@@ -173,3 +194,14 @@ def check_options(model: Model, layout: Layout, grad_accum: int, method: compres
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     return microbatches, pipeline_lib.get_schedule(schedule)
+
+
+def check_stage_layers(model: Model, layout: Layout, stage_layers: Any) -> stage_balance.StageLayers | str | None:
+    """``stage_layers`` (None, "auto" or layers per stage) checked against the model's layer stack."""
+    if stage_layers is None:
+        return None
+    if layout.pipeline_stages == 1:
+        raise ValueError(f"stage_layers={stage_layers!r} splits the layers of a pipeline, and the mesh has pipe=1; "
+                         "use a mesh with pipe > 1 (--pipeline-stages S), or drop stage_layers")
+    stack = model.abstract()[model.pipeline.stacked]
+    return stage_balance.check_stage_layers(stage_layers, jax.tree.leaves(stack)[0].shape[0], layout.pipeline_stages)

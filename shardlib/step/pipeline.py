@@ -92,6 +92,8 @@ class _Cut:
     stack: Any
     rest: Any
     micro: dict[str, jax.Array]  # [M, rows / M, ...] per batch entry
+    active: jax.Array | None = None  # uneven stages: which slots of the padded stack hold a layer here
+    branch: bool = False  # padded slots skipped in a lax.cond (else computed and discarded)
 
     def rows(self, i: jax.Array) -> dict[str, jax.Array]:
         return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), self.micro)
@@ -100,7 +102,16 @@ class _Cut:
         return self.stages.embed({**rest, self.stages.stacked: self.stack}, rows)
 
     def stage(self, stack: Any, x: jax.Array) -> jax.Array:
-        return self.stages.stage({**self.rest, self.stages.stacked: stack}, x)
+        run = lambda layers, x: self.stages.stage({**self.rest, self.stages.stacked: layers}, x)
+        if self.active is None:
+            return run(stack, x)
+
+        def slot(x, layer_and_active):  # one layer of the padded stack; a padded slot passes x on
+            layer, active = layer_and_active
+            one = jax.tree.map(lambda a: a[None], layer)
+            return _when(active, lambda: run(one, x), lambda: x, self.branch), None
+
+        return jax.lax.scan(slot, x, (stack, self.active))[0]
 
     def head_loss(self, rest: Any, x: jax.Array, rows: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
         return self.stages.head_loss({**rest, self.stages.stacked: self.stack}, x, rows)
@@ -248,6 +259,43 @@ def _initial_carry(cut: _Cut, schedule: Schedule, S: int, M: int, zeros: tuple[A
     )
 
 
+def _compute_stack(stack: Any, split: tuple[int, ...], stage_index: jax.Array) -> Any:
+    """This stage's compute layers, padded to ``max(split)`` slots, from the even storage split:
+    layers stored on another stage arrive by ``ppermute``, one collective per (slot, distance);
+    autodiff's transpose sends their gradients back. Padded slots hold zeros."""
+    S, stored = len(split), jax.tree.leaves(stack)[0].shape[0]
+    starts = [sum(split[:s]) for s in range(S)]
+    slots = []
+    for j in range(max(split)):
+        by_distance: dict[int, list[tuple[int, int, int]]] = {}  # source - target -> (source, target, offset)
+        for s in range(S):
+            if j < split[s]:
+                layer = starts[s] + j
+                by_distance.setdefault(layer // stored - s, []).append((layer // stored, s, layer % stored))
+        slot = jax.tree.map(lambda a: jnp.zeros_like(a[0]), stack)
+        for distance, moves in by_distance.items():
+            offsets = [0] * S
+            for source, _, offset in moves:
+                offsets[source] = offset
+            row = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, jnp.asarray(offsets)[stage_index], keepdims=False), stack)
+            if distance:
+                row = jax.lax.ppermute(row, PIPE_AXIS, [(source, target) for source, target, _ in moves])
+            here = jnp.isin(stage_index, jnp.asarray([target for _, target, _ in moves]))
+            slot = jax.tree.map(lambda new, old: jnp.where(here, new, old), row, slot)
+        slots.append(slot)
+    return jax.tree.map(lambda *rows: jnp.stack(rows), *slots)
+
+
+def _uneven(cut: _Cut, split: tuple[int, ...] | None, stage_index: jax.Array, branch: bool):
+    """(cut with this stage's padded compute stack, its transpose back to storage); the cut
+    unchanged and None when the split is the even one the storage already holds."""
+    if split is None or len(set(split)) == 1:
+        return cut, None
+    stack, to_storage = jax.vjp(lambda st: _compute_stack(st, split, stage_index), cut.stack)
+    active = jnp.arange(max(split)) < jnp.asarray(split)[stage_index]
+    return dataclasses.replace(cut, stack=stack, active=active, branch=branch), to_storage
+
+
 @dataclasses.dataclass(frozen=True)
 class Rows:
     """How one device's rows run through the stages: ``n_stages`` S and ``microbatches`` M; each
@@ -258,6 +306,7 @@ class Rows:
     microbatches: int
     loss_weight: float = 1.0
     branch: bool = False
+    stage_layers: tuple[int, ...] | None = None  # layers each stage computes (None: the even split)
 
 
 def value_and_grad(stages: Stages, params: Mapping[str, Any], batch: Mapping[str, jax.Array], rows: Rows, *,
@@ -274,6 +323,7 @@ def value_and_grad(stages: Stages, params: Mapping[str, Any], batch: Mapping[str
     S, M, loss_weight, branch = rows.n_stages, rows.microbatches, rows.loss_weight, rows.branch
     cut = _cut(stages, params, batch, M)
     stage_index = jax.lax.axis_index(PIPE_AXIS)
+    cut, to_storage = _uneven(cut, rows.stage_layers, stage_index, branch)
     first, last = stage_index == 0, stage_index == S - 1
     zeros = _zero_outputs(cut)
     carry = _initial_carry(cut, schedule, S, M, zeros)
@@ -285,7 +335,8 @@ def value_and_grad(stages: Stages, params: Mapping[str, Any], batch: Mapping[str
 
     # Only the first / last stage holds the embedding's / head's gradient and the loss: share them.
     grad_rest, loss, aux = jax.lax.psum((carry["grad_rest"], carry["loss"], carry["aux"]), PIPE_AXIS)
-    grads = {**grad_rest, stages.stacked: carry["grad_stack"]}
+    grad_stack = carry["grad_stack"] if to_storage is None else to_storage(carry["grad_stack"])[0]
+    grads = {**grad_rest, stages.stacked: grad_stack}
     return (loss, aux), {k: grads[k] for k in params}
 
 
@@ -296,6 +347,7 @@ def loss(stages: Stages, params: Mapping[str, Any], batch: Mapping[str, jax.Arra
     cut = _cut(stages, params, batch, M)
     cut = dataclasses.replace(cut, rest=jax.tree.map(_vary, cut.rest))  # each stage's copy is its own
     stage_index = jax.lax.axis_index(PIPE_AXIS)
+    cut, _ = _uneven(cut, rows.stage_layers, stage_index, branch)
     zeros_x, zero_loss, zero_aux = _zero_outputs(cut)
 
     def tick(c, t):
