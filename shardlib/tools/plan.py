@@ -74,6 +74,8 @@ class PlanRow:
     persistent_bytes: int | None = None
     params_bytes: int | None = None
     opt_state_bytes: int | None = None
+    host_bytes: int | None = None  # state in host memory (offload), per device, from the compiled program
+    offload: str = "none"
     argument_bytes: int | None = None
     temp_bytes: int | None = None
     peak_bytes: int | None = None
@@ -210,6 +212,15 @@ def _shard_bytes(tree: Any) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+def _in_host_memory(tree: Any) -> list[Any]:
+    """The leaves of a tree of sharded ShapeDtypeStructs that live in host memory (offloaded)."""
+    import jax
+
+    from shardlib.step.offload import HOST_MEMORY
+
+    return [x for x in jax.tree.leaves(tree) if x.sharding.memory_kind == HOST_MEMORY]
+
+
 def _full_bytes(tree: Any) -> int:
     import jax
 
@@ -234,9 +245,16 @@ class Planner:
     def __init__(self, model: Any, devices: int, *, batch_size: int | None = None, seq_len: int | None = None,
                  precision: str = "f32", hardware: str | hw.HardwareProfile = "h100",
                  hbm: str | int | None = None, remat: bool | None = None,
-                 pipeline_stages: int = 1, microbatches: int | None = None, schedule: str = "1f1b"):
+                 pipeline_stages: int = 1, microbatches: int | None = None, schedule: str = "1f1b",
+                 offload: str = "none"):
         from shardlib.models import param_count, trainable
+        from shardlib.step.offload import get_offload
         from shardlib.step.pipeline import get_schedule
+
+        try:
+            self.offload = get_offload(offload).name
+        except ValueError as err:
+            raise PlanError(str(err)) from None
 
         self.precision = precision
         self.config = resolve_config(model, precision, remat)
@@ -286,7 +304,8 @@ class Planner:
         pipelined = layout.pipeline_stages > 1
         # The precision reaches the step as `shardlib train` passes it: weights cast where the step casts them.
         program = build(self.model, optax.adamw(1e-4), layout, precision=self.precision,
-                        microbatches=self.microbatches if pipelined else None, schedule=self.schedule)
+                        microbatches=self.microbatches if pipelined else None, schedule=self.schedule,
+                        offload=self.offload)
         shape = ((batch_size, self.seq_len), jnp.int32)
         batch = program.abstract_batch({"inputs": shape, "targets": shape})
         lowered = program.step.lower(program.abstract_state(), batch)  # checks the batch divides
@@ -316,6 +335,12 @@ class Planner:
         links = self._read_collectives(row, built)
         self._estimate_time(row, links)
         row.fits = row.peak_bytes <= self.hbm_bytes
+        if row.fits and row.peak_bytes + row.host_bytes > self.hbm_bytes:
+            row.notes.append(f"fits because of --offload {row.offload}: {_gib(row.host_bytes)} of state per device "
+                             f"in host memory; without it ~{_gib(row.peak_bytes + row.host_bytes)} > {_gib(self.hbm_bytes)}")
+        if row.host_bytes:
+            row.notes.append(f"offload moves {_gib(2 * row.host_bytes)} per device per step between host and device "
+                             "memory; the step time leaves that transfer out")
         replicated = self._replicated(strategy, sizes)
         if replicated:
             row.notes.append(f"{len(replicated)} tensor(s) replicated against the rules: {', '.join(replicated[:4])}"
@@ -338,13 +363,16 @@ class Planner:
         return row
 
     def _read_memory(self, row: PlanRow, built: _Compiled) -> None:
-        """Persistent bytes from the state's shardings; peak and temporaries from XLA's buffer assignment."""
+        """Persistent bytes from the state's shardings; peak and temporaries from XLA's buffer assignment.
+        Device figures leave out the state offloaded to host memory (``host_bytes``)."""
         state = built.program.abstract_state()
         row.params_bytes = _shard_bytes(state.params)
         row.opt_state_bytes = _shard_bytes(state.opt_state)
-        row.persistent_bytes = row.params_bytes + row.opt_state_bytes + _shard_bytes(state.step)
+        row.persistent_bytes = (row.params_bytes + row.opt_state_bytes + _shard_bytes(state.step)
+                                - _shard_bytes(_in_host_memory(state)))
         mem = memory_stats(built.compiled)
-        row.argument_bytes, row.temp_bytes = mem.argument_bytes, mem.temp_bytes
+        row.offload, row.host_bytes = self.offload, mem.host_argument_bytes
+        row.argument_bytes, row.temp_bytes = mem.device_bytes("argument"), mem.temp_bytes
         row.peak_bytes = peak_bytes(mem)
         row.transient_bytes = row.peak_bytes - row.persistent_bytes
 
@@ -488,7 +516,12 @@ class Planner:
                                     f"{_gib(smallest.peak_bytes)} -> {_gib(remat_row.peak_bytes)} per device "
                                     f"({'fits' if remat_row.fits else 'still over'} {_gib(hbm)}), ~33% more compute"})
 
-        # 4. A strategy that was not tried.
+        # 4. The optimizer state in host memory, measured on the candidate with the smallest peak.
+        offloaded = self._offloaded(smallest)
+        if offloaded:
+            out.append(offloaded)
+
+        # 5. A strategy that was not tried.
         if "zero3" not in tried:
             estimate = state_total // self.n + transient
             out.append({"kind": "strategy", "strategy": "zero3", "estimated_peak_bytes": estimate,
@@ -496,6 +529,24 @@ class Planner:
                         "text": f"zero3 shards parameters too: ~{_gib(state_total / self.n)} persistent + "
                                 f"{_gib(transient)} transient = {_gib(estimate)} per device"})
         return out
+
+    def _offloaded(self, row: PlanRow) -> dict[str, Any] | None:
+        """``row``'s candidate compiled with ``--offload opt_state``: its device peak and host bytes."""
+        if self.offload != "none":
+            return None
+        self.offload = "opt_state"
+        try:
+            moved = self.candidate(row.strategy, row.mesh)
+        finally:
+            self.offload = "none"
+        if moved.error is not None:
+            return None
+        return {"kind": "offload", "strategy": row.strategy, "peak_bytes": moved.peak_bytes,
+                "host_bytes": moved.host_bytes, "fits": moved.fits,
+                "text": f"{row.strategy} with --offload opt_state (optimizer state in host memory): peak "
+                        f"{_gib(row.peak_bytes)} -> {_gib(moved.peak_bytes)} per device "
+                        f"({'fits' if moved.fits else 'still over'} {_gib(self.hbm_bytes)}), "
+                        f"{_gib(moved.host_bytes)} per device in host memory, moved in and out every step"}
 
     def _state_total(self) -> int:
         """Unsharded bytes of params + optimizer state (12 Psi for fp32 Adam)."""
@@ -570,17 +621,18 @@ def plan(model: Any, devices: int, strategies: Sequence[str] | None = None, *,
          mesh: str | Mapping[str, int] | None = None, batch_size: int | None = None, seq_len: int | None = None,
          precision: str = "f32", hbm: str | int | None = None, hardware: str = "h100",
          remat: bool | None = None, pipeline_stages: int = 1, microbatches: int | None = None,
-         schedule: str = "1f1b") -> list[PlanRow]:
+         schedule: str = "1f1b", offload: str = "none") -> list[PlanRow]:
     """Compile the training step of ``model`` for each strategy on ``devices`` devices; one row each.
 
     ``model``: a config name (``"llama-7b"``) or a ``models.GPTConfig``. ``strategies``: default all
     seven. ``mesh``: one mesh for every strategy (default: each strategy's default mesh for N).
     ``batch_size``: global sequences per step (default N); ``seq_len`` default the config's.
     Needs ``devices`` JAX devices in this process (``jax_num_cpu_devices`` before JAX starts).
+    ``offload="opt_state"``: every candidate keeps its optimizer state in host memory (ZeRO-Offload).
     """
     planner = Planner(model, devices, batch_size=batch_size, seq_len=seq_len, precision=precision,
                       hardware=hardware, hbm=hbm, remat=remat, pipeline_stages=pipeline_stages,
-                      microbatches=microbatches, schedule=schedule)
+                      microbatches=microbatches, schedule=schedule, offload=offload)
     return planner.run(strategies, mesh)
 
 
@@ -607,7 +659,9 @@ def plan_document(planner: Planner, rows: Sequence[PlanRow], advice: Sequence[Ma
 
 
 MODEL_NOTES: dict[str, str] = {
-    "persistent_bytes": "params + optimizer state per device, from the train state's shardings",
+    "persistent_bytes": "params + optimizer state per device in device memory, from the train state's shardings",
+    "host_bytes": "state per device in host memory (--offload), from the compiled step's parameter layouts; "
+                  "not counted in persistent, args or peak",
     "peak_bytes": "XLA buffer assignment of the compiled step: arguments + outputs - donated + temporaries "
                   "(compiled by XLA:CPU; an estimate for GPU/TPU)",
     "collective_bytes": "bytes one device sends per step, ring volumes (all-reduce 2(N-1)/N S, all-gather and "
@@ -638,6 +692,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add a pipe=S axis to every candidate's default mesh (or give pipe in --mesh)")
     parser.add_argument("--microbatches", type=int, metavar="M", help="pipeline microbatches (default 2 x stages)")
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
+    parser.add_argument("--offload", default="none", choices=["none", "opt_state"],
+                        help="keep the optimizer state in host memory (ZeRO-Offload, docs/offload.md)")
     parser.add_argument("--hbm", type=_hbm_flag, help="memory per device with its unit, e.g. 80GB or 16GiB "
                                                       "(default: the hardware's)")
     parser.add_argument("--hardware", default="h100", help=f"profile for the time estimate: {', '.join(hw.HARDWARE)}")
@@ -674,7 +730,7 @@ def run(args: argparse.Namespace) -> int:
     planner = Planner(args.model, args.devices, batch_size=args.batch_size, seq_len=args.seq_len,
                       precision=args.precision, hardware=args.hardware, hbm=args.hbm,
                       remat=False if args.no_remat else None, pipeline_stages=args.pipeline_stages,
-                      microbatches=args.microbatches, schedule=args.schedule)
+                      microbatches=args.microbatches, schedule=args.schedule, offload=args.offload)
     rows = planner.run(None if args.all else args.strategy, args.mesh)
     advice = planner.advise(rows)
     if args.json:
@@ -691,7 +747,7 @@ def render(planner: Planner, rows: Sequence[PlanRow], advice: Sequence[Mapping[s
     lines = [
         f"plan: {planner.model_name} ({planner.params / 1e6:,.1f}M params, {c.n_layers} layers, d={c.d_model}) "
         f"on {planner.n} devices, batch {planner.batch_size} x {planner.seq_len} tokens, {planner.precision}, "
-        f"remat {'on' if c.remat else 'off'}",
+        f"remat {'on' if c.remat else 'off'}, offload {planner.offload}",
         f"hardware: {p.description}; HBM limit {format_bytes(planner.hbm_bytes)} per device",
         "",
     ]
@@ -704,12 +760,13 @@ def render(planner: Planner, rows: Sequence[PlanRow], advice: Sequence[Mapping[s
         table.append({
             "": "*" if r.best else "", "strategy": r.strategy, "mesh": r.mesh_text,
             "persistent": format_bytes(r.persistent_bytes), "args": format_bytes(r.argument_bytes),
+            "host": format_bytes(r.host_bytes),
             "peak": format_bytes(r.peak_bytes), "comm/step": format_bytes(r.collective_total_bytes),
             "compute ms": r.compute_s * 1e3, "comm ms": r.comm_s * 1e3,
             "step ms": r.step_s * 1e3, "MFU": f"{r.mfu:.0%}" if r.mfu is not None else "-",
             "fits": "yes" if r.fits else "NO",
         })
-    lines.append(format_table(table, ["", "strategy", "mesh", "persistent", "args", "peak", "comm/step",
+    lines.append(format_table(table, ["", "strategy", "mesh", "persistent", "args", "host", "peak", "comm/step",
                                       "compute ms", "comm ms", "step ms", "MFU", "fits"]))
     kinds = [(r.strategy, {k: v for k, v in (r.collective_bytes or {}).items() if v}) for r in rows if not r.error]
     lines += ["", "collective bytes per device per step, by kind:"]
