@@ -36,6 +36,8 @@ class ComputeContext:
     cast_to: Any = None  # compute dtype to cast gathered weights to (when the cast follows the gather)
     # path -> storage spec over the axes left to GSPMD (``tensor``): the split a gather must keep
     auto_specs: Mapping[str, P] = dataclasses.field(default_factory=dict)
+    # (shard, spec) -> gathered: the gather itself (ZeRO++'s int8 one, `shardlib.step.zeropp`)
+    gather: Callable[[Any, Sequence[Any]], jax.Array] | None = None
 
 
 _CONTEXT: contextvars.ContextVar[ComputeContext | None] = contextvars.ContextVar(
@@ -73,9 +75,11 @@ def all_gather_spec(x: jax.Array, spec: Sequence[Any]) -> jax.Array:
     return x
 
 
-def gather_shards(x: jax.Array, spec: Sequence[Any], auto_spec: Sequence[Any] = ()) -> jax.Array:
+def gather_shards(x: Any, spec: Sequence[Any], auto_spec: Sequence[Any] = (),
+                  gather: Callable[[Any, Sequence[Any]], jax.Array] | None = None) -> jax.Array:
     """All-gather ``x`` over the manual axes of ``spec`` while it stays split over the GSPMD axes
-    of ``auto_spec`` (``tensor``).
+    of ``auto_spec`` (``tensor``). ``gather(shard, spec)`` replaces `all_gather_spec` (ZeRO++'s
+    quantised gather, whose ``x`` may carry its error-feedback residual along).
 
     GSPMD cannot partition a manual all-gather over an operand it has split on another axis: it
     all-gathers the operand over ``tensor`` first, so fsdp_tp's layers would compute with whole
@@ -85,11 +89,12 @@ def gather_shards(x: jax.Array, spec: Sequence[Any], auto_spec: Sequence[Any] = 
     """
     # A dim split over both kinds (an annotation such as ("fsdp", "tensor") on one dim) is left to
     # GSPMD as before: mapped by hand, its blocks would come back in the wrong order.
+    gather = gather or all_gather_spec
     kept = P(*(None if manual else auto for manual, auto in zip(spec, auto_spec)))
     auto = {a for entry in kept for a in as_axes(entry)}
     if not auto or not any(spec):
-        return all_gather_spec(x, spec)
-    return jax.shard_map(lambda shard: all_gather_spec(shard, spec), in_specs=kept, out_specs=kept, axis_names=auto)(x)
+        return gather(x, spec)
+    return jax.shard_map(lambda shard: gather(shard, spec), in_specs=kept, out_specs=kept, axis_names=auto)(x)
 
 
 def _gather_variable(variable: Any, ctx: ComputeContext) -> Any:
@@ -100,7 +105,7 @@ def _gather_variable(variable: Any, ctx: ComputeContext) -> Any:
     ctx.gathered.add(path)
     value = variable.get_value()
     spec = _fit(path, spec, value)
-    value = gather_shards(value, spec, _fit(path, ctx.auto_specs.get(path, (None,) * len(spec)), value))
+    value = gather_shards(value, spec, _fit(path, ctx.auto_specs.get(path, (None,) * len(spec)), value), ctx.gather)
     if ctx.cast_to is not None and jax.numpy.issubdtype(value.dtype, jax.numpy.floating):
         value = value.astype(ctx.cast_to)
     return variable.replace(value)
@@ -108,7 +113,7 @@ def _gather_variable(variable: Any, ctx: ComputeContext) -> Any:
 
 def _fit(path: str, spec: Sequence[Any], value: jax.Array) -> tuple:
     """``spec`` for ``value``: a slice of a scanned stack drops the leading 'layers' entry."""
-    spec = tuple(spec)
+    spec, value = tuple(spec), (value.value if hasattr(value, "residual") else value)  # carried: the shard
     if len(spec) == value.ndim + 1:
         spec = spec[1:]
     if len(spec) != value.ndim:

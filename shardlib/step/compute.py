@@ -23,6 +23,7 @@ from shardlib.sharding.layout import Layout, restrict, spec_axes
 from shardlib.sharding.strategies import BATCH_RULES
 from shardlib.step import hierarchical
 from shardlib.step import precision as precision_lib
+from shardlib.step import zeropp
 
 
 @jax.tree_util.register_dataclass
@@ -110,6 +111,7 @@ class ModelCall:
     key_axes: tuple[str, ...] = ()  # the batch axes whose device index is folded into the key
     # hpZ: gathered over the inter-host axis once per call, before the layers (then specs are intra-host)
     secondary: hierarchical.SecondaryPartition | None = None
+    gather: Callable[[Any, Any], jax.Array] | None = None  # ZeRO++'s quantised gather (`zeropp`); None: all_gather
 
     @classmethod
     def for_layout(cls, model: Model, layout: Layout, policy: precision_lib.Precision,
@@ -138,15 +140,16 @@ class ModelCall:
         if self.secondary is not None:
             params = self.secondary.gather(params, self.auto_specs)
         if not self.model.gathers_params:
-            params = jax.tree.map(hooks.gather_shards, params, self.specs, self.auto_specs)
+            gather = functools.partial(hooks.gather_shards, gather=self.gather)
+            params = jax.tree.map(gather, params, self.specs, self.auto_specs, is_leaf=zeropp.is_carried)
             return params if self.cast_first else self._compute(params)
         unsharded = lambda p, spec: p if spec_axes(spec) else self._compute(p)
-        return params if self.cast_first else jax.tree.map(unsharded, params, self.specs)
+        return params if self.cast_first else jax.tree.map(unsharded, params, self.specs, is_leaf=zeropp.is_carried)
 
     def traced(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` in a compute context; name any sharded parameter the model never gathered."""
         ctx = hooks.ComputeContext(self.activation_spec, cast_to=None if self.cast_first else self.compute_dtype,
-                                   auto_specs=self.auto_by_path)
+                                   auto_specs=self.auto_by_path, gather=self.gather)
         with hooks.compute_context(ctx):
             try:
                 out = fn()

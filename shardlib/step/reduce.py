@@ -21,6 +21,7 @@ from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout, restrict, spec_axes
 from shardlib.step import buckets as buckets_lib
 from shardlib.step import compression as compression_lib
+from shardlib.step import zeropp
 from shardlib.step.compute import active_axes, sharded_paths
 
 # DDP's default (25 MiB): large enough that a bucket's fixed cost is small against its bytes,
@@ -89,6 +90,11 @@ def _second_pass(method: compression_lib.Compression) -> compression_lib.Compres
     return compression_lib.get_compression("bf16") if method.needs_residual else method
 
 
+def _non_batch(spec: P, batch_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes of ``spec`` that are not batch axes (``tensor``): a qgZ residual keeps only those."""
+    return tuple(a for a in spec_axes(spec) if a not in batch_axes)
+
+
 def _autodiff_only(layout: Layout, axes: tuple[str, ...]) -> list[str]:
     """Parameters stored over the batch axes whose whole reduction is autodiff's reduce-scatter
     (no batch axis left for the Reducer to sum over): compression would touch none of it."""
@@ -114,6 +120,9 @@ class Reducer:
     method: compression_lib.Compression
     storage_specs: Any = None  # full storage specs (tensor axes too): where the residuals live
     bucket_bytes: int = 0  # pack uncompressed reductions into buckets of this size (`buckets`); 0: one per tensor
+    # qgZ: the gathers' own backward compresses the ZeRO-3 reduce-scatter (`shardlib.step.zeropp`),
+    # and a gathered parameter's residual travels with it to its gather (`carry`)
+    compresses_gathers: bool = False
 
     @classmethod
     def for_layout(cls, layout: Layout, method: compression_lib.Compression, exclude: tuple[str, ...] = (),
@@ -126,17 +135,28 @@ class Reducer:
             raise ValueError(f"bucket_bytes must be >= 0 (0 or None: one collective per tensor), got {bucket_bytes}")
         axes = active_axes(layout, exclude)
         untouched = _autodiff_only(layout, axes) if method.name != "none" else []
-        if untouched:
+        if untouched and layout.pipeline_stages > 1:
             raise ValueError(
                 f"grad_compression={method.name!r} cannot compress {layout.strategy.name}'s gradient reduce-scatter of "
-                f"{_listed(untouched)}: it is the transpose of the weight all-gather, derived by autodiff, "
-                "and no other batch axis is left to compress; use precision='bf16', which gathers and reduce-scatters "
-                "in bfloat16, hsdp with data > 1 (its data-axis all-reduce is compressed), or a strategy that keeps "
-                "parameters unsharded (dp, zero1, zero2)"
+                f"{_listed(untouched)} in a pipelined step (pipe={layout.pipeline_stages}): ZeRO++'s compressed "
+                "gather backward (qgZ) runs in unpipelined steps only; use pipe=1, precision='bf16', or a strategy "
+                "that keeps parameters unsharded (dp, zero1, zero2)"
             )
         storage = jax.tree.map(lambda l: l.spec, layout.params, is_leaf=rules_lib.is_layout)
         return cls(layout.manual(layout.params), layout.manual(layout.state), axes, method, storage,
-                   int(bucket_bytes or 0))
+                   int(bucket_bytes or 0), compresses_gathers=bool(untouched))
+
+    def _carries(self, param_spec: P) -> bool:
+        """Whether this parameter's reduce-scatter is its gather's compressed backward (qgZ)."""
+        return self.compresses_gathers and bool(spec_axes(param_spec) & set(self.axes))
+
+    def carry(self, params: Any, residuals: Any) -> Any:
+        """Inside the ``shard_map``: every qgZ parameter as a `zeropp.Carried` (shard, residual), so
+        that differentiating the loss returns its new residual beside its gradient."""
+        if not (self.compresses_gathers and self.method.needs_residual):
+            return params
+        flags = jax.tree.map(self._carries, self.param_specs)
+        return zeropp.carry(params, residuals, flags)
 
     def _map(self, fn, grads: Any, residuals: Any) -> tuple[Any, Any]:
         """``fn(grad, param_spec, state_spec, residual) -> (grad, residual)`` over every tensor."""
@@ -173,7 +193,8 @@ class Reducer:
             return self._finish_buckets(grads), residuals
 
         def one(g, ps, ss, r):
-            return _sum_grad(g, _rest_axes(ps, ss, self.axes), bool(_scatter_dims(ps, ss)), self.method, r)
+            scattered = bool(_scatter_dims(ps, ss)) or self._carries(ps)  # the residual rode that reduction
+            return _sum_grad(g, _rest_axes(ps, ss, self.axes), scattered, self.method, r)
 
         return self._map(one, grads, residuals)
 
@@ -205,13 +226,19 @@ class Reducer:
                                   for o, g, axes in zip(out, flat, rest)])
 
     def __call__(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
-        return self.finish(*self.scatter(grads, residuals))
+        grads, carried = zeropp.split(grads)
+        grads, residuals = self.finish(*self.scatter(grads, residuals))
+        if residuals is None:
+            return grads, residuals
+        return grads, jax.tree.map(lambda new, old: old if new is None else new, carried, residuals,
+                                   is_leaf=lambda x: x is None)
 
     # ---- error-feedback residuals: one per device that computes a distinct local gradient.
 
     def _lead_axes(self, param_spec: P) -> tuple[str, ...]:
-        """The batch axes a parameter is not stored over: its local gradients differ along them."""
-        return tuple(a for a in self.axes if a not in spec_axes(param_spec))
+        """The batch axes a parameter is not stored over: its local gradients differ along them
+        (all of them under qgZ, whose residual is of the whole gathered local gradient)."""
+        return tuple(a for a in self.axes if self._carries(param_spec) or a not in spec_axes(param_spec))
 
     def residual_specs(self, manual_axes: tuple[str, ...] | None = None) -> Any:
         """The residuals' specs (None without residuals): a leading axis over `_lead_axes`, then the
@@ -223,6 +250,7 @@ class Reducer:
 
         def one(param_spec, storage):
             lead = self._lead_axes(param_spec)
+            storage = restrict(storage, _non_batch(storage, self.axes)) if self._carries(param_spec) else storage
             spec = P(None if not lead else lead[0] if len(lead) == 1 else lead, *storage)
             return spec if manual_axes is None else restrict(spec, manual_axes)
 

@@ -1,0 +1,184 @@
+"""ZeRO++ for zero3: the per-layer weight all-gather in int8 (qwZ) and the gradient
+reduce-scatter compressed (qgZ), as one ``jax.custom_vjp`` around the gather.
+
+ZeRO-3's gather is a manual ``all_gather`` inside the step's ``shard_map``; autodiff's transpose
+of it is the gradient reduce-scatter, which cannot be compressed. `gather` writes both halves
+itself:
+
+* forward: the local shard, flattened, in blocks of at most ``block_size`` elements (a block never
+  straddles two devices' shards: each device quantises only its own) -> int8 codes and one
+  float32 scale per block -> ``all_gather`` of codes and scales -> dequantised into the shard's
+  dtype (bf16 under ``precision="bf16"`` when the cast comes first). Master weights stay float32.
+  Under remat the backward pass recomputes the gather, so it is int8 there too (ZeRO++'s default).
+* backward: the reduce-scatter of the full local gradient, plain (``grads="none"``) or through
+  `shardlib.step.compression.compressed_psum_scatter` (``"bf16"``, ``"int8"``).
+
+Error feedback under qgZ (int8): the residual is an extra primal input of the gather, and its
+cotangent *is* the new residual. The step hands the model each gathered parameter as a `Carried`
+pytree node (shard, residual), so a scanned layer stack slices both together and the residual
+reaches the gather of its own layer; differentiating with respect to the parameters then
+returns `Carried(gradient, new residual)`, which `shardlib.step.reduce.Reducer` splits again.
+The residual is the sender's quantisation error of its whole local gradient: 4 Psi bytes per
+device (docs/zeropp.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from shardlib.registry import lookup
+from shardlib.step import compression as compression_lib  # its int8 blocks, scales and reductions
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightGather:
+    """How the forward (and recomputed) ZeRO-3 weight gather sends a shard."""
+
+    name: str
+    block_size: int | None  # elements per float32 scale; None: the shard's own dtype, no quantisation
+    description: str = ""
+
+
+WEIGHT_GATHERS: dict[str, WeightGather] = {
+    "none": WeightGather("none", None, "the shard's own dtype (float32, or bf16 when cast first)"),
+    "int8": WeightGather("int8", 256, "int8 + float32 scale per 256-element block of the local shard (qwZ)"),
+}
+
+
+def get_weight_gather(name: str | WeightGather) -> WeightGather:
+    """The named preset, or the object itself; an unknown name lists the known ones."""
+    return lookup(WEIGHT_GATHERS, name, WeightGather, "weight gather")
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherPolicy:
+    """What one ZeRO-3 gather does: its forward wire format and its backward's compression."""
+
+    weights: WeightGather = WEIGHT_GATHERS["none"]
+    grads: compression_lib.Compression = compression_lib.METHODS["none"]
+
+    @property
+    def plain(self) -> bool:
+        """Nothing to change: autodiff's own all_gather / reduce-scatter pair."""
+        return self.weights.block_size is None and self.grads.name == "none"
+
+
+PLAIN = GatherPolicy()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Carried:
+    """A parameter shard and its qgZ error-feedback residual, travelling together through the
+    model (and a scan over stacked layers) to the gather; as a gradient: (gradient, new residual)."""
+
+    value: Any
+    residual: Any
+
+
+def is_carried(x: Any) -> bool:
+    return isinstance(x, Carried)
+
+
+def carry(params: Any, residuals: Any, carries: Any) -> Any:
+    """Wrap every parameter whose ``carries`` flag is set with its residual."""
+    return jax.tree.map(lambda p, r, c: Carried(p, r) if c else p, params, residuals, carries)
+
+
+def split(grads: Any) -> tuple[Any, Any]:
+    """`Carried` gradients -> (gradients, new residuals; None where nothing was carried)."""
+    values = jax.tree.map(lambda g: g.value if is_carried(g) else g, grads, is_leaf=is_carried)
+    residuals = jax.tree.map(lambda g: g.residual if is_carried(g) else None, grads, is_leaf=is_carried)
+    return values, residuals
+
+
+# ----------------------------------------------------------------------------------------------
+# The gather along one dim, with its backward written out
+# ----------------------------------------------------------------------------------------------
+
+
+def _quantised_all_gather(x: jax.Array, axes: tuple[str, ...], dim: int, block_size: int) -> jax.Array:
+    """``all_gather(x, axes, axis=dim, tiled=True)`` with int8 blocks of the local shard on the wire."""
+    plan = compression_lib.plan_chunks(x.size, 1, block_size)
+    flat = jnp.pad(x.astype(jnp.float32).reshape(-1), (0, plan.padded_chunk - x.size))
+    codes, scales = compression_lib._quantise(flat.reshape(plan.n_blocks, plan.block))
+    codes = jax.lax.all_gather(codes, axes, axis=0)  # [N, n_blocks, block]
+    scales = jax.lax.all_gather(scales, axes, axis=0)
+    n = codes.shape[0]
+    shards = compression_lib._dequantise(codes, scales).reshape(n, -1)[:, :x.size].reshape(n, *x.shape)
+    stacked = jnp.moveaxis(shards, 0, dim)  # [..., N, shard_dim, ...]: device i's rows come i-th
+    return stacked.reshape(*x.shape[:dim], n * x.shape[dim], *x.shape[dim + 1:]).astype(x.dtype)
+
+
+def _forward_gather(x: jax.Array, axes: tuple[str, ...], dim: int, weights: WeightGather) -> jax.Array:
+    if weights.block_size is None:
+        return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+    return _quantised_all_gather(x, axes, dim, weights.block_size)
+
+
+def gather_dim(x: jax.Array, residual: jax.Array | None, axes: tuple[str, ...], dim: int,
+               policy: GatherPolicy) -> jax.Array:
+    """One dim's gather under ``policy``; ``residual`` (float32, the gathered shape) feeds qgZ."""
+    return _make_gather(axes, dim, policy, residual is not None)(x, residual)
+
+
+@functools.lru_cache(maxsize=None)
+def _make_gather(axes: tuple[str, ...], dim: int, policy: GatherPolicy, with_residual: bool):
+    """The custom_vjp gather for one (axes, dim, policy); its residual argument's cotangent is
+    the new residual."""
+
+    @jax.custom_vjp
+    def gather(x, residual):
+        return _forward_gather(x, axes, dim, policy.weights)
+
+    def fwd(x, residual):
+        return gather(x, residual), residual
+
+    def bwd(residual, cotangent):
+        grad, new = compression_lib.compressed_psum_scatter(cotangent, axes, dim, policy.grads, residual)
+        return grad, (new if with_residual else None)
+
+    gather.defvjp(fwd, bwd)
+    return gather
+
+
+def gather_spec(x: Any, spec: Sequence[Any], policy: GatherPolicy) -> jax.Array:
+    """All-gather ``x`` (an array, or a `Carried` shard and residual) along every dim whose spec
+    entry names mesh axes. The residual rides the last gather: its transpose is the first
+    reduction of the full local gradient; earlier dims' reductions carry none."""
+    value, residual = (x.value, x.residual) if is_carried(x) else (x, None)
+    dims = [(dim, compression_lib._axes_tuple(axes)) for dim, axes in enumerate(spec) if axes]
+    for i, (dim, axes) in enumerate(dims):
+        last = i == len(dims) - 1
+        value = gather_dim(value, residual if last else None, axes, dim, policy)
+    return value
+
+
+def step_gather(weight_gather: str | WeightGather, grads: compression_lib.Compression, *, strategy: str,
+                gathers: bool, grad_accum: int, pipelined: bool):
+    """The ``gather(shard, spec)`` a step's `ModelCall` uses (None: autodiff's plain pair), or a
+    clear refusal where ZeRO++ cannot apply. ``grads``: the method of the gathers' backward (qgZ),
+    "none" where the `Reducer` compresses elsewhere."""
+    policy = GatherPolicy(get_weight_gather(weight_gather), grads)
+    if policy.plain:
+        return None
+    if not gathers:
+        raise ValueError(f"weight_gather={policy.weights.name!r} quantises ZeRO-3's parameter all-gather, but "
+                         f"{strategy} gathers no parameter over the batch axes; use zero3, fsdp_tp or hsdp, "
+                         "or weight_gather='none'")
+    if pipelined:
+        raise ValueError(f"weight_gather={policy.weights.name!r} runs in unpipelined steps only (pipe=1)")
+    if grad_accum > 1 and grads.needs_residual:
+        raise ValueError(f"grad_compression={grads.name!r} under {strategy} keeps its error-feedback residual in "
+                         "the gather's backward, once per step: use grad_accum=1, or grad_compression='bf16'")
+    return functools.partial(gather_spec, policy=policy)
+
+
+__all__ = ["Carried", "GatherPolicy", "WEIGHT_GATHERS", "WeightGather", "carry", "gather_spec", "get_weight_gather",
+           "is_carried", "split", "step_gather"]
