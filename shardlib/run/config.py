@@ -149,6 +149,9 @@ class TrainConfig:
                                           "(S-1)/(M+S-1)", metavar="M")
     pipeline_schedule: str = flag("1f1b", "pipeline schedule (default 1f1b: activations of at most 2S-1 "
                                           "microbatches per stage)", name="--schedule", choices=["1f1b", "gpipe"])
+    stage_layers: str | None = flag(None, "layers per pipeline stage: auto (balance the stages' compiled costs, "
+                                          "embedding and head included) or a list such as 3,5 (default: even)",
+                                    metavar="auto|N,N")
     data: str | None = flag(None, "text file, folder of .txt files, or glob (default: the built-in pydoc corpus)",
                             metavar="PATH")
     out: str | None = flag(None, "run directory (default runs/<timestamp>, new each run); with --ckpt-every, a re-run "

@@ -226,6 +226,7 @@ def optimizer(config: TrainConfig, model, schedule):
 def build_program(config: TrainConfig, model, layout, schedule):
     """The train program of ``config``'s options; a refused combination names its flag."""
     from shardlib import build
+    from shardlib.step.stage_balance import parse_stage_layers
 
     if config.bucket_mb < 0:
         raise TrainConfigError("bucket_mb", f"--bucket-mb must be >= 0 (0: one collective per tensor), got {config.bucket_mb}")
@@ -234,9 +235,10 @@ def build_program(config: TrainConfig, model, layout, schedule):
                      precision=config.precision, grad_accum=config.grad_accum,
                      grad_compression=config.grad_compression, microbatches=config.microbatches,
                      schedule=config.pipeline_schedule, bucket_bytes=int(config.bucket_mb * 2**20),
-                     offload=config.offload)
+                     offload=config.offload, stage_layers=parse_stage_layers(config.stage_layers))
     except ValueError as err:
         field = ("offload" if "(--offload)" in str(err) else
+                 "stage_layers" if "stage_layers" in str(err) or "--stage-layers" in str(err) else
                  "pipeline_stages" if layout.pipeline_stages > 1 else
                  "grad_compression" if config.grad_compression != "none" else "grad_accum")
         raise TrainConfigError(field, str(err)) from None

@@ -99,6 +99,7 @@ class PlanRow:
     pipeline_stages: int = 1
     microbatches: int = 1
     bubble: float = 0.0  # (S-1)/(M+S-1) of a pipelined candidate
+    stage_costs: dict[str, Any] | None = None  # pipelined: per-stage FLOPs / bytes, even split and chosen
     error: str | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
 
@@ -246,7 +247,7 @@ class Planner:
                  precision: str = "f32", hardware: str | hw.HardwareProfile = "h100",
                  hbm: str | int | None = None, remat: bool | None = None,
                  pipeline_stages: int = 1, microbatches: int | None = None, schedule: str = "1f1b",
-                 offload: str = "none"):
+                 offload: str = "none", stage_layers: Any = None):
         from shardlib.models import param_count, trainable
         from shardlib.step.offload import get_offload
         from shardlib.step.pipeline import get_schedule
@@ -269,6 +270,7 @@ class Planner:
         self.pipeline_stages = pipeline_stages
         self.microbatches = microbatches or 2 * pipeline_stages
         self.schedule = get_schedule(schedule).name
+        self.stage_layers = stage_layers  # None, "auto" or layers per stage
         self._batch_given = batch_size is not None
         self.batch_size = batch_size or devices
         if self.seq_len < 1 or self.batch_size < 1:
@@ -305,7 +307,7 @@ class Planner:
         # The precision reaches the step as `shardlib train` passes it: weights cast where the step casts them.
         program = build(self.model, optax.adamw(1e-4), layout, precision=self.precision,
                         microbatches=self.microbatches if pipelined else None, schedule=self.schedule,
-                        offload=self.offload)
+                        offload=self.offload, stage_layers=self.stage_layers if pipelined else None)
         shape = ((batch_size, self.seq_len), jnp.int32)
         batch = program.abstract_batch({"inputs": shape, "targets": shape})
         lowered = program.step.lower(program.abstract_state(), batch)  # checks the batch divides
@@ -360,7 +362,26 @@ class Planner:
         if stages > 1:
             row.pipeline_stages, row.microbatches = stages, self.microbatches
             row.bubble = bubble_fraction(stages, self.microbatches)
+            row.stage_costs = self._stage_costs(strategy, sizes, batch_size)
         return row
+
+    def _stage_costs(self, strategy: str, sizes: Mapping[str, int], batch_size: int) -> dict[str, Any] | None:
+        """Per-stage compiled cost of one microbatch under the even split and the chosen one."""
+        import jax
+        import jax.numpy as jnp
+
+        from shardlib.sharding.strategies import get_strategy
+        from shardlib.step.stage_balance import stage_table
+
+        replicas = self.n // sizes["pipe"] // sizes.get("tensor", 1)
+        rows = max(1, batch_size // replicas // self.microbatches)
+        shape = jax.ShapeDtypeStruct((rows, self.seq_len), jnp.int32)
+        everywhere = get_strategy(strategy).shards_params or sizes.get("tensor", 1) > 1  # ends hold collectives
+        try:
+            return stage_table(self.model.pipeline, self.model.abstract(), {"inputs": shape, "targets": shape},
+                               sizes["pipe"], self.stage_layers, everywhere)
+        except ValueError as err:
+            raise PlanError(str(err)) from None
 
     def _read_memory(self, row: PlanRow, built: _Compiled) -> None:
         """Persistent bytes from the state's shardings; peak and temporaries from XLA's buffer assignment.
@@ -692,6 +713,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add a pipe=S axis to every candidate's default mesh (or give pipe in --mesh)")
     parser.add_argument("--microbatches", type=int, metavar="M", help="pipeline microbatches (default 2 x stages)")
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
+    parser.add_argument("--stage-layers", metavar="auto|N,N",
+                        help="layers per pipeline stage (auto: balance the compiled stage costs; default even)")
     parser.add_argument("--offload", default="none", choices=["none", "opt_state"],
                         help="keep the optimizer state in host memory (ZeRO-Offload, docs/offload.md)")
     parser.add_argument("--hbm", type=_hbm_flag, help="memory per device with its unit, e.g. 80GB or 16GiB "
@@ -730,7 +753,8 @@ def run(args: argparse.Namespace) -> int:
     planner = Planner(args.model, args.devices, batch_size=args.batch_size, seq_len=args.seq_len,
                       precision=args.precision, hardware=args.hardware, hbm=args.hbm,
                       remat=False if args.no_remat else None, pipeline_stages=args.pipeline_stages,
-                      microbatches=args.microbatches, schedule=args.schedule, offload=args.offload)
+                      microbatches=args.microbatches, schedule=args.schedule, offload=args.offload,
+                      stage_layers=_stage_layers_flag(args.stage_layers))
     rows = planner.run(None if args.all else args.strategy, args.mesh)
     advice = planner.advise(rows)
     if args.json:
@@ -741,8 +765,19 @@ def run(args: argparse.Namespace) -> int:
     return 0 if any(r.error is None for r in rows) else 1
 
 
+def _stage_layers_flag(text: str | None) -> Any:
+    from shardlib.step.stage_balance import parse_stage_layers
+
+    try:
+        return parse_stage_layers(text)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+
+
 def render(planner: Planner, rows: Sequence[PlanRow], advice: Sequence[Mapping[str, Any]]) -> str:
     """Human-readable plan: a header, one line per candidate, notes and suggestions."""
+    from shardlib.step.stage_balance import format_stage_table
+
     c, p = planner.config, planner.profile
     lines = [
         f"plan: {planner.model_name} ({planner.params / 1e6:,.1f}M params, {c.n_layers} layers, d={c.d_model}) "
@@ -774,6 +809,8 @@ def render(planner: Planner, rows: Sequence[PlanRow], advice: Sequence[Mapping[s
     for r in rows:
         for note in r.notes:
             lines.append(f"  note ({r.strategy}): {note}")
+    for r in (r for r in rows if r.stage_costs):
+        lines += [f"  stage costs ({r.strategy}, one microbatch forward + backward):", *format_stage_table(r.stage_costs)]
     best = next((r for r in rows if r.best), None)
     lines.append("")
     lines.append(f"best: {best.strategy} on {best.mesh_text} (* above)" if best else
