@@ -227,3 +227,38 @@ def compiled_stage_costs(pipeline: Any, params: Any, rows: Any, split: StageLaye
         costs.append(compiled_cost(fn, params, x, rows))
         start += n
     return costs
+
+
+def stage_table(pipeline: Any, params: Any, rows: Any, stages: int, chosen: Any = "auto",
+                embed_everywhere: bool = False) -> dict[str, Any]:
+    """Each stage's FLOPs and bytes (one microbatch, forward + backward) under the even split and
+    under ``chosen`` (``"auto"`` or layers per stage): what ``shardlib plan`` shows and writes."""
+    pieces = measure_pieces(pipeline, params, rows)
+    n_layers = jax.tree.leaves(params[pipeline.stacked])[0].shape[0]
+    split = pieces.auto(n_layers, stages, embed_everywhere) if chosen in (None, "auto") else tuple(chosen)
+    rows_of = lambda s: [dataclasses.asdict(c) for c in pieces.stage_costs(s, embed_everywhere)]
+    return {"even": {"layers": list(even_split(n_layers, stages)), "stages": rows_of(even_split(n_layers, stages))},
+            "chosen": {"layers": list(split), "how": "auto" if chosen in (None, "auto") else "given",
+                       "stages": rows_of(split)},
+            "layer_moves": len(layer_moves(split, n_layers // stages)),
+            # each moved layer's parameters arrive once per step and its gradient goes back once
+            "layer_move_bytes": 2 * len(layer_moves(split, n_layers // stages)) * _layer_bytes(params[pipeline.stacked])}
+
+
+def _layer_bytes(stack: Any) -> int:
+    return sum(l.size // l.shape[0] * jnp.dtype(l.dtype).itemsize for l in jax.tree.leaves(stack))
+
+
+def format_stage_table(table: dict[str, Any]) -> list[str]:
+    """Text lines of `stage_table`: GFLOP / MB per stage, the slowest stage marked."""
+    lines = []
+    for name in ("even", "chosen"):
+        entry = table[name]
+        slowest = max(range(len(entry["stages"])), key=lambda s: Cost(**entry["stages"][s]).roofline)
+        cells = [f"{c['flops'] / 1e9:,.2f} GFLOP {c['bytes'] / 1e6:,.1f} MB" + (" (slowest)" if s == slowest else "")
+                 for s, c in enumerate(entry["stages"])]
+        label = f"{name} ({entry.get('how', 'even')}) {','.join(map(str, entry['layers']))}"
+        lines.append(f"    {label}: " + " | ".join(cells))
+    lines.append(f"    layers computed off their storage stage: {table['layer_moves']} "
+                 f"({table['layer_move_bytes']:,} B/step sent: parameters there, gradients back)")
+    return lines
