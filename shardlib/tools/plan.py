@@ -76,6 +76,7 @@ class PlanRow:
     opt_state_bytes: int | None = None
     host_bytes: int | None = None  # state in host memory (offload), per device, from the compiled program
     offload: str = "none"
+    fits_by_offload: bool = False  # fits, and would not with the host bytes in device memory
     argument_bytes: int | None = None
     temp_bytes: int | None = None
     peak_bytes: int | None = None
@@ -213,6 +214,11 @@ def _shard_bytes(tree: Any) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+def _fits_by_offload(row: PlanRow) -> bool:
+    """The candidate fits only because its offloaded state is in host memory (peak + host > HBM)."""
+    return bool(row.fits and row.host_bytes and row.peak_bytes + row.host_bytes > row.hbm_bytes)
+
+
 def _in_host_memory(tree: Any) -> list[Any]:
     """The leaves of a tree of sharded ShapeDtypeStructs that live in host memory (offloaded)."""
     import jax
@@ -337,9 +343,7 @@ class Planner:
         links = self._read_collectives(row, built)
         self._estimate_time(row, links)
         row.fits = row.peak_bytes <= self.hbm_bytes
-        if row.fits and row.peak_bytes + row.host_bytes > self.hbm_bytes:
-            row.notes.append(f"fits because of --offload {row.offload}: {_gib(row.host_bytes)} of state per device "
-                             f"in host memory; without it ~{_gib(row.peak_bytes + row.host_bytes)} > {_gib(self.hbm_bytes)}")
+        row.fits_by_offload = _fits_by_offload(row)
         if row.host_bytes:
             row.notes.append(f"offload moves {_gib(2 * row.host_bytes)} per device per step between host and device "
                              "memory; the step time leaves that transfer out")
@@ -483,6 +487,7 @@ class Planner:
         for r in rows:
             r.hbm_bytes = self.hbm_bytes
             r.fits = r.error is None and r.peak_bytes <= self.hbm_bytes
+            r.fits_by_offload = _fits_by_offload(r)
         mark_best(rows)
         return list(rows)
 
@@ -809,6 +814,10 @@ def render(planner: Planner, rows: Sequence[PlanRow], advice: Sequence[Mapping[s
     for r in rows:
         for note in r.notes:
             lines.append(f"  note ({r.strategy}): {note}")
+        if r.fits_by_offload:
+            lines.append(f"  note ({r.strategy}): fits because of --offload {r.offload}: {format_bytes(r.host_bytes)} "
+                         f"per device in host memory; without it ~{format_bytes(r.peak_bytes + r.host_bytes)} > "
+                         f"{format_bytes(r.hbm_bytes)}")
     for r in (r for r in rows if r.stage_costs):
         lines += [f"  stage costs ({r.strategy}, one microbatch forward + backward):", *format_stage_table(r.stage_costs)]
     best = next((r for r in rows if r.best), None)
