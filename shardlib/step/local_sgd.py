@@ -18,6 +18,14 @@ replica updates lose most against one large-batch update (measured in docs/local
 With ``average_opt_state`` the sync also averages the inner optimizer state (e.g. Adam's moments),
 so that every replica restarts the period from one state, as it does from one set of parameters.
 
+With ``outer_delay`` = D (streaming DiLoCo, Douillard et al. 2025, "Streaming DiLoCo with
+overlapping communication") the outer synchronisation overlaps the next D inner steps: at the
+sync point the replicas' parameters are kept (a local copy, no communication) and training goes
+on; the D-th step after it all-reduces that copy alongside its own forward and backward pass,
+applies the outer optimizer to the anchor, and mixes every replica with the new anchor,
+``outer_mix * replica + (1 - outer_mix) * anchor`` (the paper's alpha; 0.5 there), so the D
+overlapped steps' local progress is kept in part. D = 0 is DiLoCo as above.
+
 Three compiled programs, chosen in Python by the step counter, so that each has a fixed set of
 collectives: ``local_step`` (no collective over ``data`` beyond the scalar metrics), ``sync``
 (the parameter all-reduce over ``data``) and ``sync_step`` (the warm-up's data-parallel step:
@@ -62,6 +70,7 @@ class LocalSGDState:
     opt_state: Any  # inner optimizer state, one per replica, leading axis R
     anchor: Any = None  # parameters after the last sync (outer_tx only), storage layout
     outer_opt_state: Any = None  # outer_tx state over the anchor (outer_tx only)
+    snapshot: Any = None  # outer_delay > 0: the replicas' parameters at the last sync point, stacked like params
 
 
 def _stacked(sharding: NamedSharding) -> NamedSharding:
@@ -89,6 +98,25 @@ def _average_leaves(stacked: Any, n_replicas: int) -> Any:
         return jax.lax.psum(x, REPLICA_AXIS) / n_replicas
 
     return jax.tree.map(mean, stacked)
+
+
+def _check_outer_delay(outer_delay: int, outer_mix: float, sync_every: int, outer_tx: Any) -> None:
+    """Refuse a delay that cannot be streamed, naming the flag and the fix."""
+    if isinstance(outer_delay, bool) or not isinstance(outer_delay, int) or outer_delay < 0:
+        raise ValueError(f"outer_delay must be a non-negative integer (inner steps the outer sync overlaps; "
+                         f"0: DiLoCo's blocking sync), got {outer_delay!r}")
+    if outer_delay == 0:
+        return
+    if outer_tx is None:
+        raise ValueError(f"outer_delay={outer_delay} delays DiLoCo's outer update, but outer_tx is None; pass "
+                         "outer_tx (optax.sgd(1.0) is plain averaging, optax.sgd(0.7, momentum=0.9, nesterov=True) "
+                         "the paper's)")
+    if outer_delay >= sync_every:
+        raise ValueError(f"outer_delay={outer_delay} must be smaller than sync_every={sync_every}: the delayed outer "
+                         "update has to land before the next sync point starts another")
+    if not 0.0 <= outer_mix <= 1.0:
+        raise ValueError(f"outer_mix must be in [0, 1] (a replica's own weight when the delayed update lands), "
+                         f"got {outer_mix!r}")
 
 
 def _check_layout(layout: Layout, sync_every: int, sync_warmup: int = 0) -> None:
@@ -131,6 +159,9 @@ class LocalSGDProgram:
     sync_step: Any = None  # jitted (state, batch) -> (state, metrics): a data-parallel step (warm-up)
     sync_warmup: int = 0  # the first sync_warmup steps are sync_step; local steps after them
     rebase: Any = None  # jitted state -> state: anchor := replica mean (outer_tx, end of the warm-up)
+    outer_delay: int = 0  # streaming DiLoCo: the outer update lands this many steps after its sync point
+    mark: Any = None  # jitted state -> state: snapshot := params, at a sync point (outer_delay > 0)
+    merge_step: Any = None  # jitted (state, batch) -> (state, metrics): a local step + the delayed outer update
 
     @property
     def mesh(self):
@@ -153,11 +184,19 @@ class LocalSGDProgram:
             if done == self.sync_warmup and self.rebase is not None:
                 state = self.rebase(state)  # the outer optimizer starts from the warmed-up model
             return state, {**metrics, "synced": jnp.asarray(1, jnp.int32)}
-        state, metrics = self.local_step(state, batch)
+        merged = self.lands_outer_update(done)
+        state, metrics = (self.merge_step if merged else self.local_step)(state, batch)
         synced = is_sync_step(done, self.sync_every, self.sync_warmup)
         if synced:
-            state = self.sync(state)
-        return state, {**metrics, "synced": jnp.asarray(int(synced), jnp.int32)}
+            state = self.mark(state) if self.outer_delay else self.sync(state)
+        metrics = {**metrics, "synced": jnp.asarray(int(synced), jnp.int32)}
+        return state, ({**metrics, "merged": jnp.asarray(int(merged), jnp.int32)} if self.outer_delay else metrics)
+
+    def lands_outer_update(self, step: int) -> bool:
+        """Whether step ``step`` (1-based) is the one the delayed outer update of a sync point lands in."""
+        start = step - self.outer_delay
+        return self.outer_delay > 0 and start > self.sync_warmup and is_sync_step(start, self.sync_every,
+                                                                                  self.sync_warmup)
 
     def abstract_state(self) -> LocalSGDState:
         """ShapeDtypeStructs (with shardings) of the state: for planning and restoring."""
@@ -189,6 +228,8 @@ def build_local_sgd(
     average_opt_state: bool = False,
     lr_schedule: Callable | None = None,
     donate: bool = True,
+    outer_delay: int = 0,
+    outer_mix: float = 0.5,
 ) -> LocalSGDProgram:
     """Local SGD over the ``data`` axis of ``layout`` ('dp', 'hsdp' or 'tp'), in float32.
 
@@ -202,14 +243,18 @@ def build_local_sgd(
     parameter-sized all-reduces per sync, so the sync sends 3x the bytes). Metrics: ``loss``,
     ``accuracy`` and ``grad_norm`` averaged over replicas, ``skipped`` (replicas whose non-finite update was
     dropped), ``synced`` (1 on a step that ended with the sync), ``lr`` with ``lr_schedule``.
+    ``outer_delay`` = D > 0 (with ``outer_tx``, D < ``sync_every``) streams the outer sync: its
+    all-reduce runs in the D-th step after the sync point, alongside that step's compute, and the
+    replicas then mix with the new anchor by ``outer_mix``; metric ``merged`` marks that step.
     Not supported here: mixed precision, gradient accumulation, gradient compression, models that
     draw random numbers or carry BatchNorm statistics.
     """
     _check_layout(layout, sync_every, sync_warmup)
+    _check_outer_delay(outer_delay, outer_mix, sync_every, outer_tx)
     grads_lib.refuse_key_and_state(model, "build_local_sgd", "use shardlib.build")
     replicas = _Replicas.for_layout(layout)
-    state_sharding = _state_sharding(model, tx, outer_tx, replicas)
-    init = jax.jit(_init_fn(model, tx, outer_tx, replicas), out_shardings=state_sharding)
+    state_sharding = _state_sharding(model, tx, outer_tx, replicas, streamed=outer_delay > 0)
+    init = jax.jit(_init_fn(model, tx, outer_tx, replicas, streamed=outer_delay > 0), out_shardings=state_sharding)
     grads_fn = _replica_grads(model, layout, replicas)
     replicated = NamedSharding(layout.mesh, P())
     step_jit = functools.partial(jax.jit, in_shardings=(state_sharding, None), out_shardings=(state_sharding, replicated),
@@ -229,8 +274,12 @@ def build_local_sgd(
                         out_shardings=replicas.param_shardings)
     # Evaluation of one set of parameters is ordinary data-parallel evaluation under this layout.
     evaluate = build(model, tx, layout, donate=False).evaluate
+    streamed = {}
+    if outer_delay:
+        streamed = dict(outer_delay=outer_delay, mark=state_jit(averages.mark),
+                        merge_step=step_jit(functools.partial(averages.merge_step, step_fn, outer_mix)))
     return LocalSGDProgram(model, tx, outer_tx, layout, sync_every, init, local_step, sync, evaluate, consensus,
-                           state_sharding, sync_step=sync_step, sync_warmup=sync_warmup, rebase=rebase)
+                           state_sharding, sync_step=sync_step, sync_warmup=sync_warmup, rebase=rebase, **streamed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +315,7 @@ class _Replicas:
 
 
 def _state_sharding(model: Model, tx: optax.GradientTransformation, outer_tx: optax.GradientTransformation | None,
-                    replicas: _Replicas) -> LocalSGDState:
+                    replicas: _Replicas, streamed: bool = False) -> LocalSGDState:
     """Inner optimizer state stacked like the parameters, the outer one laid out like the anchor."""
     mesh, replicated = replicas.mesh, NamedSharding(replicas.mesh, P())
     abstract = model.abstract()
@@ -286,11 +335,12 @@ def _state_sharding(model: Model, tx: optax.GradientTransformation, outer_tx: op
     return LocalSGDState(
         step=replicated, params=replicas.stacked_params, opt_state=opt_shardings,
         anchor=replicas.param_shardings if outer_tx is not None else None, outer_opt_state=outer_shardings,
+        snapshot=replicas.stacked_params if streamed else None,
     )
 
 
 def _init_fn(model: Model, tx: optax.GradientTransformation, outer_tx: optax.GradientTransformation | None,
-             replicas: _Replicas) -> Callable[[jax.Array], LocalSGDState]:
+             replicas: _Replicas, streamed: bool = False) -> Callable[[jax.Array], LocalSGDState]:
     def init_fn(key):
         params = model.init(key)  # replicas start from one initialisation, as in DiLoCo
         stacked = jax.lax.with_sharding_constraint(replicas.broadcast(params), replicas.stacked_state)
@@ -298,6 +348,7 @@ def _init_fn(model: Model, tx: optax.GradientTransformation, outer_tx: optax.Gra
             step=jnp.zeros((), jnp.int32), params=replicas.broadcast(params), opt_state=jax.vmap(tx.init)(stacked),
             anchor=params if outer_tx is not None else None,
             outer_opt_state=outer_tx.init(params) if outer_tx is not None else None,
+            snapshot=replicas.broadcast(params) if streamed else None,
         )
 
     return init_fn
@@ -393,12 +444,33 @@ class _Averages:
             state = dataclasses.replace(state, opt_state=self.opt_mean(state.opt_state))
         if self.outer_tx is None:
             return dataclasses.replace(state, params=self.replicas.broadcast(mean))
+        state = self._outer_update(state, mean)
+        return dataclasses.replace(state, params=self.replicas.broadcast(state.anchor))
+
+    def _outer_update(self, state: LocalSGDState, mean: Any) -> LocalSGDState:
+        """DiLoCo's outer step on the anchor, from the replicas' mean."""
         pseudo_grad = jax.tree.map(jnp.subtract, state.anchor, mean)  # anchor - average: a descent direction
         updates, outer_opt_state = self.outer_tx.update(pseudo_grad, state.outer_opt_state, state.anchor)
         anchor = jax.lax.with_sharding_constraint(optax.apply_updates(state.anchor, updates),
                                                   self.replicas.param_shardings)
-        return dataclasses.replace(state, params=self.replicas.broadcast(anchor), anchor=anchor,
-                                   outer_opt_state=outer_opt_state)
+        return dataclasses.replace(state, anchor=anchor, outer_opt_state=outer_opt_state)
+
+    def mark(self, state: LocalSGDState) -> LocalSGDState:
+        """A streamed sync point: keep the replicas' parameters for the delayed all-reduce (no communication)."""
+        return dataclasses.replace(state, snapshot=jax.tree.map(jnp.copy, state.params))
+
+    def merge_step(self, step_fn: Callable, outer_mix: float, state: LocalSGDState,
+                   batch: Any) -> tuple[LocalSGDState, dict[str, jax.Array]]:
+        """A local step and, beside it, the all-reduce of the snapshot; then the outer update and the mix.
+
+        The mean reads only the snapshot, not this step's parameters, so the all-reduce need not
+        wait for the step's compute (it overlaps it where the backend runs both at once)."""
+        mean = self.average(state.snapshot)
+        state, metrics = step_fn(state, batch, synchronous=False)
+        state = self._outer_update(state, mean)
+        anchor = self.replicas.broadcast(state.anchor)
+        params = jax.tree.map(lambda p, a: outer_mix * p + (1.0 - outer_mix) * a, state.params, anchor)
+        return dataclasses.replace(state, params=params), metrics
 
     def rebase(self, state: LocalSGDState) -> LocalSGDState:
         """The anchor becomes the (warmed-up) replicas' mean; the outer optimizer state is untouched."""
