@@ -32,9 +32,11 @@ DEFAULT_MESHES = ("fsdp=-1", "data=2,fsdp=4")
 
 
 def train_losses(
-    mesh_text: str, steps: int, strategy: str = "zero3", before_step: Callable[[int], None] | None = None
+    mesh_text: str, steps: int, strategy: str = "zero3", before_step: Callable[[int], None] | None = None,
+    on_program: Callable[..., None] | None = None,
 ) -> tuple[list[float], str]:
-    """Per-step losses of ``steps`` AdamW steps of the tiny GPT, and the mesh's device map."""
+    """Per-step losses of ``steps`` AdamW steps of the tiny GPT, and the mesh's device map;
+    ``on_program(program, batch)`` sees the program and the last global batch after training."""
     import jax
     import numpy as np
     import optax
@@ -58,7 +60,22 @@ def train_losses(
         batch = to_global(local, layout.batch_sharding(local)["inputs"], rows=source.rows)
         state, metrics = program.step(state, batch)
         losses.append(float(metrics["loss"]))
+    if on_program is not None:
+        on_program(program, batch)
     return losses, distributed.device_map(mesh)
+
+
+def cross_process_collectives(program, batch) -> list[list]:
+    """[kind, runs per step] of every collective of the compiled step whose replica groups join
+    devices of different processes (group ids index the mesh's devices in order)."""
+    from shardlib.tools.hlo import collective_stats
+
+    process = [d.process_index for d in program.mesh.devices.flat]
+    records = collective_stats(program.compile_step(program.abstract_state(), batch).as_text(),
+                               num_devices=len(process)).records
+    crossing = [r for r in records if r.replica_groups is None
+                or any(len({process[i] for i in group}) > 1 for group in r.replica_groups)]
+    return sorted([r.kind, r.multiplicity] for r in crossing)
 
 
 def toy_loop(steps: int, before_step: Callable[[int], None]) -> list[float]:
@@ -81,7 +98,9 @@ def toy_loop(steps: int, before_step: Callable[[int], None]) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--mesh", action="append", help="mesh to train on (repeatable); default: fsdp=-1 and data=2,fsdp=4")
+    parser.add_argument("--mesh", action="append", help="mesh to train on (repeatable), optionally STRATEGY@MESH "
+                        "(default zero3; zero3_hpz also reports its cross-process collectives); "
+                        "default: fsdp=-1 and data=2,fsdp=4")
     parser.add_argument("--die-at", type=int, default=None, help="the victim fails before this step")
     parser.add_argument("--victim", type=int, default=1)
     parser.add_argument("--how", choices=("kill", "raise"), default="kill", help="SIGKILL itself, or raise an exception")
@@ -108,9 +127,12 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps({"process": info.process_id, "sums": sums}), flush=True)
         return 0
     results = {}
-    for mesh_text in args.mesh or DEFAULT_MESHES:
-        losses, device_map = train_losses(mesh_text, args.steps, before_step=maybe_die)
-        results[mesh_text] = {"losses": losses, "device_map": device_map}
+    for run in args.mesh or DEFAULT_MESHES:
+        strategy, _, mesh_text = run.rpartition("@")
+        found = {}
+        inspect = (lambda p, b: found.update(crossing=cross_process_collectives(p, b))) if strategy == "zero3_hpz" else None
+        losses, device_map = train_losses(mesh_text, args.steps, strategy or "zero3", maybe_die, inspect)
+        results[run] = {"losses": losses, "device_map": device_map, **found}
     print("RESULT " + json.dumps({"process": info.process_id, "processes": info.num_processes, "runs": results}), flush=True)
     return 0
 
