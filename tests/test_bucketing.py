@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlib import build, make_layout, make_mesh
 from shardlib.step import buckets as buckets_lib
@@ -66,6 +66,38 @@ def test_bucketed_psum_equals_the_per_tensor_psum():
     want = _per_device(lambda a: [jax.lax.psum(x, "data") for x in a], xs)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
+
+
+def _gather_case():
+    """A tree in ZeRO-1/2-like state shardings and its storage shardings, on data=4 x tensor=2:
+    two f32 leaves gathered over data (one keeps its tensor split), a bf16 leaf (a bucket of its
+    own dtype) and a leaf whose storage is its state layout (nothing to gather)."""
+    mesh = make_mesh({"data": 4, "tensor": 2})
+    rng = np.random.default_rng(2)
+    leaves = {"w": (P("data"), P(), jnp.float32, (8, 6)), "tp_w": (P("tensor", "data"), P("tensor"), jnp.float32, (4, 12)),
+              "b": (P(None, "data"), P(), jnp.bfloat16, (3, 4)), "same": (P("data"), P("data"), jnp.float32, (8,))}
+    source = {k: NamedSharding(mesh, s) for k, (s, _, _, _) in leaves.items()}
+    target = {k: NamedSharding(mesh, t) for k, (_, t, _, _) in leaves.items()}
+    tree = {k: jax.device_put(jnp.asarray(rng.normal(size=shape), dtype), source[k])
+            for k, (_, _, dtype, shape) in leaves.items()}
+    return tree, source, target
+
+
+def _gathered(tree, source, target, limit):
+    compiled = jax.jit(lambda t: buckets_lib.gather(t, source, target, limit), out_shardings=target).lower(tree).compile()
+    return compiled(tree), collective_stats(compiled)
+
+
+def test_bucketed_gather_is_bitwise_the_per_tensor_resharding():
+    tree, source, target = _gather_case()
+    (got, stats), (want, plain) = _gathered(tree, source, target, 2**20), _gathered(tree, source, target, 0)
+    for k in tree:
+        assert got[k].sharding.is_equivalent_to(target[k], tree[k].ndim), k
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(tree[k]))
+        np.testing.assert_array_equal(np.asarray(want[k]), np.asarray(tree[k]))
+    # GSPMD: one all-gather per resharded tensor; buckets: one per dtype.
+    assert plain.count_by_kind()["all-gather"] == 3 and stats.count_by_kind()["all-gather"] == 2, stats.table()
+    assert stats.bytes_by_kind() == plain.bytes_by_kind(), stats.table()
 
 
 def test_negative_bucket_bytes_is_refused_by_name():
@@ -123,8 +155,10 @@ def test_bucketing_runs_no_more_collectives_and_one_reduce_scatter_for_zero(pair
     before, after = plain.count_by_kind(), bucketed.count_by_kind()
     assert sum(after.values()) <= sum(before.values()), bucketed.table()
     if strategy in ("zero1", "zero2"):
-        # Every weight is reduce-scattered by the Reducer: one per tensor before, one bucket now.
+        # Every weight is reduce-scattered by the Reducer: one per tensor before, one bucket now;
+        # the updated state shards come back to replicated parameters in one all-gather.
         assert before["reduce-scatter"] > 1 and after["reduce-scatter"] == 1, bucketed.table()
+        assert before["all-gather"] > 1 and after["all-gather"] == 1, bucketed.table()
 
 
 def test_bucketing_trains_like_the_per_tensor_step(pair):

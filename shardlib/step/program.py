@@ -110,7 +110,8 @@ def build(
     ``bucket_bytes`` packs the uncompressed gradient reductions the step writes (dp, zero1, zero2,
     hsdp's data axis) into buckets of at most that many bytes, one collective each, as PyTorch
     DDP does (`shardlib.step.buckets`); 0 or None: one collective per tensor. Compressed
-    reductions stay per tensor.
+    reductions stay per tensor. The same limit buckets zero1/zero2's all-gather of the updated
+    parameters (`buckets.gather`), as DeepSpeed's ZeRO-1/2 do.
 
     When the mesh's ``pipe`` axis has S > 1 devices the layer stack is split into S stages
     (`shardlib.step.pipeline`): each device's rows run as ``microbatches`` (default 2S) microbatches
@@ -145,7 +146,8 @@ def build(
     offload_lib.check_backend(placement, layout.mesh.devices.flat)
     sharding = state_sharding(model, tx, layout, policy, reducer, placement)
     update = update_lib.Update(tx, policy, layout.state_shardings(), layout.param_shardings(), lr_schedule,
-                               offloaded=opt_state_sharding(model, tx, layout) if placement.opt_state else None)
+                               offloaded=opt_state_sharding(model, tx, layout) if placement.opt_state else None,
+                               gather_bucket_bytes=reducer.bucket_bytes)
     tau = staleness_lib.check_staleness(staleness, layout, policy, reducer.axes)
     queued = dataclasses.replace(sharding, pending=staleness_lib.queue_sharding(tau, layout))
     step = _train_step(layout, provider, reducer, update, queued, donate)

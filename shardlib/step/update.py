@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from shardlib.step import buckets as buckets_lib
 from shardlib.step import offload as offload_lib
 from shardlib.step import precision as precision_lib
 from shardlib.step.state import TrainState
@@ -41,6 +42,8 @@ class Update:
     lr_schedule: Callable | None = None
     # The optimizer state's device shardings when it lives in host memory (offload="opt_state"), else None.
     offloaded: Any = None
+    # ZeRO-1/2's all-gather of the new parameters in buckets of this many bytes (`buckets.gather`); 0: per tensor.
+    gather_bucket_bytes: int = 0
 
     def _opt_state_to(self, opt_state: Any, kind: str) -> Any:
         """The optimizer state moved to memory ``kind``; unchanged without offload."""
@@ -62,7 +65,8 @@ class Update:
 
         def apply_update(_):
             updates, opt_state = self.tx.update(grads, opt_in, params_s)
-            new_params = jax.lax.with_sharding_constraint(optax.apply_updates(params_s, updates), self.param_shardings)
+            new_params = buckets_lib.gather(optax.apply_updates(params_s, updates), self.state_shardings,
+                                            self.param_shardings, self.gather_bucket_bytes)
             return new_params, opt_state, produced
 
         def skip_update(_):
