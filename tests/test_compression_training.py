@@ -59,7 +59,11 @@ def test_int8_keeps_one_residual_per_device(runs):
         assert float(jnp.abs(leaf).max()) > 0  # error feedback is carried, not dropped
 
 
-def test_zero3_refuses_compression_with_the_reason():
-    with pytest.raises(ValueError, match="transpose of the weight all-gather"):
-        model = tiny_model()
-        build(model, optimizer(), make_layout(model, "zero3", make_mesh({"fsdp": 8})), grad_compression="int8")
+def test_zero3_compresses_in_the_gathers_backward_with_whole_gradient_residuals():
+    """zero3's reduce-scatter is the weight gather's own backward (qgZ, tests/test_zeropp.py): its
+    int8 residual is each device's whole local gradient, once per fsdp device."""
+    model = tiny_model()
+    program = build(model, optimizer(), make_layout(model, "zero3", make_mesh({"fsdp": 8})), grad_compression="int8")
+    state = program.abstract_state()
+    for residual, param in zip(jax.tree.leaves(state.grad_residual), jax.tree.leaves(state.params)):
+        assert residual.shape == (8, *param.shape) and residual.sharding.spec[0] == "fsdp"

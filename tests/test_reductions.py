@@ -173,9 +173,13 @@ def test_hsdp_compresses_its_data_all_reduce(model):
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-4)
 
 
-def test_hsdp_on_one_data_device_refuses_compression(model):
-    with pytest.raises(ValueError, match="transpose of the weight all-gather"):
-        build(model, optimizer(), make_layout(model, "hsdp", make_mesh({"fsdp": 8})), grad_compression="bf16")
+def test_hsdp_on_one_data_device_compresses_in_the_gathers_backward(model):
+    """No data axis to compress over: the fsdp reduce-scatter itself goes bf16, written in the
+    weight gather's backward (qgZ, `shardlib.step.zeropp`), as a bf16 all-to-all."""
+    program = build(model, optimizer(), make_layout(model, "hsdp", make_mesh({"fsdp": 8})), grad_compression="bf16")
+    shapes = {k: ((16, 32), jnp.int32) for k in ("inputs", "targets")}
+    stats = collective_stats(program.step.lower(program.abstract_state(), program.abstract_batch(shapes)))
+    assert not stats.of_kind("reduce-scatter") and {r.dtype for r in stats.of_kind("all-to-all")} == {"bf16"}
 
 
 # ---------------------------------------------------------------- 6. pipeline x bf16 compression

@@ -175,7 +175,7 @@ BAD_FLAGS = [
     (["--steps", "0"], "--steps"),
     (["--bogus"], "--bogus"),
     (["--cpu-devices", "4"], "--cpu-devices"),  # this process already runs 8 devices
-    (["--grad-compression", "int8"], "--grad-compression"),  # zero3's reduce-scatter is autodiff's
+    (["--strategy", "dp", "--weight-gather", "int8"], "--weight-gather"),  # dp gathers no weights
     (["--pipeline-stages", "3"], "--mesh"),  # 3 stages leave 8/3 devices
     (["--pipeline-stages", "2", "--grad-accum", "2"], "--pipeline-stages"),
     (["--schedule", "gpipe"], "--schedule"),  # no pipeline: the schedule would be ignored

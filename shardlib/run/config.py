@@ -139,6 +139,8 @@ class TrainConfig:
                            metavar="K")
     grad_compression: str = flag("none", "compress the gradient reduction (int8: per-block scales + error "
                                          "feedback; default none)", choices=["none", "bf16", "int8"])
+    weight_gather: str = flag("none", "ZeRO-3's weight all-gather on the wire (int8: ZeRO++ qwZ, per-block "
+                                      "scales; docs/zeropp.md; default none)", choices=["none", "int8"])
     bucket_mb: float = flag(25.0, "pack the uncompressed gradient reductions into buckets of this many MiB, one "
                                   "collective each (default %(default)s; 0: one per tensor)", metavar="MB")
     offload: str = flag("none", "keep the optimizer state in pinned host memory between steps (ZeRO-Offload, "

@@ -235,9 +235,11 @@ def build_program(config: TrainConfig, model, layout, schedule):
                      precision=config.precision, grad_accum=config.grad_accum,
                      grad_compression=config.grad_compression, microbatches=config.microbatches,
                      schedule=config.pipeline_schedule, bucket_bytes=int(config.bucket_mb * 2**20),
-                     offload=config.offload, stage_layers=parse_stage_layers(config.stage_layers))
+                     offload=config.offload, weight_gather=config.weight_gather,
+                     stage_layers=parse_stage_layers(config.stage_layers))
     except ValueError as err:
         field = ("offload" if "(--offload)" in str(err) else
+                 "weight_gather" if "weight_gather=" in str(err) else
                  "stage_layers" if "stage_layers" in str(err) or "--stage-layers" in str(err) else
                  "pipeline_stages" if layout.pipeline_stages > 1 else
                  "grad_compression" if config.grad_compression != "none" else "grad_accum")
