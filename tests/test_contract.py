@@ -77,8 +77,8 @@ def _weight_shapes(model, splits=()) -> set[tuple[int, ...]]:
     return shapes
 
 
-def _compiled(model, strategy, mesh, batch=BATCH, seq=SEQ):
-    program = build(model, optimizer(), make_layout(model, strategy, make_mesh(mesh)))
+def _compiled(model, strategy, mesh, batch=BATCH, seq=SEQ, **options):
+    program = build(model, optimizer(), make_layout(model, strategy, make_mesh(mesh)), **options)
     shapes = {"inputs": ((batch, seq), jnp.int32), "targets": ((batch, seq), jnp.int32)}
     rows_split = mesh.get("data", 1) * mesh.get("fsdp", 1)
     batch_bytes = 2 * batch * seq * 4 // rows_split
@@ -133,6 +133,17 @@ def test_persistent_bytes(name, contract):
     program, batch_bytes = compiled[name]
     persistent = memory_stats(program).argument_bytes - batch_bytes
     assert persistent == pytest.approx(_persistent(name, shapes), rel=0.02)
+
+
+def test_zero3_offload_moves_the_optimizer_state_to_the_host(contract):
+    """README row `zero3` + offload: 4 Psi / N on the device, 8 Psi / N on the host (Adam's count
+    aside), zero3's collectives unchanged (the moves are host-device copies, not collectives)."""
+    model, shapes, compiled = contract
+    offloaded, batch_bytes = _compiled(model, *CASES["zero3"], offload="opt_state")
+    mem = memory_stats(offloaded)
+    assert mem.device_bytes("argument") - batch_bytes == pytest.approx(4 * shapes.psi / N, rel=0.02)
+    assert mem.host_argument_bytes == mem.host_output_bytes == pytest.approx(8 * shapes.psi / N, rel=0.02)
+    assert collective_stats(offloaded).bytes_by_kind() == collective_stats(compiled["zero3"][0]).bytes_by_kind()
 
 
 def test_persistent_bytes_100m_model_compiled_abstractly():

@@ -88,17 +88,29 @@ def test_device_bytes_drop_by_the_optimizer_state_and_host_bytes_rise_to_match(p
     assert peak_bytes(plain) - peak_bytes(offloaded) >= opt_state - held_by_update
 
 
-def test_checkpoint_round_trip_is_bitwise_and_restores_to_host(trained, programs, tmp_path):
-    _, state = trained["opt_state"]
-    program = programs["opt_state"]
-    with Checkpointer(tmp_path / "ckpt") as ckpt:
+def _restored(state, program, directory):
+    with Checkpointer(directory) as ckpt:
         assert ckpt.save(STEPS, state, data_state={"step": STEPS}, config={}, force=True)
         ckpt.wait()
-        restored, _, _ = ckpt.restore(program.abstract_state())
-    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
-        assert got.sharding == want.sharding
-        np.testing.assert_array_equal(np.asarray(jax.device_get(got)), np.asarray(jax.device_get(want)))
-    assert _kinds(restored.opt_state) == {HOST}
+        return ckpt.restore(program.abstract_state())[0]
+
+
+def _assert_bitwise(got, want):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b)))
+
+
+def test_checkpoint_round_trip_is_bitwise_and_restores_to_host(trained, programs, tmp_path):
+    _, state = trained["opt_state"]
+    restored = _restored(state, programs["opt_state"], tmp_path / "offloaded")
+    _assert_bitwise(restored, state)
+    assert jax.tree.leaves(jax.tree.map(lambda a, b: a.sharding == b.sharding, restored, state)) == [True] * len(
+        jax.tree.leaves(state))
+    # A checkpoint saved without offload restores onto the offloaded program: the same values, on the host.
+    _, plain = trained["none"]
+    moved = _restored(plain, programs["opt_state"], tmp_path / "plain")
+    _assert_bitwise(moved, plain)
+    assert _kinds(moved.opt_state) == {HOST} and _kinds(moved.params) == {"device"}
 
 
 def test_refused_with_the_reason():
