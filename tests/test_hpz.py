@@ -17,6 +17,7 @@ What is checked, against the compiled program and a one-device reference:
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -182,3 +183,20 @@ def test_warns_for_a_model_that_gathers_everything_up_front():
                                     lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2), logical_axes={"w": ("embed", "mlp")})
     with pytest.warns(UserWarning, match="gathers_params=False.*only adds the secondary partition's memory"):
         build(model, optax.sgd(0.1), make_layout(model, "zero3_hpz", make_mesh(MESH)))
+
+
+def test_qwz_composes_and_int8_qgz_is_refused_by_name():
+    """qwZ's int8 gather applies to the per-layer (intra-host) gathers; qgZ's int8 error feedback
+    is not carried through the secondary gather, and the step says so (in the error's cause: the
+    step reports the parameters it then never gathered)."""
+    model = helpers.tiny_model()
+    layout = make_layout(model, "zero3_hpz", make_mesh(MESH))
+    rows = helpers.batches(1)[0]
+    batch = lambda program: program.abstract_batch({k: (v.shape, v.dtype) for k, v in rows.items()})
+    program = build(model, helpers.optimizer(), layout, weight_gather="int8")
+    text = program.step.lower(program.abstract_state(), batch(program)).as_text()
+    assert re.search(r"stablehlo.all_gather.*xi8>", text)  # int8 codes are gathered
+    program = build(model, helpers.optimizer(), layout, grad_compression="int8")
+    with pytest.raises(ValueError) as caught:
+        program.step.lower(program.abstract_state(), batch(program))
+    assert isinstance(caught.value.__cause__, HpzError) and "grad_compression='int8'" in str(caught.value.__cause__)
