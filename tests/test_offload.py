@@ -118,7 +118,8 @@ def test_refused_with_the_reason():
         offload_lib.get_offload("params")
     with pytest.raises(ValueError, match=r"unknown offload 'disk'.*none, opt_state"):
         offload_lib.get_offload("disk")
-    device_only = types.SimpleNamespace(platform="fake", addressable_memories=lambda: [types.SimpleNamespace(kind="device")])
+    memories = [types.SimpleNamespace(kind="device")]
+    device_only = types.SimpleNamespace(platform="fake", addressable_memories=lambda: memories)
     with pytest.raises(ValueError, match=r"needs 'pinned_host' memory.*offers only \['device'\]"):
         offload_lib.check_backend(offload_lib.get_offload("opt_state"), [device_only])
 

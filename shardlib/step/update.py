@@ -92,7 +92,8 @@ class Update:
         metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32), **aux}
         if state.loss_scale is not None:
             metrics["loss_scale"] = state.loss_scale["scale"]
-        lr = _learning_rate(self._opt_state_to(state.opt_state, offload_lib.DEVICE_MEMORY), state.step, self.lr_schedule)
+        opt_state = self._opt_state_to(state.opt_state, offload_lib.DEVICE_MEMORY)  # only the rate is read
+        lr = _learning_rate(opt_state, state.step, self.lr_schedule)
         if lr is not None:
             metrics["lr"] = lr
         return metrics

@@ -77,7 +77,7 @@ def memory_stats(compiled: Any) -> MemoryStats:
     estimate = peak is None or (int(peak) <= 0 and argument + output + temp > 0)
     host = {"host_argument_bytes": get("host_argument_size_in_bytes"),
             "host_output_bytes": get("host_output_size_in_bytes"), "host_alias_bytes": get("host_alias_size_in_bytes")}
-    if not any(host.values()):
+    if not any(host.values()) and _has_host_inputs(compiled):
         host = host_layout_bytes(compiled.as_text())
         host["host_counted_as_device"] = any(host.values())
     return MemoryStats(**host,
@@ -105,6 +105,15 @@ def peak_bytes(mem: MemoryStats) -> int:
     return max(xla_peak, assigned + mem.temp_bytes)
 
 
+def _has_host_inputs(compiled: Any) -> bool:
+    """Whether any argument of ``compiled`` was placed in host memory (so reading the HLO is worth it)."""
+    import jax
+
+    shardings = jax.tree.leaves(getattr(compiled, "input_shardings", None))
+    return any(getattr(s, "memory_kind", None) in _HOST_KINDS for s in shardings)
+
+
+_HOST_KINDS = ("pinned_host", "unpinned_host")
 _HOST_MEMORY_SPACE = "S(5)"  # XLA's memory space of host buffers in a layout, e.g. f32[8]{0:S(5)}
 _LAYOUT_ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\](?:\{([^{}]*)\})?")
 _ALIAS_RE = re.compile(r"\{(\d+)\}:\s*\((\d+),")
