@@ -5,7 +5,7 @@ optax loop that delays the gradient by hand; the overlap from the optimised HLO'
 streaming DiLoCo's delayed merge against numpy + optax applied to the program's own local steps.
 """
 
-import re
+import argparse
 
 import jax
 import jax.numpy as jnp
@@ -15,15 +15,16 @@ import pytest
 
 from shardlib import build, make_layout, make_mesh
 from shardlib.models import GPT, next_token_loss
+from shardlib.run.config import TrainConfigError, add_arguments, from_args
+from shardlib.run.setup import build_program, lr_schedule
 from shardlib.runtime.checkpoint import Checkpointer
 from shardlib.step.local_sgd import build_local_sgd
-from shardlib.tools.hlo import parse_hlo_module, shape_leaves
+from shardlib.step.staleness import reductions_feeding
 from tests import zoo
 from tests.helpers import BATCH, SEQ, TINY, batches, tiny_model
 
 LR = 0.5
 SHAPES = {"inputs": ((BATCH, SEQ), jnp.int32), "targets": ((BATCH, SEQ), jnp.int32)}
-GRADIENT_BYTES = 1024  # a collective at least this large carries gradients, not a scalar metric
 
 
 def _compiled(program):
@@ -98,37 +99,14 @@ def test_staleness_one_applies_the_previous_steps_gradient(dp8):
     np.testing.assert_allclose(float(state.pending[0]["loss"]), ref_losses[-1], rtol=2e-6)
 
 
-_NAME_RE = re.compile(r"%([\w.\-]+)")
-
-
-def _gradient_reductions_feeding(compiled, outputs: slice) -> tuple[list[str], list[str]]:
-    """-> (gradient-sized all-reduces / reduce-scatters of the entry computation, those of them the
-    root tuple's ``outputs`` depend on), by walking operands back from the root."""
-    module = parse_hlo_module(compiled.as_text())
-    instructions = module.computations[module.entry]
-    entry = {i.name: i for i in instructions}
-    reductions = [i.name for i in instructions if i.opcode.removesuffix("-start") in ("all-reduce", "reduce-scatter")
-                  and sum(leaf.nbytes for leaf in shape_leaves(i.shape)) >= GRADIENT_BYTES]
-    root = instructions[-1]  # the ROOT tuple of the step's outputs
-    assert root.opcode == "tuple", root
-    todo, seen = _NAME_RE.findall(root.operands)[outputs], set()
-    while todo:
-        name = todo.pop()
-        if name in seen or name not in entry:
-            continue
-        seen.add(name)
-        todo.extend(_NAME_RE.findall(entry[name].operands))
-    return reductions, [r for r in reductions if r in seen]
-
-
 def test_update_does_not_wait_for_this_steps_gradient_reduction(dp8):
     """The overlap, read from the optimised HLO: under tau=1 no new parameter depends on the
     gradient all-reduce (it feeds only the queue), while the synchronous step's parameters do."""
     _, programs = dp8
     n_params = len(jax.tree.leaves(programs[1][0].state_sharding.params))
     params_out = slice(1, 1 + n_params)  # the root tuple: step, then the parameters
-    sync_reductions, sync_feeding = _gradient_reductions_feeding(programs["sync"][1], params_out)
-    stale_reductions, stale_feeding = _gradient_reductions_feeding(programs[1][1], params_out)
+    sync_reductions, sync_feeding = reductions_feeding(programs["sync"][1].as_text(), params_out)
+    stale_reductions, stale_feeding = reductions_feeding(programs[1][1].as_text(), params_out)
     assert sync_reductions and sync_feeding == sync_reductions
     assert stale_reductions and stale_feeding == []
 
@@ -196,10 +174,9 @@ def test_outer_delay_lands_the_outer_update_later_and_trains(diloco_layout):
     assert [int(metrics["synced"]), int(metrics["merged"])] == [1, 0]
     for snap, params in zip(jax.tree.leaves(state.snapshot), jax.tree.leaves(state.params), strict=True):
         np.testing.assert_array_equal(np.asarray(snap), np.asarray(params))
-    anchor = jax.tree.map(np.asarray, state.anchor)
-    mean = jax.tree.map(lambda s: np.asarray(s).mean(axis=0), state.snapshot)
-    updates, _ = NESTEROV.update(jax.tree.map(np.subtract, anchor, mean), NESTEROV.init(anchor), anchor)
-    new_anchor = optax.apply_updates(anchor, updates)
+    # The first outer Nesterov step from zero momentum: anchor - 0.7 * (1 + 0.9) * (anchor - mean).
+    new_anchor = jax.tree.map(lambda a, s: np.asarray(a) - 0.7 * 1.9 * (np.asarray(a) - np.asarray(s).mean(axis=0)),
+                              state.anchor, state.snapshot)
     local, _ = program.local_step(jax.tree.map(jnp.copy, state), rows[3])
     want = jax.tree.map(lambda p, a: 0.5 * np.asarray(p) + 0.5 * np.asarray(a)[None], local.params, new_anchor)
     state, metrics = program.step(state, rows[3])
@@ -224,3 +201,15 @@ def test_refuses_outer_delays_it_cannot_stream(diloco_layout):
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             build_local_sgd(model, optax.sgd(LR), layout, sync_every=3, **kwargs)
+
+
+def test_train_flag_builds_a_queue_and_names_itself_when_refused(dp8):
+    layout, _ = dp8
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = from_args(parser.parse_args(["--model", "tiny", "--staleness", "2"]))
+    program = build_program(config, tiny_model(), layout, lr_schedule(config))
+    assert len(program.state_sharding.pending) == 2
+    bad = from_args(parser.parse_args(["--model", "tiny", "--staleness", "-1"]))
+    with pytest.raises(TrainConfigError, match="--staleness: staleness must be a non-negative integer"):
+        build_program(bad, tiny_model(), layout, lr_schedule(bad))

@@ -145,6 +145,8 @@ class TrainConfig:
                                   "collective each (default %(default)s; 0: one per tensor)", metavar="MB")
     offload: str = flag("none", "keep the optimizer state in pinned host memory between steps (ZeRO-Offload, "
                                 "docs/offload.md; default none)", choices=["none", "opt_state"])
+    staleness: int = flag(0, "apply each step's reduced gradient TAU steps later, so its reduction overlaps the "
+                             "next steps' compute (docs/sync-async.md; default 0: synchronous)", metavar="TAU")
     pipeline_stages: int = flag(1, "split the layers into S pipeline stages over the mesh's pipe axis (default 1: "
                                    "no pipeline)", metavar="S")
     microbatches: int | None = flag(None, "pipeline microbatches per step (default 2 x stages); the bubble is "

@@ -235,10 +235,11 @@ def build_program(config: TrainConfig, model, layout, schedule):
                      precision=config.precision, grad_accum=config.grad_accum,
                      grad_compression=config.grad_compression, microbatches=config.microbatches,
                      schedule=config.pipeline_schedule, bucket_bytes=int(config.bucket_mb * 2**20),
-                     offload=config.offload, weight_gather=config.weight_gather,
+                     offload=config.offload, weight_gather=config.weight_gather, staleness=config.staleness,
                      stage_layers=parse_stage_layers(config.stage_layers))
     except ValueError as err:
         field = ("offload" if "(--offload)" in str(err) else
+                 "staleness" if "staleness" in str(err) else
                  "weight_gather" if "weight_gather=" in str(err) else
                  "stage_layers" if "stage_layers" in str(err) or "--stage-layers" in str(err) else
                  "pipeline_stages" if layout.pipeline_stages > 1 else

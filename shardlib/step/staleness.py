@@ -18,6 +18,7 @@ the queue advances either way, so one bad gradient never blocks the ones behind 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-__all__ = ["check_staleness", "delayed_update", "empty_queue", "queue_sharding", "with_queue"]
+__all__ = ["check_staleness", "delayed_update", "empty_queue", "queue_sharding", "reductions_feeding", "with_queue"]
 
 
 def check_staleness(staleness: Any, layout: Any, policy: Any, reduce_axes: tuple[str, ...]) -> int:
@@ -113,3 +114,33 @@ def with_queue(init: Any, staleness: int, layout: Any, sharding: Any) -> Any:
         return dataclasses.replace(state, pending=empty_queue(staleness, in_state_layout))
 
     return jax.jit(init_fn, out_shardings=sharding)
+
+
+_NAME_RE = re.compile(r"%([\w.\-]+)")
+_REDUCTIONS = ("all-reduce", "reduce-scatter")
+
+
+def reductions_feeding(hlo: str, outputs: slice, min_bytes: int = 1024) -> tuple[list[str], list[str]]:
+    """The overlap, read from optimised HLO text: -> (the entry computation's all-reduces and
+    reduce-scatters of at least ``min_bytes``, those the root tuple's ``outputs`` depend on).
+
+    Under staleness no new parameter depends on this step's gradient reduction, so the reduction
+    is off the update's critical path; in the synchronous step every one of them feeds the update.
+    """
+    from shardlib.tools.hlo import parse_hlo_module, shape_leaves
+
+    module = parse_hlo_module(hlo)
+    instructions = module.computations[module.entry]
+    entry = {i.name: i for i in instructions}
+    reductions = [i.name for i in instructions if i.opcode.removesuffix("-start") in _REDUCTIONS
+                  and sum(leaf.nbytes for leaf in shape_leaves(i.shape)) >= min_bytes]
+    root = instructions[-1]
+    if root.opcode != "tuple":
+        raise ValueError(f"the entry computation ends in {root.opcode!r}, not the tuple of the step's outputs")
+    todo, seen = _NAME_RE.findall(root.operands)[outputs], set()
+    while todo:
+        name = todo.pop()
+        if name not in seen and name in entry:
+            seen.add(name)
+            todo.extend(_NAME_RE.findall(entry[name].operands))
+    return reductions, [r for r in reductions if r in seen]
