@@ -557,8 +557,9 @@ class Planner:
         return out
 
     def _offloaded(self, row: PlanRow) -> dict[str, Any] | None:
-        """``row``'s candidate compiled with ``--offload opt_state``: its device peak and host bytes."""
-        if self.offload != "none":
+        """``row``'s candidate compiled with ``--offload opt_state``: its device peak and host bytes.
+        Only where moving the optimizer state out could make it fit (no compile otherwise)."""
+        if self.offload != "none" or row.peak_bytes - row.opt_state_bytes > self.hbm_bytes:
             return None
         self.offload = "opt_state"
         try:
