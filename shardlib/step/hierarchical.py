@@ -55,14 +55,10 @@ class SecondaryPartition:
         return jax.tree.map(hooks.gather_shards, params, self.inter_specs, auto_specs)
 
 
-def secondary_axis(layout: Layout) -> str | None:
-    return layout.strategy.secondary_axis
-
-
 def for_layout(layout: Layout, gathers_params: bool) -> SecondaryPartition | None:
     """The secondary partition of ``layout``'s strategy (None without hpZ), after checking that the
     mesh has a host split to exploit and that the storage order gives contiguous blocks."""
-    inter = secondary_axis(layout)
+    inter = layout.strategy.secondary_axis
     if inter is None:
         return None
     intra = tuple(a for a in layout.batch_axes if a != inter)
