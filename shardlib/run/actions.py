@@ -9,9 +9,10 @@ live with their concern: `shardlib.run.metrics_io.MetricsLog`, `shardlib.run.exa
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 
@@ -35,19 +36,34 @@ class StepClock:
     """The time between consecutive steps' metrics, less the time spent validating.
 
     With one step in flight, host work on a record (logs, files) overlaps the next step on
-    the device, so it is part of that step's time; a validation is not.
+    the device, so it is part of that step's time; a validation is not. ``last_wait`` is the
+    part of the last lap spent blocked on the device (`waiting`), which straggler detection
+    (`shardlib.run.stragglers`) tells apart from the process's own work.
     """
 
     def __init__(self) -> None:
         self._since = time.perf_counter()
+        self._waiting = 0.0
+        self.last_wait = 0.0
 
     def restart(self) -> None:
         self._since = time.perf_counter()
+        self._waiting = 0.0
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Count the time inside as spent waiting for the device (and, through it, for the other processes)."""
+        since = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._waiting += time.perf_counter() - since
 
     def lap(self) -> float:
         """Seconds since the last lap (or restart), and starts the next."""
         now = time.perf_counter()
         elapsed, self._since = now - self._since, now
+        self.last_wait, self._waiting = self._waiting, 0.0
         return elapsed
 
 

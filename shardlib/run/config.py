@@ -178,6 +178,10 @@ class TrainConfig:
                               "gradient, which are skipped; 0: never stop (default %(default)s)", metavar="K")
     record_examples: bool = flag(False, "write DIR/examples.jsonl: the window start offsets each step read (audits "
                                         "exactly-once data)")
+    straggler_every: int | None = flag(None, "with several processes, compare their step times every N steps and "
+                                             "warn about a slow one (default 50; 0: off)", metavar="N")
+    straggler_factor: float = flag(1.5, "warn when a process's step time is this many times the median of the "
+                                        "others' (default %(default)s)", metavar="X")
     # Test hook (hidden flag --inject-nan-steps, e.g. "3,5-7"): these 1-based steps run with a NaN
     # loss, to drive the non-finite guard end to end. Never set it for real training.
     inject_nan_steps: tuple[int, ...] = flag((), "", metavar="STEPS", hidden=True, cli_default="", parse=_nan_steps)

@@ -23,7 +23,8 @@ class Recorder:
     def __call__(self, step: int, metrics: dict[str, Any], state: Any) -> None:
         import jax
 
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        with self.clock.waiting():
+            values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         step_time = self.clock.lap()
         record = {"step": step, "loss": values["loss"], "lr": values.get("lr"), "grad_norm": values["grad_norm"],
                   "accuracy": values.get("accuracy"), "skipped": int(values["skipped"]),
@@ -47,7 +48,8 @@ def run_steps(state: Any, first: int, last: int, step: Callable, load: Callable[
     pending: tuple[int, Any] | None = None
     record.clock.restart()
     for k in range(first + 1, last + 1):
-        state, metrics = step(k, state, batch)
+        with record.clock.waiting():  # dispatch may block until the peers reach this step (CPU collectives)
+            state, metrics = step(k, state, batch)
         batch = load(k) if k < last else None
         if pending is not None:
             record(*pending, state)
@@ -56,8 +58,9 @@ def run_steps(state: Any, first: int, last: int, step: Callable, load: Callable[
             record(k, metrics, state)
         else:
             pending = (k, metrics)
-        for action in after_step:
-            action(k, state, metrics)
+        with record.clock.waiting():  # a save waits for the step, and so for its slowest process
+            for action in after_step:
+                action(k, state, metrics)
         if preemption is not None and preemption.should_stop(k):
             if pending is not None:
                 record(*pending, state)

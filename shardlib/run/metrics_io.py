@@ -33,6 +33,23 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def append_record(path: str | os.PathLike[str], record: Mapping[str, Any]) -> None:
+    """One line outside the step loop (an event such as an elastic restart: ``{"event": ..., "step": ...}``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+
+
+def _restart_events(path: Path) -> list[dict[str, Any]]:
+    """The step-0 restart events a fresh start keeps: an elastic restart with no checkpoint starts over."""
+    from shardlib.runtime.elastic import restart_from_env
+
+    if restart_from_env() is None:
+        return []
+    return [r for r in read_metrics(path) if r.get("event") == "restart" and r.get("step") == 0]
+
+
 class MetricsLog:
     """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
 
@@ -41,7 +58,8 @@ class MetricsLog:
     ``resume_step``: when a run continues from a checkpoint taken after that many steps,
     records of later steps (written by the interrupted run after its last checkpoint) are
     dropped first, so the file holds each step once. Steps are 1-based: record ``k`` is the
-    state after k updates.
+    state after k updates. Event lines (``{"event": "restart", "step": k, ...}``, written by an
+    elastic restart) follow the same rule; readers tell them from step records by ``event``.
     """
 
     def __init__(
@@ -64,8 +82,9 @@ class MetricsLog:
         if resume_step is not None and self.path.exists():
             self.records = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records), encoding="utf-8")
-        elif self.path.exists():
-            self.path.unlink()  # a fresh run in an old directory must not mix two runs' steps
+        elif self.path.exists():  # a fresh run in an old directory must not mix two runs' steps
+            self.records = _restart_events(self.path)
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records), encoding="utf-8")
         self._file = open(self.path, "a", encoding="utf-8")
         if tensorboard:
             self._writer = _event_writer(self.out_dir)

@@ -86,6 +86,8 @@ def setup_devices(cpu_devices: int | None) -> str | None:
         use_cpu_count = os.environ.get("JAX_PLATFORMS") == "cpu" and plan.local_devices is None
         info = distributed.initialize(local_device_count=cpu_devices if use_cpu_count else None)
         return info.describe()
+    if plan.local_devices is not None and os.environ.get("JAX_PLATFORMS") == "cpu":
+        cpu_devices = plan.local_devices  # `shardlib launch -n 1 -d M` (an elastic restart onto one process): M wins
     if cpu_devices is None:
         return None
     return _simulate_cpu_devices(cpu_devices)
@@ -222,6 +224,7 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate, poison
     from shardlib.run.loop import Recorder, run_steps
     from shardlib.run.nonfinite import NonFiniteGuard, with_nan_steps
     from shardlib.run.preemption import preemption
+    from shardlib.run.stragglers import straggler_action
 
     config, (first, resume_step) = run.config, start
     clock, tally = StepClock(), Tally()
@@ -233,8 +236,9 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate, poison
     # Order matters: validation adds val_loss; the examples line goes before the metrics record
     # (a process killed between the two never logs a step whose windows are missing); the
     # guard raises last, once its step is logged.
-    record = Recorder([validation, tally, examples, log, progress, NonFiniteGuard(config.max_skips, ckpt)], clock,
-                      tokens_per_step=run.tokens_per_step, at_once=validation.due)
+    stragglers = straggler_action(config, clock)  # before the log: it adds the window's per-process times
+    record = Recorder([validation, tally, stragglers, examples, log, progress, NonFiniteGuard(config.max_skips, ckpt)],
+                      clock, tokens_per_step=run.tokens_per_step, at_once=validation.due)
     saver = None if ckpt is None else SaveCheckpoint(
         ckpt, Every(config.ckpt_every, last=config.steps if config.ckpt_every else None),
         seed=run.loader.seed, config=dataclasses.asdict(config))

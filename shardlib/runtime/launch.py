@@ -15,7 +15,9 @@ This module does not import JAX: the launcher itself starts instantly and holds 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import json
 import os
 import queue
 import re
@@ -27,9 +29,12 @@ import threading
 import time
 from typing import IO
 
+from shardlib.runtime import elastic
 from shardlib.runtime.devices import with_cpu_collective_timeout
+from shardlib.runtime.elastic import Elastic
 
 DEFAULT_GRACE_S = 10.0
+TAIL_LINES = 200  # output lines kept per process, for telling a dead process from one stopped by a peer's death
 _OUTPUT_LOCK = threading.Lock()  # whole lines from different processes never interleave
 _FORCE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
@@ -47,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=None, metavar="P", help="coordinator port on localhost (default: a free one)")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, metavar="S",
                         help=f"seconds between SIGTERM and SIGKILL when stopping the others (default {DEFAULT_GRACE_S:g})")
+    parser.add_argument("--elastic", action="store_true",
+                        help="when a process dies or hangs, restart the job on the processes left, from the last "
+                             "complete checkpoint of the command's --out (docs/multihost.md)")
+    parser.add_argument("--min-processes", type=int, default=None, metavar="K",
+                        help="with --elastic: stop instead of restarting when fewer than K processes are left (default 1)")
+    parser.add_argument("--max-restarts", type=int, default=None, metavar="R",
+                        help=f"with --elastic: restart at most R times (default {Elastic.max_restarts})")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
 
 
@@ -91,14 +103,17 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:
-    """Copy lines from a child's pipe to ``out``, each prefixed (whole lines under a lock)."""
+def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock,
+          tail: collections.deque[str]) -> None:
+    """Copy lines from a child's pipe to ``out``, each prefixed (whole lines under a lock); keep the last
+    lines in ``tail`` (an elastic restart reads which peer a survivor saw die)."""
     for line in iter(stream.readline, b""):
         if not line.endswith(b"\n"):
             line += b"\n"
         with lock:
             out.write(prefix + line)
             out.flush()
+            tail.append(line.decode(errors="replace"))
     stream.close()
 
 
@@ -107,6 +122,7 @@ class _Child:
     index: int
     proc: subprocess.Popen
     pumps: list[threading.Thread]
+    tail: collections.deque[str]
 
 
 def _signal_group(child: _Child, sig: int) -> None:
@@ -121,13 +137,39 @@ def _say(message: str) -> None:
     print(f"shardlib launch: {message}", file=sys.stderr, flush=True)
 
 
+@dataclasses.dataclass
+class JobEnd:
+    """How one start of the job ended: the first failure (index, returncode), a signal received, output tails."""
+
+    first_failure: tuple[int, int] | None
+    interrupted: int | None
+    tails: dict[int, list[str]]
+
+    @property
+    def exit_code(self) -> int:
+        if self.first_failure is not None:
+            return exit_code(self.first_failure[1])
+        return 128 + self.interrupted if self.interrupted else 0
+
+
 def launch(command: list[str], processes: int, devices_per_process: int = 1, *, port: int | None = None,
-           grace_s: float = DEFAULT_GRACE_S) -> int:
-    """Run ``command`` as ``processes`` local processes; the first failure's exit code (0 if none)."""
+           grace_s: float = DEFAULT_GRACE_S, elastic: Elastic | None = None) -> int:
+    """Run ``command`` as ``processes`` local processes; the first failure's exit code (0 if none).
+
+    With ``elastic``, a failure restarts the job on the processes left instead (`run_elastic`).
+    """
     if processes < 1 or devices_per_process < 1:
         raise LaunchError(f"--processes ({processes}) and --devices-per-process ({devices_per_process}) must be positive")
     if not command:
         raise LaunchError("no command given; usage: shardlib launch --processes 2 -- python my_script.py")
+    if elastic is not None:
+        return run_elastic(command, processes, devices_per_process, elastic, port=port, grace_s=grace_s)
+    return run_job(command, processes, devices_per_process, port=port, grace_s=grace_s).exit_code
+
+
+def run_job(command: list[str], processes: int, devices_per_process: int, *, port: int | None, grace_s: float,
+            extra_env: dict[str, str] | None = None) -> JobEnd:
+    """Start the processes, wait for all to succeed or the first to fail, stop the rest."""
     coordinator = f"localhost:{port or free_port()}"
     interrupted: list[int] = []
     previous = {}
@@ -139,16 +181,9 @@ def launch(command: list[str], processes: int, devices_per_process: int = 1, *, 
     first_failure: tuple[int, int] | None = None
     try:
         for index in range(processes):
-            children.append(_start(command, index, processes, devices_per_process, coordinator, exits))
-        remaining = processes
-        while remaining and first_failure is None and not interrupted:
-            try:
-                index, code = exits.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            remaining -= 1
-            if code != 0:
-                first_failure = (index, code)
+            children.append(_start(command, index, processes, devices_per_process, coordinator, exits, extra_env))
+        _say("started " + ", ".join(f"process {c.index} (pid {c.proc.pid})" for c in children))
+        first_failure = _wait_first_failure(exits, processes, interrupted)
         if first_failure is not None:
             index, code = first_failure
             _say(f"process {index} (pid {children[index].proc.pid}) failed first: {describe_exit(code)}")
@@ -161,29 +196,73 @@ def launch(command: list[str], processes: int, devices_per_process: int = 1, *, 
         for child in children:
             for t in child.pumps:
                 t.join(timeout=5)
-    if first_failure is not None:
-        return exit_code(first_failure[1])
-    if interrupted:
-        return 128 + interrupted[0]
-    return 0
+    return JobEnd(first_failure, interrupted[0] if interrupted else None, {c.index: list(c.tail) for c in children})
+
+
+def _wait_first_failure(exits: queue.Queue[tuple[int, int]], processes: int, interrupted: list[int]):
+    """(index, returncode) of the first process to fail; None when all succeeded or a signal came."""
+    remaining = processes
+    while remaining and not interrupted:
+        try:
+            index, code = exits.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        remaining -= 1
+        if code != 0:
+            return index, code
+    return None
+
+
+def run_elastic(command: list[str], processes: int, devices_per_process: int, policy: Elastic, *,
+                port: int | None, grace_s: float) -> int:
+    """Run the job; after each failure, restart it on the processes left (see `shardlib.runtime.elastic`)."""
+    try:
+        out_dir = elastic.run_directory(command)
+    except ValueError as err:
+        raise LaunchError(str(err)) from None
+    restarts, extra_env = 0, {}
+    while True:
+        end = run_job(command, processes, devices_per_process, port=port, grace_s=grace_s, extra_env=extra_env)
+        if end.first_failure is None:
+            return end.exit_code
+        index, code = end.first_failure
+        dead = elastic.dead_processes(index, end.tails)
+        how = describe_exit(code) if dead == [index] else "stopped sending heartbeats"
+        died_at = elastic.last_logged_step(out_dir)
+        _say(f"process {', '.join(map(str, dead))} {how}" + (f" after step {died_at}" if died_at is not None else ""))
+        decision = elastic.decide(processes, dead, exit_code=exit_code(code), min_processes=policy.min_processes,
+                                  max_restarts=policy.max_restarts, restarts=restarts)
+        _say(decision.reason)
+        if not decision.restart:
+            return end.exit_code
+        restarts, processes = restarts + 1, decision.processes
+        resume = elastic.latest_checkpoint(out_dir)
+        elastic.trim_examples(out_dir, resume or 0)
+        note = elastic.restart_note(restart=restarts, dead=dead, how=how, died_at=died_at, resume_step=resume,
+                                    processes=processes, devices_per_process=devices_per_process)
+        _say(f"restart {restarts}: {processes} process(es) x {devices_per_process} device(s), from "
+             + (f"checkpoint step {resume} in {out_dir / 'checkpoints'}" if resume is not None else "the start (no checkpoint)"))
+        extra_env = {elastic.ENV_RESTART: json.dumps(note)}
+        port = None  # a fresh coordinator port: the old one may still be held by the stopped job
 
 
 def _start(command: list[str], index: int, count: int, devices: int, coordinator: str,
-           exits: queue.Queue[tuple[int, int]]) -> _Child:
+           exits: queue.Queue[tuple[int, int]], extra_env: dict[str, str] | None = None) -> _Child:
     """Start process ``index`` in its own session, with prefixing pumps and an exit watcher."""
-    env = process_env(dict(os.environ), index, count, devices, coordinator)
+    env = process_env({**os.environ, **(extra_env or {})}, index, count, devices, coordinator)
     try:
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     except OSError as err:
         raise LaunchError(f"cannot start {command[0]!r}: {err.strerror or err}; check the command after --") from None
     prefix = f"[p{index}] ".encode()
-    pumps = [threading.Thread(target=_pump, args=(pipe, prefix, sink, _OUTPUT_LOCK), daemon=True)
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    pumps = [threading.Thread(target=_pump, args=(pipe, prefix, sink, _OUTPUT_LOCK, tail), daemon=True)
              for pipe, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer))]
     for t in pumps:
         t.start()
     threading.Thread(target=lambda: exits.put((index, proc.wait())), daemon=True).start()
-    return _Child(index, proc, pumps)
+    return _Child(index, proc, pumps, tail)
 
 
 def _stop(children: list[_Child], grace_s: float) -> None:
@@ -209,4 +288,21 @@ def run(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
-    return launch(command, args.processes, args.devices_per_process, port=args.port, grace_s=args.grace)
+    return launch(command, args.processes, args.devices_per_process, port=args.port, grace_s=args.grace,
+                  elastic=_elastic_policy(args))
+
+
+def _elastic_policy(args: argparse.Namespace) -> Elastic | None:
+    """``--elastic``'s settings; the elastic flags without ``--elastic`` would do nothing, so they are refused."""
+    given = {flag: value for flag, value in (("--min-processes", args.min_processes),
+                                             ("--max-restarts", args.max_restarts)) if value is not None}
+    if not args.elastic:
+        if given:
+            raise LaunchError(f"{', '.join(given)} only apply with --elastic; add --elastic or drop them")
+        return None
+    policy = Elastic(min_processes=given.get("--min-processes", Elastic.min_processes),
+                     max_restarts=given.get("--max-restarts", Elastic.max_restarts))
+    if not 1 <= policy.min_processes <= args.processes or policy.max_restarts < 0:
+        raise LaunchError(f"--min-processes {policy.min_processes} must be 1..--processes ({args.processes}) and "
+                          f"--max-restarts {policy.max_restarts} must be >= 0")
+    return policy
