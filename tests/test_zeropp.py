@@ -81,6 +81,26 @@ def test_qgz_reduce_scatters_int8_at_most_0_3_of_f32(plain, both):
     assert 0.25 <= sent["all-to-all"] / plain.bytes_by_kind()["reduce-scatter"] <= 0.3
 
 
+def _int8_bytes(record) -> float:
+    """docs/zeropp.md's formula for the int8 form of one float32 gather (or reduce-scatter) record:
+    per device s = S / N elements in n_b = ceil(s / 256) even blocks of b, each b bytes + a 4-byte
+    scale, sent with the ring's (N - 1) / N."""
+    n = record.group_size
+    s = record.buffer_bytes // 4 // n
+    n_b = -(-s // BLOCK)
+    b = -(-s // n_b)
+    return record.multiplicity * (n - 1) / n * n * n_b * (b + 4)
+
+
+def test_bytes_match_the_block_formula(plain, qwz, both):
+    """Every f32 gather of plain zero3, in int8 blocks, adds up to qwZ's gather bytes; every
+    reduce-scatter to qgZ's all-to-all bytes (README strategy table, docs/zeropp.md)."""
+    gathers = sum(_int8_bytes(r) for r in plain.of_kind("all-gather"))
+    scatters = sum(_int8_bytes(r) for r in plain.of_kind("reduce-scatter"))
+    assert qwz[0].bytes_by_kind()["all-gather"] == pytest.approx(gathers, rel=1e-6)
+    assert both[0].bytes_by_kind()["all-to-all"] == pytest.approx(scatters, rel=1e-6)
+
+
 # ------------------------------------------------------------------ training against a reference
 
 
