@@ -21,4 +21,10 @@ def machine(*others: str) -> str:
     devices = jax.devices()
     return ", ".join([f"{platform.processor() or platform.machine()}", f"{os.cpu_count()} CPU cores",
                       f"{len(devices)} simulated {devices[0].platform.upper()} devices", f"jax {jax.__version__}",
-                      *others, f"Python {platform.python_version()}"])
+                      *others, f"Python {platform.python_version()}", load()])
+
+
+def load() -> str:
+    """The 1/5/15-minute load averages: other jobs on the machine slow both sides of a ratio alike
+    only while they stay steady, so the tables say how busy the machine was."""
+    return "load average " + " / ".join(f"{x:.1f}" for x in os.getloadavg())

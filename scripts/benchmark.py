@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import add_shape_arguments, machine  # noqa: E402
+from bench_common import add_shape_arguments, load, machine  # noqa: E402
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "tp", "fsdp_tp", "hsdp")
 
@@ -160,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append(bench_strategy(name, args, config, model, batch_np))
         if not args.markdown:
             print(f"  {name}: ratio {rows[-1]['ratio']:.3f}", flush=True)
+    print(f"# at the end: {load()}")
     print(render(rows, args.markdown))
     return 0
 
