@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shardlib.run.config import TrainConfig, TrainConfigError, check_numbers
 from shardlib.run.examples import read_examples
 from shardlib.run.metrics_io import MetricsLog, read_metrics
 from shardlib.run.stragglers import _injected_sleep, own_step_times, stragglers
@@ -121,6 +122,13 @@ def test_own_step_time_charges_the_wait_to_the_process_waited_for():
     assert stragglers(own_step_times([0.3] * 4, [0.1, 0.11, 0.1, 0.09]), 1.5) == []  # noise is not a straggler
 
 
+def test_straggler_flags_are_checked_before_the_run_starts():
+    with pytest.raises(TrainConfigError, match="--straggler-factor: must be above 1"):
+        check_numbers(TrainConfig(straggler_factor=1.0))
+    with pytest.raises(TrainConfigError, match="--straggler-every: must be non-negative"):
+        check_numbers(TrainConfig(straggler_every=-1))
+
+
 def test_slow_process_hook_is_parsed_in_one_place():
     assert _injected_sleep("1:0.2", 1) == 0.2 and _injected_sleep("1:0.2", 0) == 0.0 and _injected_sleep(None, 0) == 0
     with pytest.raises(ValueError, match="SHARDLIB_TEST_SLOW_PROCESS='1'"):
@@ -174,8 +182,8 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("elastic")
     reference = subprocess.Popen([*_train(base / "ref"), "--cpu-devices", "8"], env=_env(), text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    command = [sys.executable, "-m", "shardlib.cli", "launch", "--elastic", "--min-processes", "1", "-n", "2", "-d", "4",
-               "--grace", "2", "--", *_train(base / "run")]
+    command = [sys.executable, "-m", "shardlib.cli", "launch", "--elastic", "--min-processes", "1",
+               "-n", "2", "-d", "4", "--grace", "2", "--", *_train(base / "run")]
     job = subprocess.Popen(command, env=_env(SHARDLIB_TEST_SLOW_PROCESS=f"1:{SLOW_S}"), text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     stderr: list[str] = []
@@ -187,7 +195,8 @@ def runs(tmp_path_factory):
     pump.join(timeout=10)
     ref_out, _ = reference.communicate(timeout=TIMEOUT_S)
     assert reference.returncode == 0, ref_out[-3000:]
-    return {"code": job.returncode, "stdout": stdout, "stderr": "".join(stderr), "run": base / "run", "ref": base / "ref"}
+    return {"code": job.returncode, "stdout": stdout, "stderr": "".join(stderr),
+            "run": base / "run", "ref": base / "ref"}
 
 
 @pytest.mark.slow

@@ -244,3 +244,8 @@ def check_numbers(config: TrainConfig) -> None:
         raise TrainConfigError("keep", f"must keep at least 1 checkpoint, got {config.keep}")
     if any(s < 1 for s in config.inject_nan_steps):
         raise TrainConfigError("inject_nan_steps", f"steps are 1-based, got {list(config.inject_nan_steps)}")
+    if config.straggler_every is not None and config.straggler_every < 0:
+        raise TrainConfigError("straggler_every", f"must be non-negative (0: off), got {config.straggler_every}")
+    if not config.straggler_factor > 1:
+        raise TrainConfigError("straggler_factor", f"must be above 1 (a process this many times slower than the median "
+                                                   f"of the others is named), got {config.straggler_factor}")

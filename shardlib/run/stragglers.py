@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from shardlib.run.config import TrainConfig, TrainConfigError
+from shardlib.run.config import TrainConfig
 
 DEFAULT_EVERY = 50  # steps per window when several processes run and --straggler-every is not given
 HOSTNAME_BYTES = 64
@@ -119,12 +119,7 @@ def straggler_action(config: TrainConfig, clock: Any) -> Stragglers | Off:
     """The run's straggler action from ``--straggler-every`` / ``--straggler-factor``."""
     import jax
 
-    every, factor = config.straggler_every, config.straggler_factor
-    if every is not None and every < 0:
-        raise TrainConfigError("straggler_every", f"must be non-negative (0: off), got {every}")
-    if not factor > 1:
-        raise TrainConfigError("straggler_factor", f"must be above 1 (a process this many times slower than the "
-                                                   f"median is named), got {factor}")
+    every, factor = config.straggler_every, config.straggler_factor  # in range: `check_numbers`
     if jax.process_count() == 1:
         if every and jax.process_index() == 0:
             print(f"note: --straggler-every {every} ignored: one process, no other to compare it with",

@@ -61,7 +61,8 @@ def decide(processes: int, dead: Iterable[int], *, exit_code: int, min_processes
     if restarts >= max_restarts:
         return Decision(False, left, f"--max-restarts {max_restarts} reached; not restarting")
     if left < min_processes:
-        return Decision(False, left, f"{left} process(es) left, fewer than --min-processes {min_processes}; not restarting")
+        return Decision(False, left,
+                        f"{left} process(es) left, fewer than --min-processes {min_processes}; not restarting")
     return Decision(True, left, f"restarting on the {left} process(es) left (restart {restarts + 1} of {max_restarts})")
 
 

@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="when a process dies or hangs, restart the job on the processes left, from the last "
                              "complete checkpoint of the command's --out (docs/multihost.md)")
     parser.add_argument("--min-processes", type=int, default=None, metavar="K",
-                        help="with --elastic: stop instead of restarting when fewer than K processes are left (default 1)")
+                        help="with --elastic: stop instead of restarting when fewer than K processes are left "
+                             "(default 1)")
     parser.add_argument("--max-restarts", type=int, default=None, metavar="R",
                         help=f"with --elastic: restart at most R times (default {Elastic.max_restarts})")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
@@ -240,8 +241,8 @@ def run_elastic(command: list[str], processes: int, devices_per_process: int, po
         elastic.trim_examples(out_dir, resume or 0)
         note = elastic.restart_note(restart=restarts, dead=dead, how=how, died_at=died_at, resume_step=resume,
                                     processes=processes, devices_per_process=devices_per_process)
-        _say(f"restart {restarts}: {processes} process(es) x {devices_per_process} device(s), from "
-             + (f"checkpoint step {resume} in {out_dir / 'checkpoints'}" if resume is not None else "the start (no checkpoint)"))
+        source = f"checkpoint step {resume} in {out_dir / 'checkpoints'}" if resume is not None else "the start"
+        _say(f"restart {restarts}: {processes} process(es) x {devices_per_process} device(s), from {source}")
         extra_env = {elastic.ENV_RESTART: json.dumps(note)}
         port = None  # a fresh coordinator port: the old one may still be held by the stopped job
 
