@@ -16,8 +16,9 @@ from shardlib import build, make_layout, make_mesh
 from shardlib.models import GPT, next_token_loss
 from shardlib.step import zeropp
 from shardlib.tools.hlo import collective_stats
+from shardlib.tools.memory import memory_stats
 from tests import zoo
-from tests.helpers import TINY, batches, optimizer, tiny_model
+from tests.helpers import BATCH, SEQ, TINY, batches, optimizer, tiny_model
 
 STEPS, N, BLOCK = 3, 8, 256
 
@@ -41,7 +42,7 @@ def _run(model, layout, **options):
     for rows in batches(STEPS):
         state, metrics = compiled(state, rows)
         losses.append(float(metrics["loss"]))
-    return collective_stats(compiled), np.array(losses), state
+    return collective_stats(compiled), np.array(losses), state, memory_stats(compiled).argument_bytes
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +100,15 @@ def test_bytes_match_the_block_formula(plain, qwz, both):
     scatters = sum(_int8_bytes(r) for r in plain.of_kind("reduce-scatter"))
     assert qwz[0].bytes_by_kind()["all-gather"] == pytest.approx(gathers, rel=1e-6)
     assert both[0].bytes_by_kind()["all-to-all"] == pytest.approx(scatters, rel=1e-6)
+
+
+def test_persistent_bytes_match_the_table(model, qwz, both):
+    """README rows: qwZ keeps zero3's 12 Psi / N; qgZ int8 adds each device's f32 residual of its
+    whole local gradient, 4 Psi (every tiny GPT parameter is gathered under zero3)."""
+    psi = sum(x.size for x in jax.tree.leaves(model.abstract()))
+    rows = 2 * BATCH * SEQ * 4 // N  # this device's int32 inputs and targets
+    assert qwz[3] - rows == pytest.approx(12 * psi / N, rel=0.02)
+    assert both[3] - rows == pytest.approx(12 * psi / N + 4 * psi, rel=0.02)
 
 
 # ------------------------------------------------------------------ training against a reference
