@@ -19,7 +19,7 @@ from shardlib.run.config import TrainConfigError, add_arguments, from_args
 from shardlib.run.setup import build_program, lr_schedule
 from shardlib.runtime.checkpoint import Checkpointer
 from shardlib.step.local_sgd import build_local_sgd
-from shardlib.step.staleness import reductions_feeding
+from shardlib.step.staleness import reductions_waiting
 from tests import zoo
 from tests.helpers import BATCH, SEQ, TINY, batches, tiny_model
 
@@ -78,7 +78,7 @@ def _delayed_reference(steps: int, tau: int):
         if len(queue) > tau:
             updates, opt_state = tx.update(queue.pop(0), opt_state, params)
             params = optax.apply_updates(params, updates)
-    return losses, params
+    return losses, params, queue
 
 
 def test_staleness_one_applies_the_previous_steps_gradient(dp8):
@@ -88,27 +88,31 @@ def test_staleness_one_applies_the_previous_steps_gradient(dp8):
     _, programs = dp8
     steps = 4
     state, metrics = _run(*programs[1], steps)
-    ref_losses, ref_params = _delayed_reference(steps, tau=1)
+    ref_losses, ref_params, ref_queue = _delayed_reference(steps, tau=1)
     assert [m["applied"] for m in metrics] == [0, 1, 1, 1] and int(state.step) == steps - 1
     assert all(m["skipped"] == 0 for m in metrics)
     np.testing.assert_allclose([m["loss"] for m in metrics], ref_losses, rtol=2e-6)
     for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_params), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=1e-7)
-    # The queue holds the last step's gradient: the reference's g_4, not yet applied.
+    # The queue holds the last step's local gradients, one per device, not yet reduced: their sum
+    # is the reference's g_4, still queued there too.
     assert bool(state.pending[0]["ready"])
     np.testing.assert_allclose(float(state.pending[0]["loss"]), ref_losses[-1], rtol=2e-6)
+    for got, want in zip(jax.tree.leaves(state.pending[0]["grads"]), jax.tree.leaves(ref_queue[0]), strict=True):
+        np.testing.assert_allclose(np.asarray(got).sum(axis=0), np.asarray(want), rtol=2e-6, atol=1e-7)
 
 
-def test_update_does_not_wait_for_this_steps_gradient_reduction(dp8):
-    """The overlap, read from the optimised HLO: under tau=1 no new parameter depends on the
-    gradient all-reduce (it feeds only the queue), while the synchronous step's parameters do."""
+def test_gradient_reduction_does_not_wait_for_this_steps_compute(dp8):
+    """The overlap, read from the optimised HLO: under tau=1 the gradient all-reduce depends on
+    the state only (the queued local gradient), not on the batch, so nothing orders it after this
+    step's forward and backward; the synchronous step's all-reduce depends on the batch."""
     _, programs = dp8
-    n_params = len(jax.tree.leaves(programs[1][0].state_sharding.params))
-    params_out = slice(1, 1 + n_params)  # the root tuple: step, then the parameters
-    sync_reductions, sync_feeding = reductions_feeding(programs["sync"][1].as_text(), params_out)
-    stale_reductions, stale_feeding = reductions_feeding(programs[1][1].as_text(), params_out)
-    assert sync_reductions and sync_feeding == sync_reductions
-    assert stale_reductions and stale_feeding == []
+    first_batch_input = len(jax.tree.leaves(programs[1][0].abstract_state()))  # entry parameters: state, then batch
+    sync_reductions, sync_waiting = reductions_waiting(programs["sync"][1].as_text(),
+                                                       len(jax.tree.leaves(programs["sync"][0].abstract_state())))
+    stale_reductions, stale_waiting = reductions_waiting(programs[1][1].as_text(), first_batch_input)
+    assert sync_reductions and sync_waiting == sync_reductions
+    assert stale_reductions and stale_waiting == []
 
 
 def test_queue_checkpoints_bitwise(dp8, tmp_path):
@@ -134,8 +138,14 @@ def test_refuses_staleness_it_cannot_apply():
             build(model, optax.sgd(LR), dp, staleness=bad)
     with pytest.raises(ValueError, match="staleness=1 cannot run with precision='fp16'.*'bf16'"):
         build(model, optax.sgd(LR), dp, staleness=1, precision="fp16")
-    with pytest.raises(ValueError, match="strategy 'tp' .* no batch axis with more than one device.*staleness=0"):
-        build(model, optax.sgd(LR), make_layout(model, "tp", make_mesh({"tensor": 8})), staleness=1)
+    tp = make_layout(model, "tp", make_mesh({"tensor": 4}, devices=jax.devices()[:4]))
+    with pytest.raises(ValueError, match="strategy 'tp' on mesh .* no batch axis has more than one device.*staleness=0"):
+        build(model, optax.sgd(LR), tp, staleness=1)
+    zero3 = make_layout(model, "zero3", make_mesh({"fsdp": 8}))
+    with pytest.raises(ValueError, match="'zero3': it stores parameters over the batch axes.*use 'dp', 'zero1'"):
+        build(model, optax.sgd(LR), zero3, staleness=1)
+    with pytest.raises(ValueError, match="grad_accum with 'zero2'.*use grad_accum=1"):
+        build(model, optax.sgd(LR), make_layout(model, "zero2", make_mesh({"data": 8})), staleness=1, grad_accum=2)
 
 
 # ---- streaming DiLoCo: the outer sync overlapping the next inner steps

@@ -126,8 +126,8 @@ def build(
     ``offload="opt_state"`` keeps the optimizer state in pinned host memory between steps
     (ZeRO-Offload, `shardlib.step.offload`): the step moves it to the device for the update only.
 
-    ``staleness=tau`` applies the gradient reduced at step t at step t + tau, so the reduction
-    overlaps the next steps' compute (`shardlib.step.staleness`); 0: synchronous.
+    ``staleness=tau`` reduces and applies the gradient computed at step t at step t + tau, so the
+    reduction runs beside that step's compute (`shardlib.step.staleness`); 0: synchronous.
     """
     policy = precision_lib.get_precision(precision)
     method = compression_lib.get_compression(grad_compression)
@@ -148,10 +148,11 @@ def build(
     update = update_lib.Update(tx, policy, layout.state_shardings(), layout.param_shardings(), lr_schedule,
                                offloaded=opt_state_sharding(model, tx, layout) if placement.opt_state else None,
                                gather_bucket_bytes=reducer.bucket_bytes)
-    tau = staleness_lib.check_staleness(staleness, layout, policy, reducer.axes)
-    queued = dataclasses.replace(sharding, pending=staleness_lib.queue_sharding(tau, layout))
-    step = _train_step(layout, provider, reducer, update, queued, donate)
-    init = staleness_lib.with_queue(initializer(model, tx, layout, policy, reducer, sharding), tau, layout, queued)
+    tau = staleness_lib.check_staleness(staleness, layout, policy, reducer, provider)
+    queued = dataclasses.replace(sharding, pending=staleness_lib.queue_sharding(tau, layout, reducer))
+    step = (staleness_lib.train_step if tau else _train_step)(layout, provider, reducer, update, queued, donate)
+    init = staleness_lib.with_queue(initializer(model, tx, layout, policy, reducer, sharding), tau, layout, reducer,
+                                    queued)
     return TrainProgram(model, tx, layout, init,
                         _CheckedStep(step, layout, microbatches), _eval_step(layout, provider, model), queued,
                         transient_initializer(model, layout, policy, reducer, sharding))
@@ -196,8 +197,6 @@ def _train_step(layout: Layout, provider: grads_lib.Provider, reducer: reduce_li
         ctx = StepContext(scale=scale, key=step_key(state), model_state=state.model_state)
         loss, aux, grads, residuals, model_state = grads_fn(state.params, batch, ctx, state.grad_residual)
         produced = {"grad_residual": residuals, "model_state": model_state}
-        if state.pending is not None:  # staleness: apply a queued gradient, queue this one
-            return staleness_lib.delayed_update(update, state, loss, aux, grads, produced)
         new_state, grad_norm, finite = update(state, grads, loss, scale, produced)
         return new_state, update.metrics(state, loss, aux, grad_norm, finite)
 

@@ -1,12 +1,20 @@
-"""Bounded staleness: the gradient reduced at step t is applied at step t + tau.
+"""Bounded staleness: the gradient computed at step t is reduced and applied at step t + tau.
 
-The train state carries a queue of the last tau reduced gradients (`TrainState.pending`, oldest
-first), each with its loss and whether it is real yet. Every step computes and reduces this step's
-gradient, applies the oldest queued one, and pushes the new one. The update reads only the
-state the step started from, never this step's collectives, so the gradient reduction is off the
-update's critical path: XLA may run it alongside compute (one-step-delayed data parallelism,
-PipeDream-2BW's weight update with a one-step-old gradient). tau = 0 is no queue: the
-synchronous step, unchanged.
+The train state carries a queue of the last tau *local* (unreduced) gradients
+(`TrainState.pending`, oldest first), each with its loss and whether it is real yet. Step t
+reduces the oldest one over the batch axes and applies it, while it computes this step's local
+gradient and pushes it. The reduction reads only the state the step started from, never this
+step's batch, so it can run from the step's first instruction alongside the forward and backward
+pass: the communication overlaps the next step's compute (one-step-delayed data parallelism;
+PipeDream-2BW's update with a one-step-old gradient). The update waits for the reduction, not for
+the compute. tau = 0 is no queue: the synchronous step, unchanged.
+
+What it costs: tau local gradients per device (tau x Psi floats, as many as dp's gradient
+buffer; under ZeRO-1/2 N times what their state-layout shards would be), and the staleness itself.
+Only reductions the step writes can move (`Reducer`: dp, zero1, zero2, tp, hsdp's data axis).
+ZeRO-3's reduce-scatter is autodiff's transpose of the weight gather, inside the backward pass,
+so strategies that store parameters over a batch axis are refused, as are pipelines and zero2's
+per-microbatch reduce-scatter.
 
 The first tau steps have nothing to apply: parameters and optimizer state stay as initialised
 (no zero gradient reaches the optimizer's moments), ``metrics["applied"] == 0`` and they are not
@@ -18,114 +26,178 @@ the queue advances either way, so one bad gradient never blocks the ones behind 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-__all__ = ["check_staleness", "delayed_update", "empty_queue", "queue_sharding", "reductions_feeding", "with_queue"]
+from shardlib.sharding import rules as rules_lib
+from shardlib.sharding.layout import restrict, spec_axes
+from shardlib.step import reduce as reduce_lib
+from shardlib.step.compute import StepContext
+from shardlib.step.state import step_key
+
+__all__ = ["check_staleness", "queue_sharding", "reductions_waiting", "train_step", "with_queue"]
 
 
-def check_staleness(staleness: Any, layout: Any, policy: Any, reduce_axes: tuple[str, ...]) -> int:
+def _stored_over_batch_axes(layout: Any, axes: tuple[str, ...]) -> list[str]:
+    leaves = jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout)
+    return [leaf.path for leaf in leaves if spec_axes(leaf.spec) & set(axes)]
+
+
+def check_staleness(staleness: Any, layout: Any, policy: Any, reducer: Any, provider: Any) -> int:
     """``staleness`` as an int, or a ValueError naming what refuses it and what to do."""
     if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
-        raise ValueError(f"staleness must be a non-negative integer (steps between a gradient's reduction and "
-                         f"its application; 0: synchronous), got {staleness!r}")
+        raise ValueError(f"staleness must be a non-negative integer (steps between a gradient's computation and "
+                         f"its reduction and application; 0: synchronous), got {staleness!r}")
     if staleness == 0:
         return 0
-    if policy.dynamic_loss_scale:
-        raise ValueError(f"staleness={staleness} cannot run with precision={policy.name!r}: fp16's dynamic loss "
-                         "scale changes between a gradient's reduction and its application, so the queued gradient "
-                         "would be unscaled by the wrong scale; use precision='bf16' or 'f32'")
-    if not reduce_axes:
-        sizes = dict(layout.mesh.shape)
-        raise ValueError(f"staleness={staleness} overlaps the gradient reduction over the batch axes with the next "
-                         f"steps' compute, but strategy {layout.strategy.name!r} on mesh {sizes} has no batch axis "
-                         f"with more than one device ({layout.batch_axes}): nothing to overlap, the gradients would "
-                         "only arrive late; use staleness=0")
+    name, sizes = layout.strategy.name, dict(layout.mesh.shape)
+    refusals = (
+        (policy.dynamic_loss_scale, f"precision={policy.name!r}: fp16's dynamic loss scale changes between a "
+                                    "gradient's computation and its application; use precision='bf16' or 'f32'"),
+        (not reducer.axes, f"strategy {name!r} on mesh {sizes}: no batch axis has more than one device, so there is "
+                           "no gradient reduction to overlap; use staleness=0"),
+        (bool(_stored_over_batch_axes(layout, reducer.axes)),
+         f"strategy {name!r}: it stores parameters over the batch axes {reducer.axes}, so their gradient "
+         "reduce-scatter is autodiff's, inside the backward pass, and cannot be deferred; use 'dp', 'zero1', "
+         "'zero2' or 'tp'"),
+        (layout.pipeline_stages > 1, "a pipeline: its schedule reduces inside the stages; use pipeline_stages=1"),
+        (getattr(provider, "reduce_each", False), f"grad_accum with {name!r}: it reduce-scatters every microbatch "
+                                                  "inside the step; use grad_accum=1 or 'zero1'"),
+    )
+    for refused, why in refusals:
+        if refused:
+            raise ValueError(f"staleness={staleness} cannot run with {why}")
     return staleness
 
 
-def empty_queue(staleness: int, params: Any) -> tuple | None:
-    """tau entries that apply nothing: zeros like the parameters (in the optimizer-state layout)."""
-    if staleness == 0:
-        return None
-    entry = lambda: {"ready": jnp.zeros((), jnp.bool_), "loss": jnp.zeros((), jnp.float32),
-                     "grads": jax.tree.map(jnp.zeros_like, params)}
-    return tuple(entry() for _ in range(staleness))
+def _local_sharding(layout: Any, axes: tuple[str, ...]) -> Any:
+    """A local gradient per device: a leading axis over the batch axes, then the storage spec."""
+    lead = axes[0] if len(axes) == 1 else axes
+    return jax.tree.map(lambda leaf: NamedSharding(layout.mesh, P(lead, *leaf.spec)), layout.params,
+                        is_leaf=rules_lib.is_layout)
 
 
-def queue_sharding(staleness: int, layout: Any) -> tuple | None:
-    """Queued gradients live where the update reads them: the optimizer-state layout (1/N each
-    under ZeRO), scalars replicated."""
+def queue_sharding(staleness: int, layout: Any, reducer: Any) -> tuple | None:
     if staleness == 0:
         return None
     replicated = NamedSharding(layout.mesh, P())
-    return tuple({"ready": replicated, "loss": replicated, "grads": layout.state_shardings()}
-                 for _ in range(staleness))
+    grads = _local_sharding(layout, reducer.axes)
+    return tuple({"ready": replicated, "loss": replicated, "grads": grads} for _ in range(staleness))
 
 
-def _push(queue: tuple, loss: jax.Array, grads: Any) -> tuple[dict, tuple]:
-    """-> (the oldest entry, the queue with this step's gradient appended), in the queue's dtypes."""
-    grads = jax.tree.map(lambda g, q: g.astype(q.dtype), grads, queue[-1]["grads"])
-    newest = {"ready": jnp.ones((), jnp.bool_), "loss": loss.astype(jnp.float32), "grads": grads}
-    return queue[0], (*queue[1:], newest)
+def with_queue(init: Any, staleness: int, layout: Any, reducer: Any, sharding: Any) -> Any:
+    """``init(key)`` with tau entries that apply nothing (zeros, not ready), in ``sharding``."""
+    if staleness == 0:
+        return init
+    n = math.prod(layout.mesh.shape[a] for a in reducer.axes)
+
+    def init_fn(key):
+        state = init(key)
+        entry = lambda: {"ready": jnp.zeros((), jnp.bool_), "loss": jnp.zeros((), jnp.float32),
+                         "grads": jax.tree.map(lambda p: jnp.zeros((n, *p.shape), p.dtype), state.params)}
+        return dataclasses.replace(state, pending=tuple(entry() for _ in range(staleness)))
+
+    return jax.jit(init_fn, out_shardings=sharding)
+
+
+def _gathered_sum(stacked: Any, mesh: Any, mean: bool = False) -> Any:
+    """The sum (or mean) of per-device values (leading axis), through an all-gather and a local
+    sum rather than a psum: XLA's all-reduce combiner would merge a psum of this step's loss with
+    the deferred gradient all-reduce, making the reduction wait for this step's forward pass."""
+    gathered = jax.lax.with_sharding_constraint(stacked, NamedSharding(mesh, P()))
+    combine = jnp.mean if mean else jnp.sum
+    return jax.tree.map(lambda x: combine(x, axis=0) if jnp.issubdtype(x.dtype, jnp.floating) else x[0], gathered)
+
+
+class _Unreduced:
+    """A reducer that leaves the gradients local: the provider computes, `train_step` reduces later."""
+
+    def __call__(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
+        return grads, residuals
+
+
+def _mapped(layout: Any, provider: Any, reducer: Any, queue_sharding_: Any):
+    """(params, batch, ctx, residuals, oldest local grads) -> (loss, aux, oldest reduced, residuals,
+    model state, this step's local grads): the deferred reduction beside this step's gradients."""
+    manual_axes = layout.manual_axes
+    mapped_params = layout.manual(layout.params, manual_axes)
+    local_specs = jax.tree.map(lambda s: restrict(s.spec, manual_axes), queue_sharding_)
+    residual_specs = reducer.residual_specs(manual_axes)
+    local_provider = dataclasses.replace(provider, reducer=_Unreduced())
+
+    def body(params, batch, ctx, residuals, oldest):
+        reduced, residuals = reducer(jax.tree.map(lambda g: g[0], oldest), reducer.local(residuals))
+        params = reduce_lib.vary(params, mapped_params, reducer.axes)
+        (loss, aux), grads, _, model_state = local_provider.value_and_grad(params, batch, ctx, None)
+        per_device = jax.tree.map(lambda x: x[None], ((loss, aux), model_state))
+        return per_device, reduced, reducer.stacked(residuals), jax.tree.map(lambda g: g[None], grads)
+
+    lead = P(reducer.axes[0] if len(reducer.axes) == 1 else reducer.axes)
+
+    def mapped(*args):
+        per_device, reduced, residuals, grads = jax.shard_map(
+            body, mesh=layout.mesh,
+            in_specs=(mapped_params, reduce_lib.batch_specs(layout, args[1]), P(), residual_specs, local_specs),
+            out_specs=(lead, layout.manual(layout.state, manual_axes), residual_specs, local_specs),
+            axis_names=set(manual_axes))(*args)
+        (loss, aux), model_state = _gathered_sum(per_device[0], layout.mesh), per_device[1]
+        return loss, aux, reduced, residuals, _gathered_sum(model_state, layout.mesh, mean=True), grads
+
+    return mapped
 
 
 def _adopt(fresh_ok: jax.Array, produced: dict[str, Any], state: Any) -> dict[str, Any]:
-    """What the gradient pass produced (int8 residuals, BatchNorm statistics) belongs to this
-    step's gradient, so it is kept when that gradient is finite, whatever happens to the applied one."""
+    """Model state (BatchNorm statistics) belongs to this step's forward pass: kept when its loss is finite."""
     if not jax.tree.leaves(produced):
         return produced
     old = {name: getattr(state, name) for name in produced}
     return jax.lax.cond(fresh_ok, lambda _: produced, lambda _: old, None)
 
 
-def delayed_update(update: Any, state: Any, loss: jax.Array, aux: dict, grads: Any,
-                   produced: dict[str, Any]) -> tuple[Any, dict[str, jax.Array]]:
-    """The update half under staleness: apply the oldest queued gradient, queue this one.
+def train_step(layout: Any, provider: Any, reducer: Any, update: Any, sharding: Any, donate: bool):
+    """The jitted ``step(state, batch) -> (state, metrics)`` under staleness.
 
-    -> (new state, metrics): ``loss`` is this step's, ``grad_norm`` the applied gradient's,
-    ``applied`` 1 when a gradient was applied, ``skipped`` 1 when a queued one was not finite.
+    Metrics: ``loss`` is this step's, ``grad_norm`` the applied gradient's, ``applied`` 1 when a
+    gradient was applied, ``skipped`` 1 when a queued one was not finite.
     """
-    oldest, queue = _push(state.pending, loss, grads)
-    gate_loss = jnp.where(oldest["ready"], oldest["loss"], jnp.nan)  # nothing queued yet: apply nothing
-    one = jnp.ones((), jnp.float32)
-    new_state, grad_norm, finite = update(state, oldest["grads"], gate_loss, one, {})
-    fresh_ok = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
-    new_state = dataclasses.replace(new_state, pending=queue, **_adopt(fresh_ok, produced, state))
-    metrics = update.metrics(state, loss, aux, grad_norm, finite)
-    metrics["skipped"] = (oldest["ready"] & ~finite).astype(jnp.int32)
-    metrics["applied"] = finite.astype(jnp.int32)
-    return new_state, metrics
+    mapped = _mapped(layout, provider, reducer, sharding.pending[0]["grads"])
 
+    def step_fn(state, batch):
+        oldest, one = state.pending[0], jnp.ones((), jnp.float32)
+        ctx = StepContext(scale=one, key=step_key(state), model_state=state.model_state)
+        loss, aux, reduced, residuals, model_state, grads = mapped(state.params, batch, ctx, state.grad_residual,
+                                                                   oldest["grads"])
+        gate_loss = jnp.where(oldest["ready"], oldest["loss"], jnp.nan)  # nothing queued yet: apply nothing
+        # The residuals belong to the reduction of the applied gradient: adopted with its update.
+        new_state, grad_norm, finite = update(state, reduced, gate_loss, one, {"grad_residual": residuals})
+        newest = {"ready": jnp.ones((), jnp.bool_), "loss": loss.astype(jnp.float32), "grads": grads}
+        new_state = dataclasses.replace(new_state, pending=(*state.pending[1:], newest),
+                                        **_adopt(jnp.isfinite(loss), {"model_state": model_state}, state))
+        metrics = update.metrics(state, loss, aux, grad_norm, finite)
+        metrics["skipped"] = (oldest["ready"] & ~finite).astype(jnp.int32)
+        metrics["applied"] = finite.astype(jnp.int32)
+        return new_state, metrics
 
-def with_queue(init: Any, staleness: int, layout: Any, sharding: Any) -> Any:
-    """``init(key)`` with the empty queue added, in ``sharding`` (which has the queue's)."""
-    if staleness == 0:
-        return init
-
-    def init_fn(key):
-        state = init(key)
-        in_state_layout = jax.lax.with_sharding_constraint(state.params, layout.state_shardings())
-        return dataclasses.replace(state, pending=empty_queue(staleness, in_state_layout))
-
-    return jax.jit(init_fn, out_shardings=sharding)
+    return jax.jit(step_fn, in_shardings=(sharding, None), out_shardings=(sharding, NamedSharding(layout.mesh, P())),
+                   donate_argnums=(0,) if donate else ())
 
 
 _NAME_RE = re.compile(r"%([\w.\-]+)")
 _REDUCTIONS = ("all-reduce", "reduce-scatter")
 
 
-def reductions_feeding(hlo: str, outputs: slice, min_bytes: int = 1024) -> tuple[list[str], list[str]]:
+def reductions_waiting(hlo: str, first_batch_input: int, min_bytes: int = 1024) -> tuple[list[str], list[str]]:
     """The overlap, read from optimised HLO text: -> (the entry computation's all-reduces and
-    reduce-scatters of at least ``min_bytes``, those the root tuple's ``outputs`` depend on).
+    reduce-scatters of at least ``min_bytes``, those that depend on an entry parameter numbered
+    ``first_batch_input`` or more: the batch, so they wait for this step's forward and backward).
 
-    Under staleness no new parameter depends on this step's gradient reduction, so the reduction
-    is off the update's critical path; in the synchronous step every one of them feeds the update.
+    Under staleness none does: the reduction can start with the step and run beside its compute.
+    In the synchronous step every one of them does.
     """
     from shardlib.tools.hlo import parse_hlo_module, shape_leaves
 
@@ -134,13 +206,17 @@ def reductions_feeding(hlo: str, outputs: slice, min_bytes: int = 1024) -> tuple
     entry = {i.name: i for i in instructions}
     reductions = [i.name for i in instructions if i.opcode.removesuffix("-start") in _REDUCTIONS
                   and sum(leaf.nbytes for leaf in shape_leaves(i.shape)) >= min_bytes]
-    root = instructions[-1]
-    if root.opcode != "tuple":
-        raise ValueError(f"the entry computation ends in {root.opcode!r}, not the tuple of the step's outputs")
-    todo, seen = _NAME_RE.findall(root.operands)[outputs], set()
-    while todo:
-        name = todo.pop()
-        if name not in seen and name in entry:
-            seen.add(name)
-            todo.extend(_NAME_RE.findall(entry[name].operands))
-    return reductions, [r for r in reductions if r in seen]
+
+    def reads_batch(name: str) -> bool:
+        todo, seen = [name], set()
+        while todo:
+            instr = entry.get(todo.pop())
+            if instr is None or instr.name in seen:
+                continue
+            seen.add(instr.name)
+            if instr.opcode == "parameter" and int(instr.operands) >= first_batch_input:
+                return True
+            todo.extend(_NAME_RE.findall(instr.operands))
+        return False
+
+    return reductions, [r for r in reductions if reads_batch(r)]
