@@ -14,8 +14,9 @@ Columns: ``eval`` is the held-out loss (the last 5% of the corpus, 8 batches of 
 parameters after the last step (DiLoCo: the replicas' mean), ``last 10`` the mean training loss of
 the last 10 steps, each against the synchronous run of the same seed and family; ``data bytes /
 step`` the bytes one device sends per step in the compiled programs (DiLoCo: the sync's per H
-steps, spread); ``update waits`` whether a new parameter depends on the step's gradient
-reduction in the optimised HLO (`shardlib.step.staleness.reductions_feeding`).
+steps, spread); ``reduction waits for compute``: whether the step's gradient all-reduce depends
+on the step's batch in the optimised HLO (`shardlib.step.staleness.reductions_waiting`), i.e.
+must wait for the forward and backward pass (DiLoCo: whether the outer all-reduce blocks).
 """
 
 from __future__ import annotations
@@ -57,16 +58,15 @@ def _stale_runs(args, model, tx, layout, batches, key, held_out):
     import jax
 
     from shardlib import build
-    from shardlib.step.staleness import reductions_feeding
+    from shardlib.step.staleness import reductions_waiting
 
     for tau in args.taus:
         program = build(model, tx, layout, staleness=tau)
         compiled = program.compile_step(program.abstract_state(), program.abstract_batch(
             {k: (v.shape, v.dtype) for k, v in batches[0].items()}))
-        n_params = len(jax.tree.leaves(program.state_sharding.params))
-        _, feeding = reductions_feeding(compiled.as_text(), slice(1, 1 + n_params))
+        _, waiting = reductions_waiting(compiled.as_text(), len(jax.tree.leaves(program.abstract_state())))
         losses, held = _train(program, batches, key, lambda s: held_out(program.evaluate, s.params))
-        yield f"dp tau={tau}", losses, held, _bytes(compiled), "yes" if feeding else "no"
+        yield f"dp tau={tau}", losses, held, _bytes(compiled), "yes" if waiting else "no"
 
 
 def _diloco_runs(args, model, tx, layout, batches, key, held_out):
@@ -81,7 +81,7 @@ def _diloco_runs(args, model, tx, layout, batches, key, held_out):
         sync = program.compile_sync(program.abstract_state())
         losses, held = _train(program, batches, key,
                               lambda s: held_out(program.evaluate, program.consensus(s)))
-        waits = "yes" if delay == 0 else "no (next D steps)"
+        waits = "yes (blocking sync)" if delay == 0 else f"no (in step +{delay})"
         yield f"DiLoCo D={delay}", losses, held, _bytes(sync) / H, waits
 
 
@@ -123,7 +123,7 @@ def main() -> None:
                 base = base or (held, losses[-10:].mean())
                 rows.append({"seed": seed, "run": name, "eval": f"{held:.4f}", "eval vs sync": f"{held / base[0]:.3f}",
                              "last 10 vs sync": f"{losses[-10:].mean() / base[1]:.3f}",
-                             "data bytes / step": f"{sent:,.0f}", "update waits": waits})
+                             "data bytes / step": f"{sent:,.0f}", "reduction waits for compute": waits})
                 print(rows[-1], flush=True)
 
     print(f"\ntiny GPT, {args.optimizer}, global batch {args.batch_size} x {SEQ}, {args.steps} steps; {machine()}")

@@ -6,6 +6,7 @@ streaming DiLoCo's delayed merge against numpy + optax applied to the program's 
 """
 
 import argparse
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -176,6 +177,16 @@ def test_outer_delay_lands_the_outer_update_later_and_trains(diloco_layout):
     snapshot's mean, mixed 0.5 / 0.5; checked against numpy + optax on the program's own local step."""
     model, layout = diloco_layout
     program = build_local_sgd(model, optax.sgd(LR), layout, sync_every=3, outer_tx=NESTEROV, outer_delay=1)
+    abstract, batch = program.abstract_state(), program.abstract_batch(SHAPES)
+    compiled = {name: getattr(program, name).lower(abstract, batch).compile() for name in ("local_step", "merge_step")}
+    program = dataclasses.replace(program, **compiled)
+    # The overlap: the merge step's parameter all-reduce over data reads the snapshot (state), not
+    # the batch; every reduction of a plain local step (the gradient sum over fsdp) waits for it.
+    first_batch_input = len(jax.tree.leaves(abstract))
+    local_reductions, local_waiting = reductions_waiting(compiled["local_step"].as_text(), first_batch_input)
+    merge_reductions, merge_waiting = reductions_waiting(compiled["merge_step"].as_text(), first_batch_input)
+    assert local_waiting == local_reductions
+    assert len(set(merge_reductions) - set(merge_waiting)) == 1 and len(merge_waiting) == len(local_waiting)
     rows = [jax.device_put(b, layout.batch_sharding(b)) for b in batches(6)]
     state, losses = program.init(jax.random.key(0)), []
     for step in range(3):

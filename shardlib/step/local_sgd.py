@@ -400,6 +400,10 @@ def _step(grads_fn: Callable, tx: optax.GradientTransformation, replicas: _Repli
         params=jax.tree.map(keep, new_params, state.params),
         opt_state=jax.tree.map(keep, opt_state, state.opt_state),
     )
+    # Gathered, then averaged locally: a psum of these scalars would be merged by XLA's all-reduce
+    # combiner with streaming DiLoCo's delayed parameter all-reduce, making it wait for this step.
+    losses, grad_norms, finite, aux = jax.lax.with_sharding_constraint(
+        (losses, grad_norms, finite, aux), NamedSharding(replicas.mesh, P()))
     metrics = {"loss": jnp.mean(losses), "grad_norm": jnp.mean(grad_norms),
                "skipped": jnp.sum(~finite).astype(jnp.int32), **jax.tree.map(jnp.mean, aux)}
     if lr_schedule is not None:
