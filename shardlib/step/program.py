@@ -102,10 +102,10 @@ def build(
     writes: dp, zero1, zero2, tp, and the data-axis all-reduce of hsdp and fsdp_tp (data > 1; their
     fsdp reduce-scatter is autodiff's transpose of the weight gather and stays uncompressed), and
     under zero3 (and hsdp on data=1) the reduce-scatter in the weight gather's own backward (ZeRO++'s
-    qgZ, `shardlib.step.zeropp`; its int8 residual is the whole local gradient). int8 keeps error-feedback residuals in the train state,
-    sharded like the local gradients they correct. Under ``grad_accum`` with
-    ``shard_grad_buffer`` the sum over the axes the buffer is not sharded over (hsdp's ``data``)
-    runs once per step, after the microbatches.
+    qgZ, `shardlib.step.zeropp`; its int8 residual is the whole local gradient). int8 keeps
+    error-feedback residuals in the train state, sharded like the local gradients they correct.
+    Under ``grad_accum`` with ``shard_grad_buffer`` the sum over the axes the buffer is not sharded
+    over (hsdp's ``data``) runs once per step, after the microbatches.
 
     ``bucket_bytes`` packs the uncompressed gradient reductions the step writes (dp, zero1, zero2,
     hsdp's data axis) into buckets of at most that many bytes, one collective each, as PyTorch
