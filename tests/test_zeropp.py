@@ -233,12 +233,12 @@ def test_bf16_shard_gathers_back_to_bf16_within_half_a_step():
 # ------------------------------------------------------------------ refusals
 
 
-@pytest.mark.parametrize("strategy, options, named", [
-    ("dp", {"weight_gather": "int8"}, "weight_gather='int8'"),
-    ("zero3", {"grad_compression": "int8", "grad_accum": 2}, "grad_accum=1"),
-    ("zero3", {"weight_gather": "fp4"}, "weight gather"),
+@pytest.mark.parametrize("strategy, mesh, options, named", [
+    ("dp", {"data": N}, {"weight_gather": "int8"}, "weight_gather='int8'"),
+    ("zero3", {"fsdp": N}, {"grad_compression": "int8", "grad_accum": 2}, "grad_accum=1"),
+    ("zero3", {"fsdp": N}, {"weight_gather": "fp4"}, "weight gather"),
+    ("fsdp_tp", {"fsdp": 4, "tensor": 2}, {"weight_gather": "int8"}, "tensor=1"),
 ])
-def test_refusals_name_the_option(model, strategy, options, named):
+def test_refusals_name_the_option(model, strategy, mesh, options, named):
     with pytest.raises(ValueError, match=named):
-        build(model, optimizer(), make_layout(model, strategy, make_mesh({"fsdp": N} if strategy != "dp" else {"data": N})),
-              **options)
+        build(model, optimizer(), make_layout(model, strategy, make_mesh(mesh)), **options)

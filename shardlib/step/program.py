@@ -138,7 +138,8 @@ def build(
     call = ModelCall.for_layout(model, layout, policy, rows_split)
     gather = zeropp.step_gather(weight_gather, method if reducer.compresses_gathers else compression_lib.METHODS["none"],
                                 strategy=layout.strategy.name, gathers=bool(call.must_gather), grad_accum=grad_accum,
-                                pipelined=layout.pipeline_stages > 1)
+                                pipelined=layout.pipeline_stages > 1,
+                                tensor_parallel=layout.mesh.shape.get("tensor", 1) > 1)
     call = dataclasses.replace(call, gather=gather)
     provider = grads_lib.for_layout(call, reducer, layout, grad_accum=grad_accum, microbatches=microbatches,
                                     schedule=schedule, stage_layers=stage_layers)

@@ -161,7 +161,7 @@ def gather_spec(x: Any, spec: Sequence[Any], policy: GatherPolicy) -> jax.Array:
 
 
 def step_gather(weight_gather: str | WeightGather, grads: compression_lib.Compression, *, strategy: str,
-                gathers: bool, grad_accum: int, pipelined: bool):
+                gathers: bool, grad_accum: int, pipelined: bool, tensor_parallel: bool = False):
     """The ``gather(shard, spec)`` a step's `ModelCall` uses (None: autodiff's plain pair), or a
     clear refusal where ZeRO++ cannot apply. ``grads``: the method of the gathers' backward (qgZ),
     "none" where the `Reducer` compresses elsewhere."""
@@ -172,8 +172,13 @@ def step_gather(weight_gather: str | WeightGather, grads: compression_lib.Compre
         raise ValueError(f"weight_gather={policy.weights.name!r} quantises ZeRO-3's parameter all-gather, but "
                          f"{strategy} gathers no parameter over the batch axes; use zero3, fsdp_tp or hsdp, "
                          "or weight_gather='none'")
-    if pipelined:
-        raise ValueError(f"weight_gather={policy.weights.name!r} runs in unpipelined steps only (pipe=1)")
+    if pipelined or tensor_parallel:
+        # tensor > 1: the gather runs in a nested shard_map over `tensor` (hooks.gather_shards), and
+        # the quantised one does not lower there yet (jaxlib 0.10.2: Shardy's manual-axis order check)
+        named = f"weight_gather={policy.weights.name!r}" if policy.weights.block_size else f"grad_compression={grads.name!r}"
+        raise ValueError(f"{named} under {strategy} (ZeRO++ qwZ / qgZ) runs without pipelining (pipe=1) and "
+                         "without tensor parallelism (tensor=1) only; use zero3 or hsdp on such a mesh, or "
+                         "weight_gather='none' and grad_compression='none'")
     if grad_accum > 1 and grads.needs_residual:
         raise ValueError(f"grad_compression={grads.name!r} under {strategy} keeps its error-feedback residual in "
                          "the gather's backward, once per step: use grad_accum=1, or grad_compression='bf16'")
