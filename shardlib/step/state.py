@@ -34,7 +34,7 @@ class TrainState:
     grad_residual: Any = None  # per-device error-feedback residuals under int8 gradient compression
     rng: Any = None  # uint32 key data of the run's dropout seed (Model.uses_key), else None: see `step_key`
     model_state: Any = None  # mutable model state (BatchNorm statistics), replicated; None without
-    pending: Any = None  # under staleness tau: the last tau reduced gradients, oldest first (`staleness`)
+    pending: Any = None  # under staleness tau: the last tau local (unreduced) gradients, oldest first (`staleness`)
 
 
 # The root of the step keys: folded into the init key so that dropout never reuses a parameter
