@@ -40,6 +40,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per program (default: 7)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per program (default: 2)")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), metavar="S")
+    parser.add_argument("--bucket-mb", type=float, default=None, metavar="MB",
+                        help="shardlib's bucket_bytes in MiB (0: one collective per tensor; default: build's)")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table (for BENCHMARKS.md)")
     return parser.parse_args(argv)
 
@@ -93,7 +95,8 @@ def bench_strategy(name: str, args: argparse.Namespace, config: Any, model: Any,
     mesh = make_mesh(sizes, devices=jax.devices()[: args.devices])
     layout = make_layout(model, name, mesh)
     tx = optax.adamw(1e-3)
-    program = build(model, tx, layout)
+    buckets = {} if args.bucket_mb is None else {"bucket_bytes": int(args.bucket_mb * 2**20)}
+    program = build(model, tx, layout, **buckets)
     batch = jax.device_put(batch_np, layout.batch_sharding(batch_np))
 
     states = {"shardlib": program.init(jax.random.key(0)), "baseline": program.init(jax.random.key(0))}
@@ -143,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import numpy as np
 
     from shardlib.models import get_config, trainable
+    from shardlib.step.reduce import DEFAULT_BUCKET_BYTES
 
     names = [check_strategy(s) for s in args.strategies]
     if len(jax.devices()) < args.devices:
@@ -150,11 +154,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = get_config(args.model)
     seq_len = args.seq_len or config.max_seq_len
     model = trainable(config)
+    bucket_mb = DEFAULT_BUCKET_BYTES / 2**20 if args.bucket_mb is None else args.bucket_mb
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, config.vocab_size, size=(args.batch_size, seq_len + 1), dtype=np.int32)
     batch_np = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     print(f"# {args.model} GPT, global batch {args.batch_size} x {seq_len} tokens, {args.repeats} timed steps "
-          f"per program after {args.warmup} warm-up; {machine()}", flush=True)
+          f"per program after {args.warmup} warm-up; shardlib buckets {bucket_mb:g} MiB; {machine()}", flush=True)
     rows = []
     for name in names:
         rows.append(bench_strategy(name, args, config, model, batch_np))
