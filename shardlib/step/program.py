@@ -136,11 +136,7 @@ def build(
     reducer = reduce_lib.Reducer.for_layout(layout, method, bucket_bytes=bucket_bytes)
     rows_split = math.prod(layout.mesh.shape[a] for a in layout.batch_axes)
     call = ModelCall.for_layout(model, layout, policy, rows_split)
-    gather = zeropp.step_gather(weight_gather, method if reducer.compresses_gathers else compression_lib.METHODS["none"],
-                                strategy=layout.strategy.name, gathers=bool(call.must_gather), grad_accum=grad_accum,
-                                pipelined=layout.pipeline_stages > 1,
-                                tensor_parallel=layout.mesh.shape.get("tensor", 1) > 1)
-    call = dataclasses.replace(call, gather=gather)
+    call = dataclasses.replace(call, gather=_weight_gather(weight_gather, method, reducer, layout, call, grad_accum))
     provider = grads_lib.for_layout(call, reducer, layout, grad_accum=grad_accum, microbatches=microbatches,
                                     schedule=schedule, stage_layers=stage_layers)
     placement = offload_lib.get_offload(offload)
@@ -152,11 +148,20 @@ def build(
     tau = staleness_lib.check_staleness(staleness, layout, policy, reducer, provider)
     queued = dataclasses.replace(sharding, pending=staleness_lib.queue_sharding(tau, layout, reducer))
     step = (staleness_lib.train_step if tau else _train_step)(layout, provider, reducer, update, queued, donate)
-    init = staleness_lib.with_queue(initializer(model, tx, layout, policy, reducer, sharding), tau, layout, reducer,
-                                    queued)
-    return TrainProgram(model, tx, layout, init,
+    init = initializer(model, tx, layout, policy, reducer, sharding)
+    return TrainProgram(model, tx, layout, staleness_lib.with_queue(init, tau, layout, reducer, queued),
                         _CheckedStep(step, layout, microbatches), _eval_step(layout, provider, model), queued,
                         transient_initializer(model, layout, policy, reducer, sharding))
+
+
+def _weight_gather(weight_gather: str, method: compression_lib.Compression, reducer: reduce_lib.Reducer,
+                   layout: Layout, call: ModelCall, grad_accum: int):
+    """ZeRO++'s gather for ``call`` (None: the plain all-gather): int8 weights (qwZ) and, where the
+    Reducer leaves zero3's reduce-scatter to the gather's backward, its compression (qgZ)."""
+    backward = method if reducer.compresses_gathers else compression_lib.METHODS["none"]
+    return zeropp.step_gather(weight_gather, backward, strategy=layout.strategy.name, gathers=bool(call.must_gather),
+                              grad_accum=grad_accum, pipelined=layout.pipeline_stages > 1,
+                              tensor_parallel=layout.mesh.shape.get("tensor", 1) > 1)
 
 
 def _mapped_grads(layout: Layout, provider: grads_lib.Provider, reducer: reduce_lib.Reducer):
