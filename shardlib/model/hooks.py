@@ -38,6 +38,9 @@ class ComputeContext:
     auto_specs: Mapping[str, P] = dataclasses.field(default_factory=dict)
     # (shard, spec) -> gathered: the gather itself (ZeRO++'s int8 one, `shardlib.step.zeropp`)
     gather: Callable[[Any, Sequence[Any]], jax.Array] | None = None
+    sliced: set[str] = dataclasses.field(default_factory=set)  # paths gathered one slice of a stack at a time
+    # state -> state, first, on all of one gather_layer call's state (`shardlib.step.layerwise`'s twins)
+    gather_tree: Callable[[Any], Any] | None = None
 
 
 _CONTEXT: contextvars.ContextVar[ComputeContext | None] = contextvars.ContextVar(
@@ -104,7 +107,10 @@ def _gather_variable(variable: Any, ctx: ComputeContext) -> Any:
     path, spec = stamp
     ctx.gathered.add(path)
     value = variable.get_value()
-    spec = _fit(path, spec, value)
+    fitted = _fit(path, spec, value)
+    if len(fitted) < len(spec):
+        ctx.sliced.add(path)
+    spec = fitted
     value = gather_shards(value, spec, _fit(path, ctx.auto_specs.get(path, (None,) * len(spec)), value), ctx.gather)
     if ctx.cast_to is not None and jax.numpy.issubdtype(value.dtype, jax.numpy.floating):
         value = value.astype(ctx.cast_to)
@@ -128,4 +134,6 @@ def gather_layer(state: Any) -> Any:
         return state
     from flax import nnx  # local: keep `import shardlib.model.hooks` light
 
+    if ctx.gather_tree is not None:
+        state = ctx.gather_tree(state)
     return jax.tree.map(lambda v: _gather_variable(v, ctx), state, is_leaf=lambda v: isinstance(v, nnx.Variable))

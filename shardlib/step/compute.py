@@ -112,6 +112,7 @@ class ModelCall:
     # hpZ: gathered over the inter-host axis once per call, before the layers (then specs are intra-host)
     secondary: hierarchical.SecondaryPartition | None = None
     gather: Callable[[Any, Any], jax.Array] | None = None  # ZeRO++'s quantised gather (`zeropp`); None: all_gather
+    gather_tree: Callable[[Any], Any] | None = None  # per gather_layer call, first (`layerwise`'s twins)
 
     @classmethod
     def for_layout(cls, model: Model, layout: Layout, policy: precision_lib.Precision,
@@ -126,7 +127,14 @@ class ModelCall:
                    policy.compute_dtype, cast_first, rows_split, active_axes(layout, exclude), secondary)
 
     def _compute(self, tree: Any) -> Any:
-        return precision_lib.cast_floating(tree, self.compute_dtype)
+        """``tree`` in the compute dtype; a layerwise state shard keeps the master dtype, so its
+        cotangent (the reduced gradient) is reduced in it (`shardlib.step.layerwise`)."""
+        def cast(x):
+            if zeropp.is_carried(x) and x.role == "shard":
+                return dataclasses.replace(x, value=precision_lib.cast_floating(x.value, self.compute_dtype))
+            return precision_lib.cast_floating(x, self.compute_dtype)
+
+        return jax.tree.map(cast, tree, is_leaf=zeropp.is_carried)
 
     def _model_specs(self) -> Any:
         return self.specs if self.model.gathers_params else None
@@ -146,10 +154,26 @@ class ModelCall:
         unsharded = lambda p, spec: p if spec_axes(spec) else self._compute(p)
         return params if self.cast_first else jax.tree.map(unsharded, params, self.specs, is_leaf=zeropp.is_carried)
 
+    def _context(self) -> hooks.ComputeContext:
+        return hooks.ComputeContext(self.activation_spec, cast_to=None if self.cast_first else self.compute_dtype,
+                                    auto_specs=self.auto_by_path, gather=self.gather, gather_tree=self.gather_tree)
+
+    def probe(self, params: Any, rows: Any, ctx: StepContext) -> hooks.ComputeContext:
+        """The compute context an abstract trace of the loss leaves: which parameters the model
+        passes through ``gather_layer`` (``gathered``), and which one stacked slice at a time (``sliced``)."""
+        seen = self._context()
+
+        def run(p, b):
+            with hooks.compute_context(seen):
+                call = Call(key=self.device_key(ctx), state=ctx.model_state, train=ctx.train)
+                return self.model.run(self.view(p), b, self._model_specs(), call)
+
+        jax.eval_shape(run, params, rows)
+        return seen
+
     def traced(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` in a compute context; name any sharded parameter the model never gathered."""
-        ctx = hooks.ComputeContext(self.activation_spec, cast_to=None if self.cast_first else self.compute_dtype,
-                                   auto_specs=self.auto_by_path, gather=self.gather)
+        ctx = self._context()
         with hooks.compute_context(ctx):
             try:
                 out = fn()

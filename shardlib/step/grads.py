@@ -23,20 +23,21 @@ import jax.numpy as jnp
 from shardlib.model import Model
 from shardlib.sharding.layout import Layout
 from shardlib.step import compression as compression_lib
+from shardlib.step import layerwise as layerwise_lib
 from shardlib.step import pipeline as pipeline_lib
 from shardlib.step import stage_balance
 from shardlib.step.compute import ModelCall, StepContext
 from shardlib.step.reduce import Reducer
 
 
-def _scaled_value_and_grad(call: ModelCall, params: Any, rows: Any, ctx: StepContext):
-    """((loss, aux), d(scale * loss)/d params, model state) of ``rows``, unreduced (scale None:
-    the loss's own)."""
+def _scaled_value_and_grad(call: ModelCall, params: Any, rows: Any, ctx: StepContext, twins: layerwise_lib.Twins):
+    """((loss, aux), d(scale * loss)/d params, model state) of ``rows`` (scale None: the loss's
+    own); unreduced, but for ``twins``' parameters, whose gradients come back as state shards."""
     def objective(p, b):
-        loss, aux, state = call.loss(p, b, ctx)
+        loss, aux, state = call.loss(twins.join(p, params), b, ctx)
         return (loss if ctx.scale is None else loss * ctx.scale), (loss, aux, state)
 
-    (_, (loss, aux, state)), grads = jax.value_and_grad(objective, has_aux=True)(params, rows)
+    (_, (loss, aux, state)), grads = jax.value_and_grad(objective, has_aux=True)(twins.inputs(params), rows)
     return (loss, aux), grads, state
 
 
@@ -46,10 +47,18 @@ class Plain:
 
     call: ModelCall
     reducer: Reducer
+    # reduce-scatter inside the backward loop (`shardlib.step.layerwise.attach`); None: after it
+    layerwise: layerwise_lib.Layerwise | None = dataclasses.field(default=None, kw_only=True)
+
+    def twins(self, params: Any, batch: Any, ctx: StepContext) -> layerwise_lib.Twins:
+        if self.layerwise is None:
+            return layerwise_lib.no_twins(self.reducer)
+        return self.layerwise.twins(self.call, self.reducer, params, batch, ctx)
 
     def value_and_grad(self, params: Any, batch: Any, ctx: StepContext, residuals: Any):
-        (loss, aux), grads, state = _scaled_value_and_grad(self.call, params, batch, ctx)
-        grads, residuals = self.reducer(grads, residuals)
+        twins = self.twins(params, batch, ctx)
+        (loss, aux), grads, state = _scaled_value_and_grad(self.call, params, batch, ctx, twins)
+        grads, residuals = twins.reducer(grads, residuals)
         return (loss, aux), grads, residuals, state
 
     def loss(self, params: Any, batch: Any, ctx: StepContext):
@@ -68,13 +77,13 @@ class Accumulated(Plain):
     microbatches: int
     reduce_each: bool
 
-    def _one(self, params: Any, rows: Any, ctx: StepContext, residuals: Any):
+    def _one(self, params: Any, rows: Any, ctx: StepContext, residuals: Any, twins: layerwise_lib.Twins):
         """One microbatch: ((loss, aux, grads), residuals, model state after it)."""
-        (loss, aux), grads, state = _scaled_value_and_grad(self.call, params, rows, ctx)
+        (loss, aux), grads, state = _scaled_value_and_grad(self.call, params, rows, ctx, twins)
         if self.reduce_each:
             # Per tensor, never in buckets: a bucket's concatenated copy would sit beside the 1/N
             # buffer that shard_grad_buffer exists to keep small (K collectives per tensor here).
-            grads, residuals = dataclasses.replace(self.reducer, bucket_bytes=0).scatter(grads, residuals)
+            grads, residuals = dataclasses.replace(twins.reducer, bucket_bytes=0).scatter(grads, residuals)
         return (loss, aux, grads), residuals, state
 
     def value_and_grad(self, params: Any, batch: Any, ctx: StepContext, residuals: Any):
@@ -82,18 +91,19 @@ class Accumulated(Plain):
         k = self.microbatches
         micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
         context = lambda i, state: dataclasses.replace(ctx.for_microbatch(i), model_state=state)
-        first = self._one(params, jax.tree.map(lambda x: x[0], micro), context(0, ctx.model_state), residuals)
+        twins = self.twins(params, jax.tree.map(lambda x: x[0], micro), ctx)
+        first = self._one(params, jax.tree.map(lambda x: x[0], micro), context(0, ctx.model_state), residuals, twins)
 
         def add(carry, xs):
             total, residuals, state = carry
             i, rows = xs
-            out, residuals, state = self._one(params, rows, context(i, state), residuals)
+            out, residuals, state = self._one(params, rows, context(i, state), residuals, twins)
             return (jax.tree.map(jnp.add, total, out), residuals, state), None
 
         rest = (jnp.arange(1, k), jax.tree.map(lambda x: x[1:], micro))
         (total, residuals, state), _ = jax.lax.scan(add, first, rest)
         loss, aux, grads = jax.tree.map(lambda x: x / k, total)
-        finish = self.reducer.finish if self.reduce_each else self.reducer
+        finish = twins.reducer.finish if self.reduce_each else twins.reducer
         grads, residuals = finish(grads, residuals)
         return (loss, aux), grads, residuals, state
 

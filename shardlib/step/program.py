@@ -29,6 +29,7 @@ from shardlib.model import Model
 from shardlib.sharding.layout import Layout
 from shardlib.step import compression as compression_lib
 from shardlib.step import grads as grads_lib
+from shardlib.step import layerwise as layerwise_lib
 from shardlib.step import offload as offload_lib
 from shardlib.step import precision as precision_lib
 from shardlib.step import reduce as reduce_lib
@@ -90,6 +91,7 @@ def build(
     staleness: int = 0,
     weight_gather: str = "none",
     stage_layers: str | tuple[int, ...] | None = None,
+    layerwise: bool | None = None,
 ) -> TrainProgram:
     """Compile-ready init, train step and eval step for ``model`` under ``layout``.
 
@@ -123,6 +125,12 @@ def build(
     backward's recompute, as int8 blocks with float32 scales (`shardlib.step.zeropp`); under zero3
     ``grad_compression`` compresses the gradient reduce-scatter in the gather's own backward (qgZ).
 
+    ``layerwise`` (zero1 / zero2): reduce-scatter each layer's gradients inside the backward
+    pass's loop, so the loop carries state-shard-sized gradients, as plain ``jax.jit`` does
+    (`shardlib.step.layerwise`); None: where it applies (an uncompressed, unpipelined, synchronous
+    step of a model that calls ``gather_layer``), True: required (a clear error where it cannot),
+    False: reduce after the backward pass.
+
     ``offload="opt_state"`` keeps the optimizer state in pinned host memory between steps
     (ZeRO-Offload, `shardlib.step.offload`): the step moves it to the device for the update only.
 
@@ -146,6 +154,8 @@ def build(
                                offloaded=opt_state_sharding(model, tx, layout) if placement.opt_state else None,
                                gather_bucket_bytes=reducer.bucket_bytes)
     tau = staleness_lib.check_staleness(staleness, layout, policy, reducer, provider)
+    provider = layerwise_lib.attach(provider, layout, model, method, grad_accum=grad_accum, staleness=tau,
+                                    requested=layerwise)
     queued = dataclasses.replace(sharding, pending=staleness_lib.queue_sharding(tau, layout, reducer))
     step = (staleness_lib.train_step if tau else _train_step)(layout, provider, reducer, update, queued, donate)
     init = initializer(model, tx, layout, policy, reducer, sharding)

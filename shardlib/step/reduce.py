@@ -158,6 +158,15 @@ class Reducer:
         flags = jax.tree.map(self._carries, self.param_specs)
         return zeropp.carry(params, residuals, flags)
 
+    def scattered_where(self, flags: list[bool]) -> Reducer:
+        """This reducer for gradients that arrive already reduce-scattered into their state shards
+        where ``flags`` is set (`shardlib.step.layerwise`): as for a parameter stored like its
+        state, only the sum over the batch axes neither shards is left to do."""
+        flat, treedef = jax.tree.flatten(self.param_specs)
+        states = treedef.flatten_up_to(self.state_specs)
+        return dataclasses.replace(self, param_specs=treedef.unflatten(
+            [ss if flag else ps for ps, ss, flag in zip(flat, states, flags)]))
+
     def _map(self, fn, grads: Any, residuals: Any) -> tuple[Any, Any]:
         """``fn(grad, param_spec, state_spec, residual) -> (grad, residual)`` over every tensor."""
         flat, treedef = jax.tree.flatten(grads)

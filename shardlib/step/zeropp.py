@@ -75,11 +75,23 @@ PLAIN = GatherPolicy()
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Carried:
-    """A parameter shard and its qgZ error-feedback residual, travelling together through the
-    model (and a scan over stacked layers) to the gather; as a gradient: (gradient, new residual)."""
+    """A parameter and what rides with it through the model (and a scan over stacked layers, which
+    slices both together) to its ``gather_layer`` call; as a gradient: the two cotangents.
+
+    ``role`` says what rides: ``"residual"``, the qgZ error-feedback residual of a gathered shard
+    (its cotangent is the new residual); ``"shard"``, the optimizer-state shard of a replicated
+    parameter (`shardlib.step.layerwise`: its cotangent is the reduce-scattered gradient, and
+    ``scatter`` names the reduction)."""
 
     value: Any
-    residual: Any
+    rider: Any
+    role: str = dataclasses.field(default="residual", metadata=dict(static=True))
+    scatter: Any = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def residual(self) -> Any:
+        """The qgZ residual (None for another rider)."""
+        return self.rider if self.role == "residual" else None
 
 
 def is_carried(x: Any) -> bool:

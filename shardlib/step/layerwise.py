@@ -1,0 +1,218 @@
+"""ZeRO-1/2's gradient reduce-scatter, layer by layer inside the backward pass's loop.
+
+zero1 / zero2 keep parameters whole and shard the optimizer state. Reduced after the backward
+pass, every gradient is whole until then: the backward loop over a scanned layer stack carries
+the whole stacked gradient (N times the state shard) into a separate reduction. Plain ``jax.jit``
+avoids that because GSPMD moves the reduction into the loop.
+
+Here each parameter the model passes through ``gather_layer`` travels with a *state-shard twin*:
+a `shardlib.step.zeropp.Carried` (role ``"shard"``) of the replicated weight and a zero
+placeholder of its optimizer-state shard's shape, sliced together by the model's scan.
+``gather_layer`` returns the weight (no communication); its backward returns the
+``psum_scatter`` of the weight's cotangent (in the master dtype) as the twin's cotangent.
+Differentiating with respect to the twins rather than the weights yields the gradients already
+reduce-scattered, one layer at a time, and the loop carries shard-sized gradients. The same
+bytes travel as in `shardlib.step.reduce.Reducer.scatter`; the reductions of one gather_layer
+call share buckets (``bucket_bytes``), so a layer's gradients leave in one collective. The
+reducer still sums over any batch axis the state does not shard.
+
+It applies where it is exact and saves memory: an uncompressed, unpipelined step without
+staleness, a model with ``gathers_params=True``, and ``grad_accum == 1`` or a strategy that
+reduce-scatters every microbatch anyway (``shard_grad_buffer``: zero2). Parameters the model
+never passes through ``gather_layer``, and slices of a stack sharded on the stack's own dim,
+keep the reduction after the backward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from shardlib.model import Model
+from shardlib.sharding import rules as rules_lib
+from shardlib.sharding.layout import Layout, spec_axes
+from shardlib.step import buckets as buckets_lib
+from shardlib.step import compression as compression_lib
+from shardlib.step import zeropp
+from shardlib.step.compute import ModelCall, StepContext
+from shardlib.step.reduce import Reducer, _scatter_dims
+
+__all__ = ["Layerwise", "Scatter", "Twins", "attach", "gather_tree", "no_twins"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scatter:
+    """The reduce-scatter one parameter's gradient needs: over ``axes`` on ``dim`` of the full
+    parameter, of rank ``ndim`` (a slice of a scanned stack has one dim fewer)."""
+
+    dim: int
+    axes: tuple[str, ...]
+    ndim: int
+
+
+def _scatter_of(ndim: int, param_spec: Any, state_spec: Any, storage_spec: Any, axes: tuple[str, ...]) -> Scatter | None:
+    """The twin's scatter for one parameter, or None where it keeps the after-the-loop reduction:
+    stored over a batch axis (ZeRO-3 gathers it), split over ``tensor``, or sharded on several dims."""
+    dims = _scatter_dims(param_spec, state_spec)
+    whole = spec_axes(storage_spec) <= spec_axes(param_spec) and not spec_axes(param_spec) & set(axes)
+    if len(dims) != 1 or not whole:
+        return None
+    return Scatter(dims[0][0], dims[0][1], ndim)
+
+
+def _is_twin(x: Any) -> bool:
+    return zeropp.is_carried(x) and x.role == "shard"
+
+
+def _local_dim(scatter: Scatter, ndim: int) -> int:
+    """``scatter``'s dim in a value of rank ``ndim`` (a slice of a stack drops the leading dim)."""
+    dim = scatter.dim - (scatter.ndim - ndim)
+    if dim < 0:
+        raise ValueError(f"layerwise reduction: a slice of a stack sharded on the stack's own dim {scatter.dim} "
+                         "cannot be reduce-scattered per slice; build with layerwise=False")
+    return dim
+
+
+def _reduce_scatter(cotangents: list[jax.Array], reductions: tuple[tuple[int, tuple[str, ...]], ...],
+                    bucket_bytes: int) -> list[jax.Array]:
+    """The twins' cotangents of one gather_layer call, reduce-scattered: in buckets of at most
+    ``bucket_bytes`` per (axes, dtype) as `shardlib.step.reduce.Reducer.scatter`'s, 0: per tensor."""
+    keys = [(axes, x.dtype) if bucket_bytes else None for x, (_, axes) in zip(cotangents, reductions)]
+    out = buckets_lib.apply(cotangents, keys, bucket_bytes, lambda key, ids: buckets_lib.psum_scatter(
+        [cotangents[i] for i in ids], [reductions[i][0] for i in ids], key[0]))
+    return [o if o is not None else jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+            for o, x, (dim, axes) in zip(out, cotangents, reductions)]
+
+
+@functools.lru_cache(maxsize=None)
+def _twin_identity(reductions: tuple[tuple[int, tuple[str, ...]], ...], dtypes: tuple[Any, ...], bucket_bytes: int):
+    """``(weights, shards) -> weights``, whose backward reduce-scatters the weights' cotangents (cast
+    to the shards' ``dtypes``) into the shards' cotangents; the weights' own cotangents are zero."""
+
+    @jax.custom_vjp
+    def twin(weights, shards):
+        return weights
+
+    def fwd(weights, shards):
+        return weights, None
+
+    def bwd(_, cotangents):
+        cast = [c.astype(dtype) for c, dtype in zip(cotangents, dtypes)]
+        return [jnp.zeros_like(c) for c in cotangents], _reduce_scatter(cast, reductions, bucket_bytes)
+
+    twin.defvjp(fwd, bwd)
+    return twin
+
+
+def gather_tree(tree: Any, bucket_bytes: int = 0) -> Any:
+    """Every twin in one gather_layer call's ``tree`` -> its weight, through one `_twin_identity`
+    (the call's reductions share buckets); anything else as it is."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=zeropp.is_carried)
+    twins = [i for i, x in enumerate(leaves) if _is_twin(x)]
+    if not twins:
+        return tree
+    reductions = tuple((_local_dim(leaves[i].scatter, leaves[i].value.ndim), leaves[i].scatter.axes) for i in twins)
+    dtypes = tuple(leaves[i].rider.dtype for i in twins)
+    weights = _twin_identity(reductions, dtypes, bucket_bytes)([leaves[i].value for i in twins],
+                                                               [leaves[i].rider for i in twins])
+    for i, weight in zip(twins, weights):
+        leaves[i] = weight
+    return treedef.unflatten(leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class Twins:
+    """The twinned parameters of one trace: what to differentiate, how the model sees it, and the
+    reducer that leaves the twins' (already scattered) gradients alone."""
+
+    scatters: tuple[Scatter | None, ...]  # per parameter leaf; None: not twinned
+    reducer: Reducer
+
+    def inputs(self, params: Any) -> Any:
+        """What value_and_grad differentiates: a zero state shard in place of each twinned weight."""
+        flat, treedef = jax.tree.flatten(params)
+        return treedef.unflatten([p if s is None else _zero_shard(p, s, self.reducer.axes)
+                                  for p, s in zip(flat, self.scatters)])
+
+    def join(self, inputs: Any, params: Any) -> Any:
+        """The model's parameters: each twinned weight (a constant) with its shard riding along."""
+        flat, treedef = jax.tree.flatten(inputs)
+        weights = treedef.flatten_up_to(params)
+        return treedef.unflatten([x if s is None else zeropp.Carried(w, x, "shard", s)
+                                  for x, w, s in zip(flat, weights, self.scatters)])
+
+
+def _zero_shard(param: jax.Array, scatter: Scatter, axes: tuple[str, ...]) -> jax.Array:
+    n = math.prod(jax.lax.axis_size(a) for a in scatter.axes)
+    shape = tuple(d // n if i == scatter.dim else d for i, d in enumerate(param.shape))
+    return jax.lax.pcast(jnp.zeros(shape, param.dtype), axes, to="varying")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layerwise:
+    """Which parameters may be twinned (from the layouts); `twins` keeps those the model gathers."""
+
+    scatters: tuple[Scatter | None, ...]
+    paths: tuple[str, ...]
+
+    def twins(self, call: ModelCall, reducer: Reducer, params: Any, rows: Any, ctx: StepContext) -> Twins:
+        seen = call.probe(params, rows, ctx)
+        keep = lambda s, path: s is not None and path in seen.gathered and not (path in seen.sliced and s.dim == 0)
+        scatters = tuple(s if keep(s, path) else None for s, path in zip(self.scatters, self.paths))
+        flags = [s is not None for s in scatters]
+        return Twins(scatters, reducer.scattered_where(flags))
+
+
+def no_twins(reducer: Reducer) -> Twins:
+    """The identity: every gradient reduced after the backward pass."""
+    return Twins(tuple(None for _ in jax.tree.leaves(reducer.param_specs)), reducer)
+
+
+def _refusals(model: Model, layout: Layout, method: compression_lib.Compression, grad_accum: int,
+              staleness: int) -> list[str]:
+    """Why the twins cannot apply to this step (empty: they can)."""
+    name = layout.strategy.name
+    checks = (
+        (not model.gathers_params, "the model does not pass its parameters through gather_layer "
+                                   "(gathers_params=False)"),
+        (method.name != "none", f"grad_compression={method.name!r} compresses the reductions after the backward pass"),
+        (layout.pipeline_stages > 1, f"a pipelined step (pipe={layout.pipeline_stages}) reduces after its schedule"),
+        (staleness > 0, f"staleness={staleness} defers the reduction to a later step"),
+        (grad_accum > 1 and not layout.strategy.shard_grad_buffer,
+         f"{name} adds whole gradients over grad_accum={grad_accum} microbatches and reduces them once"),
+    )
+    return [why for refused, why in checks if refused]
+
+
+def _scatters(layout: Layout, reducer: Reducer) -> tuple[tuple[Scatter | None, ...], tuple[str, ...]]:
+    leaves = jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout)
+    specs = zip(jax.tree.leaves(reducer.param_specs), jax.tree.leaves(reducer.state_specs),
+                jax.tree.leaves(reducer.storage_specs))
+    scatters = tuple(_scatter_of(len(l.shape), ps, ss, st, reducer.axes) for l, (ps, ss, st) in zip(leaves, specs))
+    return scatters, tuple(l.path for l in leaves)
+
+
+def attach(provider: Any, layout: Layout, model: Model, method: compression_lib.Compression, *,
+           grad_accum: int, staleness: int, requested: bool | None) -> Any:
+    """``provider`` with layerwise twins where they apply (``requested`` None), always (True:
+    refuses with the reason where they cannot), or never (False)."""
+    if requested is False:
+        return provider
+    scatters, paths = _scatters(layout, provider.reducer)
+    reasons = _refusals(model, layout, method, grad_accum, staleness)
+    if not any(s is not None for s in scatters):
+        reasons.append(f"{layout.strategy.name} shards no optimizer state of a parameter kept whole over the "
+                       "batch axes (zero1 and zero2 do)")
+    if reasons:
+        if requested:
+            raise ValueError(f"layerwise=True cannot reduce gradients inside the backward loop here: "
+                             f"{'; '.join(reasons)}; use layerwise=None (where it applies) or False")
+        return provider
+    bucket_bytes = provider.reducer.bucket_bytes if provider.reducer.bucketed else 0
+    call = dataclasses.replace(provider.call, gather_tree=functools.partial(gather_tree, bucket_bytes=bucket_bytes))
+    return dataclasses.replace(provider, call=call, layerwise=Layerwise(scatters, paths))
