@@ -130,18 +130,22 @@ class Twins:
     """The twinned parameters of one trace: what to differentiate, how the model sees it, and the
     reducer that leaves the twins' (already scattered) gradients alone."""
 
-    scatters: tuple[Scatter | None, ...]  # per parameter leaf; None: not twinned
+    scatters: tuple[Scatter | None, ...] | None  # per parameter leaf, None where not twinned; None: no twins
     reducer: Reducer
 
     def inputs(self, params: Any) -> Any:
         """What value_and_grad differentiates: a zero state shard in place of each twinned weight."""
-        flat, treedef = jax.tree.flatten(params)
+        if self.scatters is None:
+            return params
+        flat, treedef = jax.tree.flatten(params, is_leaf=zeropp.is_carried)
         return treedef.unflatten([p if s is None else _zero_shard(p, s, self.reducer.axes)
                                   for p, s in zip(flat, self.scatters)])
 
     def join(self, inputs: Any, params: Any) -> Any:
         """The model's parameters: each twinned weight (a constant) with its shard riding along."""
-        flat, treedef = jax.tree.flatten(inputs)
+        if self.scatters is None:
+            return inputs
+        flat, treedef = jax.tree.flatten(inputs, is_leaf=zeropp.is_carried)
         weights = treedef.flatten_up_to(params)
         return treedef.unflatten([x if s is None else zeropp.Carried(w, x, "shard", s)
                                   for x, w, s in zip(flat, weights, self.scatters)])
@@ -170,7 +174,7 @@ class Layerwise:
 
 def no_twins(reducer: Reducer) -> Twins:
     """The identity: every gradient reduced after the backward pass."""
-    return Twins(tuple(None for _ in jax.tree.leaves(reducer.param_specs)), reducer)
+    return Twins(None, reducer)
 
 
 def _refusals(model: Model, layout: Layout, method: compression_lib.Compression, grad_accum: int,
