@@ -165,6 +165,8 @@ class Layerwise:
     paths: tuple[str, ...]
 
     def twins(self, call: ModelCall, reducer: Reducer, params: Any, rows: Any, ctx: StepContext) -> Twins:
+        """The twins of this trace: only parameters an abstract trace of the loss saw reach
+        ``gather_layer`` (a twin anywhere else would reach model code as a pytree, not an array)."""
         seen = call.probe(params, rows, ctx)
         keep = lambda s, path: s is not None and path in seen.gathered and not (path in seen.sliced and s.dim == 0)
         scatters = tuple(s if keep(s, path) else None for s, path in zip(self.scatters, self.paths))
