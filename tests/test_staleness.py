@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 
+import shardlib
 from shardlib import build, make_layout, make_mesh
 from shardlib.models import GPT, next_token_loss
 from shardlib.run.config import TrainConfigError, add_arguments, from_args
@@ -234,3 +235,18 @@ def test_train_flag_builds_a_queue_and_names_itself_when_refused(dp8):
     bad = from_args(parser.parse_args(["--model", "tiny", "--staleness", "-1"]))
     with pytest.raises(TrainConfigError, match="--staleness: staleness must be a non-negative integer"):
         build_program(bad, tiny_model(), layout, lr_schedule(bad))
+
+
+def test_the_first_tau_steps_draw_their_own_dropout_masks():
+    """Nothing is applied during the first tau steps, so ``state.step`` stays 0; the dropout key
+    counts steps taken instead. The same rows twice at tau=1 run on the same parameters: only a
+    new mask can make the two losses differ."""
+    module = zoo.LinenTransformer(dropout_rate=0.5)
+    inputs = lambda batch, train: ((batch["tokens"], batch["positions"]), {"train": train})
+    model = shardlib.from_linen(module, zoo.linen_transformer_loss, zoo.token_batch(0), inputs=inputs)
+    program = build(model, optax.sgd(LR), make_layout(model, "dp", make_mesh({"data": 8})), staleness=1)
+    state, rows, losses = program.init(jax.random.key(0)), zoo.token_batch(0), []
+    for _ in range(2):
+        state, metrics = program.step(state, rows)
+        losses.append(float(metrics["loss"]))
+    assert int(state.step) == 1 and losses[0] != losses[1]
