@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardlib.registry import lookup
+from shardlib.sharding.rules import as_axes
 
 Axes = Union[str, Sequence[str]]
 
@@ -151,10 +152,6 @@ def wire_bytes(n_elements: int, n_devices: int, method: str | Compression, kind:
 # ----------------------------------------------------------------------------------------------
 
 
-def _axes_tuple(axes: Axes) -> tuple[str, ...]:
-    return (axes,) if isinstance(axes, str) else tuple(axes)
-
-
 def as_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """Mark ``x`` as per-device over ``axes`` (all_to_all needs it; a psum of an invariant value
     is N times it, and treating it as N equal contributions gives the same sum)."""
@@ -177,7 +174,7 @@ def _with_residual(x: jax.Array, residual: jax.Array | None) -> jax.Array:
     return u + residual.astype(jnp.float32)
 
 
-def _quantise(u: jax.Array) -> tuple[jax.Array, jax.Array]:
+def quantise(u: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Blocks ``[..., block]`` -> int8 codes and one float32 scale per block (max|block|/127).
 
     A NaN/inf in a block makes its scale non-finite, so the dequantised block is NaN and the
@@ -189,7 +186,7 @@ def _quantise(u: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(codes, -INT8_MAX, INT8_MAX).astype(jnp.int8), scale.astype(jnp.float32)
 
 
-def _dequantise(q: jax.Array, scale: jax.Array) -> jax.Array:
+def dequantise(q: jax.Array, scale: jax.Array) -> jax.Array:
     return q.astype(jnp.float32) * scale[..., None]
 
 
@@ -202,11 +199,11 @@ def _int8_reduce_rows(rows: jax.Array, axes: tuple[str, ...], plan: ChunkPlan) -
     n = plan.n_devices
     padded = jnp.pad(rows, ((0, 0), (0, plan.padded_chunk - plan.chunk)))
     blocks = padded.reshape(n, plan.n_blocks, plan.block)
-    q, scale = _quantise(blocks)
-    local_err = blocks - _dequantise(q, scale)
+    q, scale = quantise(blocks)
+    local_err = blocks - dequantise(q, scale)
     q_in = jax.lax.all_to_all(q, axes, 0, 0, tiled=True)  # row k: device k's copy of my chunk
     scale_in = jax.lax.all_to_all(scale, axes, 0, 0, tiled=True)
-    return jnp.sum(_dequantise(q_in, scale_in), axis=0), local_err
+    return jnp.sum(dequantise(q_in, scale_in), axis=0), local_err
 
 
 def _bf16_reduce_rows(rows: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
@@ -243,7 +240,7 @@ def compressed_psum(
     ``axes``). ``new_residual`` is float32 shaped like ``x``, per device; it is None only when
     the method needs none and none was given (any lossy method feeds back a given residual).
     """
-    comp, axes = get_compression(method), _axes_tuple(axes)
+    comp, axes = get_compression(method), as_axes(axes)
     n = jax.lax.axis_size(axes) if axes else 1
     if n == 1 or x.size == 0:
         return _no_comm(x, residual, comp)
@@ -263,16 +260,16 @@ def compressed_psum(
         raise ValueError(f"compressed_psum has no implementation for method {comp.name!r}")
     plan = plan_chunks(x.size, n, comp.block_size)
     reduced, local_err = _int8_reduce_rows(_rows(u, n, plan.chunk), axes, plan)
-    q, scale = _quantise(reduced)
+    q, scale = quantise(reduced)
     # The gather's rounding of my chunk joins my residual: error feedback corrects it next step.
-    local_err = local_err.at[jax.lax.axis_index(axes)].add(reduced - _dequantise(q, scale))
+    local_err = local_err.at[jax.lax.axis_index(axes)].add(reduced - dequantise(q, scale))
     q_all = jax.lax.all_gather(q, axes, to="invarying")
     scale_all = jax.lax.all_gather(scale, axes, to="invarying")
 
     def unpad(blocks: jax.Array) -> jax.Array:
         return blocks.reshape(n, plan.padded_chunk)[:, :plan.chunk].reshape(-1)[:x.size].reshape(x.shape)
 
-    return unpad(_dequantise(q_all, scale_all)).astype(x.dtype), unpad(local_err)
+    return unpad(dequantise(q_all, scale_all)).astype(x.dtype), unpad(local_err)
 
 
 def compressed_psum_scatter(
@@ -284,7 +281,7 @@ def compressed_psum_scatter(
     layout of ``jax.lax.psum_scatter``. Returns ``(chunk, new_residual)``; the residual is
     float32 shaped like the full local ``x``, per device.
     """
-    comp, axes = get_compression(method), _axes_tuple(axes)
+    comp, axes = get_compression(method), as_axes(axes)
     dim = dim + x.ndim if dim < 0 else dim
     if not 0 <= dim < x.ndim:
         raise ValueError(f"compressed_psum_scatter: dim {dim} is out of range for a gradient of shape {x.shape}")
@@ -323,7 +320,9 @@ __all__ = [
     "Compression",
     "compressed_psum",
     "compressed_psum_scatter",
+    "dequantise",
     "get_compression",
     "plan_chunks",
+    "quantise",
     "wire_bytes",
 ]

@@ -40,7 +40,7 @@ from shardlib.step import buckets as buckets_lib
 from shardlib.step import compression as compression_lib
 from shardlib.step import zeropp
 from shardlib.step.compute import ModelCall, StepContext
-from shardlib.step.reduce import Reducer, _scatter_dims
+from shardlib.step.reduce import Reducer, scatter_dims
 
 __all__ = ["Layerwise", "Scatter", "Twins", "attach", "gather_tree", "no_twins"]
 
@@ -58,7 +58,7 @@ class Scatter:
 def _scatter_of(ndim: int, param_spec: Any, state_spec: Any, storage_spec: Any, axes: tuple[str, ...]) -> Scatter | None:
     """The twin's scatter for one parameter, or None where it keeps the after-the-loop reduction:
     stored over a batch axis (ZeRO-3 gathers it), split over ``tensor``, or sharded on several dims."""
-    dims = _scatter_dims(param_spec, state_spec)
+    dims = scatter_dims(param_spec, state_spec)
     whole = spec_axes(storage_spec) <= spec_axes(param_spec) and not spec_axes(param_spec) & set(axes)
     if len(dims) != 1 or not whole:
         return None

@@ -28,7 +28,7 @@ from shardlib.step.compute import active_axes, sharded_paths
 # small enough that the concatenated copy it needs stays a fraction of a large model's gradients.
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Reducer", "active_axes", "batch_specs", "vary"]  # active_axes: the axes reductions run over
+__all__ = ["DEFAULT_BUCKET_BYTES", "Reducer", "active_axes", "batch_specs", "scatter_dims", "vary"]  # active_axes: the axes reductions run over
 
 
 def batch_specs(layout: Layout, batch: Any) -> Any:
@@ -51,7 +51,7 @@ def _listed(paths: list[str], shown: int = 3) -> str:
     return ", ".join(paths[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
-def _scatter_dims(param_spec: P, state_spec: P) -> tuple[tuple[int, tuple[str, ...]], ...]:
+def scatter_dims(param_spec: P, state_spec: P) -> tuple[tuple[int, tuple[str, ...]], ...]:
     """The dims only the optimizer state shards (ZeRO-1/2): each is reduce-scattered here."""
     return tuple((dim, rules_lib.as_axes(s_axes)) for dim, (p_axes, s_axes) in enumerate(zip(param_spec, state_spec))
                  if s_axes and not p_axes)
@@ -194,7 +194,7 @@ class Reducer:
         """Reduce-scatter every dim only the state shards: gradients become their state shards."""
         if self.bucketed:
             return self._scatter_buckets(grads), residuals
-        return self._map(lambda g, ps, ss, r: _scatter_grad(g, _scatter_dims(ps, ss), self.method, r), grads, residuals)
+        return self._map(lambda g, ps, ss, r: _scatter_grad(g, scatter_dims(ps, ss), self.method, r), grads, residuals)
 
     def finish(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
         """Sum `scatter`'s output over the batch axes neither layout shards."""
@@ -202,7 +202,7 @@ class Reducer:
             return self._finish_buckets(grads), residuals
 
         def one(g, ps, ss, r):
-            scattered = bool(_scatter_dims(ps, ss)) or self._carries(ps)  # the residual rode that reduction
+            scattered = bool(scatter_dims(ps, ss)) or self._carries(ps)  # the residual rode that reduction
             return _sum_grad(g, _rest_axes(ps, ss, self.axes), scattered, self.method, r)
 
         return self._map(one, grads, residuals)
@@ -211,7 +211,7 @@ class Reducer:
         """`scatter` in buckets: tensors with one scattered dim that divides share collectives; a
         tensor scattered on two dims (or not dividing: its error) goes alone."""
         flat, treedef = jax.tree.flatten(grads)
-        dims = [_scatter_dims(ps, ss) for ps, ss in self._specs_of(treedef)]
+        dims = [scatter_dims(ps, ss) for ps, ss in self._specs_of(treedef)]
 
         def key(g, d, local):
             bucketable = local and len(d) == 1 and g.size and g.shape[d[0][0]] % jax.lax.axis_size(d[0][1]) == 0

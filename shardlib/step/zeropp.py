@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from shardlib.registry import lookup
+from shardlib.sharding import rules as rules_lib
 from shardlib.step import compression as compression_lib  # its int8 blocks, scales and reductions
 
 
@@ -119,11 +120,11 @@ def _quantised_all_gather(x: jax.Array, axes: tuple[str, ...], dim: int, block_s
     """``all_gather(x, axes, axis=dim, tiled=True)`` with int8 blocks of the local shard on the wire."""
     plan = compression_lib.plan_chunks(x.size, 1, block_size)
     flat = jnp.pad(x.astype(jnp.float32).reshape(-1), (0, plan.padded_chunk - x.size))
-    codes, scales = compression_lib._quantise(flat.reshape(plan.n_blocks, plan.block))
+    codes, scales = compression_lib.quantise(flat.reshape(plan.n_blocks, plan.block))
     codes = jax.lax.all_gather(codes, axes, axis=0)  # [N, n_blocks, block]
     scales = jax.lax.all_gather(scales, axes, axis=0)
     n = codes.shape[0]
-    shards = compression_lib._dequantise(codes, scales).reshape(n, -1)[:, :x.size].reshape(n, *x.shape)
+    shards = compression_lib.dequantise(codes, scales).reshape(n, -1)[:, :x.size].reshape(n, *x.shape)
     stacked = jnp.moveaxis(shards, 0, dim)  # [..., N, shard_dim, ...]: device i's rows come i-th
     return stacked.reshape(*x.shape[:dim], n * x.shape[dim], *x.shape[dim + 1:]).astype(x.dtype)
 
@@ -165,7 +166,7 @@ def gather_spec(x: Any, spec: Sequence[Any], policy: GatherPolicy) -> jax.Array:
     entry names mesh axes. The residual rides the last gather: its transpose is the first
     reduction of the full local gradient; earlier dims' reductions carry none."""
     value, residual = (x.value, x.residual) if is_carried(x) else (x, None)
-    dims = [(dim, compression_lib._axes_tuple(axes)) for dim, axes in enumerate(spec) if axes]
+    dims = [(dim, rules_lib.as_axes(axes)) for dim, axes in enumerate(spec) if axes]
     for i, (dim, axes) in enumerate(dims):
         last = i == len(dims) - 1
         value = gather_dim(value, residual if last else None, axes, dim, policy)
