@@ -87,9 +87,11 @@ class Accumulated(Plain):
         return (loss, aux, grads), residuals, state
 
     def value_and_grad(self, params: Any, batch: Any, ctx: StepContext, residuals: Any):
-        """Microbatch i draws with ``fold_in(key, i)`` and sees the model state the one before left."""
+        """Microbatch i draws with ``fold_in(key, i)`` and sees the model state the one before left;
+        a scalar leaf of the batch (`shardlib.step.batch`) is the same in every microbatch."""
         k = self.microbatches
-        micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+        split = lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]) if x.ndim else jnp.broadcast_to(x, (k,))
+        micro = jax.tree.map(split, batch)
         context = lambda i, state: dataclasses.replace(ctx.for_microbatch(i), model_state=state)
         twins = self.twins(params, jax.tree.map(lambda x: x[0], micro), ctx)
         first = self._one(params, jax.tree.map(lambda x: x[0], micro), context(0, ctx.model_state), residuals, twins)

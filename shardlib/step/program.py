@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlib.model import Model
 from shardlib.sharding.layout import Layout
+from shardlib.step import batch as batch_lib
 from shardlib.step import compression as compression_lib
 from shardlib.step import grads as grads_lib
 from shardlib.step import layerwise as layerwise_lib
@@ -195,7 +196,7 @@ def _mapped_grads(layout: Layout, provider: grads_lib.Provider, reducer: reduce_
     def grads_fn(params, batch, ctx, residuals):
         return jax.shard_map(
             body, mesh=layout.mesh,
-            in_specs=(mapped_params, reduce_lib.batch_specs(layout, batch), P(), residual_specs),
+            in_specs=(mapped_params, batch_lib.specs(layout, batch), P(), residual_specs),
             out_specs=(P(), P(), mapped_state, residual_specs, P()),
             axis_names=set(manual_axes),
         )(params, batch, ctx, residuals)
@@ -232,7 +233,7 @@ def _eval_step(layout: Layout, provider: grads_lib.Provider, model: Model):
 
         return jax.shard_map(
             body, mesh=layout.mesh, in_specs=(layout.manual(layout.params, layout.manual_axes),
-                                              reduce_lib.batch_specs(layout, batch), P()),
+                                              batch_lib.specs(layout, batch), P()),
             out_specs=P(), axis_names=set(layout.manual_axes),
         )(params, batch, model_state)
 
@@ -243,14 +244,15 @@ def _eval_step(layout: Layout, provider: grads_lib.Provider, model: Model):
         if model.stateful and model_state is None:
             raise ValueError("this model carries mutable state (BatchNorm statistics): evaluate with "
                              "program.evaluate(state.params, batch, state.model_state)")
-        return jitted(params, batch, model_state)
+        batch_lib.check(layout, batch)
+        return jitted(params, batch_lib.place(layout, batch), model_state)
 
     return evaluate
 
 
 class _CheckedStep:
     """The jitted step, with a readable error for a batch the data axes (and microbatches) cannot
-    split, and at most one step in flight.
+    split (`shardlib.step.batch`: any pytree of arrays), and at most one step in flight.
 
     Queuing many steps without waiting deadlocks XLA:CPU's collectives on simulated devices (seen
     after ~50 queued dp steps on jaxlib 0.10.2: every device thread waits in a rendezvous).
@@ -263,16 +265,16 @@ class _CheckedStep:
         self._in_flight = None
 
     def _check(self, batch):
-        self._layout.check_batch(batch, microbatches=self.microbatches)
+        batch_lib.check(self._layout, batch, microbatches=self.microbatches)
 
     def __call__(self, state, batch):
         self._check(batch)
         if self._in_flight is not None:
             jax.block_until_ready(self._in_flight)
-        state, metrics = self._jitted(state, batch)
+        state, metrics = self._jitted(state, batch_lib.place(self._layout, batch))
         self._in_flight = metrics["loss"]
         return state, metrics
 
     def lower(self, state, batch):
         self._check(batch)
-        return self._jitted.lower(state, batch)
+        return self._jitted.lower(state, batch_lib.place(self._layout, batch))
