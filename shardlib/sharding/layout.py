@@ -143,21 +143,75 @@ class Layout:
         return (f"replicated against the strategy: {len(leaves)} tensor(s), {format_bytes(self.replicated_bytes())} "
                 f"({share:.1%} of the parameter bytes) on every device")
 
-    def report(self) -> str:
-        """The storage table, the optimizer-state table where it differs, and the replicated total."""
+    def report(self, abstract_opt_state: Any = None) -> str:
+        """The storage table, the optimizer-state table where it differs, and the replicated total;
+        given an optimizer's abstract state, also its leaves that could not follow a parameter."""
         parts = [rules_lib.report(self.params, self.mesh)]
         if self.strategy.state_differs:
             parts += ["optimizer state:", rules_lib.report(self.state, self.mesh)]
+        if abstract_opt_state is not None:
+            parts += _own_layout_report(self.opt_state_layouts(abstract_opt_state), self.mesh)
         return "\n".join(parts + [self.replication_summary()])
 
+    def opt_state_layouts(self, abstract_opt_state: Any) -> Any:
+        """A `LeafLayout` per leaf of an optax state (``jax.eval_shape(tx.init, params)``).
 
-def sharding_report(layout: Layout | Any, mesh: Mesh | None = None) -> str:
-    """Per-tensor table of a `Layout` (its mesh), or of a tree of `LeafLayout` on ``mesh``."""
+        A leaf shaped like the parameter its path ends in (Adam's moments, MultiSteps' accumulator,
+        an EMA) takes that parameter's state layout; a leaf of another shape (Adafactor's row and
+        column factors) or of no parameter is laid out on its own shape by the strategy's ZeRO
+        fallback, with a note; scalars (counts, injected hyperparameters) are replicated.
+        """
+        by_path = {_components(l.path): l for l in jax.tree.leaves(self.state, is_leaf=rules_lib.is_layout)}
+        auto = rules_lib.AutoShard(self.strategy.state_fallback) if self.strategy.state_fallback else None
+
+        def place(path, leaf):
+            name, shape = rules_lib.path_str(path), tuple(leaf.shape)
+            param = _owner(_components(name), by_path)
+            if param is not None and param.shape == shape:
+                return dataclasses.replace(param, path=name, dtype=leaf.dtype)
+            if not shape:
+                return rules_lib.LeafLayout(name, shape, leaf.dtype, None, P())
+            spec, notes = rules_lib.spec_for(None, shape, (), self.mesh, path=name, auto=auto)
+            owner = f"its parameter {param.path} is {param.shape}" if param else "it follows no parameter"
+            return rules_lib.LeafLayout(name, shape, leaf.dtype, None, spec, (f"own layout: {owner}",) + notes[1:])
+
+        return jax.tree_util.tree_map_with_path(place, abstract_opt_state)
+
+
+def _components(path: str) -> tuple[str, ...]:
+    return tuple(part for part in path.split("/") if part)
+
+
+def _owner(components: tuple[str, ...], by_path: Mapping[tuple[str, ...], rules_lib.LeafLayout]):
+    """The parameter whose path is the longest tail of an optimizer-state path (None: no such)."""
+    for start in range(len(components) + 1):
+        if components[start:] in by_path:
+            return by_path[components[start:]]
+    return None
+
+
+def _own_layout_report(layouts: Any, mesh: Mesh) -> list[str]:
+    """The optimizer-state leaves that could not take their parameter's layout, as a table."""
+    own = [l for l in jax.tree.leaves(layouts, is_leaf=rules_lib.is_layout) if any(n.startswith("own layout") for n in l.notes)]
+    return ["optimizer state not shaped like its parameter:", rules_lib.report(own, mesh)] if own else []
+
+
+def sharding_report(layout: Layout | Any, mesh: Mesh | None = None, *, optimizer: Any = None) -> str:
+    """Per-tensor table of a `Layout` (its mesh), or of a tree of `LeafLayout` on ``mesh``.
+    ``optimizer`` (an optax transformation, with a Layout): add its state leaves that cannot
+    follow their parameter's layout (factored moments), each with where it went and why."""
     if isinstance(layout, Layout):
-        return layout.report()
+        return layout.report(_abstract_opt_state(optimizer, layout))
     if mesh is None:
         raise TypeError("sharding_report(tree, mesh): a tree of LeafLayout needs its mesh; pass a Layout to omit it")
     return rules_lib.report(layout, mesh)
+
+
+def _abstract_opt_state(optimizer: Any, layout: Layout) -> Any:
+    if optimizer is None:
+        return None
+    params = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, l.dtype), layout.params, is_leaf=rules_lib.is_layout)
+    return jax.eval_shape(optimizer.init, params)
 
 
 def make_layout(

@@ -9,6 +9,7 @@ one more field, sharded and initialised here.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlib.model import Model
-from shardlib.sharding.layout import Layout
+from shardlib.sharding import rules as rules_lib
+from shardlib.sharding.layout import WARN_REPLICATED_FRACTION, Layout, ReplicationWarning
 from shardlib.step import offload as offload_lib
 from shardlib.step import precision as precision_lib
 from shardlib.step.reduce import Reducer
@@ -60,13 +62,27 @@ def abstract_state(init: Callable[[jax.Array], Any], shardings: Any) -> Any:
 
 
 def opt_state_sharding(model: Model, tx: optax.GradientTransformation, layout: Layout) -> Any:
-    """The optimizer state's shardings in device memory: the state layout, its scalars replicated."""
-    replicated = NamedSharding(layout.mesh, P())
-    abstract_opt = jax.eval_shape(tx.init, model.abstract())
-    return optax.tree_utils.tree_map_params(
-        tx, lambda _, sharding: sharding, abstract_opt, layout.state_shardings(),
-        transform_non_params=lambda _: replicated,
-    )
+    """The optimizer state's shardings in device memory: each leaf shaped like its parameter in
+    the state layout, factored leaves on their own shape, scalars replicated (`Layout.opt_state_layouts`).
+
+    Matched by path and shape rather than by ``optax.tree_utils.tree_map_params``, which calls
+    ``tx.init`` on a placeholder: that breaks callable masks and labels, masked (``MaskedNode``)
+    states and factored shapes."""
+    return rules_lib.shardings(layout.opt_state_layouts(jax.eval_shape(tx.init, model.abstract())), layout.mesh)
+
+
+def warn_replicated_opt_state(model: Model, tx: optax.GradientTransformation, layout: Layout) -> None:
+    """A `ReplicationWarning` for optimizer-state leaves a state-sharding strategy must leave whole
+    that are above 1% of the parameter bytes (shapes no batch axis divides)."""
+    if not layout.strategy.shards_state:
+        return
+    layouts = layout.opt_state_layouts(jax.eval_shape(tx.init, model.abstract()))
+    limit = WARN_REPLICATED_FRACTION * layout.param_bytes()
+    big = [l for l in rules_lib.replicated_leaves(layouts, layout.mesh) if l.bytes() > limit]
+    if big:
+        lines = "\n".join(f"  {l.path} {l.shape}: {'; '.join(l.notes)}" for l in big)
+        warnings.warn(f"{layout.strategy.name} keeps {len(big)} optimizer-state tensor(s) whole on every device:\n"
+                      f"{lines}\nsee shardlib.sharding_report(layout, optimizer=tx)", ReplicationWarning, stacklevel=4)
 
 
 def state_sharding(model: Model, tx: optax.GradientTransformation, layout: Layout,
@@ -78,6 +94,7 @@ def state_sharding(model: Model, tx: optax.GradientTransformation, layout: Layou
     mesh = layout.mesh
     replicated = NamedSharding(mesh, P())
     opt_shardings = opt_state_sharding(model, tx, layout)
+    warn_replicated_opt_state(model, tx, layout)
     if offload.opt_state:
         opt_shardings = offload_lib.with_memory(opt_shardings, offload_lib.HOST_MEMORY)
     residual_specs = reducer.residual_specs()
