@@ -13,6 +13,7 @@ whether it trains or evaluates.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -136,8 +137,40 @@ def from_functions(
     path_rules: rules_lib.PathRules = (),
     apply: Callable[[Params, Any], Any] | None = None,
 ) -> Model:
-    """A plain-pytree model; logical names given as a tree, or from regex rules on paths."""
+    """A plain-pytree model; logical names given as a tree, or from regex rules on paths.
+
+    ``None`` and ``{}`` entries of the parameters are kept (they hold nothing to train); a name
+    no built-in strategy has a rule for (a typo such as ``"embd"``) is warned about, since every
+    strategy would then place that dimension as if it were unnamed.
+    """
+    abstract = jax.eval_shape(init, jax.random.key(0))
     if logical_axes is None:
-        logical_axes = rules_lib.logical_from_paths(jax.eval_shape(init, jax.random.key(0)), path_rules)
+        logical_axes = rules_lib.logical_from_paths(abstract, path_rules)
+    logical_axes = _empty_nodes_named(abstract, logical_axes)
+    _warn_unknown_names(abstract, logical_axes)
     return Model(init=init, loss=lambda p, b, specs=None: _loss_out(loss_fn(p, b)),
                  logical_axes=logical_axes, apply=apply)
+
+
+def _empty_nodes_named(abstract: Params, logical: Params) -> Params:
+    """A ``None`` in the parameters is an empty node; its names become ``{}`` (no leaves), where a
+    ``None`` would read as one unnamed tensor and miscount the tree."""
+    return jax.tree.map(lambda p, names: {} if p is None else names, abstract, logical, is_leaf=lambda x: x is None)
+
+
+def _warn_unknown_names(abstract: Params, logical: Params) -> None:
+    """Warn, naming the tensor, its shape and the dimension, about names no strategy's table knows."""
+    from shardlib.sharding.strategies import PIPE_RULES, STRATEGIES  # strategies' tables name these
+
+    tables = [s.param_rules + s.state_rules + s.activation_rules + s.batch_rules for s in STRATEGIES.values()]
+    known = {name for rules in tables + [PIPE_RULES] for name, _ in rules}
+    unknown = []
+    for (path, leaf), names in zip(jax.tree_util.tree_leaves_with_path(abstract),
+                                   jax.tree.leaves(logical, is_leaf=lambda x: x is None or isinstance(x, tuple))):
+        unknown += [f"{rules_lib.path_str(path)} {tuple(leaf.shape)} dim {dim} {name!r}"
+                    for dim, name in enumerate(names or ()) if name is not None and name not in known]
+    if unknown:
+        warnings.warn(
+            f"no strategy has a rule for these logical names, so every strategy places those dims as if they "
+            f"were unnamed: {'; '.join(unknown)}; use names among {', '.join(sorted(n for n in known if isinstance(n, str)))} "
+            "(or add a rule with Strategy.with_rules)", UserWarning, stacklevel=3)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from shardlib.model import Model
+from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout
 from shardlib.step import compression as compression_lib
 from shardlib.step import layerwise as layerwise_lib
@@ -206,6 +207,19 @@ def check_options(model: Model, layout: Layout, grad_accum: int, method: compres
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     return microbatches, pipeline_lib.get_schedule(schedule)
+
+
+def check_differentiable(model: Model) -> None:
+    """Every parameter is differentiated and updated: refuse integer and boolean leaves by name,
+    where ``jax.grad`` would fail without saying which leaf (or which tree) it means."""
+    bad = [f"{rules_lib.path_str(path)} ({leaf.dtype}{list(leaf.shape)})"
+           for path, leaf in jax.tree_util.tree_leaves_with_path(model.abstract())
+           if not jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    if bad:
+        raise TypeError(
+            f"the parameters hold non-float leaves, which the step cannot differentiate or update: {', '.join(bad)}; "
+            "keep integer data (step counters, index tables) out of the parameters: close over it in the loss, "
+            "pass it in the batch, or store it as float")
 
 
 def check_stage_layers(model: Model, layout: Layout, stage_layers: Any) -> stage_balance.StageLayers | str | None:
