@@ -71,14 +71,29 @@ def opt_state_sharding(model: Model, tx: optax.GradientTransformation, layout: L
     return rules_lib.shardings(layout.opt_state_layouts(jax.eval_shape(tx.init, model.abstract())), layout.mesh)
 
 
-def warn_replicated_opt_state(model: Model, tx: optax.GradientTransformation, layout: Layout) -> None:
-    """A `ReplicationWarning` for optimizer-state leaves a state-sharding strategy must leave whole
-    that are above 1% of the parameter bytes (shapes no batch axis divides)."""
+# Optimizer wrappers whose job the step already does before the optimizer runs: inside
+# shardlib they never act, which a user must hear rather than discover.
+REDUNDANT_WRAPPERS = {
+    optax.ApplyIfFiniteState: (
+        "optax.apply_if_finite: shardlib's step skips the whole update when the loss or the gradient norm "
+        "is not finite (metric 'skipped', TrainState.step not advanced), so the wrapper never sees a "
+        "non-finite gradient and its counters stay 0; drop it (shardlib train's --max-skips bounds skips)"),
+}
+
+
+def check_optimizer(model: Model, tx: optax.GradientTransformation, layout: Layout) -> None:
+    """Warn about optimizer state a state-sharding strategy must leave whole (above 1% of the
+    parameter bytes: shapes no batch axis divides), and about wrappers the step makes inert."""
+    abstract_opt = jax.eval_shape(tx.init, model.abstract())
+    wrappers = tuple(REDUNDANT_WRAPPERS)
+    for node in jax.tree.leaves(abstract_opt, is_leaf=lambda x: isinstance(x, wrappers)):
+        if isinstance(node, wrappers):
+            warnings.warn(REDUNDANT_WRAPPERS[type(node)], UserWarning, stacklevel=4)
     if not layout.strategy.shards_state:
         return
-    layouts = layout.opt_state_layouts(jax.eval_shape(tx.init, model.abstract()))
     limit = WARN_REPLICATED_FRACTION * layout.param_bytes()
-    big = [l for l in rules_lib.replicated_leaves(layouts, layout.mesh) if l.bytes() > limit]
+    replicated = rules_lib.replicated_leaves(layout.opt_state_layouts(abstract_opt), layout.mesh)
+    big = [l for l in replicated if l.bytes() > limit]
     if big:
         lines = "\n".join(f"  {l.path} {l.shape}: {'; '.join(l.notes)}" for l in big)
         warnings.warn(f"{layout.strategy.name} keeps {len(big)} optimizer-state tensor(s) whole on every device:\n"
@@ -94,7 +109,7 @@ def state_sharding(model: Model, tx: optax.GradientTransformation, layout: Layou
     mesh = layout.mesh
     replicated = NamedSharding(mesh, P())
     opt_shardings = opt_state_sharding(model, tx, layout)
-    warn_replicated_opt_state(model, tx, layout)
+    check_optimizer(model, tx, layout)
     if offload.opt_state:
         opt_shardings = offload_lib.with_memory(opt_shardings, offload_lib.HOST_MEMORY)
     residual_specs = reducer.residual_specs()

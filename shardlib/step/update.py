@@ -24,11 +24,21 @@ def loss_scale(state: TrainState) -> jax.Array:
     return jnp.ones((), jnp.float32) if state.loss_scale is None else state.loss_scale["scale"]
 
 
-def _learning_rate(opt_state: Any, step: jax.Array, schedule: Callable | None) -> jax.Array | None:
+def _learning_rates(opt_state: Any, step: jax.Array, schedule: Callable | None) -> dict[str, jax.Array]:
+    """``{"lr": rate}``: the schedule's, else the one injected hyperparameter; several injected
+    rates (``multi_transform`` of ``inject_hyperparams``) each as ``lr/<label or chain index>``."""
     if schedule is not None:
-        return jnp.asarray(schedule(step), jnp.float32)
-    found = optax.tree_utils.tree_get(opt_state, "learning_rate")
-    return None if found is None else jnp.asarray(found, jnp.float32)
+        return {"lr": jnp.asarray(schedule(step), jnp.float32)}
+    found = optax.tree_utils.tree_get_all_with_path(opt_state, "learning_rate")
+    if len(found) == 1:
+        return {"lr": jnp.asarray(found[0][1], jnp.float32)}
+    return {f"lr/{_label(path)}": jnp.asarray(value, jnp.float32) for path, value in found}
+
+
+def _label(path: tuple[Any, ...]) -> str:
+    """A rate's place in the optimizer: its ``multi_transform`` labels and chain indices."""
+    keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path[:-1] if not isinstance(k, optax.tree_utils.NamedTupleKey)]
+    return "/".join(str(k) for k in keys if k is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +103,4 @@ class Update:
         if state.loss_scale is not None:
             metrics["loss_scale"] = state.loss_scale["scale"]
         opt_state = self._opt_state_to(state.opt_state, offload_lib.DEVICE_MEMORY)  # only the rate is read
-        lr = _learning_rate(opt_state, state.step, self.lr_schedule)
-        if lr is not None:
-            metrics["lr"] = lr
-        return metrics
+        return {**metrics, **_learning_rates(opt_state, state.step, self.lr_schedule)}
