@@ -27,6 +27,7 @@ from shardlib.step import compression as compression_lib
 from shardlib.step import layerwise as layerwise_lib
 from shardlib.step import pipeline as pipeline_lib
 from shardlib.step import stage_balance
+from shardlib.step.precision import Precision
 from shardlib.step.compute import ModelCall, StepContext
 from shardlib.step.reduce import Reducer
 
@@ -209,17 +210,26 @@ def check_options(model: Model, layout: Layout, grad_accum: int, method: compres
     return microbatches, pipeline_lib.get_schedule(schedule)
 
 
-def check_differentiable(model: Model) -> None:
-    """Every parameter is differentiated and updated: refuse integer and boolean leaves by name,
-    where ``jax.grad`` would fail without saying which leaf (or which tree) it means."""
-    bad = [f"{rules_lib.path_str(path)} ({leaf.dtype}{list(leaf.shape)})"
-           for path, leaf in jax.tree_util.tree_leaves_with_path(model.abstract())
-           if not jnp.issubdtype(leaf.dtype, jnp.inexact)]
+def check_params(model: Model, policy: Precision) -> None:
+    """Every parameter is differentiated, updated and stored in ``policy.param_dtype``: refuse
+    integer and boolean leaves by name (``jax.grad`` would fail naming none), and say which
+    floating leaves the model wrote in another dtype (bf16 leaves) become master weights."""
+    leaves = [(rules_lib.path_str(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(model.abstract())]
+    bad = [f"{path} ({leaf.dtype}{list(leaf.shape)})" for path, leaf in leaves if not jnp.issubdtype(leaf.dtype, jnp.inexact)]
     if bad:
         raise TypeError(
             f"the parameters hold non-float leaves, which the step cannot differentiate or update: {', '.join(bad)}; "
             "keep integer data (step counters, index tables) out of the parameters: close over it in the loss, "
             "pass it in the batch, or store it as float")
+    recast = [f"{path} ({leaf.dtype})" for path, leaf in leaves if leaf.dtype != policy.param_dtype]
+    if recast:
+        master, compute = jnp.dtype(policy.param_dtype).name, jnp.dtype(policy.compute_dtype).name
+        warnings.warn(
+            f"precision {policy.name!r} keeps {master} master weights: these parameters are stored and updated in "
+            f"{master} and computed with in {compute}, not in the dtype the model wrote: {', '.join(recast[:8])}"
+            f"{' ...' if len(recast) > 8 else ''}; pass precision='bf16' to compute in bf16, or "
+            "precision=shardlib.Precision(name, param_dtype=..., compute_dtype=...) to keep them as written",
+            UserWarning, stacklevel=3)
 
 
 def check_stage_layers(model: Model, layout: Layout, stage_layers: Any) -> stage_balance.StageLayers | str | None:

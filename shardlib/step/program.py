@@ -140,7 +140,7 @@ def build(
     """
     policy = precision_lib.get_precision(precision)
     method = compression_lib.get_compression(grad_compression)
-    grads_lib.check_differentiable(model)
+    grads_lib.check_params(model, policy)
     microbatches, schedule = grads_lib.check_options(model, layout, grad_accum, method, microbatches, schedule)
     stage_layers = grads_lib.check_stage_layers(model, layout, stage_layers)
     reducer = reduce_lib.Reducer.for_layout(layout, method, bucket_bytes=bucket_bytes)
