@@ -44,36 +44,31 @@ def shardings(layout: Layout, batch: Any) -> Any:
 
 
 def place(layout: Layout, batch: Any) -> Any:
-    """``batch`` with every jax.Array committed to devices outside the step's mesh (one device, a
-    smaller mesh) moved onto it; jit refuses those, and reshards the rest itself."""
-    devices = set(layout.mesh.devices.flat)
-
+    """``batch`` in the step's shardings. jit refuses arrays committed to devices outside the mesh
+    (one device, a smaller mesh of the user's), and compiles the step again for every new input
+    sharding (numpy one step, the user's sharding the next); so every leaf is put in place first."""
     def one(x, sharding):
-        if isinstance(x, jax.Array) and x.sharding.device_set != devices:
-            return jax.device_put(x, sharding)
-        return x
+        if isinstance(x, jax.ShapeDtypeStruct) or (isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim)):
+            return x
+        return jax.device_put(x, sharding)
 
     return jax.tree.map(one, batch, shardings(layout, batch))
 
 
 def _row_count(leaves: list[tuple[str, Any]]) -> tuple[str, int] | None:
-    """The first leaf with rows and its row count; every other leaf with rows must agree."""
-    first = None
+    """The first leaf with rows and its row count; every leaf with rows must have as many."""
     for name, x in leaves:
         if not hasattr(x, "shape") and not isinstance(x, (int, float, bool, np.generic)):
             raise TypeError(f"{name} is a {type(x).__name__}; a batch holds arrays (numpy or jax) and "
                             "scalars only: keep other values out of it (close over them in the loss)")
-        if not np.ndim(x):
-            continue
-        if first is None:
-            first = (name, np.shape(x)[0])
-        elif np.shape(x)[0] != first[1]:
-            raise ValueError(
-                f"{name} has shape {tuple(np.shape(x))} but {first[0]} has {first[1]} rows: the step splits "
-                "every leaf of the batch by its leading dimension over the data-parallel devices, so all "
-                "leaves need the same number of rows; pass a per-step constant as a scalar (shape (), given "
-                "whole to every device) or close over it in the loss function")
-    return first
+    rows = [(name, np.shape(x)) for name, x in leaves if np.ndim(x)]
+    if len({shape[0] for _, shape in rows}) > 1:
+        raise ValueError(
+            f"the leaves of the batch lead with different row counts: {', '.join(f'{n} {s}' for n, s in rows)}; "
+            "the step splits every leaf by its leading dimension over the data-parallel devices, so all need "
+            "the same number of rows: pass a per-step constant as a scalar (shape (), given whole to every "
+            "device) or close over it in the loss function")
+    return (rows[0][0], rows[0][1][0]) if rows else None
 
 
 def check(layout: Layout, batch: Any, microbatches: int = 1) -> None:

@@ -1,0 +1,249 @@
+"""What users' training loops feed shardlib, and the plain-pytree models of the Flax ``TrainState``
+world (``init = lambda key: module.init(key, x)['params']``, the loss calling ``module.apply``).
+
+Batches: tuples, nested dicts, NamedTuples and ``flax.struct.dataclass``es; uint8 / bool / int32 /
+float leaves of different trailing shapes; a scalar leaf (replicated); numpy arrays, arrays on one
+device, arrays the user sharded on a mesh of their own; a global batch that changes size.
+Parameters: bf16 leaves, ``None`` and ``{}`` entries, a frozen sub-tree, integer leaves (refused).
+
+Every loss is compared with an independent reference: the same loss function in a plain
+``jax.jit(jax.value_and_grad)`` + optax step on one device (`tests.zoo.plain_steps`), rtol 1e-5 as
+in tests/test_user_models.py.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from shardlib import Checkpointer, ReplicationWarning, build, from_functions, make_layout, make_mesh
+from tests import zoo
+from tests.helpers import optimizer  # AdamW, lr 3e-3, eps=1e-5
+
+ROWS, STEPS = 16, 3
+FSDP8, DATA8, DATA2_FSDP4 = {"fsdp": 8}, {"data": 8}, {"data": 2, "fsdp": 4}
+
+
+class Classifier(nn.Module):
+    """A linen classifier over an image, a token sequence and a padding mask, as a Flax user writes it."""
+
+    @nn.compact
+    def __call__(self, image, tokens, mask):
+        pooled = jnp.sum(nn.Embed(32, 16)(tokens) * mask[..., None], axis=1) / jnp.maximum(mask.sum(1, keepdims=True), 1)
+        x = jnp.concatenate([image.reshape(image.shape[0], -1), pooled], axis=-1)
+        return nn.Dense(10)(nn.relu(nn.Dense(64)(x)))
+
+
+MODULE = Classifier()
+
+
+def _arrays(seed: int, rows: int = ROWS):
+    """uint8 images (8x8), int32 tokens (rows, 6), bool masks (rows, 6), int32 labels."""
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, 256, size=(rows, 8, 8), dtype=np.uint8), rng.integers(0, 32, size=(rows, 6), dtype=np.int32),
+            rng.random((rows, 6)) > 0.3, rng.integers(0, 10, size=(rows,), dtype=np.int32))
+
+
+def init(key):
+    image, tokens, mask, _ = _arrays(0, 2)
+    return MODULE.init(key, image.astype(np.float32), tokens, mask)["params"]
+
+
+def _loss(params, image, tokens, mask, labels, temperature=1.0):
+    logits = MODULE.apply({"params": params}, image.astype(jnp.float32) / 255.0, tokens, mask) / temperature
+    return zoo.cross_entropy(logits, labels)
+
+
+class Example(NamedTuple):
+    image: np.ndarray
+    tokens: np.ndarray
+    mask: np.ndarray
+    label: np.ndarray
+
+
+@flax.struct.dataclass
+class Tempered:
+    inputs: dict
+    label: jax.Array
+    temperature: jax.Array  # a scalar: the same on every device
+
+
+# name -> (batch maker, loss over that batch)
+BATCHES = {
+    "tuple": (lambda s: ((a := _arrays(s))[0], a[1], a[2], a[3]), lambda p, b: _loss(p, *b)),
+    "nested": (lambda s: {"inputs": dict(zip(("image", "tokens", "mask"), (a := _arrays(s))[:3])), "targets": a[3]},
+               lambda p, b: _loss(p, **b["inputs"], labels=b["targets"])),
+    "namedtuple": (lambda s: Example(*_arrays(s)), lambda p, b: _loss(p, b.image, b.tokens, b.mask, b.label)),
+    "dataclass_scalar": (
+        lambda s: Tempered(dict(zip(("image", "tokens", "mask"), (a := _arrays(s))[:3])), a[3], np.float32(1.5 + s)),
+        lambda p, b: _loss(p, **b.inputs, labels=b.label, temperature=b.temperature)),
+}
+
+
+def _train(program, state, batches):
+    losses = []
+    for batch in batches:
+        state, metrics = program.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+def _parity(name, strategy, sizes, grad_accum=1):
+    make_batch, loss = BATCHES[name]
+    model = from_functions(init, loss)
+    program = build(model, optimizer(), make_layout(model, strategy, make_mesh(sizes)), grad_accum=grad_accum)
+    state = program.init(jax.random.key(0))
+    params0 = jax.tree.map(np.asarray, state.params)
+    batches = [make_batch(i) for i in range(STEPS)]
+    state, losses = _train(program, state, batches)
+    ref_params, ref_losses = zoo.plain_steps(loss, params0, optimizer(), batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    evaluation = program.evaluate(state.params, batches[0])
+    np.testing.assert_allclose(float(evaluation["loss"]), float(jax.jit(loss)(ref_params, batches[0])), rtol=1e-5)
+
+
+@pytest.mark.parametrize("name, strategy, sizes, grad_accum", [
+    ("tuple", "zero3", FSDP8, 1),
+    ("nested", "hsdp", DATA2_FSDP4, 1),
+    ("namedtuple", "zero1", FSDP8, 1),
+    ("dataclass_scalar", "zero3", DATA2_FSDP4, 2),  # the scalar reaches every microbatch of every device
+])
+def test_batch_structures_train_and_evaluate_like_one_device(name, strategy, sizes, grad_accum):
+    _parity(name, strategy, sizes, grad_accum)
+
+
+# ---------------------------------------------------------------- where the arrays come from
+
+
+@pytest.fixture(scope="module")
+def nested_zero3():
+    make_batch, loss = BATCHES["nested"]
+    model = from_functions(init, loss)
+    mesh = make_mesh(DATA2_FSDP4)
+    return build(model, optimizer(), make_layout(model, "zero3", mesh)), mesh, make_batch, loss
+
+
+def test_numpy_one_device_user_sharded_and_resized_batches_train_like_one_device(nested_zero3):
+    """jit refuses arrays committed to devices outside the step's mesh; the step moves them (and
+    compiles once for all four feeds). A batch that changes size recompiles and stays exact."""
+    program, mesh, make_batch, loss = nested_zero3
+    user_mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[4:])  # the user's own (Explicit) mesh
+    feeds = [
+        lambda b: b,  # numpy
+        lambda b: jax.device_put(b, jax.devices()[0]),  # one device
+        lambda b: jax.device_put(b, NamedSharding(mesh, P("data"))),  # sharded on the step's mesh, partly
+        lambda b: jax.device_put(b, NamedSharding(user_mesh, P("data"))),  # on 4 of the 8 devices
+    ]
+    larger = {"inputs": dict(zip(("image", "tokens", "mask"), (a := _arrays(9, 32))[:3])), "targets": a[3]}
+    batches = [make_batch(i) for i in range(len(feeds))] + [larger, make_batch(5)]
+    state = program.init(jax.random.key(0))
+    params0 = jax.tree.map(np.asarray, state.params)
+    fed = [feed(b) for feed, b in zip(feeds, batches)] + batches[len(feeds):]
+    _, losses = _train(program, state, fed)  # 16, 16, 16, 16, 32, 16 rows
+    assert program.step._jitted._cache_size() == 2  # one program per batch shape, whatever the feed
+    _, ref_losses = zoo.plain_steps(loss, params0, optimizer(), batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch, message", [
+    ({"x": np.zeros((16, 4)), "class_weight": np.ones((10,))},
+     r"different row counts: batch 'class_weight' \(10,\), batch 'x' \(16, 4\); .* pass a per-step constant as a scalar"),
+    ((np.zeros((12, 4)), np.zeros((12,))),
+     r"batch '0' has 12 rows, which the 8 data-parallel devices \(mesh axes dataxfsdp\) cannot split evenly; "
+     r"use a multiple of 8: 8 or 16"),
+    ({"inputs": {"tokens": np.zeros((8, 4)), "name": "abc"}},
+     r"batch 'inputs/name' is a str; a batch holds arrays"),
+])
+def test_batches_the_step_cannot_split_are_refused_naming_the_leaf(nested_zero3, batch, message):
+    program = nested_zero3[0]
+    with pytest.raises((ValueError, TypeError), match=message):
+        program.step(None, batch)  # refused before the state is looked at
+    with pytest.raises((ValueError, TypeError), match=message):
+        program.evaluate(None, batch)
+
+
+def test_rows_that_microbatches_cannot_split_name_the_divisor():
+    model = from_functions(init, BATCHES["tuple"][1])
+    program = build(model, optax.sgd(0.1), make_layout(model, "zero2", make_mesh(FSDP8)), grad_accum=4)
+    with pytest.raises(ValueError, match=r"batch '0' has 16 rows, which the 8 data-parallel devices \(mesh axes "
+                                         r"fsdp\) times 4 microbatches cannot split evenly; use a multiple of 32: 32"):
+        program.step(None, BATCHES["tuple"][0](0))
+
+
+# ---------------------------------------------------------------- the parameters users bring
+
+
+def _mixed_init(key):
+    """linen params, a frozen embedding table, an empty sub-tree and a None entry."""
+    return {"model": init(key), "frozen": {"table": jax.random.normal(key, (10, 10))}, "empty": {}, "unused": None}
+
+
+def _mixed_loss(params, batch):
+    logits = MODULE.apply({"params": params["model"]}, batch[0].astype(jnp.float32) / 255.0, batch[1], batch[2])
+    return zoo.cross_entropy(logits @ jax.lax.stop_gradient(params["frozen"]["table"]), batch[3])
+
+
+def test_none_empty_and_frozen_entries_train_and_restore_onto_another_mesh(tmp_path):
+    model = from_functions(_mixed_init, _mixed_loss)
+    program = build(model, optimizer(), make_layout(model, "zero3", make_mesh(FSDP8)))
+    state = program.init(jax.random.key(0))
+    params0 = jax.tree.map(np.asarray, state.params)
+    batches = [BATCHES["tuple"][0](i) for i in range(STEPS)]
+    state, losses = _train(program, state, batches)
+    ref_params, ref_losses = zoo.plain_steps(_mixed_loss, params0, optimizer(), batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    # no gradient reaches the table; AdamW's weight decay alone moves it, on both sides
+    np.testing.assert_allclose(np.asarray(state.params["frozen"]["table"]), ref_params["frozen"]["table"], rtol=1e-6)
+    assert state.params["empty"] == {} and state.params["unused"] is None
+    target = build(model, optimizer(), make_layout(model, "zero1", make_mesh({"data": 4}, devices=jax.devices()[:4])))
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        assert ckpt.save(STEPS, state, data_state={}, config={}, force=True)
+        ckpt.wait()
+        restored, _, _ = ckpt.restore(target.abstract_state())
+    assert jax.tree.structure(restored.params) == jax.tree.structure(state.params)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored.params), jax.tree.map(np.asarray, state.params))
+
+
+def test_bf16_parameters_are_float32_masters_and_said_so():
+    """The default precision keeps float32 master weights: bf16 leaves are upcast at init (warned,
+    naming them), and training matches the plain step over those float32 values."""
+    bf16_init = lambda key: jax.tree.map(lambda x: x.astype(jnp.bfloat16), init(key))
+    loss = BATCHES["tuple"][1]
+    model = from_functions(bf16_init, loss)
+    with pytest.warns(UserWarning, match=r"precision 'f32' keeps float32 master weights: .* Dense_0/kernel \(bfloat16\)"):
+        program = build(model, optimizer(), make_layout(model, "dp", make_mesh(DATA8)))
+    state = program.init(jax.random.key(0))
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
+    params0 = jax.tree.map(np.asarray, state.params)
+    batches = [BATCHES["tuple"][0](i) for i in range(STEPS)]
+    _, losses = _train(program, state, batches)
+    np.testing.assert_allclose(losses, zoo.plain_steps(loss, params0, optimizer(), batches)[1], rtol=1e-5)
+
+
+def test_integer_parameters_are_refused_naming_the_leaf():
+    counted = lambda key: {"model": init(key), "step": jnp.zeros((), jnp.int32), "index": jnp.arange(10)}
+    model = from_functions(counted, lambda p, b: _loss(p["model"], *b))
+    with pytest.raises(TypeError, match=r"non-float leaves, .*: index \(int32\[10\]\), step \(int32\[\]\); keep "
+                                        r"integer data .* out of the parameters"):
+        build(model, optax.sgd(0.1), make_layout(model, "zero3", make_mesh(FSDP8)))
+
+
+def test_path_rules_with_unknown_names_or_dims_that_do_not_divide_are_loud():
+    with pytest.warns(UserWarning, match=r"no strategy has a rule for these logical names, .*: "
+                                         r"Dense_1/kernel \(80, 64\) dim 0 'embd'"):  # linen: the head is Dense_0
+        typo = from_functions(init, BATCHES["tuple"][1], path_rules=[(r"Dense_1/kernel$", ("embd", "mlp"))])
+    # mlp=10 on a tensor=4 mesh: the tensor stays whole, warned about with its path, dim and size
+    model = from_functions(init, BATCHES["tuple"][1], path_rules=[(r"kernel$", ("embed", "mlp"))])
+    with pytest.warns(ReplicationWarning, match=r"Dense_0/kernel \(64, 10\) .*: dim 1 \(mlp=10\) not divisible by tensor=4"):
+        make_layout(model, "tp", make_mesh({"data": 2, "tensor": 4}))
+    with pytest.warns(ReplicationWarning, match=r"Dense_1/kernel \(80, 64\) .*no logical axis names"):
+        make_layout(from_functions(init, BATCHES["tuple"][1]), "tp", make_mesh({"data": 4, "tensor": 2}))
+    assert typo.logical_axes["Dense_1"]["kernel"] == ("embd", "mlp")
