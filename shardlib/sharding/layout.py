@@ -169,7 +169,7 @@ class Layout:
             param = _owner(_components(name), by_path)
             if param is not None and param.shape == shape:
                 return dataclasses.replace(param, path=name, dtype=leaf.dtype)
-            if not shape:
+            if math.prod(shape) <= 1:  # counters, hyperparameters, Adafactor's placeholders
                 return rules_lib.LeafLayout(name, shape, leaf.dtype, None, P())
             spec, notes = rules_lib.spec_for(None, shape, (), self.mesh, path=name, auto=auto)
             owner = f"its parameter {param.path} is {param.shape}" if param else "it follows no parameter"
