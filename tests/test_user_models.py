@@ -301,14 +301,22 @@ def test_steps_without_keys_or_state_refuse_such_models():
         model.loss(model.init(jax.random.key(0)), zoo.image_batch(0), None)
 
 
-def test_nnx_variables_shardlib_would_neither_train_nor_carry_are_refused():
+def test_nnx_integer_state_that_differs_between_devices_is_refused():
+    """Other NNX variables are model state (tests/test_nnx_styles.py); an integer one computed
+    from this device's rows has no exact average, so the step names it instead."""
     class Counter(nnx.Variable):
         pass
 
     class Counting(nnx.Module):
         def __init__(self, rngs):
             self.linear = nnx.Linear(4, 4, rngs=rngs)
-            self.calls = Counter(jnp.zeros(()))
+            self.positives = Counter(jnp.zeros((), jnp.int32))
 
-    with pytest.raises(ValueError, match="Counter"):
-        from_nnx(Counting, lambda m, b: m.linear(b["x"]).mean())
+        def __call__(self, x):
+            self.positives[...] += jnp.sum(x > 0).astype(jnp.int32)
+            return self.linear(x)
+
+    model = from_nnx(Counting, lambda m, b: m(b["x"]).mean())
+    program = build(model, optax.sgd(0.1), make_layout(model, "dp", make_mesh(DATA8)))
+    with pytest.raises(ValueError, match=r"model state \['positives'\] \(int32\) depends on this device's rows"):
+        program.step(program.init(jax.random.key(0)), {"x": np.ones((8, 4), np.float32)})

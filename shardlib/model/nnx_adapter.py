@@ -1,62 +1,81 @@
-"""`from_nnx`: a Flax NNX module as a `Model` (parameters trained, BatchNorm statistics carried,
-rng streams re-seeded from the step's key)."""
+"""`from_nnx`: a Flax NNX module as a `Model` (parameters trained, other variables carried as model
+state, rng streams re-seeded from the step's key, sown intermediates dropped)."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from shardlib.model.adapters import Batch, Model, Stages, _loss_out, _with_call
+from shardlib.model.adapters import Batch, LossOut, Model, Stages, _with_call
 from shardlib.model.hooks import SPEC_METADATA
 from shardlib.sharding import rules as rules_lib
 
+# What shardlib does with each kind of NNX variable; the first kind a variable is an instance of
+# wins. "carried" is the model state (TrainState.model_state): BatchNorm statistics, nnx.Cache,
+# plain nnx.Variable buffers and user subclasses such as a step counter.
+TREATMENT = (
+    ("Param", "trained", "the parameters: differentiated and updated by the optimizer"),
+    ("RngState", "reseeded", "rng streams: each call re-seeds them from the step's key"),
+    ("Intermediate", "dropped", "sown values (self.sow): their shape follows the batch; never carried"),
+    ("Perturbation", "dropped", "nnx.perturb taps: only meaningful inside the user's own grad"),
+    ("Variable", "carried", "model state: replicated, checkpointed, averaged over the batch axes if it differs"),
+)
+
+
+def _kinds(treatment: str) -> tuple[type, ...]:
+    from flax import nnx
+
+    return tuple(getattr(nnx, name) for name, how, _ in TREATMENT if how == treatment)
+
 
 def from_nnx(
-    make: Callable[[Any], Any],
+    make: Callable[[Any], Any] | Any,
     loss_fn: Callable[[Any, Batch], Any],
     *,
     gathers_params: bool = False,
     pipeline: Stages | None = None,
 ) -> Model:
-    """Adapt ``make(rngs) -> nnx.Module`` and ``loss_fn(module, batch)``.
+    """Adapt ``make(rngs) -> nnx.Module`` (or a module already built) and ``loss_fn(module, batch)``.
 
-    ``nnx.Param`` variables are trained; logical names come from their ``out_sharding``
-    metadata (``nnx.with_partitioning``). ``nnx.BatchStat`` variables (BatchNorm statistics) are
-    the model state: kept in the train state, updated by each training call, averaged over the
-    data-parallel devices. ``nnx.Rngs`` streams held by the module (``nnx.Dropout(rngs=...)``)
-    are not trained: each call re-seeds them from the step's key. Evaluation runs the module
-    after ``module.eval()`` (dropout off, BatchNorm on running averages).
+    ``make`` is called with ``rngs=nnx.Rngs(key)`` (keyword when it takes ``rngs``, so a class with
+    ``__init__(self, *, rngs)`` works as is); ``init(key)`` then creates the parameters from ``key``.
+    Given an already-built module instead, ``init`` returns *its* parameters and model state (the
+    key seeds dropout only), as NNX code that holds its model expects; the instance itself is not
+    updated by training (``nnx.update(module, nnx.State(params))`` copies the result back).
+
+    Variables are treated by kind (`TREATMENT`): ``nnx.Param`` is trained, logical names from its
+    ``out_sharding`` metadata (``nnx.with_partitioning``); rng streams are re-seeded from the step's
+    key on each call; ``self.sow`` intermediates are dropped; every other variable (BatchNorm's
+    ``nnx.BatchStat``, ``nnx.Cache``, ``nnx.Variable`` buffers, a counter subclass) is the model
+    state, kept in ``TrainState.model_state``. A ``Param`` declared narrower than the step's master
+    weights (``param_dtype=jnp.bfloat16``) is computed with in its declared dtype.
+
+    ``loss_fn`` returns the loss, or ``(loss, aux)``: aux's scalar entries (a dict) become metrics;
+    anything else (the tutorial's ``(loss, logits)``) is dropped, with a warning. Evaluation runs
+    the module after ``module.eval()`` (dropout off, BatchNorm on running averages).
 
     Set ``gathers_params=True`` when the module calls `shardlib.model.hooks.gather_layer` on all
     its parameters (as `models.gpt` does: per layer inside its scan), so ZeRO-3 gathers one layer
     at a time instead of the whole model. ``pipeline`` gives the module-level `Stages`
     (functions of the bound module) for pipeline parallelism.
     """
-    from flax import nnx
-
-    def build(key):
-        with nnx.use_eager_sharding(False):
-            return make(nnx.Rngs(key))
-
-    parts = _NnxParts.of(nnx.eval_shape(lambda: build(jax.random.key(0))))
-    logical = rules_lib.logical_axes_of(nnx.to_pure_dict(parts.params, extract_fn=lambda v: v))
-    stateful = bool(jax.tree.leaves(parts.stats))
-
-    def init(key):
-        return nnx.to_pure_dict(nnx.state(build(key), nnx.Param))
-
-    def init_state(key):
-        return nnx.to_pure_dict(nnx.state(build(key), nnx.BatchStat))
+    source = _Source.of(make)
+    parts = _NnxParts.of(source.abstract())
+    logical = rules_lib.logical_axes_of(nnx_pure_dict(parts.params, keep_variables=True))
+    stateful = bool(jax.tree.leaves(parts.carried))
 
     def run(params, batch, specs, call):
         module = parts.bind(params, specs, call.state, call.key)
         if not call.train:
             module.eval()
-        loss, aux = _loss_out(loss_fn(module, batch))
-        return loss, aux, nnx.to_pure_dict(nnx.state(module, nnx.BatchStat)) if stateful else None
+        loss, aux = _nnx_loss_out(loss_fn(module, batch))
+        return loss, aux, parts.carried_of(module) if stateful else None
 
     stages = None
     if pipeline is not None:
@@ -64,53 +83,137 @@ def from_nnx(
             stacked=pipeline.stacked,
             embed=lambda params, batch, specs=None: pipeline.embed(parts.bind(params, specs), batch),
             stage=lambda params, x, specs=None: pipeline.stage(parts.bind(params, specs), x),
-            head_loss=lambda params, x, batch, specs=None: _loss_out(pipeline.head_loss(parts.bind(params, specs), x, batch)),
+            head_loss=lambda params, x, batch, specs=None: _nnx_loss_out(
+                pipeline.head_loss(parts.bind(params, specs), x, batch)),
         )
     uses_key = bool(jax.tree.leaves(parts.rngs))
-    return Model(init=init, loss=_with_call(run, uses_key or stateful), logical_axes=logical,
+    return Model(init=source.params, loss=_with_call(run, uses_key or stateful), logical_axes=logical,
                  gathers_params=gathers_params, apply=lambda params, inputs: parts.bind(params)(inputs),
                  pipeline=stages, takes_call=uses_key or stateful, uses_key=uses_key,
-                 init_state=init_state if stateful else None)
+                 init_state=source.carried if stateful else None)
+
+
+def nnx_pure_dict(state: Any, keep_variables: bool = False) -> Any:
+    """An NNX state as a nested dict of arrays (or of the variables themselves)."""
+    from flax import nnx
+
+    return nnx.to_pure_dict(state, extract_fn=(lambda v: v) if keep_variables else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """Where a module comes from: a constructor called with fresh rngs per key, or an instance
+    whose own values are the initial ones."""
+
+    build: Callable[[jax.Array], Any]
+
+    @classmethod
+    def of(cls, make: Any) -> _Source:
+        from flax import nnx
+
+        if isinstance(make, nnx.Module):
+            return cls(lambda key: make)
+        if not callable(make):
+            raise TypeError(f"from_nnx takes a module or make(rngs) -> nnx.Module, got {type(make).__name__}")
+        by_keyword = "rngs" in _parameter_names(make)
+
+        def build(key):
+            with nnx.use_eager_sharding(False):
+                rngs = nnx.Rngs(key)
+                return make(rngs=rngs) if by_keyword else make(rngs)
+
+        return cls(build)
+
+    def abstract(self) -> Any:
+        from flax import nnx
+
+        return nnx.eval_shape(lambda: self.build(jax.random.key(0)))
+
+    def params(self, key: jax.Array) -> Any:
+        from flax import nnx
+
+        return nnx_pure_dict(nnx.state(self.build(key), nnx.Param))
+
+    def carried(self, key: jax.Array) -> Any:
+        from flax import nnx
+
+        return nnx_pure_dict(nnx.state(self.build(key), _carried_filter()))
+
+
+def _parameter_names(make: Callable) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(make).parameters)
+    except (TypeError, ValueError):  # a builtin or C callable: call it positionally
+        return ()
+
+
+def _carried_filter() -> Any:
+    from flax import nnx
+
+    return nnx.All(nnx.Not(_kinds("trained") + _kinds("reseeded") + _kinds("dropped")))
+
+
+def _nnx_loss_out(out: Any) -> LossOut:
+    """``(loss, metrics)`` from what ``loss_fn`` returned: aux's scalar entries are metrics
+    (averaged over the batch like the loss); the rest is dropped, and the warning says what."""
+    loss, aux = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
+    if not isinstance(aux, dict):
+        _warn_dropped(f"aux of type {type(aux).__name__}")
+        return loss, {}
+    dropped = [k for k, v in aux.items() if jnp.ndim(v) != 0]
+    if dropped:
+        _warn_dropped(f"non-scalar aux entries {', '.join(map(repr, dropped))}")
+    return loss, {k: v for k, v in aux.items() if k not in dropped}
+
+
+def _warn_dropped(what: str) -> None:
+    warnings.warn(
+        f"from_nnx: the loss function returned {what}; shardlib reports scalar metrics only (averaged over "
+        "the global batch), so it drops them. Return (loss, {'accuracy': ...}) with scalars to see them in "
+        "the step's metrics, or compute per-example outputs with model.apply / the module outside the step",
+        UserWarning, stacklevel=2)
 
 
 @dataclasses.dataclass(frozen=True)
 class _NnxParts:
-    """An abstract NNX module split into what shardlib treats differently: trained parameters,
-    BatchNorm statistics, rng streams (re-seeded per call) and the rest (must be empty)."""
+    """A module split by `TREATMENT`: trained parameters, rng streams (re-seeded per call),
+    dropped variables (sown at construction, kept as they were) and carried model state."""
 
     graphdef: Any
     params: Any
-    stats: Any
     rngs: Any
+    dropped: Any
+    carried: Any
 
     @classmethod
-    def of(cls, abstract_module: Any) -> _NnxParts:
+    def of(cls, module: Any) -> _NnxParts:
         from flax import nnx
 
-        graphdef, params, stats, rngs, rest = nnx.split(abstract_module, nnx.Param, nnx.BatchStat, nnx.RngState, ...)
-        if jax.tree.leaves(rest):
-            kinds = {type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))}
-            raise ValueError(
-                f"shardlib trains nnx.Param, carries nnx.BatchStat and re-seeds nnx.RngState; this module also "
-                f"holds {', '.join(sorted(kinds))} variables, which it would neither train nor carry: make them "
-                "nnx.Param, nnx.BatchStat or constants (plain arrays) of the module")
-        return cls(graphdef, params, stats, rngs)
+        return cls(*nnx.split(module, nnx.Param, _kinds("reseeded"), _kinds("dropped"), ...))
 
-    def bind(self, params: Any, specs: Any = None, stats: Any = None, key: jax.Array | None = None) -> Any:
+    def carried_of(self, module: Any) -> Any:
+        """The model state after a call (sown intermediates are not part of it)."""
+        from flax import nnx
+
+        return nnx_pure_dict(nnx.state(module, _carried_filter()))
+
+    def bind(self, params: Any, specs: Any = None, carried: Any = None, key: jax.Array | None = None) -> Any:
         """The module over these values; sharded parameters carry their spec for `gather_layer`."""
         from flax import nnx
 
-        if stats is None and jax.tree.leaves(self.stats):
-            raise ValueError("this NNX module holds nnx.BatchStat variables: pass its model state "
-                             "(TrainState.model_state) to run it")
-        states = [_bound_state(self.params, params, specs), self.rng_state(key)]
-        if stats is not None:
-            states.append(_bound_state(self.stats, stats))
+        if carried is None and jax.tree.leaves(self.carried):
+            kinds = sorted({type(v).__name__ for v in _variables(self.carried)})
+            raise ValueError(f"this NNX module holds model state ({', '.join(kinds)} variables): pass it "
+                             "(TrainState.model_state) to run the module")
+        states = [_bound_state(self.params, params, specs, declared_dtype=True), self.rng_state(key), self.dropped]
+        if carried is not None:
+            states.append(_bound_state(self.carried, carried))
         return nnx.merge(self.graphdef, *states)
 
     def rng_state(self, key: jax.Array | None) -> Any:
-        """Every rng stream of the module seeded from ``key`` (its own fold per stream), counts at 0:
-        the module's rngs are a function of the step's key, never a trained or carried value."""
+        """Every rng stream of the module seeded from ``key`` (its own fold per stream, one key per
+        element of a stacked stream, as `nnx.split_rngs` leaves them), counts at 0: the module's
+        rngs are a function of the step's key, never a trained or carried value."""
         from flax import nnx
         from flax.nnx import traversals
 
@@ -118,13 +221,33 @@ class _NnxParts:
         flat = {}
         for i, (path, variable) in enumerate(nnx.to_flat_state(self.rngs)):
             shape = variable.get_value()
-            value = (jax.random.fold_in(key, i) if isinstance(variable, nnx.RngKey)
-                     else jax.numpy.zeros(shape.shape, shape.dtype))
+            if isinstance(variable, nnx.RngKey):
+                value = jax.random.fold_in(key, i)
+                value = jax.random.split(value, shape.shape) if shape.shape else value
+            else:
+                value = jnp.zeros(shape.shape, shape.dtype)
             flat[path] = variable.replace(value)
         return nnx.State(traversals.unflatten_mapping(flat))
 
 
-def _bound_state(template: Any, values: Any, specs: Any = None) -> Any:
+def _variables(state: Any) -> list[Any]:
+    from flax import nnx
+
+    return [v for _, v in nnx.to_flat_state(state)]
+
+
+def _declared(value: jax.Array, template: Any) -> jax.Array:
+    """``value`` in the dtype its variable was declared with, when that is a narrower float (a
+    ``param_dtype=jnp.bfloat16`` layer computes in bfloat16 over float32 master weights)."""
+    declared, dtype = getattr(template, "dtype", None), getattr(value, "dtype", None)
+    if declared is None or dtype is None:  # a carried shard (layerwise, qgZ): cast by its gather
+        return value
+    narrower = (jnp.issubdtype(declared, jnp.floating) and jnp.issubdtype(dtype, jnp.floating)
+                and jnp.finfo(declared).bits < jnp.finfo(dtype).bits)
+    return value.astype(declared) if narrower else value
+
+
+def _bound_state(template: Any, values: Any, specs: Any = None, declared_dtype: bool = False) -> Any:
     """The NNX state ``template`` (abstract variables) holding ``values`` (a pure dict), each
     variable tagged with its storage spec from ``specs`` when given."""
     from flax import nnx
@@ -134,7 +257,8 @@ def _bound_state(template: Any, values: Any, specs: Any = None) -> Any:
     spec_of = traversals.flatten_mapping(specs) if specs is not None else {}
     flat = {}
     for path, variable in nnx.to_flat_state(template):
-        bound = variable.replace(values[path])
+        value = values[path]
+        bound = variable.replace(_declared(value, variable.get_value()) if declared_dtype else value)
         if path in spec_of:
             bound.set_metadata(**{SPEC_METADATA: ("/".join(map(str, path)), tuple(spec_of[path]))})
         flat[path] = bound

@@ -63,11 +63,23 @@ def batch_axis_names(mesh: jax.sharding.Mesh) -> tuple[str, ...] | None:
 
 def average_state(model_state: Any, axes: tuple[str, ...]) -> Any:
     """Model state (BatchNorm running statistics) averaged over the data-parallel devices, so that
-    every replica carries the same statistics; non-floating leaves are left as they are."""
+    every replica carries the same statistics. A leaf equal on every device by construction (a
+    constant buffer, a step counter: not varying over ``axes`` in the shard_map's types) is kept
+    as it is; an integer leaf that differs between devices is refused (no mean of it is exact)."""
     if not axes:
         return model_state
-    mean = lambda x: jax.lax.pmean(x, axes) if jnp.issubdtype(x.dtype, jnp.floating) else x
-    return jax.tree.map(mean, model_state)
+
+    def mean(path, x):
+        if not set(axes) & jax.typeof(x).manual_axis_type.varying:
+            return x
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return jax.lax.pmean(x, axes)
+        raise ValueError(
+            f"model state {jax.tree_util.keystr(path)} ({x.dtype}) depends on this device's rows, so it differs "
+            f"between the devices of {axes}, and an average of it is not an integer: make it a float variable "
+            "(then it is averaged over the batch axes), or update it from replicated values only (a step count)")
+
+    return jax.tree_util.tree_map_with_path(mean, model_state)
 
 
 def activation_spec(layout: Layout) -> Callable[[Any, tuple[int, ...]], P]:
