@@ -15,7 +15,9 @@ import numpy as np
 import optax
 import pytest
 
-from shardlib import Checkpointer, build, from_functions, make_layout, make_mesh, sharding_report
+from jax.sharding import PartitionSpec as P
+
+from shardlib import Checkpointer, build, from_functions, from_linen, make_layout, make_mesh, sharding_report
 from tests import zoo
 
 STEPS, ROWS = 4, 16
@@ -83,9 +85,19 @@ def _train(program, state, batches):
     return state, losses, metrics
 
 
+# Attention's key bias adds q.b to every score of a query, which softmax ignores: its gradient is
+# rounding noise alone, and Adafactor (eps 1e-30) scales noise up to whole steps either way, so
+# both sides can only be checked to stay at noise level.
+NOISE_ONLY = "['key']['bias']"
+
+
 def _assert_params_close(got, want):
     for (path, ref), value in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
-        np.testing.assert_allclose(np.asarray(value), ref, rtol=1e-5, atol=PARAM_ATOL, err_msg=jax.tree_util.keystr(path))
+        name = jax.tree_util.keystr(path)
+        if name.endswith(NOISE_ONLY):
+            assert max(np.abs(np.asarray(value)).max(), np.abs(ref).max()) < 1e-4, name
+            continue
+        np.testing.assert_allclose(np.asarray(value), ref, rtol=1e-5, atol=PARAM_ATOL, err_msg=name)
 
 
 def _assert_state_sharded(opt_state, mesh, strategy):
@@ -96,8 +108,8 @@ def _assert_state_sharded(opt_state, mesh, strategy):
         shard = leaf.addressable_shards[0].data
         if leaf.ndim == 0 or ways == 1:
             assert leaf.sharding.is_fully_replicated, jax.tree_util.keystr(path)
-        elif leaf.size >= 1024 and any(d % ways == 0 for d in leaf.shape):
-            assert shard.size * ways == leaf.size, (jax.tree_util.keystr(path), leaf.shape, leaf.sharding.spec)
+        elif leaf.size >= 1024 and any(d % ways == 0 for d in leaf.shape):  # fsdp_tp: and maybe over tensor
+            assert (leaf.size // shard.size) % ways == 0, (jax.tree_util.keystr(path), leaf.shape, leaf.sharding.spec)
 
 
 @pytest.mark.parametrize("name, strategy, sizes", CASES)
@@ -113,6 +125,36 @@ def test_matches_one_device_jit_and_optax(name, strategy, sizes):
     _assert_state_sharded(state.opt_state, mesh, strategy)
     if name == "frozen_lion":
         jax.tree.map(np.testing.assert_array_equal, _host(state.params["encoder"]), params0["encoder"])
+
+
+def _token_inputs(batch, train):
+    return (batch["tokens"], batch["positions"]), {"train": train}
+
+
+def _frozen_embeddings_adafactor():
+    """Flax-named parameters: the Embed tables frozen by a label function on their paths."""
+    labels = lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, _: "freeze" if "Embed" in jax.tree_util.keystr(path) else "train", params)
+    return optax.multi_transform({"train": optax.adafactor(1e-2, min_dim_size_to_factor=32, momentum=0.9),
+                                  "freeze": optax.set_to_zero()}, labels)
+
+
+def test_tensor_parallel_state_of_a_linen_model_with_factored_moments():
+    """fsdp_tp: state shaped like its parameter (Adafactor's momentum) keeps its fsdp x tensor
+    split; the factored second moments take their own layout."""
+    module, batches = zoo.LinenTransformer(n_layers=1), [zoo.token_batch(i, ROWS) for i in range(3)]
+    model = from_linen(module, zoo.linen_transformer_loss, batches[0], inputs=_token_inputs)
+    program = build(model, _frozen_embeddings_adafactor(), make_layout(model, "fsdp_tp", make_mesh({"fsdp": 4, "tensor": 2})))
+    state = program.init(jax.random.key(0))
+    params0 = _host(state.params)
+    state, losses, _ = _train(program, state, batches)
+    loss = lambda p, b: zoo.linen_transformer_loss(module.apply({"params": p}, *_token_inputs(b, True)[0], train=True), b)
+    ref_params, ref_losses = zoo.plain_steps(loss, params0, _frozen_embeddings_adafactor(), batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    _assert_params_close(state.params, ref_params)
+    _assert_state_sharded(state.opt_state, program.mesh, "fsdp_tp")
+    moments = [leaf for leaf in jax.tree.leaves(state.opt_state) if leaf.shape == (zoo.D_MODEL, zoo.D_FF)]
+    assert moments and all(l.sharding.spec == P("fsdp", "tensor") for l in moments)  # ("embed", "mlp")
 
 
 def _jitted_reference(make):
