@@ -141,8 +141,9 @@ class _Source:
 
 
 def _parameter_names(make: Callable) -> tuple[str, ...]:
+    """The names ``make`` takes (a class: its ``__init__``'s, which NNX's metaclass hides)."""
     try:
-        return tuple(inspect.signature(make).parameters)
+        return tuple(inspect.signature(make.__init__ if isinstance(make, type) else make).parameters)
     except (TypeError, ValueError):  # a builtin or C callable: call it positionally
         return ()
 

@@ -1,0 +1,383 @@
+"""Flax NNX models written the ways NNX code is written (tutorial CNN held as an instance, a loss
+returning ``(loss, logits)``, keyword-only ``rngs``, counters and buffers as custom variables,
+``self.sow``, layers stacked with ``nnx.vmap`` and applied with ``nnx.scan`` + ``nnx.remat``,
+``param_dtype=jnp.bfloat16``, tied embeddings, ``nnx.Sequential`` / ``nnx.List`` / ``nnx.Dict``),
+trained through shardlib and compared with a plain one-device ``jax.jit`` + optax step written
+here with ``nnx.split`` / ``nnx.merge``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import shardlib
+from shardlib import Checkpointer, build, from_nnx, make_layout, make_mesh
+from shardlib.model import Call
+from tests import zoo
+from tests.helpers import optimizer
+
+STEPS, ROWS = 3, 16
+PARAM_ATOL = 3 * 3e-3 * 1e-8 / 1e-5  # Adam's drift bound of tests/test_user_models.py, over 3 steps
+FSDP8 = {"fsdp": 8}
+
+
+# ---------------------------------------------------------------- user models
+
+
+class TutorialCNN(nnx.Module):
+    """The NNX MNIST tutorial's CNN, shrunk to 8x8 images."""
+
+    def __init__(self, *, rngs: nnx.Rngs, dropout_rate: float = 0.0, bn_axis_name=None):
+        self.conv1 = nnx.Conv(1, 8, kernel_size=(3, 3), rngs=rngs)
+        self.batch_norm1 = nnx.BatchNorm(8, axis_name=bn_axis_name, rngs=rngs)
+        self.dropout1 = nnx.Dropout(rate=dropout_rate, rngs=rngs)
+        self.avg_pool = functools.partial(nnx.avg_pool, window_shape=(2, 2), strides=(2, 2))
+        self.linear1 = nnx.Linear(8 * 4 * 4, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.avg_pool(nnx.relu(self.batch_norm1(self.dropout1(self.conv1(x)))))
+        return self.linear1(x.reshape(x.shape[0], -1))
+
+
+def tutorial_loss_fn(model, batch):
+    """The tutorial's loss: ``(loss, logits)``."""
+    logits = model(batch["image"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits=logits, labels=batch["label"]).mean(), logits
+
+
+def loss_with_metrics(model, batch):
+    loss, logits = tutorial_loss_fn(model, batch)
+    return loss, {"accuracy": jnp.mean(logits.argmax(-1) == batch["label"]), "logits": logits}
+
+
+class Count(nnx.Variable):
+    pass
+
+
+class Counted(nnx.Module):
+    """A call counter (integer, the same on every device), a running mean of the outputs (float,
+    from this device's rows), a constant table, an nnx.Cache and a sown intermediate."""
+
+    def __init__(self, din, dout, *, rngs):
+        self.linear = nnx.Linear(din, dout, rngs=rngs)
+        self.calls = Count(jnp.array(0))
+        self.output_mean = Count(jnp.zeros((dout,)))
+        self.scale = nnx.Variable(jnp.linspace(0.5, 1.5, dout))
+        self.last = nnx.Cache(jnp.zeros((dout,)))
+
+    def __call__(self, x):
+        self.calls[...] += 1
+        y = self.linear(x) * self.scale[...]
+        self.output_mean[...] = 0.9 * self.output_mean[...] + 0.1 * y.mean(0)
+        self.sow(nnx.Intermediate, "y", y)
+        return y
+
+
+LAYERS, D, FF = 3, 32, 64
+
+
+class ScanBlock(nnx.Module):
+    def __init__(self, rngs, dropout_rate):
+        init = nnx.initializers.lecun_normal()
+        self.up = nnx.Linear(D, FF, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=rngs)
+        self.down = nnx.Linear(FF, D, kernel_init=nnx.with_partitioning(init, ("mlp", "embed")), rngs=rngs)
+        self.norm = nnx.LayerNorm(D, rngs=rngs)
+        self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.dropout(self.down(nnx.gelu(self.up(self.norm(x)))))
+
+
+class ScanLM(nnx.Module):
+    """Layers created stacked (split_rngs + vmap), applied with scan + remat."""
+
+    def __init__(self, *, rngs, dropout_rate=0.1):
+        init = nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed"))
+        self.embed = nnx.Embed(zoo.VOCAB, D, embedding_init=init, rngs=rngs)
+
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make(rngs):
+            return ScanBlock(rngs, dropout_rate)
+
+        self.layers = make(rngs)
+        self.head = nnx.Linear(D, zoo.VOCAB, rngs=rngs)
+
+    def __call__(self, tokens):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        @nnx.remat
+        def forward(x, layer):
+            return layer(x)
+
+        return self.head(forward(self.embed(tokens), self.layers))
+
+
+class TiedBlock(nnx.Module):
+    def __init__(self, *, rngs):
+        self.norm1 = nnx.RMSNorm(D, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(num_heads=4, in_features=D, decode=False, rngs=rngs)
+        self.norm2 = nnx.LayerNorm(D, rngs=rngs)
+        self.mlp = nnx.Sequential(nnx.Linear(D, FF, rngs=rngs), nnx.gelu, nnx.Linear(FF, D, rngs=rngs))
+
+    def __call__(self, x, mask):
+        x = x + self.attn(self.norm1(x), mask=mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class TiedLM(nnx.Module):
+    """Embedding tied to the output (``embed.attend``), blocks in an nnx.List, heads in an nnx.Dict,
+    no annotations."""
+
+    def __init__(self, *, rngs):
+        self.embed = nnx.Embed(zoo.VOCAB, D, rngs=rngs)
+        self.blocks = nnx.List([TiedBlock(rngs=rngs)])
+        self.norms = nnx.Dict({"final": nnx.RMSNorm(D, rngs=rngs)})
+
+    def __call__(self, tokens):
+        x, mask = self.embed(tokens), nnx.make_causal_mask(tokens)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.embed.attend(self.norms["final"](x))
+
+
+def lm_loss(model, batch):
+    return zoo.cross_entropy(model(batch["tokens"]), batch["targets"])
+
+
+class Bf16MLP(nnx.Module):
+    def __init__(self, din, dmid, dout, *, rngs):
+        self.linear1 = nnx.Linear(din, dmid, param_dtype=jnp.bfloat16, rngs=rngs)
+        self.linear2 = nnx.Linear(dmid, dout, param_dtype=jnp.bfloat16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear2(nnx.relu(self.linear1(x)))
+
+
+# ---------------------------------------------------------------- the independent reference
+
+
+def functional(module, loss_fn, param_dtype=None):
+    """``(params, carried, loss(params, carried, batch) -> ((loss, aux), carried))`` of an NNX module,
+    with nnx.split / nnx.merge: every variable besides Param, rng state and sown values is carried.
+    ``param_dtype``: the dtype the parameters are computed in (float32 masters cast to it)."""
+    graphdef, params, rngs, carried = nnx.split(module, nnx.Param, nnx.RngState, ...)
+
+    def loss(param_values, carried_values, batch):
+        p, c = jax.tree.map(lambda x: x, params), jax.tree.map(lambda x: x, carried)
+        cast = (lambda x: x.astype(param_dtype)) if param_dtype else (lambda x: x)
+        nnx.replace_by_pure_dict(p, jax.tree.map(cast, param_values))
+        nnx.replace_by_pure_dict(c, carried_values)
+        bound = nnx.merge(graphdef, p, rngs, c)
+        out = loss_fn(bound, batch)
+        kept = nnx.state(bound, nnx.Not(nnx.Any(nnx.Param, nnx.RngState, nnx.Intermediate)))
+        return out, nnx.to_pure_dict(kept)
+
+    return nnx.to_pure_dict(params), nnx.to_pure_dict(carried), loss
+
+
+def plain_steps(loss, params, carried, batches, tx, microbatches=1):
+    """One device, ``jax.jit(jax.value_and_grad)`` + optax; ``microbatches`` rows ``i::k`` in turn,
+    the model state flowing from one to the next, gradients averaged."""
+
+    def value_and_grad(params, carried, batch):
+        def objective(p, c, b):
+            (out, new_c) = loss(p, c, b)
+            return (out[0] if isinstance(out, tuple) else out), new_c
+
+        total, grads = 0.0, jax.tree.map(jnp.zeros_like, params)
+        for i in range(microbatches):
+            rows = jax.tree.map(lambda x: x[i::microbatches], batch)
+            (value, carried), g = jax.value_and_grad(objective, has_aux=True)(params, carried, rows)
+            total, grads = total + value / microbatches, jax.tree.map(lambda a, b: a + b / microbatches, grads, g)
+        return total, grads, carried
+
+    @jax.jit
+    def step(params, opt_state, carried, batch):
+        value, grads, carried = value_and_grad(params, carried, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, carried, value
+
+    opt_state, losses = tx.init(params), []
+    for batch in batches:
+        params, opt_state, carried, value = step(params, opt_state, carried, batch)
+        losses.append(float(value))
+    return params, carried, losses
+
+
+def _host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def _train(program, state, batches):
+    losses = []
+    for batch in batches:
+        state, metrics = program.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses, metrics
+
+
+# A conv bias right before BatchNorm has a zero gradient (BN subtracts the mean): both sides move
+# it by Adam-amplified rounding noise only, so only that it stays at noise level is compared.
+_BEFORE_BN = "['conv1']['bias']"
+
+
+def _assert_close(got, want):
+    for path, ref in jax.tree_util.tree_leaves_with_path(want):
+        value, name = np.asarray(dict(jax.tree_util.tree_leaves_with_path(got))[path]), jax.tree_util.keystr(path)
+        if name == _BEFORE_BN:
+            assert max(np.abs(value).max(), np.abs(np.asarray(ref)).max()) < 1e-4
+            continue
+        np.testing.assert_allclose(value, np.asarray(ref), rtol=1e-5, atol=PARAM_ATOL, err_msg=name)
+
+
+# ---------------------------------------------------------------- the tutorial CNN, held as an instance
+
+
+@pytest.fixture(scope="module")
+def held_cnn():
+    """The tutorial CNN built by the user (``CNN(rngs=nnx.Rngs(0))``) with synchronised BatchNorm,
+    given to from_nnx as the instance; its reference twin (no axis_name) holds the same weights."""
+    mesh = make_mesh(FSDP8)
+    held = TutorialCNN(rngs=nnx.Rngs(0), bn_axis_name=shardlib.batch_axis_names(mesh))
+    twin = TutorialCNN(rngs=nnx.Rngs(1))
+    nnx.update(twin, nnx.state(held, nnx.Param))
+    model = from_nnx(held, loss_with_metrics)
+    layout = make_layout(model, "zero3", mesh)
+    return held, twin, model, layout, build(model, optimizer(), layout), [zoo.image_batch(i, ROWS) for i in range(STEPS)]
+
+
+def test_an_instance_trains_from_its_own_weights_like_plain_jit(held_cnn):
+    held, twin, _, _, program, batches = held_cnn
+    with pytest.warns(UserWarning, match="non-scalar aux entries 'logits'"):
+        state = program.init(jax.random.key(7))  # the key seeds dropout only
+        jax.tree.map(np.testing.assert_array_equal, _host(state.params), nnx.to_pure_dict(nnx.state(held, nnx.Param)))
+        state, losses, metrics = _train(program, state, batches)
+    params, carried, loss = functional(twin, loss_with_metrics)
+    ref_params, ref_carried, ref_losses = plain_steps(loss, params, carried, batches, optimizer())
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    _assert_close(state.params, ref_params)
+    _assert_close(state.model_state, ref_carried)
+    assert set(metrics) >= {"loss", "accuracy"} and "logits" not in metrics
+
+
+def test_evaluate_is_the_modules_eval_mode(held_cnn):
+    _, twin, _, _, program, batches = held_cnn
+    with pytest.warns(UserWarning, match="non-scalar aux"):
+        state = program.init(jax.random.key(0))
+        got = program.evaluate(state.params, batches[0], state.model_state)
+    module = nnx.clone(twin)
+    module.eval()
+    loss, logits = tutorial_loss_fn(module, batches[0])
+    np.testing.assert_allclose(float(got["loss"]), float(loss), rtol=1e-5)
+    np.testing.assert_allclose(float(got["accuracy"]), float(jnp.mean(logits.argmax(-1) == batches[0]["label"])))
+
+
+def test_grad_accum_on_batchnorm_and_dropout_matches_microbatched_plain_jit(held_cnn):
+    _, twin, model, layout, _, batches = held_cnn
+    program = build(model, optimizer(), layout, grad_accum=2)
+    with pytest.warns(UserWarning, match="non-scalar aux"):
+        state, losses, _ = _train(program, program.init(jax.random.key(0)), batches)
+    params, carried, loss = functional(twin, loss_with_metrics)
+    ref_params, ref_carried, ref_losses = plain_steps(loss, params, carried, batches, optimizer(), microbatches=2)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    _assert_close(state.params, ref_params)
+    _assert_close(state.model_state, ref_carried)
+
+
+def test_a_tuple_aux_is_dropped_with_a_warning_that_says_what_to_return():
+    model = from_nnx(TutorialCNN, tutorial_loss_fn)  # keyword-only rngs: the class itself
+    jax.tree.map(np.testing.assert_array_equal, model.init(jax.random.key(3)),
+                 nnx.to_pure_dict(nnx.state(TutorialCNN(rngs=nnx.Rngs(jax.random.key(3))), nnx.Param)))
+    call = Call(key=jax.random.key(0), state=model.init_state(jax.random.key(0)))
+    with pytest.warns(UserWarning, match=r"aux of type ArrayImpl.*Return \(loss, \{'accuracy'"):
+        loss, aux, _ = model.loss(model.init(jax.random.key(0)), zoo.image_batch(0, 4), None, call)
+    assert aux == {} and loss.shape == ()
+
+
+# ---------------------------------------------------------------- variables other than Param
+
+
+def test_custom_variables_are_model_state_carried_averaged_and_restored(tmp_path):
+    make = lambda rngs: Counted(32, 8, rngs=rngs)
+    model = from_nnx(make, zoo.regression_loss)
+    program = build(model, optimizer(), make_layout(model, "zero3", make_mesh({"data": 2, "fsdp": 4})))
+    state = program.init(jax.random.key(0))
+    assert set(state.model_state) == {"calls", "output_mean", "scale", "last"}  # sown "y" is not carried
+    batches = [zoo.regression_batch(i, ROWS) for i in range(STEPS)]
+    state, losses, _ = _train(program, state, batches)
+    params, carried, loss = functional(make(nnx.Rngs(0)), zoo.regression_loss)
+    ref_params, ref_carried, ref_losses = plain_steps(loss, params, carried, batches, optimizer())
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    _assert_close(state.params, ref_params)
+    assert int(state.model_state["calls"]) == STEPS  # counted once per step, not summed over devices
+    _assert_close(state.model_state["output_mean"], ref_carried["output_mean"])  # averaged: the global mean
+    np.testing.assert_array_equal(state.model_state["scale"], ref_carried["scale"])  # untouched, bitwise
+    target = build(model, optimizer(), make_layout(model, "zero3", make_mesh({"fsdp": 4}, devices=jax.devices()[:4])))
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        assert ckpt.save(STEPS, state, data_state={}, config={}, force=True)
+        ckpt.wait()
+        restored, _, _ = ckpt.restore(target.abstract_state())
+    jax.tree.map(np.testing.assert_array_equal, _host(restored.model_state), _host(state.model_state))
+    assert restored.model_state["calls"].dtype == jnp.int32
+
+
+# ---------------------------------------------------------------- stacked layers, tied embeddings, bf16
+
+
+def test_layers_stacked_with_vmap_and_scanned_train_and_evaluate_under_fsdp_tp():
+    """split_rngs + vmap stacks each layer's dropout key: shardlib re-seeds one key per layer."""
+    model = from_nnx(lambda rngs: ScanLM(rngs=rngs), lm_loss)
+    assert model.logical_axes["layers"]["up"]["kernel"] == ("layers", "embed", "mlp")
+    program = build(model, optimizer(), make_layout(model, "fsdp_tp", make_mesh({"fsdp": 4, "tensor": 2})))
+    batches = [zoo.token_batch(i, ROWS) for i in range(STEPS)]
+    state, losses, _ = _train(program, program.init(jax.random.key(0)), batches)
+    assert np.all(np.isfinite(losses))
+    with nnx.use_eager_sharding(False):  # annotated: outside a mesh, names as metadata only
+        module = ScanLM(rngs=nnx.Rngs(0))
+    nnx.update(module, nnx.State(_host(state.params)))
+    module.eval()
+    got = program.evaluate(state.params, batches[0])
+    np.testing.assert_allclose(float(got["loss"]), float(lm_loss(module, batches[0])), rtol=1e-5)
+
+
+def test_tied_embedding_attention_lists_and_dicts_match_plain_jit():
+    make = lambda rngs: TiedLM(rngs=rngs)
+    model = from_nnx(make, lm_loss)
+    program = build(model, optimizer(), make_layout(model, "zero2", make_mesh(FSDP8)))
+    batches = [zoo.token_batch(i, ROWS) for i in range(STEPS)]
+    state, losses, _ = _train(program, program.init(jax.random.key(0)), batches)
+    params, carried, loss = functional(make(nnx.Rngs(0)), lm_loss)
+    ref_params, _, ref_losses = plain_steps(loss, params, carried, batches, optimizer())
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    _assert_close(state.params, ref_params)
+
+
+def test_unannotated_model_under_tp_warns_that_nothing_is_split_over_tensor():
+    model = from_nnx(lambda rngs: TiedLM(rngs=rngs), lm_loss)
+    with pytest.warns(shardlib.ReplicationWarning, match="no logical axis names"):
+        make_layout(model, "tp", make_mesh({"data": 4, "tensor": 2}))
+
+
+def test_bfloat16_params_compute_in_bfloat16_over_float32_masters():
+    """The train state holds float32 masters (precision "f32"); the module is handed them in its
+    declared bfloat16, so it computes as written. (A multi-step comparison with a one-device run is
+    not made: a last-bit difference in a master weight can flip its bfloat16 rounding.)"""
+    make = lambda rngs: Bf16MLP(32, 64, 8, rngs=rngs)
+    seen = lambda m, b: (zoo.regression_loss(m, b), {"bf16": jnp.float32(m.linear1.kernel[...].dtype == jnp.bfloat16)})
+    model = from_nnx(make, seen)
+    assert {x.dtype for x in jax.tree.leaves(model.abstract())} == {jnp.dtype(jnp.bfloat16)}
+    masters = jax.tree.map(lambda x: x.astype(jnp.float32) + 1e-4, model.init(jax.random.key(0)))
+    batch = zoo.regression_batch(0, ROWS)
+    loss, aux = model.loss(masters, batch, None)
+    assert float(aux["bf16"]) == 1.0
+    params, carried, reference = functional(make(nnx.Rngs(0)), zoo.regression_loss, param_dtype=jnp.bfloat16)
+    np.testing.assert_allclose(float(loss), float(reference(masters, carried, batch)[0]), rtol=1e-6)
+    f32 = functional(make(nnx.Rngs(0)), zoo.regression_loss, param_dtype=jnp.float32)[2]
+    assert float(f32(masters, carried, batch)[0]) != float(loss)  # the masters are not bfloat16 numbers
