@@ -162,7 +162,7 @@ def _jitted_reference(make):
     @jax.jit
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(zoo.mlp_loss)(params, batch)
-        updates, opt_state = make().update(grads, opt_state, params)
+        updates, opt_state = make().update(grads, opt_state, params, value=loss)
         return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
 
     return step
@@ -199,8 +199,12 @@ def test_injected_rates_are_replicated_reported_and_a_change_takes_effect():
 def test_multi_steps_and_grad_accum_compose_with_clipping():
     """grad_accum=2 (microbatches inside a step) under MultiSteps(k=2) (steps accumulated by the
     optimizer) with clip_by_global_norm inside: the same updates as plain MultiSteps on the whole
-    batches; the grad_norm metric is each step's whole-batch gradient norm before clipping."""
-    make = lambda: optax.MultiSteps(optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-3, eps=1e-5)), 2)
+    batches; the grad_norm metric is each step's whole-batch gradient norm before clipping; and
+    reduce_on_plateau receives the step's loss as ``value`` (atol 1: it never counts an
+    improvement, so with patience 1 it halves the rate on the second update)."""
+    plateau = lambda: optax.contrib.reduce_on_plateau(factor=0.5, patience=1, atol=1.0)
+    make = lambda: optax.MultiSteps(
+        optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-3, eps=1e-5), plateau()), 2)
     model = _model()
     program = build(model, make(), make_layout(model, "zero2", make_mesh(DATA2_FSDP4)), grad_accum=2)
     state = program.init(jax.random.key(0))
@@ -213,6 +217,7 @@ def test_multi_steps_and_grad_accum_compose_with_clipping():
         assert float(norm) > 0.05  # the clip acted
     _assert_params_close(state.params, params)
     assert int(state.opt_state.gradient_step) == 2 and int(state.step) == STEPS
+    assert float(state.opt_state.inner_opt_state[2].scale) == float(ref_state.inner_opt_state[2].scale) == 0.5
 
 
 def test_apply_if_finite_is_reported_inert_and_the_step_skips_instead():

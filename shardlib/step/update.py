@@ -6,6 +6,7 @@ skip the whole update, counted, when the loss or the gradient norm is not finite
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,15 @@ def _learning_rates(opt_state: Any, step: jax.Array, schedule: Callable | None) 
     if len(found) == 1:
         return {"lr": jnp.asarray(found[0][1], jnp.float32)}
     return {f"lr/{_label(path)}": jnp.asarray(value, jnp.float32) for path, value in found}
+
+
+def optimizer_update(tx: Any, grads: Any, opt_state: Any, params: Any, loss: jax.Array) -> tuple[Any, Any]:
+    """``tx.update``, given the step's loss as ``value=`` where it takes extra arguments (optax's
+    chains, ``MultiSteps``): ``optax.contrib.reduce_on_plateau`` needs it, the others drop it."""
+    accepts = inspect.signature(tx.update).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD or p.name == "value" for p in accepts):
+        return tx.update(grads, opt_state, params, value=loss)
+    return tx.update(grads, opt_state, params)
 
 
 def _label(path: tuple[Any, ...]) -> str:
@@ -74,7 +84,7 @@ class Update:
         opt_in = self._opt_state_to(state.opt_state, offload_lib.DEVICE_MEMORY)  # host -> device when offloaded
 
         def apply_update(_):
-            updates, opt_state = self.tx.update(grads, opt_in, params_s)
+            updates, opt_state = optimizer_update(self.tx, grads, opt_in, params_s, loss)
             new_params = buckets_lib.gather(optax.apply_updates(params_s, updates), self.state_shardings,
                                             self.param_shardings, self.gather_bucket_bytes)
             return new_params, opt_state, produced
