@@ -56,7 +56,9 @@ def from_nnx(
     state, kept in ``TrainState.model_state``. A ``Param`` declared narrower than the step's master
     weights (``param_dtype=jnp.bfloat16``) is computed with in its declared dtype.
 
-    ``loss_fn`` returns the loss, or ``(loss, aux)``: aux's scalar entries (a dict) become metrics;
+    ``loss_fn(module, batch)`` may also take an ``rngs`` argument (``loss_fn(model, rngs, batch)``,
+    for modules whose ``__call__`` takes the rngs): it receives an ``nnx.Rngs`` seeded from the
+    step's key. It returns the loss, or ``(loss, aux)``: aux's scalar entries (a dict) become metrics;
     anything else (the tutorial's ``(loss, logits)``) is dropped, with a warning. Evaluation runs
     the module after ``module.eval()`` (dropout off, BatchNorm on running averages).
 
@@ -69,12 +71,13 @@ def from_nnx(
     parts = _NnxParts.of(source.abstract())
     logical = rules_lib.logical_axes_of(nnx_pure_dict(parts.params, keep_variables=True))
     stateful = bool(jax.tree.leaves(parts.carried))
+    call_loss, loss_takes_rngs = _loss_caller(loss_fn)
 
     def run(params, batch, specs, call):
         module = parts.bind(params, specs, call.state, call.key)
         if not call.train:
             module.eval()
-        loss, aux = _nnx_loss_out(loss_fn(module, batch))
+        loss, aux = _nnx_loss_out(call_loss(module, batch, call.key))
         return loss, aux, parts.carried_of(module) if stateful else None
 
     stages = None
@@ -86,7 +89,7 @@ def from_nnx(
             head_loss=lambda params, x, batch, specs=None: _nnx_loss_out(
                 pipeline.head_loss(parts.bind(params, specs), x, batch)),
         )
-    uses_key = bool(jax.tree.leaves(parts.rngs))
+    uses_key = bool(jax.tree.leaves(parts.rngs)) or loss_takes_rngs
     return Model(init=source.params, loss=_with_call(run, uses_key or stateful), logical_axes=logical,
                  gathers_params=gathers_params, apply=lambda params, inputs: parts.bind(params)(inputs),
                  pipeline=stages, takes_call=uses_key or stateful, uses_key=uses_key,
@@ -146,6 +149,25 @@ def _parameter_names(make: Callable) -> tuple[str, ...]:
         return tuple(inspect.signature(make.__init__ if isinstance(make, type) else make).parameters)
     except (TypeError, ValueError):  # a builtin or C callable: call it positionally
         return ()
+
+
+def _loss_caller(loss_fn: Callable) -> tuple[Callable[[Any, Batch, Any], Any], bool]:
+    """``(module, batch, key) -> loss_fn(...)``, and whether it draws: a loss with an ``rngs``
+    parameter (``loss_fn(model, rngs, batch)``, for modules whose ``__call__`` takes the rngs) gets
+    an ``nnx.Rngs`` seeded from this step's and device's key, in that parameter's place."""
+    from flax import nnx
+
+    names = _parameter_names(loss_fn)
+    if "rngs" not in names:
+        return (lambda module, batch, key: loss_fn(module, batch)), False
+    order = names.index("rngs")  # where rngs goes among (module, batch)
+
+    def call(module, batch, key):
+        rngs = nnx.Rngs(jax.random.key(0) if key is None else key)  # eval: module.eval() draws nothing
+        args = [module, batch]
+        return loss_fn(*args[:order], rngs, *args[order:])
+
+    return call, True
 
 
 def _carried_filter() -> Any:
