@@ -41,6 +41,8 @@ class ComputeContext:
     sliced: set[str] = dataclasses.field(default_factory=set)  # paths gathered one slice of a stack at a time
     # state -> state, first, on all of one gather_layer call's state (`shardlib.step.layerwise`'s twins)
     gather_tree: Callable[[Any], Any] | None = None
+    # (logical name, mesh axes) over the GSPMD axes: what Flax linen's nn.with_logical_constraint reads
+    logical_rules: tuple[tuple[str, Any], ...] = ()
 
 
 _CONTEXT: contextvars.ContextVar[ComputeContext | None] = contextvars.ContextVar(
@@ -55,6 +57,13 @@ def compute_context(ctx: ComputeContext) -> Iterator[ComputeContext]:
         yield ctx
     finally:
         _CONTEXT.reset(token)
+
+
+def logical_rules() -> tuple[tuple[str, Any], ...] | None:
+    """The step's activation rules as Flax logical-axis rules (batch axes dropped: they are manual
+    in the step); None outside a shardlib step, where the caller's own rules apply."""
+    ctx = _CONTEXT.get()
+    return None if ctx is None else ctx.logical_rules
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:

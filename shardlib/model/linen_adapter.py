@@ -1,15 +1,32 @@
 """`from_linen`: a Flax linen module as a `Model` (the ``params`` collection trained, every other
-collection carried as model state, rng streams drawn from the step's key)."""
+collection carried as model state, rng streams drawn from the step's key).
+
+Not every linen collection is state the step may carry: a ``cache`` exists in decode mode
+only and is sized by the batch, and a collection written with ``self.sow`` holds a tuple that
+grows with every call (an output, not state). Those are refused at adaptation time, naming the
+collection and what to do, instead of failing later inside the step with a pytree error.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 
+from shardlib.model import hooks
 from shardlib.model.adapters import Batch, Model, _loss_out, _with_call
 from shardlib.sharding import rules as rules_lib
+
+Inputs = Callable[[Batch, bool], tuple[tuple[Any, ...], dict[str, Any]]]
+
+# Collections that Flax convention reserves for something other than training state, and why.
+_NOT_STATE = {
+    "cache": "the decoding cache linen attention creates in decode mode (decode=True); it is sized by "
+             "the batch and is not trained: build the module for training with decode=False "
+             "(decode with model.apply on a decode=True copy of the module)",
+}
 
 
 def _single_input(batch: Batch, train: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -22,8 +39,9 @@ def from_linen(
     loss_fn: Callable[[Any, Batch], Any],
     example: Any,
     *,
-    inputs: Callable[[Batch, bool], tuple[tuple[Any, ...], dict[str, Any]]] | None = None,
+    inputs: Inputs | None = None,
     rng_streams: tuple[str, ...] = ("dropout",),
+    capture: tuple[str, ...] = (),
 ) -> Model:
     """Adapt a linen module whose parameters use ``nn.with_logical_partitioning`` (or none).
 
@@ -36,12 +54,18 @@ def from_linen(
     model draws nothing) and update every variable collection besides ``params`` (linen
     ``batch_stats``), which the train state carries; evaluation calls ``inputs(batch, False)``,
     with no rngs and the collections read-only. The module is initialised with ``train=False``.
+
+    ``capture`` names collections the module writes with ``self.sow`` (``"intermediates"``, an
+    auxiliary ``"losses"``): each call starts them empty and ``loss_fn`` receives
+    ``(outputs, {collection: values})``, what ``module.apply(..., mutable=capture)`` returns.
+    Inside the step, ``nn.with_logical_constraint`` maps through the strategy's activation rules.
     """
     from flax import linen as nn
     from flax.core import unfreeze
 
     if inputs is None:
         inputs, example = _single_input, {"inputs": example}
+    capture = tuple(capture)
 
     def variables(key):
         args, kwargs = inputs(example, False)
@@ -49,34 +73,112 @@ def from_linen(
         return unfreeze(module.init(rngs, *args, **kwargs))
 
     boxed = jax.eval_shape(variables, jax.random.key(0))
-    logical = rules_lib.logical_axes_of(boxed["params"])
-    collections = tuple(c for c in boxed if c != "params")
+    collections = _state_collections(boxed, capture)
+    apply_call = _Apply(module, rng_streams, collections, capture)
 
-    def init(key):
-        return nn.unbox(variables(key)["params"])
+    def run(params, batch, specs, call):
+        args, kwargs = inputs(batch, call.train)
+        out, state = apply_call(params, call, args, kwargs)
+        loss, aux = _loss_out(loss_fn(out, batch))
+        return loss, aux, state
 
     def init_state(key):
         return {c: v for c, v in nn.unbox(variables(key)).items() if c in collections}
 
-    def run(params, batch, specs, call):
-        args, kwargs = inputs(batch, call.train)
-        rngs = _stream_keys(call.key, rng_streams) if call.train and call.key is not None else None
-        state = dict(call.state or {})
-        if call.train and collections:
-            out, state = module.apply({"params": params, **state}, *args, rngs=rngs, mutable=list(collections), **kwargs)
-            state = unfreeze(state)
-        else:
-            out = module.apply({"params": params, **state}, *args, rngs=rngs, **kwargs)
-        loss, aux = _loss_out(loss_fn(out, batch))
-        return loss, aux, state if collections else None
-
-    def apply(params, batch_inputs):
-        return module.apply({"params": params}, batch_inputs)
-
     # A linen call without rngs in training mode fails in flax itself if the module draws any.
-    return Model(init=init, loss=_with_call(run, bool(collections)), logical_axes=logical,
-                 apply=apply, takes_call=True, uses_key=bool(rng_streams),
-                 init_state=init_state if collections else None)
+    return Model(init=lambda key: nn.unbox(variables(key)["params"]), loss=_with_call(run, bool(collections)),
+                 logical_axes=rules_lib.logical_axes_of(boxed["params"]), apply=apply_call.outputs,
+                 takes_call=True, uses_key=bool(rng_streams), init_state=init_state if collections else None)
+
+
+def _state_collections(boxed: dict[str, Any], capture: tuple[str, ...]) -> tuple[str, ...]:
+    """The collections the train state carries: every one besides ``params`` and ``capture``;
+    refused with what to do where the collection is not state (`_NOT_STATE`, sown tuples)."""
+    collections = tuple(c for c in boxed if c != "params" and c not in capture)
+    for name in collections:
+        if name in _NOT_STATE:
+            raise ValueError(f"from_linen: the module's {name!r} collection is {_NOT_STATE[name]}")
+        sown = _sown_paths(boxed[name])
+        if sown:
+            raise ValueError(
+                f"from_linen: the module's {name!r} collection is written with self.sow ({', '.join(sown)} hold "
+                f"tuples that grow with every call), so it is an output, not state the step can carry: pass "
+                f"from_linen(..., capture=({name!r},)) and loss_fn receives (outputs, {{{name!r}: values}})")
+    return collections
+
+
+def _sown_paths(tree: Any) -> list[str]:
+    """Paths of the tuples in a collection: what ``self.sow``'s default ``init_fn`` leaves."""
+    found = []
+    jax.tree_util.tree_map_with_path(lambda path, x: found.append(rules_lib.path_str(path)) if isinstance(x, tuple) else None,
+                                     tree, is_leaf=lambda x: isinstance(x, tuple))
+    return found
+
+
+class _Apply:
+    """``module.apply`` as the step calls it (rngs from the step's key, the state collections
+    mutable when training, captured collections fresh on every call) and as users call it."""
+
+    def __init__(self, module: Any, rng_streams: tuple[str, ...], collections: tuple[str, ...],
+                 capture: tuple[str, ...]):
+        self.module, self.rng_streams, self.collections, self.capture = module, rng_streams, collections, capture
+
+    def __call__(self, params: Any, call: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        """(outputs, new model state), outputs paired with the captured collections if any."""
+        from flax.core import unfreeze
+
+        rngs = _stream_keys(call.key, self.rng_streams) if call.train and call.key is not None else None
+        state = dict(call.state or {})
+        mutable = [*(self.collections if call.train else ()), *self.capture]
+        with _named_rng_errors(self.rng_streams, call.train), _logical_constraints():
+            if not mutable:  # evaluation (or no state): the state goes back as it came
+                out = self.module.apply({"params": params, **state}, *args, rngs=rngs, **kwargs)
+                return out, state if self.collections else None
+            out, written = self.module.apply({"params": params, **state}, *args, rngs=rngs, mutable=mutable, **kwargs)
+        written = unfreeze(written)
+        if self.capture:
+            out = (out, {c: written.get(c, {}) for c in self.capture})
+        if not self.collections:
+            return out, None
+        return out, {c: written[c] for c in self.collections} if call.train else state
+
+    def outputs(self, params: Any, *args: Any, model_state: Any = None, **kwargs: Any) -> Any:
+        """`Model.apply`: ``module.apply({"params": params, **model_state}, *args, **kwargs)``
+        (sampling, or a user's own evaluation); a module with batch_stats needs ``model_state``."""
+        if self.collections and model_state is None:
+            raise ValueError(
+                f"this linen module carries {', '.join(self.collections)}: call model.apply(params, *args, "
+                "model_state=state.model_state, **kwargs), with the module's own eval flag (train=False)")
+        return self.module.apply({"params": params, **(model_state or {})}, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _named_rng_errors(streams: tuple[str, ...], train: bool) -> Iterator[None]:
+    """Flax's missing-stream error, with the shardlib option that passes the stream."""
+    from flax import errors
+
+    try:
+        yield
+    except errors.InvalidRngError as err:
+        when = (f"shardlib passes the streams rng_streams={streams!r} when training" if train else
+                "evaluation (train=False) passes no rngs: draw random numbers only when training")
+        raise ValueError(f"from_linen: the module asked for an rng stream it was not given ({err}); {when}: "
+                         "name every stream the module draws from, e.g. from_linen(..., "
+                         "rng_streams=('dropout', 'noise'))") from err
+
+
+@contextlib.contextmanager
+def _logical_constraints() -> Iterator[None]:
+    """Inside a shardlib step, ``nn.with_logical_constraint`` resolves through the strategy's
+    activation rules (as `shardlib.constrain` does); outside one, the user's own rules apply."""
+    rules = hooks.logical_rules()
+    if rules is None:
+        yield
+        return
+    from flax import linen as nn
+
+    with nn.logical_axis_rules(rules):
+        yield
 
 
 def _stream_keys(key: jax.Array, streams: tuple[str, ...]) -> dict[str, jax.Array]:

@@ -82,6 +82,16 @@ def average_state(model_state: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree_util.tree_map_with_path(mean, model_state)
 
 
+def logical_rules(layout: Layout) -> tuple[tuple[str, Any], ...]:
+    """The activation rules over the GSPMD axes with more than one device, as Flax logical-axis
+    rules (linen's ``nn.with_logical_constraint``); empty where no such axis exists (no constraint)."""
+    auto = {a for a in auto_axes(layout) if layout.mesh.shape[a] > 1}
+    if not auto:
+        return ()
+    kept = ((name, tuple(a for a in rules_lib.as_axes(axes) if a in auto)) for name, axes in layout.strategy.activation_rules)
+    return tuple((name, None if not axes else axes[0] if len(axes) == 1 else axes) for name, axes in kept)
+
+
 def activation_spec(layout: Layout) -> Callable[[Any, tuple[int, ...]], P]:
     """Activation constraints over the axes left to GSPMD (the batch axes are manual in the step)."""
     rules = layout.strategy.activation_rules
@@ -125,6 +135,7 @@ class ModelCall:
     secondary: hierarchical.SecondaryPartition | None = None
     gather: Callable[[Any, Any], jax.Array] | None = None  # ZeRO++'s quantised gather (`zeropp`); None: all_gather
     gather_tree: Callable[[Any], Any] | None = None  # per gather_layer call, first (`layerwise`'s twins)
+    logical_rules: tuple = ()  # the activation rules for Flax's nn.with_logical_constraint (`logical_rules`)
 
     @classmethod
     def for_layout(cls, model: Model, layout: Layout, policy: precision_lib.Precision,
@@ -136,7 +147,8 @@ class ModelCall:
         secondary = hierarchical.for_layout(layout, model.gathers_params)
         specs = secondary.intra_specs if secondary else layout.manual(layout.params)
         return cls(model, specs, auto, by_path, sharded_paths(layout), activation_spec(layout),
-                   policy.compute_dtype, cast_first, rows_split, active_axes(layout, exclude), secondary)
+                   policy.compute_dtype, cast_first, rows_split, active_axes(layout, exclude), secondary,
+                   logical_rules=logical_rules(layout))
 
     def _compute(self, tree: Any) -> Any:
         """``tree`` in the compute dtype; a layerwise state shard keeps the master dtype, so its
@@ -168,7 +180,8 @@ class ModelCall:
 
     def _context(self) -> hooks.ComputeContext:
         return hooks.ComputeContext(self.activation_spec, cast_to=None if self.cast_first else self.compute_dtype,
-                                    auto_specs=self.auto_by_path, gather=self.gather, gather_tree=self.gather_tree)
+                                    auto_specs=self.auto_by_path, gather=self.gather, gather_tree=self.gather_tree,
+                                    logical_rules=self.logical_rules)
 
     def probe(self, params: Any, rows: Any, ctx: StepContext) -> hooks.ComputeContext:
         """The compute context an abstract trace of the loss leaves: which parameters the model
