@@ -22,9 +22,9 @@ from shardlib import Checkpointer, build, from_nnx, make_layout, make_mesh
 from shardlib.model import Call
 from tests import zoo
 from tests.helpers import optimizer
+from tests.test_user_models import _assert_close  # the parameter comparison (conv biases before BatchNorm: noise)
 
 STEPS, ROWS = 3, 16
-PARAM_ATOL = 3 * 3e-3 * 1e-8 / 1e-5  # Adam's drift bound of tests/test_user_models.py, over 3 steps
 FSDP8 = {"fsdp": 8}
 
 
@@ -55,6 +55,11 @@ def tutorial_loss_fn(model, batch):
 def loss_with_metrics(model, batch):
     loss, logits = tutorial_loss_fn(model, batch)
     return loss, {"accuracy": jnp.mean(logits.argmax(-1) == batch["label"]), "logits": logits}
+
+
+def tuple_loss(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
 
 
 class Count(nnx.Variable):
@@ -183,32 +188,18 @@ def functional(module, loss_fn, param_dtype=None):
 
 
 def plain_steps(loss, params, carried, batches, tx, microbatches=1):
-    """One device, ``jax.jit(jax.value_and_grad)`` + optax; ``microbatches`` rows ``i::k`` in turn,
-    the model state flowing from one to the next, gradients averaged."""
+    """`zoo.plain_steps_with_state` (one device, ``jax.jit(jax.value_and_grad)`` + optax) over the
+    mean of ``microbatches`` losses on rows ``i::k`` in turn, the model state flowing from one to
+    the next: the gradient of that mean is the average of the microbatches' gradients."""
 
-    def value_and_grad(params, carried, batch):
-        def objective(p, c, b):
-            (out, new_c) = loss(p, c, b)
-            return (out[0] if isinstance(out, tuple) else out), new_c
-
-        total, grads = 0.0, jax.tree.map(jnp.zeros_like, params)
+    def mean_loss(params, carried, batch):
+        total = 0.0
         for i in range(microbatches):
-            rows = jax.tree.map(lambda x: x[i::microbatches], batch)
-            (value, carried), g = jax.value_and_grad(objective, has_aux=True)(params, carried, rows)
-            total, grads = total + value / microbatches, jax.tree.map(lambda a, b: a + b / microbatches, grads, g)
-        return total, grads, carried
+            out, carried = loss(params, carried, jax.tree.map(lambda x: x[i::microbatches], batch))
+            total += (out[0] if isinstance(out, tuple) else out) / microbatches
+        return total, carried
 
-    @jax.jit
-    def step(params, opt_state, carried, batch):
-        value, grads, carried = value_and_grad(params, carried, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, carried, value
-
-    opt_state, losses = tx.init(params), []
-    for batch in batches:
-        params, opt_state, carried, value = step(params, opt_state, carried, batch)
-        losses.append(float(value))
-    return params, carried, losses
+    return zoo.plain_steps_with_state(mean_loss, params, carried, tx, batches)
 
 
 def _host(tree):
@@ -221,20 +212,6 @@ def _train(program, state, batches):
         state, metrics = program.step(state, batch)
         losses.append(float(metrics["loss"]))
     return state, losses, metrics
-
-
-# A conv bias right before BatchNorm has a zero gradient (BN subtracts the mean): both sides move
-# it by Adam-amplified rounding noise only, so only that it stays at noise level is compared.
-_BEFORE_BN = "['conv1']['bias']"
-
-
-def _assert_close(got, want):
-    for path, ref in jax.tree_util.tree_leaves_with_path(want):
-        value, name = np.asarray(dict(jax.tree_util.tree_leaves_with_path(got))[path]), jax.tree_util.keystr(path)
-        if name == _BEFORE_BN:
-            assert max(np.abs(value).max(), np.abs(np.asarray(ref)).max()) < 1e-4
-            continue
-        np.testing.assert_allclose(value, np.asarray(ref), rtol=1e-5, atol=PARAM_ATOL, err_msg=name)
 
 
 # ---------------------------------------------------------------- the tutorial CNN, held as an instance
@@ -301,18 +278,40 @@ def test_a_tuple_aux_is_dropped_with_a_warning_that_says_what_to_return():
     assert aux == {} and loss.shape == ()
 
 
+class CallTimeDropout(nnx.Module):
+    """Dropout whose rngs come with the call (``model(x, rngs)``), not held by the module."""
+
+    def __init__(self, *, rngs):
+        self.linear = nnx.Linear(32, 8, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs=None):
+        return self.linear(self.dropout(x, rngs=rngs))
+
+
+def test_a_loss_that_takes_rngs_gets_them_from_the_steps_key():
+    model = from_nnx(CallTimeDropout, lambda model, rngs, batch: jnp.mean((model(batch["x"], rngs) - batch["y"]) ** 2))
+    assert model.uses_key
+    params, batch = model.init(jax.random.key(0)), zoo.regression_batch(0, 4)
+    draw = lambda key, train=True: float(model.loss(params, batch, None, Call(key=key, train=train))[0])
+    assert draw(jax.random.key(1)) == draw(jax.random.key(1)) != draw(jax.random.key(2))
+    held = CallTimeDropout(rngs=nnx.Rngs(0))
+    held.eval()
+    np.testing.assert_allclose(draw(None, train=False), float(zoo.regression_loss(held, batch)), rtol=1e-6)
+
+
 # ---------------------------------------------------------------- variables other than Param
 
 
 def test_custom_variables_are_model_state_carried_averaged_and_restored(tmp_path):
     make = lambda rngs: Counted(32, 8, rngs=rngs)
-    model = from_nnx(make, zoo.regression_loss)
+    model = from_nnx(make, tuple_loss)
     program = build(model, optimizer(), make_layout(model, "zero3", make_mesh({"data": 2, "fsdp": 4})))
     state = program.init(jax.random.key(0))
     assert set(state.model_state) == {"calls", "output_mean", "scale", "last"}  # sown "y" is not carried
-    batches = [zoo.regression_batch(i, ROWS) for i in range(STEPS)]
+    batches = [(b["x"], b["y"]) for b in map(zoo.regression_batch, range(STEPS))]  # batches as (x, y) tuples
     state, losses, _ = _train(program, state, batches)
-    params, carried, loss = functional(make(nnx.Rngs(0)), zoo.regression_loss)
+    params, carried, loss = functional(make(nnx.Rngs(0)), tuple_loss)
     ref_params, ref_carried, ref_losses = plain_steps(loss, params, carried, batches, optimizer())
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     _assert_close(state.params, ref_params)
