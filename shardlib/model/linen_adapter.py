@@ -10,7 +10,7 @@ collection and what to do, instead of failing later inside the step with a pytre
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -31,6 +31,11 @@ _NOT_STATE = {
 
 def _single_input(batch: Batch, train: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
     del train  # the one-input call of earlier versions takes no flag
+    if not isinstance(batch, Mapping) or "inputs" not in batch:
+        raise ValueError(
+            f"from_linen without inputs= calls the module with batch['inputs'], and this batch is a "
+            f"{type(batch).__name__} without it: pass inputs=, e.g. for a batch (x, y): "
+            "from_linen(module, loss_fn, example_batch, inputs=lambda batch, train: ((batch[0],), {}))")
     return (batch["inputs"],), {}
 
 

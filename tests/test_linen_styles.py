@@ -1,0 +1,358 @@
+"""Flax linen models in the ecosystem's usual styles, through `shardlib.from_linen`.
+
+The models are written the way the Flax docs and examples write them (no shardlib import): the
+MNIST CNN called as ``model.apply({'params': p}, x)``, a ``setup()`` MLP fed a tuple batch, an
+lm1b-style LM (weight-tied ``embed.attend``, ``deterministic`` flag, a tuple returned), layers
+stacked with ``nn.remat`` + ``nn.scan`` and ``PARTITION_NAME`` metadata, t5x-style
+``nn.with_logical_constraint`` on activations, a ResNet with BatchNorm and ``functools.partial``
+layers, a sown auxiliary loss, a non-'dropout' rng stream and a decode-mode cache.
+
+References are independent of shardlib: ``module.apply`` inside a plain one-device
+``jax.jit(jax.value_and_grad)`` + optax step (`tests.zoo.plain_steps_with_state`), the lowered
+HLO's sharding constraints, and bitwise checkpoint comparison.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+
+import shardlib
+from shardlib import Checkpointer, build, from_linen, make_layout, make_mesh
+from tests import zoo
+from tests.helpers import optimizer  # AdamW, lr 3e-3, eps=1e-5
+
+STEPS, ROWS = 3, 16
+VOCAB, SEQ, D = zoo.VOCAB, zoo.SEQ, 32
+pytestmark = pytest.mark.filterwarnings("ignore::shardlib.ReplicationWarning")
+
+
+# ---- the models, as their authors write them ---------------------------------------------------
+
+class CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.avg_pool(nn.relu(nn.Conv(features=32, kernel_size=(3, 3))(x)), window_shape=(2, 2), strides=(2, 2))
+        x = nn.avg_pool(nn.relu(nn.Conv(features=64, kernel_size=(3, 3))(x)), window_shape=(2, 2), strides=(2, 2))
+        x = nn.relu(nn.Dense(features=256)(x.reshape((x.shape[0], -1))))
+        return nn.Dense(features=10)(x)
+
+
+class SetupMLP(nn.Module):
+    features: tuple = (256, 8)
+
+    def setup(self):
+        self.layers = [nn.Dense(f) for f in self.features]
+
+    def __call__(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i != len(self.layers) - 1:
+                x = nn.relu(x)
+        return x
+
+
+class DecoderBlock(nn.Module):
+    dropout_rate: float
+
+    @nn.compact
+    def __call__(self, x, mask, deterministic: bool):
+        y = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=D, dropout_rate=self.dropout_rate,
+                                            deterministic=deterministic)(nn.LayerNorm()(x), mask=mask)
+        x = x + nn.Dropout(rate=self.dropout_rate)(y, deterministic=deterministic)
+        y = nn.Dense(D)(nn.gelu(nn.Dense(4 * D)(nn.LayerNorm()(x))))
+        return x + nn.Dropout(rate=self.dropout_rate)(y, deterministic=deterministic)
+
+
+class TiedLM(nn.Module):
+    """lm1b-style: the output head is the embedding (``embed.attend``); returns (logits, aux)."""
+
+    dropout_rate: float = 0.1
+
+    @nn.compact
+    def __call__(self, tokens, positions, *, deterministic: bool):
+        embed = nn.Embed(VOCAB, D, embedding_init=nn.initializers.normal(stddev=1.0), name="embed")
+        x = embed(tokens) + self.param("pos_embedding", nn.initializers.normal(0.02), (SEQ, D))[positions]
+        mask = nn.make_causal_mask(tokens)
+        for i in range(2):
+            x = DecoderBlock(self.dropout_rate, name=f"block_{i}")(x, mask, deterministic)
+        x = nn.LayerNorm(name="final_norm")(x)
+        return embed.attend(x), {"hidden_rms": jnp.sqrt(jnp.mean(jnp.square(x)))}
+
+
+class ScanBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        init = nn.initializers.lecun_normal()
+        y = nn.Dense(64, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(nn.LayerNorm()(x))
+        y = nn.Dense(D, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(nn.relu(y))
+        return x + y, None
+
+
+class ScannedLM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(VOCAB, D, embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")))(tokens)
+        stack = nn.scan(nn.remat(ScanBlock), variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+                        length=4, metadata_params={nn.PARTITION_NAME: "layers"})
+        x, _ = stack(name="layers")(x, None)
+        return nn.Dense(VOCAB, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "vocab")))(x)
+
+
+class T5xMLP(nn.Module):
+    """t5x / MaxText in linen: logical names on the parameters and on the activations."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        x = nn.with_logical_constraint(x, ("batch", "embed"))
+        h = nn.Dense(256, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")),
+                     bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)))(x)
+        h = nn.with_logical_constraint(nn.relu(h), ("batch", "mlp"))
+        return nn.Dense(8, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(h)
+
+
+class ResNetBlock(nn.Module):
+    filters: int
+    conv: Any
+    norm: Any
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.relu(self.norm()(self.conv(self.filters, (3, 3))(x)))
+        y = self.norm(scale_init=nn.initializers.zeros_init())(self.conv(self.filters, (3, 3))(y))
+        return nn.relu(x + y)
+
+
+class ResNet(nn.Module):
+    axis_name: Any = None
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32)
+        norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5,
+                                 dtype=self.dtype, param_dtype=jnp.float32, axis_name=self.axis_name)
+        x = nn.relu(norm(name="bn_init")(conv(16, (3, 3), name="conv_init")(x)))
+        x = ResNetBlock(16, conv=conv, norm=norm)(x)
+        return nn.Dense(10, dtype=self.dtype)(jnp.mean(x, axis=(1, 2))).astype(jnp.float32)
+
+
+class SownAuxLoss(nn.Module):
+    """An auxiliary loss sown into its own collection (as mixture-of-experts layers do)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(256)(x))
+        self.sow("losses", "activation_l2", jnp.mean(h ** 2))
+        return nn.Dense(8)(h)
+
+
+class Noisy(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.relu(nn.Dense(64)(x))
+        return nn.Dense(8)(h + 0.1 * jax.random.normal(self.make_rng("noise"), h.shape) if train else h)
+
+
+class Decoding(nn.Module):
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        if self.decode:
+            index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+            index.value += 1
+        return nn.Dense(8)(x)
+
+
+# ---- the harness ----------------------------------------------------------------------------
+
+def mse(out, batch):
+    return jnp.mean((out - batch["y"]) ** 2)
+
+
+def regression_inputs(batch, train):
+    return (batch["x"],), {}
+
+
+def _train(program, batches):
+    state, losses = program.init(jax.random.key(0)), []
+    start = jax.tree.map(np.asarray, (state.params, state.model_state))
+    for batch in batches:
+        state, metrics = program.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return start, state, losses
+
+
+def _parity(model, strategy, sizes, reference, make_batch):
+    """Losses of ``STEPS`` shardlib steps against ``reference(params, state, batch) -> (loss,
+    state)`` in a plain one-device jit + optax step, from the same initial values."""
+    program = build(model, optimizer(), make_layout(model, strategy, make_mesh(sizes)))
+    batches = [make_batch(i) for i in range(STEPS)]
+    (params0, state0), state, losses = _train(program, batches)
+    _, ref_state, ref_losses = zoo.plain_steps_with_state(reference, params0, state0, optimizer(), batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    return program, state, ref_state
+
+
+def _stateless(forward, loss):
+    return lambda p, s, b: (loss(forward(p, b), b), s)
+
+
+# ---- models that train as written ---------------------------------------------------------------
+
+def test_mnist_cnn_called_the_classic_way_matches_plain_jit():
+    module = CNN()
+    model = from_linen(module, lambda logits, b: zoo.cross_entropy(logits, b["label"]), zoo.image_batch(0),
+                       inputs=lambda b, train: ((b["image"],), {}), rng_streams=())
+    _parity(model, "zero3", {"fsdp": 8}, _stateless(lambda p, b: module.apply({"params": p}, b["image"]),
+                                                     lambda logits, b: zoo.cross_entropy(logits, b["label"])),
+            zoo.image_batch)
+
+
+def test_setup_mlp_on_a_tuple_batch_matches_plain_jit():
+    module = SetupMLP()
+    batch = lambda i: tuple(zoo.regression_batch(i).values())  # (x, y)
+    model = from_linen(module, lambda out, b: jnp.mean((out - b[1]) ** 2), batch(0),
+                       inputs=lambda b, train: ((b[0],), {}), rng_streams=())
+    _parity(model, "zero1", {"data": 8}, lambda p, s, b: (jnp.mean((module.apply({"params": p}, b[0]) - b[1]) ** 2), s),
+            batch)
+    one_input = from_linen(module, lambda out, b: 0.0, batch(0)[0])  # without inputs=: batch["inputs"]
+    with pytest.raises(ValueError, match=r"batch\['inputs'\].*tuple.*inputs=lambda batch, train"):
+        one_input.loss(one_input.init(jax.random.key(0)), batch(0))
+
+
+def test_tied_lm_with_deterministic_flag_and_tuple_output_matches_plain_jit():
+    """The flag is ``deterministic``, not ``train``, and the module returns (logits, aux); dropout
+    is off (rate 0) so that the one-device reference draws the same nothing."""
+    module = TiedLM(dropout_rate=0.0)
+    loss = lambda out, b: (zoo.cross_entropy(out[0], b["targets"]), out[1])
+    inputs = lambda b, train: ((b["tokens"], b["positions"]), {"deterministic": not train})
+    model = from_linen(module, loss, zoo.token_batch(0), inputs=inputs)
+    reference = lambda p, s, b: (loss(module.apply({"params": p}, *inputs(b, True)[0], deterministic=False), b)[0], s)
+    program, state, _ = _parity(model, "zero2", {"data": 2, "fsdp": 4}, reference, zoo.token_batch)
+    batch = zoo.token_batch(5)
+    evaluation = program.evaluate(state.params, batch)
+    logits, aux = model.apply(state.params, batch["tokens"], batch["positions"], deterministic=True)  # sampling
+    np.testing.assert_allclose(float(evaluation["loss"]), float(zoo.cross_entropy(logits, batch["targets"])), rtol=1e-5)
+    np.testing.assert_allclose(float(evaluation["hidden_rms"]), float(aux["hidden_rms"]), rtol=1e-5)
+
+
+def test_scanned_rematerialised_layers_keep_their_layer_axis_under_fsdp_tp():
+    module = ScannedLM()
+    model = from_linen(module, lambda logits, b: zoo.cross_entropy(logits, b["targets"]), zoo.token_batch(0),
+                       inputs=lambda b, train: ((b["tokens"],), {}))
+    assert model.logical_axes["layers"]["Dense_0"]["kernel"] == ("layers", "embed", "mlp")
+    program, _, _ = _parity(model, "fsdp_tp", {"fsdp": 4, "tensor": 2},
+                            _stateless(lambda p, b: module.apply({"params": p}, b["tokens"]),
+                                       lambda logits, b: zoo.cross_entropy(logits, b["targets"])), zoo.token_batch)
+    spec = program.layout.param_shardings()["layers"]["Dense_0"]["kernel"].spec
+    assert spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")  # the stacked axis stays whole
+
+
+# ---- t5x-style activation constraints ------------------------------------------------------
+
+def test_with_logical_constraint_follows_the_strategys_activation_rules():
+    """Outside a step Flax's own (absent) rules make the constraint a no-op; inside one, 'mlp'
+    maps to 'tensor' as shardlib.constrain would, and 'batch' (manual there) to nothing."""
+    module = T5xMLP()
+    model = from_linen(module, mse, zoo.regression_batch(0), inputs=regression_inputs, rng_streams=())
+    program, state, _ = _parity(model, "tp", {"data": 4, "tensor": 2},
+                                _stateless(lambda p, b: module.apply({"params": p}, b["x"]), mse), zoo.regression_batch)
+    lowered = program.step.lower(state, zoo.regression_batch(0)).as_text()
+    hidden = '<@mesh, [{}, {"tensor"}]> : tensor<4x256xf32>'  # 4 rows per data device, mlp over tensor
+    assert any("sharding_constraint" in line and hidden in line for line in lowered.splitlines())
+    assert any("sharding_constraint" in line and "[{}, {}]> : tensor<4x32xf32>" in line for line in lowered.splitlines())
+
+
+# ---- BatchNorm, model state, Model.apply, checkpoints --------------------------------------------
+
+@pytest.fixture(scope="module")
+def resnet():
+    """The ResNet with synchronised BatchNorm under zero3, trained 3 steps against its one-device
+    reference (plain BatchNorm: the global batch's statistics either way)."""
+    mesh = make_mesh({"fsdp": 8})
+    module = ResNet(axis_name=shardlib.batch_axis_names(mesh))
+    inputs = lambda b, train: ((b["image"],), {"train": train})
+    model = from_linen(module, lambda logits, b: zoo.cross_entropy(logits, b["label"]), zoo.image_batch(0),
+                       inputs=inputs, rng_streams=())
+
+    def reference(params, state, batch):
+        logits, new = ResNet().apply({"params": params, **state}, batch["image"], train=True, mutable=["batch_stats"])
+        return zoo.cross_entropy(logits, batch["label"]), new
+
+    program, state, ref_state = _parity(model, "zero3", {"fsdp": 8}, reference, zoo.image_batch)
+    return model, program, state, ref_state
+
+
+def test_resnet_batch_stats_match_plain_jit(resnet):
+    _, _, state, ref_state = resnet
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6),
+                 state.model_state, ref_state)
+
+
+def test_evaluate_and_model_apply_use_the_running_statistics(resnet):
+    model, program, state, _ = resnet
+    batch = zoo.image_batch(5)
+    logits = ResNet().apply({"params": jax.tree.map(np.asarray, state.params),
+                             **jax.tree.map(np.asarray, state.model_state)}, batch["image"], train=False)
+    want = float(zoo.cross_entropy(logits, batch["label"]))
+    np.testing.assert_allclose(float(program.evaluate(state.params, batch, state.model_state)["loss"]), want, rtol=1e-5)
+    applied = model.apply(state.params, batch["image"], train=False, model_state=state.model_state)
+    np.testing.assert_allclose(np.asarray(applied), np.asarray(logits), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="batch_stats: call model.apply\\(params, \\*args, model_state="):
+        model.apply(state.params, batch["image"], train=False)
+
+
+def test_resnet_restores_bitwise_onto_another_mesh(resnet, tmp_path):
+    model, _, state, _ = resnet
+    target = build(model, optimizer(), make_layout(model, "zero3", make_mesh({"data": 2, "fsdp": 2},
+                                                                             devices=jax.devices()[:4])))
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        assert ckpt.save(STEPS, state, data_state={}, config={}, force=True)
+        ckpt.wait()
+        restored, _, _ = ckpt.restore(target.abstract_state())
+    for got, want in zip(jax.tree.leaves((restored.params, restored.model_state, restored.opt_state)),
+                         jax.tree.leaves((state.params, state.model_state, state.opt_state))):
+        assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+# ---- collections and rng streams that are not state ---------------------------------------------
+
+def test_a_sown_auxiliary_loss_is_captured_not_carried():
+    module = SownAuxLoss()
+    with pytest.raises(ValueError, match=r"'losses' collection is written with self.sow.*capture=\('losses',\)"):
+        from_linen(module, mse, zoo.regression_batch(0), inputs=regression_inputs)
+    loss = lambda out, b: mse(out[0], b) + 0.1 * out[1]["losses"]["activation_l2"][0]
+    model = from_linen(module, loss, zoo.regression_batch(0), inputs=regression_inputs, capture=("losses",))
+    assert not model.stateful
+
+    def reference(params, state, batch):
+        out, sown = module.apply({"params": params}, batch["x"], mutable=["losses"])
+        return mse(out, batch) + 0.1 * sown["losses"]["activation_l2"][0], state
+
+    _parity(model, "zero3", {"fsdp": 8}, reference, zoo.regression_batch)
+
+
+def test_a_decode_cache_is_refused_by_name():
+    with pytest.raises(ValueError, match="'cache' collection is the decoding cache.*decode=False"):
+        from_linen(Decoding(decode=True), mse, zoo.regression_batch(0), inputs=regression_inputs)
+
+
+def test_an_rng_stream_the_adapter_was_not_told_about_is_named():
+    inputs = lambda b, train: ((b["x"],), {"train": train})
+    model = from_linen(Noisy(), mse, zoo.regression_batch(0), inputs=inputs)
+    with pytest.raises(ValueError, match=r"needs PRNG for \"noise\".*rng_streams=\('dropout',\).*rng_streams=\("):
+        model.run(model.init(jax.random.key(0)), zoo.regression_batch(0), None, shardlib.Call(key=jax.random.key(1)))
+    named = from_linen(Noisy(), mse, zoo.regression_batch(0), inputs=inputs, rng_streams=("noise",))
+    params, batch = named.init(jax.random.key(0)), zoo.regression_batch(0)
+    draws = [float(named.run(params, batch, None, shardlib.Call(key=jax.random.key(k)))[0]) for k in (1, 1, 2)]
+    assert draws[0] == draws[1] != draws[2]  # the key decides the noise
