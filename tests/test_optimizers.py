@@ -17,7 +17,8 @@ import pytest
 
 from jax.sharding import PartitionSpec as P
 
-from shardlib import Checkpointer, build, from_functions, from_linen, make_layout, make_mesh, sharding_report
+from shardlib import (Checkpointer, ReplicationWarning, build, from_functions, from_linen, make_layout, make_mesh,
+                      sharding_report)
 from tests import zoo
 
 STEPS, ROWS = 4, 16
@@ -144,11 +145,13 @@ def test_tensor_parallel_state_of_a_linen_model_with_factored_moments():
     split; the factored second moments take their own layout."""
     module, batches = zoo.LinenTransformer(n_layers=1), [zoo.token_batch(i, ROWS) for i in range(3)]
     model = from_linen(module, zoo.linen_transformer_loss, batches[0], inputs=_token_inputs)
-    program = build(model, _frozen_embeddings_adafactor(), make_layout(model, "fsdp_tp", make_mesh({"fsdp": 4, "tensor": 2})))
+    layout = make_layout(model, "fsdp_tp", make_mesh({"fsdp": 4, "tensor": 2}))
+    program = build(model, _frozen_embeddings_adafactor(), layout)
     state = program.init(jax.random.key(0))
     params0 = _host(state.params)
     state, losses, _ = _train(program, state, batches)
-    loss = lambda p, b: zoo.linen_transformer_loss(module.apply({"params": p}, *_token_inputs(b, True)[0], train=True), b)
+    apply = lambda p, b: module.apply({"params": p}, *_token_inputs(b, True)[0], train=True)
+    loss = lambda p, b: zoo.linen_transformer_loss(apply(p, b), b)
     ref_params, ref_losses = zoo.plain_steps(loss, params0, _frozen_embeddings_adafactor(), batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     _assert_params_close(state.params, ref_params)
@@ -255,17 +258,21 @@ def test_nested_optimizer_state_restores_bitwise_onto_another_mesh(tmp_path):
         assert got.dtype == want.dtype and np.array_equal(np.asarray(got), want), jax.tree_util.keystr(path)
         assert len(got.sharding.device_set) == 4
     # the restored state trains on (step 4 applies MultiSteps' second accumulation) as the source does
-    (_, on_target, _), (_, on_source, _) = (_train(p, s, _batches(4)[3:]) for p, s in ((target, restored), (source, state)))
+    _, on_target, _ = _train(target, restored, _batches(4)[3:])
+    _, on_source, _ = _train(source, state, _batches(4)[3:])
     np.testing.assert_allclose(on_target, on_source, rtol=1e-5)
+
+
+def flat_buffer(extra: int = 0):
+    """A user's transformation keeping one flat vector of every parameter (as fused optimizers
+    do), plus ``extra`` slots: state shaped like no parameter."""
+    init = lambda params: jnp.zeros(sum(p.size for p in jax.tree.leaves(params)) + extra)
+    return optax.GradientTransformation(init, lambda updates, state, params=None: (updates, state))
 
 
 def test_report_names_state_that_cannot_follow_its_parameter():
     """Adafactor factors the 256x256 kernel into two 256-vectors (under 1024 elements: kept whole)
     and a user's flat buffer of all parameters follows none: both are listed with where they went."""
-    def flat_buffer():  # one flat vector of every parameter, as fused optimizers keep
-        init = lambda params: jnp.concatenate([jnp.ravel(p) for p in jax.tree.leaves(params)])
-        return optax.GradientTransformation(init, lambda updates, state, params=None: (updates, state))
-
     layout = make_layout(_model(), "zero3", make_mesh(FSDP8))
     text = sharding_report(layout, optimizer=optax.chain(optax.adafactor(), flat_buffer()))
     lines = text.split("optimizer state not shaped like its parameter:")[1].splitlines()
@@ -276,3 +283,12 @@ def test_report_names_state_that_cannot_follow_its_parameter():
     n = sum(s for s in (32 * 256, 256, 256 * 256, 256, 256 * 8, 8))
     assert len(flat) == 1 and f"auto-sharded dim 0 ({n}) over fsdp=8" in flat[0]
     assert "v_row/encoder/kernel" not in text  # shaped like its parameter: not listed
+
+
+def test_large_state_a_sharding_strategy_must_keep_whole_is_a_warning():
+    """A flat buffer one slot longer than the parameters: no dimension the 8 devices divide."""
+    model = _model()
+    n = sum(p.size for p in jax.tree.leaves(zoo.mlp_init(jax.random.key(0)))) + 1
+    with pytest.warns(ReplicationWarning, match=rf"zero3 keeps 1 optimizer-state tensor\(s\) whole .*\n  1 \({n},\): "
+                                                rf"own layout: it follows no parameter; auto-shard: no free dimension"):
+        build(model, optax.chain(optax.adam(1e-3), flat_buffer(extra=1)), make_layout(model, "zero3", make_mesh(FSDP8)))

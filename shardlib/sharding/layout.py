@@ -192,7 +192,8 @@ def _owner(components: tuple[str, ...], by_path: Mapping[tuple[str, ...], rules_
 
 def _own_layout_report(layouts: Any, mesh: Mesh) -> list[str]:
     """The optimizer-state leaves that could not take their parameter's layout, as a table."""
-    own = [l for l in jax.tree.leaves(layouts, is_leaf=rules_lib.is_layout) if any(n.startswith("own layout") for n in l.notes)]
+    own = [l for l in jax.tree.leaves(layouts, is_leaf=rules_lib.is_layout)
+           if any(n.startswith("own layout") for n in l.notes)]
     return ["optimizer state not shaped like its parameter:", rules_lib.report(own, mesh)] if own else []
 
 

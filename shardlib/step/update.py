@@ -47,7 +47,8 @@ def optimizer_update(tx: Any, grads: Any, opt_state: Any, params: Any, loss: jax
 
 def _label(path: tuple[Any, ...]) -> str:
     """A rate's place in the optimizer: its ``multi_transform`` labels and chain indices."""
-    keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path[:-1] if not isinstance(k, optax.tree_utils.NamedTupleKey)]
+    keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path[:-1]
+            if not isinstance(k, optax.tree_utils.NamedTupleKey)]
     return "/".join(str(k) for k in keys if k is not None)
 
 
