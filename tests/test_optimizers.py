@@ -220,6 +220,7 @@ def test_multi_steps_and_grad_accum_compose_with_clipping():
         assert float(norm) > 0.05  # the clip acted
     _assert_params_close(state.params, params)
     assert int(state.opt_state.gradient_step) == 2 and int(state.step) == STEPS
+    _assert_state_sharded(state.opt_state, program.mesh, "zero2")  # the full-size accumulator included
     assert float(state.opt_state.inner_opt_state[2].scale) == float(ref_state.inner_opt_state[2].scale) == 0.5
 
 
