@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from shardlib import Checkpointer, ReplicationWarning, build, from_functions, make_layout, make_mesh
 from tests import zoo
 from tests.helpers import optimizer  # AdamW, lr 3e-3, eps=1e-5
+from tests.test_user_models import _train  # (state, per-step losses) of program.step over batches
 
 ROWS, STEPS = 16, 3
 FSDP8, DATA8, DATA2_FSDP4 = {"fsdp": 8}, {"data": 8}, {"data": 2, "fsdp": 4}
@@ -86,14 +87,6 @@ BATCHES = {
         lambda s: Tempered(dict(zip(("image", "tokens", "mask"), (a := _arrays(s))[:3])), a[3], np.float32(1.5 + s)),
         lambda p, b: _loss(p, **b.inputs, labels=b.label, temperature=b.temperature)),
 }
-
-
-def _train(program, state, batches):
-    losses = []
-    for batch in batches:
-        state, metrics = program.step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return state, losses
 
 
 def _parity(name, strategy, sizes, grad_accum=1):
@@ -182,8 +175,9 @@ def test_rows_that_microbatches_cannot_split_name_the_divisor():
 
 
 def _mixed_init(key):
-    """linen params, a frozen embedding table, an empty sub-tree and a None entry."""
-    return {"model": init(key), "frozen": {"table": jax.random.normal(key, (10, 10))}, "empty": {}, "unused": None}
+    """linen params in bf16, a frozen table, an empty sub-tree and a None entry."""
+    return {"model": jax.tree.map(lambda x: x.astype(jnp.bfloat16), init(key)),
+            "frozen": {"table": jax.random.normal(key, (10, 10))}, "empty": {}, "unused": None}
 
 
 def _mixed_loss(params, batch):
@@ -191,10 +185,14 @@ def _mixed_loss(params, batch):
     return zoo.cross_entropy(logits @ jax.lax.stop_gradient(params["frozen"]["table"]), batch[3])
 
 
-def test_none_empty_and_frozen_entries_train_and_restore_onto_another_mesh(tmp_path):
+def test_bf16_none_empty_and_frozen_entries_train_and_restore_onto_another_mesh(tmp_path):
+    """The default precision keeps float32 master weights: bf16 leaves are upcast at init (warned,
+    naming them), and training matches the plain step over those float32 values."""
     model = from_functions(_mixed_init, _mixed_loss)
-    program = build(model, optimizer(), make_layout(model, "zero3", make_mesh(FSDP8)))
+    with pytest.warns(UserWarning, match=r"precision 'f32' keeps float32 master weights: .* model/Dense_0/kernel \(bfloat16\)"):
+        program = build(model, optimizer(), make_layout(model, "dp", make_mesh(DATA8)))
     state = program.init(jax.random.key(0))
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
     params0 = jax.tree.map(np.asarray, state.params)
     batches = [BATCHES["tuple"][0](i) for i in range(STEPS)]
     state, losses = _train(program, state, batches)
@@ -203,29 +201,13 @@ def test_none_empty_and_frozen_entries_train_and_restore_onto_another_mesh(tmp_p
     # no gradient reaches the table; AdamW's weight decay alone moves it, on both sides
     np.testing.assert_allclose(np.asarray(state.params["frozen"]["table"]), ref_params["frozen"]["table"], rtol=1e-6)
     assert state.params["empty"] == {} and state.params["unused"] is None
-    target = build(model, optimizer(), make_layout(model, "zero1", make_mesh({"data": 4}, devices=jax.devices()[:4])))
+    target = build(model, optimizer(), make_layout(model, "zero3", make_mesh({"fsdp": 4}, devices=jax.devices()[:4])))
     with Checkpointer(tmp_path / "ckpt") as ckpt:
         assert ckpt.save(STEPS, state, data_state={}, config={}, force=True)
         ckpt.wait()
         restored, _, _ = ckpt.restore(target.abstract_state())
     assert jax.tree.structure(restored.params) == jax.tree.structure(state.params)
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored.params), jax.tree.map(np.asarray, state.params))
-
-
-def test_bf16_parameters_are_float32_masters_and_said_so():
-    """The default precision keeps float32 master weights: bf16 leaves are upcast at init (warned,
-    naming them), and training matches the plain step over those float32 values."""
-    bf16_init = lambda key: jax.tree.map(lambda x: x.astype(jnp.bfloat16), init(key))
-    loss = BATCHES["tuple"][1]
-    model = from_functions(bf16_init, loss)
-    with pytest.warns(UserWarning, match=r"precision 'f32' keeps float32 master weights: .* Dense_0/kernel \(bfloat16\)"):
-        program = build(model, optimizer(), make_layout(model, "dp", make_mesh(DATA8)))
-    state = program.init(jax.random.key(0))
-    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
-    params0 = jax.tree.map(np.asarray, state.params)
-    batches = [BATCHES["tuple"][0](i) for i in range(STEPS)]
-    _, losses = _train(program, state, batches)
-    np.testing.assert_allclose(losses, zoo.plain_steps(loss, params0, optimizer(), batches)[1], rtol=1e-5)
 
 
 def test_integer_parameters_are_refused_naming_the_leaf():

@@ -24,8 +24,8 @@ __all__ = ["check", "place", "shardings", "specs"]
 
 
 def _leaves(batch: Any) -> list[tuple[str, Any]]:
-    """(name, leaf) pairs, named as parameters are (``inputs/tokens``, ``0`` for a tuple's first)."""
-    return [(f"batch {rules_lib.path_str(path)!r}", x) for path, x in jax.tree_util.tree_leaves_with_path(batch)]
+    """(path, leaf) pairs, paths written as parameters' are (``inputs/tokens``, ``0`` for a tuple's first)."""
+    return [(rules_lib.path_str(path), x) for path, x in jax.tree_util.tree_leaves_with_path(batch)]
 
 
 def _leaf_spec(layout: Layout, x: Any) -> P:
@@ -55,20 +55,21 @@ def place(layout: Layout, batch: Any) -> Any:
     return jax.tree.map(one, batch, shardings(layout, batch))
 
 
-def _row_count(leaves: list[tuple[str, Any]]) -> tuple[str, int] | None:
-    """The first leaf with rows and its row count; every leaf with rows must have as many."""
+def _first_rows(leaves: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The first leaf with rows, by path (none for a batch of scalars); every leaf with rows must have as many."""
     for name, x in leaves:
         if not hasattr(x, "shape") and not isinstance(x, (int, float, bool, np.generic)):
-            raise TypeError(f"{name} is a {type(x).__name__}; a batch holds arrays (numpy or jax) and "
+            raise TypeError(f"batch {name!r} is a {type(x).__name__}; a batch holds arrays (numpy or jax) and "
                             "scalars only: keep other values out of it (close over them in the loss)")
-    rows = [(name, np.shape(x)) for name, x in leaves if np.ndim(x)]
-    if len({shape[0] for _, shape in rows}) > 1:
+    rows = [(name, x) for name, x in leaves if np.ndim(x)]
+    if len({np.shape(x)[0] for _, x in rows}) > 1:
+        named = ", ".join(f"batch {name!r} {np.shape(x)}" for name, x in rows)
         raise ValueError(
-            f"the leaves of the batch lead with different row counts: {', '.join(f'{n} {s}' for n, s in rows)}; "
+            f"the leaves of the batch lead with different row counts: {named}; "
             "the step splits every leaf by its leading dimension over the data-parallel devices, so all need "
             "the same number of rows: pass a per-step constant as a scalar (shape (), given whole to every "
             "device) or close over it in the loss function")
-    return (rows[0][0], rows[0][1][0]) if rows else None
+    return dict(rows[:1])
 
 
 def check(layout: Layout, batch: Any, microbatches: int = 1) -> None:
@@ -76,20 +77,8 @@ def check(layout: Layout, batch: Any, microbatches: int = 1) -> None:
     differ, rows the data-parallel devices (x microbatches) cannot split evenly."""
     leaves = _leaves(batch)
     _check_pipelined(layout, batch, leaves)
-    first = _row_count(leaves)
-    if first is None:
-        return
-    name, size = first
-    n = layout.batch_size_multiple * microbatches
-    if size % n:
-        from shardlib.runtime.data import nearest_multiples
-
-        axes = "x".join(a for a in layout.batch_axes if layout.mesh.shape[a] > 1) or "none"
-        what = f"the {layout.batch_size_multiple} data-parallel devices (mesh axes {axes})"
-        if microbatches > 1:
-            what += f" times {microbatches} microbatches"
-        raise ValueError(f"{name} has {size} rows, which {what} cannot split evenly; use a multiple "
-                         f"of {n}: {nearest_multiples(size, n)} rows in the global batch")
+    # the divisibility message is the one the CLI's batches get
+    layout.check_batch(_first_rows(leaves), microbatches=microbatches)
 
 
 def _check_pipelined(layout: Layout, batch: Any, leaves: list[tuple[str, Any]]) -> None:

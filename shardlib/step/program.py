@@ -52,7 +52,7 @@ class TrainProgram:
     tx: optax.GradientTransformation
     layout: Layout
     init: Callable[[jax.Array], TrainState]
-    step: Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]
+    step: Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]  # batch: any pytree of arrays (`batch`)
     evaluate: Callable[..., dict[str, jax.Array]]  # (params, batch, model_state=None): the model in eval mode
     state_sharding: TrainState
     # () -> fresh loss scale and residuals: the restore of a checkpoint saved under another
