@@ -229,3 +229,12 @@ def test_path_rules_with_unknown_names_or_dims_that_do_not_divide_are_loud():
     with pytest.warns(ReplicationWarning, match=r"Dense_1/kernel \(80, 64\) .*no logical axis names"):
         make_layout(from_functions(init, BATCHES["tuple"][1]), "tp", make_mesh({"data": 4, "tensor": 2}))
     assert typo.logical_axes["Dense_1"]["kernel"] == ("embd", "mlp")
+
+
+def test_the_pipelined_step_refuses_batches_it_cannot_cut():
+    from tests.helpers import tiny_model
+
+    model = tiny_model()
+    program = build(model, optax.sgd(0.1), make_layout(model, "dp", make_mesh({"data": 4, "pipe": 2})))
+    with pytest.raises(ValueError, match=r"the pipelined step \(pipe=2\) takes a flat dict of arrays"):
+        program.step(None, {"inputs": {"tokens": np.zeros((8, 4), np.int32)}, "targets": np.zeros((8, 4), np.int32)})
