@@ -24,7 +24,7 @@ import pytest
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from shardlib import Checkpointer, ReplicationWarning, build, from_functions, make_layout, make_mesh
+from shardlib import Call, Checkpointer, ReplicationWarning, build, from_functions, make_layout, make_mesh
 from tests import zoo
 from tests.helpers import optimizer  # AdamW, lr 3e-3, eps=1e-5
 from tests.test_user_models import _train  # (state, per-step losses) of program.step over batches
@@ -238,3 +238,38 @@ def test_the_pipelined_step_refuses_batches_it_cannot_cut():
     program = build(model, optax.sgd(0.1), make_layout(model, "dp", make_mesh({"data": 4, "pipe": 2})))
     with pytest.raises(ValueError, match=r"the pipelined step \(pipe=2\) takes a flat dict of arrays"):
         program.step(None, {"inputs": {"tokens": np.zeros((8, 4), np.int32)}, "targets": np.zeros((8, 4), np.int32)})
+
+
+class DropoutNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        return nn.Dense(8)(nn.Dropout(0.5, deterministic=not train)(nn.relu(nn.Dense(64)(x))))
+
+
+def _dropout_loss(params, batch, call):
+    """The TrainState way: ``rngs={"dropout": key}`` and ``train=`` handed to ``apply``."""
+    out = DropoutNet().apply({"params": params}, batch["x"], call.train, rngs={"dropout": call.key} if call.train else {})
+    return jnp.mean((out - batch["y"]) ** 2)
+
+
+def test_from_functions_with_a_call_draws_the_documented_keys():
+    """Device i of step s draws with fold_in(fold_in(seed, s), i) (docs/your-model.md, "Keys"):
+    the reference computes each device's rows with that key on one device and averages."""
+    init = lambda key: DropoutNet().init(key, np.zeros((2, 32), np.float32), False)["params"]
+    model = from_functions(init, _dropout_loss, takes_call=True)
+    program = build(model, optimizer(), make_layout(model, "zero3", make_mesh(FSDP8)))
+    state = program.init(jax.random.key(0))
+    params0, seed = jax.tree.map(np.asarray, state.params), jax.random.wrap_key_data(np.asarray(state.rng))
+    batches = [zoo.regression_batch(i, ROWS) for i in range(STEPS)]
+    state, losses = _train(program, state, batches)
+
+    def reference(params, batch_and_step):
+        batch, step = batch_and_step
+        rows = jax.tree.map(lambda x: x.reshape(8, -1, *x.shape[1:]), batch)  # device i's rows
+        keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(seed, step), jnp.arange(8))
+        return jnp.mean(jax.vmap(lambda r, k: _dropout_loss(params, r, Call(key=k)))(rows, keys))
+
+    ref_params, ref_losses = zoo.plain_steps(reference, params0, optimizer(), [(b, s) for s, b in enumerate(batches)])
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    evaluation = float(program.evaluate(state.params, batches[0])["loss"])  # train=False, no key
+    np.testing.assert_allclose(evaluation, float(_dropout_loss(ref_params, batches[0], Call(train=False))), rtol=1e-5)

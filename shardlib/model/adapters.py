@@ -136,18 +136,27 @@ def from_functions(
     logical_axes: Params | None = None,
     path_rules: rules_lib.PathRules = (),
     apply: Callable[[Params, Any], Any] | None = None,
+    takes_call: bool = False,
 ) -> Model:
     """A plain-pytree model; logical names given as a tree, or from regex rules on paths.
 
     ``None`` and ``{}`` entries of the parameters are kept (they hold nothing to train); a name
     no built-in strategy has a rule for (a typo such as ``"embd"``) is warned about, since every
     strategy would then place that dimension as if it were unnamed.
+
+    ``takes_call=True``: ``loss_fn(params, batch, call)`` receives a `Call`, whose ``key`` is this
+    step's and this device's key (None under evaluate) and ``train`` False under evaluate: what a
+    ``TrainState`` loop hands ``module.apply`` as ``rngs={"dropout": key}`` and ``train=``.
     """
     abstract = jax.eval_shape(init, jax.random.key(0))
     if logical_axes is None:
         logical_axes = rules_lib.logical_from_paths(abstract, path_rules)
     logical_axes = _empty_nodes_named(abstract, logical_axes)
     _warn_unknown_names(abstract, logical_axes)
+    if takes_call:
+        run = lambda p, b, specs, call: (*_loss_out(loss_fn(p, b, call)), call.state)
+        return Model(init=init, loss=_with_call(run, needs_call=True), logical_axes=logical_axes, apply=apply,
+                     takes_call=True, uses_key=True)
     return Model(init=init, loss=lambda p, b, specs=None: _loss_out(loss_fn(p, b)),
                  logical_axes=logical_axes, apply=apply)
 
