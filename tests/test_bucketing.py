@@ -125,11 +125,12 @@ def model():
 
 
 def _run(model, strategy, bucket_bytes):
-    """(collective stats of the compiled step, per-step losses, final params) of STEPS steps.
+    """(collective stats of the compiled step, per-step losses, final params) of STEPS steps, with
+    ``bucket_bytes`` for the reductions and zero1/zero2's parameter all-gather alike.
     ``layerwise=False``: the Reducer's buckets after the backward pass are what is tested here;
-    zero1 / zero2's per-layer reductions (and their per-call buckets) are tests/test_layerwise.py's."""
+    the per-layer reductions (and their per-call buckets) are tests/test_layerwise.py's."""
     program = build(model, optimizer(), make_layout(model, strategy, make_mesh(MESHES[strategy])),
-                    bucket_bytes=bucket_bytes, layerwise=False)
+                    bucket_bytes=bucket_bytes, gather_bucket_bytes=bucket_bytes, layerwise=False)
     rows = batches(STEPS)
     sharded = [jax.device_put(r, program.layout.batch_sharding(r)) for r in rows]
     state = program.init(jax.random.key(0))

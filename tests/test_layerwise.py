@@ -1,5 +1,5 @@
-"""zero1 / zero2 gradients reduce-scattered layer by layer inside the backward loop
-(`shardlib.step.layerwise`, ``build(layerwise=)``).
+"""dp / zero1 / zero2 gradients reduced layer by layer inside the backward loop
+(`shardlib.step.layerwise`, ``build(layerwise=)``): all-reduced (dp) or reduce-scattered.
 
 The reference is the same step reducing after the backward pass (``layerwise=False``), itself
 parity-tested against plain ``jax.jit`` + optax in tests/test_parity.py: the two must train
@@ -27,7 +27,7 @@ def _program(strategy: str, layerwise, **options):
 
 
 def _run(strategy: str, layerwise, **options):
-    """(collective stats, compiled peak bytes, losses, params, the reduce-scatters outside the
+    """(collective stats, compiled peak bytes, losses, params, the gradient reductions outside the
     entry computation: in loops) after ``STEPS`` steps."""
     program = _program(strategy, layerwise, **options)
     state, rows = program.init(jax.random.key(0)), batches(STEPS)
@@ -39,11 +39,15 @@ def _run(strategy: str, layerwise, **options):
     memory = compiled.memory_analysis()
     peak = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes + memory.temp_size_in_bytes
     stats = collective_stats(compiled)
-    looped = [r for r in stats.of_kind("reduce-scatter") if r.computation != parse_hlo_module(compiled.as_text()).entry]
-    return stats, peak, np.array(losses), jax.tree.map(np.asarray, state.params), looped
+    kind = REDUCTION[strategy]
+    looped = [r for r in stats.of_kind(kind) if r.computation != parse_hlo_module(compiled.as_text()).entry]
+    cost = compiled.cost_analysis()
+    accessed = (cost[0] if isinstance(cost, list) else cost)["bytes accessed"]
+    return stats, peak, np.array(losses), jax.tree.map(np.asarray, state.params), looped, accessed
 
 
-CASES = {"zero1": ("zero1", {}), "zero2-accum-bf16": ("zero2", {"grad_accum": 2, "precision": "bf16"})}
+REDUCTION = {"dp": "all-reduce", "zero1": "reduce-scatter", "zero2": "reduce-scatter"}
+CASES = {"dp": ("dp", {}), "zero1": ("zero1", {}), "zero2-accum-bf16": ("zero2", {"grad_accum": 2, "precision": "bf16"})}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -53,13 +57,13 @@ def pair(request):
 
 
 def test_layerwise_trains_bitwise_like_the_reduction_after_the_loop(pair):
-    (_, _, losses_after, params_after, _), (_, _, losses_in, params_in, _) = pair[False], pair[True]
+    (_, _, losses_after, params_after, *_), (_, _, losses_in, params_in, *_) = pair[False], pair[True]
     np.testing.assert_array_equal(losses_in, losses_after)
     jax.tree.map(np.testing.assert_array_equal, params_in, params_after)
 
 
-def test_reduce_scatters_run_inside_the_layer_loop_with_the_same_bytes(pair):
-    (after, _, _, _, after_looped), (inside, _, _, _, looped) = pair[False], pair[True]
+def test_reductions_run_inside_the_layer_loop_with_the_same_bytes(pair):
+    (after, _, _, _, after_looped, _), (inside, _, _, _, looped, _) = pair[False], pair[True]
     microbatches = CASES[pair["case"]][1].get("grad_accum", 1)
     # One bucket per layer and microbatch (XLA unrolls grad_accum=2's one-trip microbatch scan).
     assert sum(r.multiplicity for r in looped) == TINY.n_layers * microbatches, inside.table()
@@ -67,14 +71,17 @@ def test_reduce_scatters_run_inside_the_layer_loop_with_the_same_bytes(pair):
     assert inside.bytes_by_kind() == pytest.approx(after.bytes_by_kind())
 
 
-def test_layerwise_lowers_the_compiled_peak(pair):
-    assert pair[True][1] < pair[False][1]
+def test_layerwise_lowers_the_compiled_peak_and_memory_traffic(pair):
+    after, inside = pair[False], pair[True]
+    assert inside[5] < after[5]  # bytes accessed: no whole stacked gradient written, then read to reduce
+    if pair["case"] != "dp":  # zero1/zero2's loop carries state shards, not the whole stacked gradient
+        assert inside[1] < after[1]
 
 
 @pytest.mark.parametrize("strategy, options, reason", [
     ("zero1", {"grad_compression": "int8"}, "grad_compression='int8'"),
     ("zero1", {"grad_accum": 2}, "zero1 adds whole gradients over grad_accum=2"),
-    ("zero3", {}, "zero3 shards no optimizer state of a parameter kept whole"),
+    ("zero3", {}, "zero3 reduces no gradient of a parameter kept whole"),
 ])
 def test_layerwise_true_names_why_it_cannot_apply(strategy, options, reason):
     with pytest.raises(ValueError, match=f"layerwise=True .*{reason}"):

@@ -1,26 +1,29 @@
-"""ZeRO-1/2's gradient reduce-scatter, layer by layer inside the backward pass's loop.
+"""dp / ZeRO-1 / ZeRO-2 gradient reductions, layer by layer inside the backward pass's loop.
 
-zero1 / zero2 keep parameters whole and shard the optimizer state. Reduced after the backward
-pass, every gradient is whole until then: the backward loop over a scanned layer stack carries
-the whole stacked gradient (N times the state shard) into a separate reduction. Plain ``jax.jit``
+dp, zero1 and zero2 keep parameters whole. Reduced after the backward pass, every gradient is
+whole until then: the backward loop over a scanned layer stack carries the whole stacked
+gradient into a separate reduction (zero1/zero2: N times the state shard; dp: the all-reduce
+of a bucket of all of them, a concatenated copy and its reduced result). Plain ``jax.jit``
 avoids that because GSPMD moves the reduction into the loop.
 
 Here each parameter the model passes through ``gather_layer`` travels with a *state-shard twin*:
 a `shardlib.step.zeropp.Carried` (role ``"shard"``) of the replicated weight and a zero
-placeholder of its optimizer-state shard's shape, sliced together by the model's scan.
-``gather_layer`` returns the weight (no communication); its backward returns the
-``psum_scatter`` of the weight's cotangent (in the master dtype) as the twin's cotangent.
-Differentiating with respect to the twins rather than the weights yields the gradients already
-reduce-scattered, one layer at a time, and the loop carries shard-sized gradients. The same
-bytes travel as in `shardlib.step.reduce.Reducer.scatter`; the reductions of one gather_layer
-call share buckets (``bucket_bytes``), so a layer's gradients leave in one collective. The
-reducer still sums over any batch axis the state does not shard.
+placeholder of its optimizer-state shard's shape (dp: the weight's own shape), sliced together
+by the model's scan. ``gather_layer`` returns the weight (no communication); its backward
+returns the weight's cotangent (in the master dtype) reduced as `Scatter` says, reduce-scattered
+over the dim the state shards and summed over the batch axes neither shards, as the twin's
+cotangent. Differentiating with respect to the twins rather than the weights yields the
+gradients already reduced, one layer at a time. The same bytes travel as in
+`shardlib.step.reduce.Reducer`, which leaves the twins' gradients alone; the reductions of one
+gather_layer call share buckets (``bucket_bytes``), so a layer's gradients leave in one
+collective per kind.
 
-It applies where it is exact and saves memory: an uncompressed, unpipelined step without
-staleness, a model with ``gathers_params=True``, and ``grad_accum == 1`` or a strategy that
-reduce-scatters every microbatch anyway (``shard_grad_buffer``: zero2). Parameters the model
-never passes through ``gather_layer``, and slices of a stack sharded on the stack's own dim,
-keep the reduction after the backward pass.
+It applies where it is exact: an uncompressed, unpipelined step without staleness, a model with
+``gathers_params=True``, and ``grad_accum == 1`` or a strategy that reduce-scatters every
+microbatch anyway (``shard_grad_buffer``: zero2). Parameters the model never passes through
+``gather_layer``, slices of a stack sharded on the stack's own dim, and, beside parameters
+stored over a batch axis (ZeRO-3's, gathered per layer), whole ones that only need a sum, keep
+the reduction after the backward pass.
 """
 
 from __future__ import annotations
@@ -40,37 +43,44 @@ from shardlib.step import buckets as buckets_lib
 from shardlib.step import compression as compression_lib
 from shardlib.step import zeropp
 from shardlib.step.compute import ModelCall, StepContext
-from shardlib.step.reduce import Reducer, scatter_dims
+from shardlib.step.reduce import Reducer, rest_axes, scatter_dims
 
 __all__ = ["Layerwise", "Scatter", "Twins", "attach", "gather_tree", "no_twins"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Scatter:
-    """The reduce-scatter one parameter's gradient needs: over ``axes`` on ``dim`` of the full
-    parameter, of rank ``ndim`` (a slice of a scanned stack has one dim fewer)."""
+    """The whole reduction one parameter's gradient needs: a reduce-scatter over ``axes`` on
+    ``dim`` of the full parameter (None: no dim to scatter, dp), then a sum over ``sums`` (the
+    batch axes neither the parameter nor its state shards); ``ndim``: the full parameter's rank
+    (a slice of a scanned stack has one dim fewer)."""
 
-    dim: int
+    dim: int | None
     axes: tuple[str, ...]
     ndim: int
+    sums: tuple[str, ...] = ()
 
 
 def _scatter_of(ndim: int, param_spec: Any, state_spec: Any, storage_spec: Any, axes: tuple[str, ...]) -> Scatter | None:
-    """The twin's scatter for one parameter, or None where it keeps the after-the-loop reduction:
+    """The twin's reduction for one parameter, or None where it keeps the reduction after the loop:
     stored over a batch axis (ZeRO-3 gathers it), split over ``tensor``, or sharded on several dims."""
     dims = scatter_dims(param_spec, state_spec)
+    sums = rest_axes(param_spec, state_spec, axes)
     whole = spec_axes(storage_spec) <= spec_axes(param_spec) and not spec_axes(param_spec) & set(axes)
-    if len(dims) != 1 or not whole:
+    if len(dims) > 1 or not whole or not (dims or sums):
         return None
-    return Scatter(dims[0][0], dims[0][1], ndim)
+    dim, scatter_axes = dims[0] if dims else (None, ())
+    return Scatter(dim, scatter_axes, ndim, sums)
 
 
 def _is_twin(x: Any) -> bool:
     return zeropp.is_carried(x) and x.role == "shard"
 
 
-def _local_dim(scatter: Scatter, ndim: int) -> int:
+def _local_dim(scatter: Scatter, ndim: int) -> int | None:
     """``scatter``'s dim in a value of rank ``ndim`` (a slice of a stack drops the leading dim)."""
+    if scatter.dim is None:
+        return None
     dim = scatter.dim - (scatter.ndim - ndim)
     if dim < 0:
         raise ValueError(f"layerwise reduction: a slice of a stack sharded on the stack's own dim {scatter.dim} "
@@ -78,21 +88,34 @@ def _local_dim(scatter: Scatter, ndim: int) -> int:
     return dim
 
 
-def _reduce_scatter(cotangents: list[jax.Array], reductions: tuple[tuple[int, tuple[str, ...]], ...],
-                    bucket_bytes: int) -> list[jax.Array]:
-    """The twins' cotangents of one gather_layer call, reduce-scattered: in buckets of at most
-    ``bucket_bytes`` per (axes, dtype) as `shardlib.step.reduce.Reducer.scatter`'s, 0: per tensor."""
-    keys = [(axes, x.dtype) if bucket_bytes else None for x, (_, axes) in zip(cotangents, reductions)]
-    out = buckets_lib.apply(cotangents, keys, bucket_bytes, lambda key, ids: buckets_lib.psum_scatter(
-        [cotangents[i] for i in ids], [reductions[i][0] for i in ids], key[0]))
-    return [o if o is not None else jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
-            for o, x, (dim, axes) in zip(out, cotangents, reductions)]
+Reduction = tuple[int | None, tuple[str, ...], tuple[str, ...]]  # (local dim, scatter axes, sum axes)
+
+
+def _bucketed(xs: list[jax.Array], keys: list, bucket_bytes: int, collective, one) -> list[jax.Array]:
+    """``collective(key, ids)`` over buckets of ``xs`` sharing a key; ``one(i)`` where a key is None."""
+    out = buckets_lib.apply(xs, keys, bucket_bytes, collective)
+    return [o if o is not None else one(i) for i, o in enumerate(out)]
+
+
+def _reduce(cotangents: list[jax.Array], reductions: tuple[Reduction, ...], bucket_bytes: int) -> list[jax.Array]:
+    """The twins' cotangents of one gather_layer call, reduced: reduce-scattered where a dim is
+    scattered, then summed over the axes left; in buckets of at most ``bucket_bytes`` per (axes,
+    dtype) as `shardlib.step.reduce.Reducer`'s, 0: per tensor."""
+    xs, on = list(cotangents), bool(bucket_bytes)
+    keys = [(axes, x.dtype) if on and dim is not None else None for x, (dim, axes, _) in zip(xs, reductions)]
+    xs = _bucketed(xs, keys, bucket_bytes, lambda key, ids: buckets_lib.psum_scatter(
+        [xs[i] for i in ids], [reductions[i][0] for i in ids], key[0]),
+        lambda i: xs[i] if reductions[i][0] is None else jax.lax.psum_scatter(
+            xs[i], reductions[i][1], scatter_dimension=reductions[i][0], tiled=True))
+    keys = [(sums, x.dtype) if on and sums else None for x, (_, _, sums) in zip(xs, reductions)]
+    return _bucketed(xs, keys, bucket_bytes, lambda key, ids: buckets_lib.psum([xs[i] for i in ids], key[0]),
+                     lambda i: jax.lax.psum(xs[i], reductions[i][2]) if reductions[i][2] else xs[i])
 
 
 @functools.lru_cache(maxsize=None)
-def _twin_identity(reductions: tuple[tuple[int, tuple[str, ...]], ...], dtypes: tuple[Any, ...], bucket_bytes: int):
-    """``(weights, shards) -> weights``, whose backward reduce-scatters the weights' cotangents (cast
-    to the shards' ``dtypes``) into the shards' cotangents; the weights' own cotangents are zero."""
+def _twin_identity(reductions: tuple[Reduction, ...], dtypes: tuple[Any, ...], bucket_bytes: int):
+    """``(weights, shards) -> weights``, whose backward reduces the weights' cotangents (cast to
+    the shards' ``dtypes``) into the shards' cotangents; the weights' own cotangents are zero."""
 
     @jax.custom_vjp
     def twin(weights, shards):
@@ -103,7 +126,7 @@ def _twin_identity(reductions: tuple[tuple[int, tuple[str, ...]], ...], dtypes: 
 
     def bwd(_, cotangents):
         cast = [c.astype(dtype) for c, dtype in zip(cotangents, dtypes)]
-        return [jnp.zeros_like(c) for c in cotangents], _reduce_scatter(cast, reductions, bucket_bytes)
+        return [jnp.zeros_like(c) for c in cotangents], _reduce(cast, reductions, bucket_bytes)
 
     twin.defvjp(fwd, bwd)
     return twin
@@ -116,7 +139,8 @@ def gather_tree(tree: Any, bucket_bytes: int = 0) -> Any:
     twins = [i for i, x in enumerate(leaves) if _is_twin(x)]
     if not twins:
         return tree
-    reductions = tuple((_local_dim(leaves[i].scatter, leaves[i].value.ndim), leaves[i].scatter.axes) for i in twins)
+    reductions = tuple((_local_dim(leaves[i].scatter, leaves[i].value.ndim), leaves[i].scatter.axes,
+                        leaves[i].scatter.sums) for i in twins)
     dtypes = tuple(leaves[i].rider.dtype for i in twins)
     weights = _twin_identity(reductions, dtypes, bucket_bytes)([leaves[i].value for i in twins],
                                                                [leaves[i].rider for i in twins])
@@ -138,7 +162,7 @@ class Twins:
         if self.scatters is None:
             return params
         flat, treedef = jax.tree.flatten(params, is_leaf=zeropp.is_carried)
-        return treedef.unflatten([p if s is None else _zero_shard(p, s, self.reducer.axes)
+        return treedef.unflatten([p if s is None else _zero_shard(p, s)
                                   for p, s in zip(flat, self.scatters)])
 
     def join(self, inputs: Any, params: Any) -> Any:
@@ -151,10 +175,13 @@ class Twins:
                                   for x, w, s in zip(flat, weights, self.scatters)])
 
 
-def _zero_shard(param: jax.Array, scatter: Scatter, axes: tuple[str, ...]) -> jax.Array:
-    n = math.prod(jax.lax.axis_size(a) for a in scatter.axes)
+def _zero_shard(param: jax.Array, scatter: Scatter) -> jax.Array:
+    """The twin: zeros of the state shard's shape, varying over the scatter's axes (as its
+    reduce-scattered cotangent will be) and invariant over those it is summed over (as a psum is)."""
+    n = math.prod(jax.lax.axis_size(a) for a in scatter.axes)  # 1 where nothing is scattered
     shape = tuple(d // n if i == scatter.dim else d for i, d in enumerate(param.shape))
-    return jax.lax.pcast(jnp.zeros(shape, param.dtype), axes, to="varying")
+    zeros = jnp.zeros(shape, param.dtype)
+    return jax.lax.pcast(zeros, scatter.axes, to="varying") if scatter.axes else zeros
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +198,7 @@ class Layerwise:
         keep = lambda s, path: s is not None and path in seen.gathered and not (path in seen.sliced and s.dim == 0)
         scatters = tuple(s if keep(s, path) else None for s, path in zip(self.scatters, self.paths))
         flags = [s is not None for s in scatters]
-        return Twins(scatters, reducer.scattered_where(flags))
+        return Twins(scatters, reducer.reduced_where(flags))
 
 
 def no_twins(reducer: Reducer) -> Twins:
@@ -196,11 +223,16 @@ def _refusals(model: Model, layout: Layout, method: compression_lib.Compression,
 
 
 def _scatters(layout: Layout, reducer: Reducer) -> tuple[tuple[Scatter | None, ...], tuple[str, ...]]:
+    """Per parameter leaf, its twin's reduction or None. Where some parameter is stored over a
+    batch axis (ZeRO-3 gathers it, and its gather reduce-scatters), the small whole parameters
+    beside it keep their one bucketed sum after the loop rather than a collective per layer."""
     leaves = jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout)
-    specs = zip(jax.tree.leaves(reducer.param_specs), jax.tree.leaves(reducer.state_specs),
-                jax.tree.leaves(reducer.storage_specs))
-    scatters = tuple(_scatter_of(len(l.shape), ps, ss, st, reducer.axes) for l, (ps, ss, st) in zip(leaves, specs))
-    return scatters, tuple(l.path for l in leaves)
+    param_specs = jax.tree.leaves(reducer.param_specs)
+    specs = zip(param_specs, jax.tree.leaves(reducer.state_specs), jax.tree.leaves(reducer.storage_specs))
+    scatters = [_scatter_of(len(l.shape), ps, ss, st, reducer.axes) for l, (ps, ss, st) in zip(leaves, specs)]
+    if any(spec_axes(ps) & set(reducer.axes) for ps in param_specs):
+        scatters = [s if s is None or s.dim is not None else None for s in scatters]
+    return tuple(scatters), tuple(l.path for l in leaves)
 
 
 def attach(provider: Any, layout: Layout, model: Model, method: compression_lib.Compression, *,
@@ -212,8 +244,8 @@ def attach(provider: Any, layout: Layout, model: Model, method: compression_lib.
     scatters, paths = _scatters(layout, provider.reducer)
     reasons = _refusals(model, layout, method, grad_accum, staleness)
     if not any(s is not None for s in scatters):
-        reasons.append(f"{layout.strategy.name} shards no optimizer state of a parameter kept whole over the "
-                       "batch axes (zero1 and zero2 do)")
+        reasons.append(f"{layout.strategy.name} reduces no gradient of a parameter kept whole over the batch axes "
+                       "(dp, zero1 and zero2 do)")
     if reasons:
         if requested:
             raise ValueError(f"layerwise=True cannot reduce gradients inside the backward loop here: "

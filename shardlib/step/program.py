@@ -88,6 +88,7 @@ def build(
     schedule: str = "1f1b",
     donate: bool = True,
     bucket_bytes: int | None = reduce_lib.DEFAULT_BUCKET_BYTES,
+    gather_bucket_bytes: int | None = 0,
     offload: str | offload_lib.Offload = "none",
     staleness: int = 0,
     weight_gather: str = "none",
@@ -113,8 +114,11 @@ def build(
     ``bucket_bytes`` packs the uncompressed gradient reductions the step writes (dp, zero1, zero2,
     hsdp's data axis) into buckets of at most that many bytes, one collective each, as PyTorch
     DDP does (`shardlib.step.buckets`); 0 or None: one collective per tensor. Compressed
-    reductions stay per tensor. The same limit buckets zero1/zero2's all-gather of the updated
-    parameters (`buckets.gather`), as DeepSpeed's ZeRO-1/2 do.
+    reductions stay per tensor. ``gather_bucket_bytes`` does the same for zero1/zero2's all-gather
+    of the updated parameters (`buckets.gather`, as DeepSpeed's ZeRO-1/2 gather). It is off (0) by
+    default: XLA writes a per-tensor all-gather straight into the parameter, where a bucket is split
+    into the parameters by a copy of all of them (+8% bytes accessed by the small GPT's zero2 step),
+    and on GPU XLA's own all-gather combiner merges them (`shardlib.xla_flags`).
 
     When the mesh's ``pipe`` axis has S > 1 devices the layer stack is split into S stages
     (`shardlib.step.pipeline`): each device's rows run as ``microbatches`` (default 2S) microbatches
@@ -126,9 +130,9 @@ def build(
     backward's recompute, as int8 blocks with float32 scales (`shardlib.step.zeropp`); under zero3
     ``grad_compression`` compresses the gradient reduce-scatter in the gather's own backward (qgZ).
 
-    ``layerwise`` (zero1 / zero2): reduce-scatter each layer's gradients inside the backward
-    pass's loop, so the loop carries state-shard-sized gradients, as plain ``jax.jit`` does
-    (`shardlib.step.layerwise`); None: where it applies (an uncompressed, unpipelined, synchronous
+    ``layerwise`` (dp, zero1, zero2): reduce each layer's gradients inside the backward pass's
+    loop (dp all-reduces, zero1/zero2 reduce-scatter: their loop carries state-shard-sized
+    gradients), as plain ``jax.jit`` does, instead of all of them after it (`shardlib.step.layerwise`); None: where it applies (an uncompressed, unpipelined, synchronous
     step of a model that calls ``gather_layer``), True: required (a clear error where it cannot),
     False: reduce after the backward pass.
 
@@ -154,7 +158,7 @@ def build(
     sharding = state_sharding(model, tx, layout, policy, reducer, placement)
     update = update_lib.Update(tx, policy, layout.state_shardings(), layout.param_shardings(), lr_schedule,
                                offloaded=opt_state_sharding(model, tx, layout) if placement.opt_state else None,
-                               gather_bucket_bytes=reducer.bucket_bytes)
+                               gather_bucket_bytes=_bucket_limit("gather_bucket_bytes", gather_bucket_bytes))
     tau = staleness_lib.check_staleness(staleness, layout, policy, reducer, provider)
     provider = layerwise_lib.attach(provider, layout, model, method, grad_accum=grad_accum, staleness=tau,
                                     requested=layerwise)
@@ -164,6 +168,12 @@ def build(
     return TrainProgram(model, tx, layout, staleness_lib.with_queue(init, tau, layout, reducer, queued),
                         _CheckedStep(step, layout, microbatches), _eval_step(layout, provider, model), queued,
                         transient_initializer(model, layout, policy, reducer, sharding))
+
+
+def _bucket_limit(name: str, limit: int | None) -> int:
+    if limit is not None and limit < 0:
+        raise ValueError(f"{name} must be >= 0 (0 or None: one collective per tensor), got {limit}")
+    return int(limit or 0)
 
 
 def _weight_gather(weight_gather: str, method: compression_lib.Compression, reducer: reduce_lib.Reducer,

@@ -22,7 +22,7 @@ from shardlib.sharding.layout import Layout, restrict, spec_axes
 from shardlib.step import buckets as buckets_lib
 from shardlib.step import compression as compression_lib
 from shardlib.step import zeropp
-from shardlib.step.compute import active_axes, sharded_paths
+from shardlib.step.compute import active_axes
 
 # DDP's default (25 MiB): large enough that a bucket's fixed cost is small against its bytes,
 # small enough that the concatenated copy it needs stays a fraction of a large model's gradients.
@@ -57,7 +57,7 @@ def scatter_dims(param_spec: P, state_spec: P) -> tuple[tuple[int, tuple[str, ..
                  if s_axes and not p_axes)
 
 
-def _rest_axes(param_spec: P, state_spec: P, batch_axes: tuple[str, ...]) -> tuple[str, ...]:
+def rest_axes(param_spec: P, state_spec: P, batch_axes: tuple[str, ...]) -> tuple[str, ...]:
     """The batch axes neither layout shards: the gradient is summed over them (dp, hsdp's ``data``)."""
     return tuple(a for a in batch_axes if a not in spec_axes(param_spec) | spec_axes(state_spec))
 
@@ -101,7 +101,7 @@ def _autodiff_only(layout: Layout, axes: tuple[str, ...]) -> list[str]:
     leaves = jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout)
     manual = zip(leaves, jax.tree.leaves(layout.manual(layout.params)), jax.tree.leaves(layout.manual(layout.state)))
     return [leaf.path for leaf, p_spec, s_spec in manual
-            if spec_axes(p_spec) & set(axes) and not _rest_axes(p_spec, s_spec, axes)]
+            if spec_axes(p_spec) & set(axes) and not rest_axes(p_spec, s_spec, axes)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +123,7 @@ class Reducer:
     # qgZ: the gathers' own backward compresses the ZeRO-3 reduce-scatter (`shardlib.step.zeropp`),
     # and a gathered parameter's residual travels with it to its gather (`carry`)
     compresses_gathers: bool = False
+    reduced: Any = None  # per tensor: True where layerwise twins reduced it in the backward loop
 
     @classmethod
     def for_layout(cls, layout: Layout, method: compression_lib.Compression, exclude: tuple[str, ...] = (),
@@ -158,14 +159,18 @@ class Reducer:
         flags = jax.tree.map(self._carries, self.param_specs)
         return zeropp.carry(params, residuals, flags)
 
-    def scattered_where(self, flags: list[bool]) -> Reducer:
-        """This reducer for gradients that arrive already reduce-scattered into their state shards
-        where ``flags`` is set (`shardlib.step.layerwise`): as for a parameter stored like its
-        state, only the sum over the batch axes neither shards is left to do."""
+    def reduced_where(self, flags: list[bool]) -> Reducer:
+        """This reducer for gradients that arrive already reduced into their state shards where
+        ``flags`` is set (`shardlib.step.layerwise`): it leaves those alone."""
         flat, treedef = jax.tree.flatten(self.param_specs)
         states = treedef.flatten_up_to(self.state_specs)
         return dataclasses.replace(self, param_specs=treedef.unflatten(
-            [ss if flag else ps for ps, ss, flag in zip(flat, states, flags)]))
+            [ss if flag else ps for ps, ss, flag in zip(flat, states, flags)]), reduced=treedef.unflatten(list(flags)))
+
+    def _rest(self, treedef) -> list[tuple[str, ...]]:
+        """Per tensor: the batch axes `finish` sums over (none for one reduced in the loop)."""
+        done = treedef.flatten_up_to(self.reduced) if self.reduced is not None else [False] * treedef.num_leaves
+        return [() if d else rest_axes(ps, ss, self.axes) for (ps, ss), d in zip(self._specs_of(treedef), done)]
 
     def _map(self, fn, grads: Any, residuals: Any) -> tuple[Any, Any]:
         """``fn(grad, param_spec, state_spec, residual) -> (grad, residual)`` over every tensor."""
@@ -201,9 +206,11 @@ class Reducer:
         if self.bucketed:
             return self._finish_buckets(grads), residuals
 
+        rests = iter(self._rest(jax.tree.structure(grads)))
+
         def one(g, ps, ss, r):
             scattered = bool(scatter_dims(ps, ss)) or self._carries(ps)  # the residual rode that reduction
-            return _sum_grad(g, _rest_axes(ps, ss, self.axes), scattered, self.method, r)
+            return _sum_grad(g, next(rests), scattered, self.method, r)
 
         return self._map(one, grads, residuals)
 
@@ -226,7 +233,7 @@ class Reducer:
     def _finish_buckets(self, grads: Any) -> Any:
         """`finish` in buckets: tensors summed over the same axes share collectives."""
         flat, treedef = jax.tree.flatten(grads)
-        rest = [_rest_axes(ps, ss, self.axes) for ps, ss in self._specs_of(treedef)]
+        rest = self._rest(treedef)
         keys = [(axes, g.dtype) if axes and g.size and local else None
                 for g, axes, local in zip(flat, rest, self._whole_locally(treedef))]
         out = buckets_lib.apply(flat, keys, self.bucket_bytes,

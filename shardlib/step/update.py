@@ -86,17 +86,19 @@ class Update:
 
         def apply_update(_):
             updates, opt_state = optimizer_update(self.tx, grads, opt_in, params_s, loss)
-            new_params = buckets_lib.gather(optax.apply_updates(params_s, updates), self.state_shardings,
-                                            self.param_shardings, self.gather_bucket_bytes)
-            return new_params, opt_state, produced
+            return optax.apply_updates(params_s, updates), opt_state, produced
 
         def skip_update(_):
-            return state.params, opt_in, {name: getattr(state, name) for name in produced}
+            return params_s, opt_in, {name: getattr(state, name) for name in produced}
 
         # A branch, not a select over the whole state: only one side runs, and no second copy
         # of the parameters and optimizer state stays alive for the select.
         # Not optax.apply_if_finite: it wraps opt_state, checks gradients only and keeps no residuals or step count.
-        params, opt_state, produced = jax.lax.cond(finite, apply_update, skip_update, None)
+        shards, opt_state, produced = jax.lax.cond(finite, apply_update, skip_update, None)
+        # ZeRO-1/2's all-gather runs after the branch, on the state shards either side returns (a
+        # skipped step gathers the old parameters back exactly): the branch's outputs stay
+        # shard-sized and the gather writes the output parameters directly.
+        params = buckets_lib.gather(shards, self.state_shardings, self.param_shardings, self.gather_bucket_bytes)
         new_state = dataclasses.replace(
             state,
             step=state.step + finite.astype(jnp.int32),
