@@ -361,3 +361,13 @@ def test_an_rng_stream_the_adapter_was_not_told_about_is_named():
     params, batch = named.init(jax.random.key(0)), zoo.regression_batch(0)
     draws = [float(named.run(params, batch, None, shardlib.Call(key=jax.random.key(k)))[0]) for k in (1, 1, 2)]
     assert draws[0] == draws[1] != draws[2]  # the key decides the noise
+
+
+def test_an_unannotated_module_under_tp_is_warned_about():
+    """tp splits only what the rules name (heads, mlp, vocab): a module without names would train
+    replicated on the tensor devices, and make_layout says so tensor by tensor."""
+    model = from_linen(CNN(), lambda logits, b: zoo.cross_entropy(logits, b["label"]), zoo.image_batch(0),
+                       inputs=lambda b, train: ((b["image"],), {}), rng_streams=())
+    with pytest.warns(shardlib.ReplicationWarning, match=r"tp on data=4 tensor=2 keeps \d+ tensor\(s\) whole[\s\S]*"
+                                                         r"Dense_0/kernel[\s\S]*no logical axis names"):
+        make_layout(model, "tp", make_mesh({"data": 4, "tensor": 2}))
