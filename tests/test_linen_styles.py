@@ -23,6 +23,7 @@ import numpy as np
 import optax
 import pytest
 from flax import linen as nn
+from flax.linen import partitioning as nn_partitioning
 
 import shardlib
 from shardlib import Checkpointer, build, from_linen, make_layout, make_mesh
@@ -108,7 +109,8 @@ class ScannedLM(nn.Module):
 
 
 class T5xMLP(nn.Module):
-    """t5x / MaxText in linen: logical names on the parameters and on the activations."""
+    """t5x / MaxText in linen: logical names on the parameters, boxed (MaxText) or in t5x's
+    ``params_axes`` collection (``param_with_axes``), and on the activations."""
 
     @nn.compact
     def __call__(self, x):
@@ -117,7 +119,8 @@ class T5xMLP(nn.Module):
         h = nn.Dense(256, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")),
                      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)))(x)
         h = nn.with_logical_constraint(nn.relu(h), ("batch", "mlp"))
-        return nn.Dense(8, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(h)
+        wo = nn_partitioning.param_with_axes("wo", init, (256, 8), axes=("mlp", "embed"))
+        return h @ wo
 
 
 class ResNetBlock(nn.Module):
@@ -269,12 +272,14 @@ def test_with_logical_constraint_follows_the_strategys_activation_rules():
     maps to 'tensor' as shardlib.constrain would, and 'batch' (manual there) to nothing."""
     module = T5xMLP()
     model = from_linen(module, mse, zoo.regression_batch(0), inputs=regression_inputs, rng_streams=())
+    assert model.logical_axes["wo"] == ("mlp", "embed") and not model.stateful  # params_axes: names, not state
     program, state, _ = _parity(model, "tp", {"data": 4, "tensor": 2},
                                 _stateless(lambda p, b: module.apply({"params": p}, b["x"]), mse), zoo.regression_batch)
     lowered = program.step.lower(state, zoo.regression_batch(0)).as_text()
     hidden = '<@mesh, [{}, {"tensor"}]> : tensor<4x256xf32>'  # 4 rows per data device, mlp over tensor
     assert any("sharding_constraint" in line and hidden in line for line in lowered.splitlines())
     assert any("sharding_constraint" in line and "[{}, {}]> : tensor<4x32xf32>" in line for line in lowered.splitlines())
+    assert program.layout.param_shardings()["wo"].spec == jax.sharding.PartitionSpec("tensor", None)
 
 
 # ---- BatchNorm, model state, Model.apply, checkpoints --------------------------------------------
@@ -361,6 +366,8 @@ def test_an_rng_stream_the_adapter_was_not_told_about_is_named():
     params, batch = named.init(jax.random.key(0)), zoo.regression_batch(0)
     draws = [float(named.run(params, batch, None, shardlib.Call(key=jax.random.key(k)))[0]) for k in (1, 1, 2)]
     assert draws[0] == draws[1] != draws[2]  # the key decides the noise
+    with pytest.raises(ValueError, match=r"no key \(model.loss without a shardlib.model.Call\)"):
+        named.loss(params, batch, None)
 
 
 def test_an_unannotated_module_under_tp_is_warned_about():

@@ -78,6 +78,8 @@ def from_linen(
         return unfreeze(module.init(rngs, *args, **kwargs))
 
     boxed = jax.eval_shape(variables, jax.random.key(0))
+    logical = _logical_axes(boxed)
+    boxed = {c: tree for c, tree in boxed.items() if c not in _axes_collections(boxed)}
     collections = _state_collections(boxed, capture)
     apply_call = _Apply(module, rng_streams, collections, capture)
 
@@ -92,8 +94,39 @@ def from_linen(
 
     # A linen call without rngs in training mode fails in flax itself if the module draws any.
     return Model(init=lambda key: nn.unbox(variables(key)["params"]), loss=_with_call(run, bool(collections)),
-                 logical_axes=rules_lib.logical_axes_of(boxed["params"]), apply=apply_call.outputs,
+                 logical_axes=logical, apply=apply_call.outputs,
                  takes_call=True, uses_key=bool(rng_streams), init_state=init_state if collections else None)
+
+
+def _axes_collections(boxed: dict[str, Any]) -> set[str]:
+    """Collections of ``flax.linen.partitioning.AxisMetadata`` (``params_axes``, which t5x's
+    ``param_with_axes`` fills): the names of another collection's variables, not state."""
+    from flax.linen import partitioning
+
+    is_meta = lambda x: isinstance(x, partitioning.AxisMetadata)
+    return {c for c, tree in boxed.items() if c.endswith("_axes")
+            and all(is_meta(x) for x in jax.tree.leaves(tree, is_leaf=is_meta))}
+
+
+def _logical_axes(boxed: dict[str, Any]) -> Any:
+    """Each parameter's names: from its box (``nn.with_logical_partitioning``), else from
+    ``params_axes`` (``param_with_axes``, t5x: ``<name>_axes`` beside the parameter's path)."""
+    logical = rules_lib.logical_axes_of(boxed["params"])
+    axes = boxed.get("params_axes")
+    if not axes:
+        return logical
+
+    def from_axes(path, names):
+        if names is not None:
+            return names
+        *parents, leaf = [key.key for key in path]
+        node = axes
+        for parent in parents:
+            node = node.get(parent, {}) if isinstance(node, Mapping) else {}
+        meta = node.get(f"{leaf}_axes") if isinstance(node, Mapping) else None
+        return None if meta is None else tuple(meta.names)
+
+    return jax.tree_util.tree_map_with_path(from_axes, logical, is_leaf=lambda x: x is None or isinstance(x, tuple))
 
 
 def _state_collections(boxed: dict[str, Any], capture: tuple[str, ...]) -> tuple[str, ...]:
@@ -135,7 +168,8 @@ class _Apply:
         rngs = _stream_keys(call.key, self.rng_streams) if call.train and call.key is not None else None
         state = dict(call.state or {})
         mutable = [*(self.collections if call.train else ()), *self.capture]
-        with _named_rng_errors(self.rng_streams, call.train), _logical_constraints():
+        when = "evaluation" if not call.train else "training" if rngs is not None else "training without a key"
+        with _named_rng_errors(self.rng_streams, when), _logical_constraints():
             if not mutable:  # evaluation (or no state): the state goes back as it came
                 out = self.module.apply({"params": params, **state}, *args, rngs=rngs, **kwargs)
                 return out, state if self.collections else None
@@ -157,19 +191,26 @@ class _Apply:
         return self.module.apply({"params": params, **(model_state or {})}, *args, **kwargs)
 
 
+# Why a call had no rng for a stream, by the kind of call: what the error tells the user.
+_MISSING_RNG = {
+    "training": "shardlib passes the streams rng_streams={streams!r} when training: name every stream the "
+                "module draws from, e.g. from_linen(..., rng_streams=('dropout', 'noise'))",
+    "training without a key": "this call had no key (model.loss without a shardlib.model.Call): call "
+                              "model.run(params, batch, specs, shardlib.model.Call(key=...))",
+    "evaluation": "evaluation (train=False) passes no rngs: draw random numbers only when training",
+}
+
+
 @contextlib.contextmanager
-def _named_rng_errors(streams: tuple[str, ...], train: bool) -> Iterator[None]:
-    """Flax's missing-stream error, with the shardlib option that passes the stream."""
+def _named_rng_errors(streams: tuple[str, ...], when: str) -> Iterator[None]:
+    """Flax's missing-stream error, with what passes the stream in shardlib."""
     from flax import errors
 
     try:
         yield
     except errors.InvalidRngError as err:
-        when = (f"shardlib passes the streams rng_streams={streams!r} when training" if train else
-                "evaluation (train=False) passes no rngs: draw random numbers only when training")
-        raise ValueError(f"from_linen: the module asked for an rng stream it was not given ({err}); {when}: "
-                         "name every stream the module draws from, e.g. from_linen(..., "
-                         "rng_streams=('dropout', 'noise'))") from err
+        raise ValueError(f"from_linen: the module asked for an rng stream it was not given ({err}); "
+                         + _MISSING_RNG[when].format(streams=streams)) from err
 
 
 @contextlib.contextmanager
