@@ -48,7 +48,8 @@ def from_linen(
     rng_streams: tuple[str, ...] = ("dropout",),
     capture: tuple[str, ...] = (),
 ) -> Model:
-    """Adapt a linen module whose parameters use ``nn.with_logical_partitioning`` (or none).
+    """Adapt a linen module whose parameters use ``nn.with_logical_partitioning``, t5x's
+    ``param_with_axes`` (names read from ``params_axes``, which is not state), or no names.
 
     ``inputs(batch, train) -> (args, kwargs)`` maps a batch to the module's call, e.g.
     ``lambda b, train: ((b["tokens"], b["positions"]), {"train": train})``; ``example`` is then
@@ -92,7 +93,6 @@ def from_linen(
     def init_state(key):
         return {c: v for c, v in nn.unbox(variables(key)).items() if c in collections}
 
-    # A linen call without rngs in training mode fails in flax itself if the module draws any.
     return Model(init=lambda key: nn.unbox(variables(key)["params"]), loss=_with_call(run, bool(collections)),
                  logical_axes=logical, apply=apply_call.outputs,
                  takes_call=True, uses_key=bool(rng_streams), init_state=init_state if collections else None)
