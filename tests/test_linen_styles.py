@@ -352,6 +352,12 @@ def test_a_sown_auxiliary_loss_is_captured_not_carried():
     _parity(model, "zero3", {"fsdp": 8}, reference, zoo.regression_batch)
 
 
+def test_capture_refuses_a_collection_that_holds_state():
+    with pytest.raises(ValueError, match=r"capture=\('batch_stats',\) names 'batch_stats', which holds state"):
+        from_linen(ResNet(), mse, zoo.image_batch(0), inputs=lambda b, train: ((b["image"],), {"train": train}),
+                   capture=("batch_stats",))
+
+
 def test_a_decode_cache_is_refused_by_name():
     with pytest.raises(ValueError, match="'cache' collection is the decoding cache.*decode=False"):
         from_linen(Decoding(decode=True), mse, zoo.regression_batch(0), inputs=regression_inputs)

@@ -133,6 +133,11 @@ def _state_collections(boxed: dict[str, Any], capture: tuple[str, ...]) -> tuple
     """The collections the train state carries: every one besides ``params`` and ``capture``;
     refused with what to do where the collection is not state (`_NOT_STATE`, sown tuples)."""
     collections = tuple(c for c in boxed if c != "params" and c not in capture)
+    held = [c for c in capture if c in boxed and not _sown_paths(boxed[c])]
+    if held:
+        raise ValueError(f"from_linen: capture={capture!r} names {', '.join(map(repr, held))}, which holds state "
+                         "(variables, not self.sow tuples): captured collections start empty on every call, so "
+                         "its values would never carry over; leave it out of capture")
     for name in collections:
         if name in _NOT_STATE:
             raise ValueError(f"from_linen: the module's {name!r} collection is {_NOT_STATE[name]}")
