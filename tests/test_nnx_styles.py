@@ -22,7 +22,7 @@ from shardlib import Checkpointer, build, from_nnx, make_layout, make_mesh
 from shardlib.model import Call
 from tests import zoo
 from tests.helpers import optimizer
-from tests.test_user_models import _assert_close  # the parameter comparison (conv biases before BatchNorm: noise)
+from tests.test_user_models import _assert_close, _host, _train  # (conv biases before BatchNorm: compared as noise)
 
 STEPS, ROWS = 3, 16
 FSDP8 = {"fsdp": 8}
@@ -202,18 +202,6 @@ def plain_steps(loss, params, carried, batches, tx, microbatches=1):
     return zoo.plain_steps_with_state(mean_loss, params, carried, tx, batches)
 
 
-def _host(tree):
-    return jax.tree.map(np.asarray, tree)
-
-
-def _train(program, state, batches):
-    losses = []
-    for batch in batches:
-        state, metrics = program.step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return state, losses, metrics
-
-
 # ---------------------------------------------------------------- the tutorial CNN, held as an instance
 
 
@@ -235,7 +223,9 @@ def test_an_instance_trains_from_its_own_weights_like_plain_jit(held_cnn):
     with pytest.warns(UserWarning, match="non-scalar aux entries 'logits'"):
         state = program.init(jax.random.key(7))  # the key seeds dropout only
         jax.tree.map(np.testing.assert_array_equal, _host(state.params), nnx.to_pure_dict(nnx.state(held, nnx.Param)))
-        state, losses, metrics = _train(program, state, batches)
+        state, losses = _train(program, state, batches[:-1])
+        state, metrics = program.step(state, batches[-1])
+    losses.append(float(metrics["loss"]))
     params, carried, loss = functional(twin, loss_with_metrics)
     ref_params, ref_carried, ref_losses = plain_steps(loss, params, carried, batches, optimizer())
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -260,7 +250,7 @@ def test_grad_accum_on_batchnorm_and_dropout_matches_microbatched_plain_jit(held
     _, twin, model, layout, _, batches = held_cnn
     program = build(model, optimizer(), layout, grad_accum=2)
     with pytest.warns(UserWarning, match="non-scalar aux"):
-        state, losses, _ = _train(program, program.init(jax.random.key(0)), batches)
+        state, losses = _train(program, program.init(jax.random.key(0)), batches)
     params, carried, loss = functional(twin, loss_with_metrics)
     ref_params, ref_carried, ref_losses = plain_steps(loss, params, carried, batches, optimizer(), microbatches=2)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -310,7 +300,7 @@ def test_custom_variables_are_model_state_carried_averaged_and_restored(tmp_path
     state = program.init(jax.random.key(0))
     assert set(state.model_state) == {"calls", "output_mean", "scale", "last"}  # sown "y" is not carried
     batches = [(b["x"], b["y"]) for b in map(zoo.regression_batch, range(STEPS))]  # batches as (x, y) tuples
-    state, losses, _ = _train(program, state, batches)
+    state, losses = _train(program, state, batches)
     params, carried, loss = functional(make(nnx.Rngs(0)), tuple_loss)
     ref_params, ref_carried, ref_losses = plain_steps(loss, params, carried, batches, optimizer())
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -344,7 +334,8 @@ def test_layers_stacked_with_vmap_and_scanned_evaluate_under_fsdp_tp_and_draw_dr
     module.eval()
     np.testing.assert_allclose(float(got["loss"]), float(lm_loss(module, batch)), rtol=1e-5)
     params = _host(state.params)
-    train = lambda key: float(model.loss(params, batch, None, Call(key=jax.random.key(key)))[0])
+    drawn = jax.jit(lambda key: model.loss(params, batch, None, Call(key=key))[0])
+    train = lambda seed: float(drawn(jax.random.key(seed)))
     assert train(1) == train(1) != train(2) and np.isfinite(train(1))  # training draws dropout masks
 
 
@@ -353,7 +344,7 @@ def test_tied_embedding_attention_lists_and_dicts_match_plain_jit():
     model = from_nnx(make, lm_loss)
     program = build(model, optimizer(), make_layout(model, "zero2", make_mesh(FSDP8)))
     batches = [zoo.token_batch(i, ROWS) for i in range(STEPS)]
-    state, losses, _ = _train(program, program.init(jax.random.key(0)), batches)
+    state, losses = _train(program, program.init(jax.random.key(0)), batches)
     params, carried, loss = functional(make(nnx.Rngs(0)), lm_loss)
     ref_params, _, ref_losses = plain_steps(loss, params, carried, batches, optimizer())
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

@@ -54,7 +54,7 @@ def from_nnx(
     key on each call; ``self.sow`` intermediates are dropped; every other variable (BatchNorm's
     ``nnx.BatchStat``, ``nnx.Cache``, ``nnx.Variable`` buffers, a counter subclass) is the model
     state, kept in ``TrainState.model_state``. A ``Param`` declared narrower than the step's master
-    weights (``param_dtype=jnp.bfloat16``) is computed with in its declared dtype.
+    weights (``param_dtype=jnp.bfloat16``) reaches the module cast to its declared dtype.
 
     ``loss_fn(module, batch)`` may also take an ``rngs`` argument (``loss_fn(model, rngs, batch)``,
     for modules whose ``__call__`` takes the rngs): it receives an ``nnx.Rngs`` seeded from the
@@ -80,20 +80,24 @@ def from_nnx(
         loss, aux = _nnx_loss_out(call_loss(module, batch, call.key))
         return loss, aux, parts.carried_of(module) if stateful else None
 
-    stages = None
-    if pipeline is not None:
-        stages = Stages(
-            stacked=pipeline.stacked,
-            embed=lambda params, batch, specs=None: pipeline.embed(parts.bind(params, specs), batch),
-            stage=lambda params, x, specs=None: pipeline.stage(parts.bind(params, specs), x),
-            head_loss=lambda params, x, batch, specs=None: _nnx_loss_out(
-                pipeline.head_loss(parts.bind(params, specs), x, batch)),
-        )
     uses_key = bool(jax.tree.leaves(parts.rngs)) or loss_takes_rngs
     return Model(init=source.params, loss=_with_call(run, uses_key or stateful), logical_axes=logical,
                  gathers_params=gathers_params, apply=lambda params, inputs: parts.bind(params)(inputs),
-                 pipeline=stages, takes_call=uses_key or stateful, uses_key=uses_key,
+                 pipeline=_stages(pipeline, parts), takes_call=uses_key or stateful, uses_key=uses_key,
                  init_state=source.carried if stateful else None)
+
+
+def _stages(pipeline: Stages | None, parts: _NnxParts) -> Stages | None:
+    """The module-level pipeline stages as functions of parameter pytrees (`Model.pipeline`)."""
+    if pipeline is None:
+        return None
+    return Stages(
+        stacked=pipeline.stacked,
+        embed=lambda params, batch, specs=None: pipeline.embed(parts.bind(params, specs), batch),
+        stage=lambda params, x, specs=None: pipeline.stage(parts.bind(params, specs), x),
+        head_loss=lambda params, x, batch, specs=None: _nnx_loss_out(
+            pipeline.head_loss(parts.bind(params, specs), x, batch)),
+    )
 
 
 def nnx_pure_dict(state: Any, keep_variables: bool = False) -> Any:
@@ -179,7 +183,9 @@ def _carried_filter() -> Any:
 def _nnx_loss_out(out: Any) -> LossOut:
     """``(loss, metrics)`` from what ``loss_fn`` returned: aux's scalar entries are metrics
     (averaged over the batch like the loss); the rest is dropped, and the warning says what."""
-    loss, aux = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
+    if not isinstance(out, tuple):
+        return out, {}
+    loss, aux = out[0], (out[1] if len(out) == 2 else out[1:])
     if not isinstance(aux, dict):
         _warn_dropped(f"aux of type {type(aux).__name__}")
         return loss, {}
