@@ -49,6 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from shardlib.model import Model
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout, restrict, spec_axes
+from shardlib.step import batch as batch_lib
 from shardlib.step import grads as grads_lib
 from shardlib.step import precision as precision_lib
 from shardlib.step import reduce as reduce_lib
@@ -177,7 +178,7 @@ class LocalSGDProgram:
 
         Reads the step counter on the host (one scalar), which waits for the previous step.
         """
-        self.layout.check_batch(batch)
+        batch_lib.check(self.layout, batch)
         done = int(state.step) + 1
         if done <= self.sync_warmup:
             state, metrics = self.sync_step(state, batch)
@@ -206,14 +207,14 @@ class LocalSGDProgram:
         return self.layout.abstract_batch(batch_shapes)
 
     def compile_local_step(self, state: Any, batch: Any):
-        self.layout.check_batch(batch)
+        batch_lib.check(self.layout, batch)
         return self.local_step.lower(state, batch).compile()
 
     def compile_sync(self, state: Any):
         return self.sync.lower(state).compile()
 
     def compile_sync_step(self, state: Any, batch: Any):
-        self.layout.check_batch(batch)
+        batch_lib.check(self.layout, batch)
         return self.sync_step.lower(state, batch).compile()
 
 
@@ -376,7 +377,7 @@ def _replica_grads(model: Model, layout: Layout, replicas: _Replicas) -> Callabl
     def grads_fn(stacked, batch, synchronous: bool):
         return jax.shard_map(
             functools.partial(body, synchronous=synchronous), mesh=layout.mesh,
-            in_specs=(replicas.stacked_manual, reduce_lib.batch_specs(layout, batch)),
+            in_specs=(replicas.stacked_manual, batch_lib.specs(layout, batch)),
             out_specs=(P(REPLICA_AXIS), P(REPLICA_AXIS), replicas.stacked_manual_state),
             axis_names=set(layout.batch_axes),
         )(stacked, batch)

@@ -28,12 +28,7 @@ from shardlib.step.compute import active_axes
 # small enough that the concatenated copy it needs stays a fraction of a large model's gradients.
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Reducer", "active_axes", "batch_specs", "scatter_dims", "vary"]  # active_axes: the axes reductions run over
-
-
-def batch_specs(layout: Layout, batch: Any) -> Any:
-    """The ``shard_map`` specs of a batch: rows split over the batch axes."""
-    return jax.tree.map(lambda x: restrict(layout.batch_spec(x.ndim), layout.batch_axes), batch)
+__all__ = ["DEFAULT_BUCKET_BYTES", "Reducer", "active_axes", "scatter_dims", "vary"]  # active_axes: the axes reductions run over
 
 
 def vary(params: Any, specs: Any, axes: tuple[str, ...]) -> Any:

@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import restrict, spec_axes
+from shardlib.step import batch as batch_lib
 from shardlib.step import reduce as reduce_lib
 from shardlib.step.compute import StepContext
 from shardlib.step.state import step_key
@@ -142,7 +143,7 @@ def _mapped(layout: Any, provider: Any, reducer: Any, queue_sharding_: Any):
     def mapped(*args):
         per_device, reduced, residuals, grads = jax.shard_map(
             body, mesh=layout.mesh,
-            in_specs=(mapped_params, reduce_lib.batch_specs(layout, args[1]), P(), residual_specs, local_specs),
+            in_specs=(mapped_params, batch_lib.specs(layout, args[1]), P(), residual_specs, local_specs),
             out_specs=(lead, layout.manual(layout.state, manual_axes), residual_specs, local_specs),
             axis_names=set(manual_axes))(*args)
         (loss, aux), model_state = _gathered_sum(per_device[0], layout.mesh), per_device[1]
