@@ -215,7 +215,8 @@ def held_cnn():
     nnx.update(twin, nnx.state(held, nnx.Param))
     model = from_nnx(held, loss_with_metrics)
     layout = make_layout(model, "zero3", mesh)
-    return held, twin, model, layout, build(model, optimizer(), layout), [zoo.image_batch(i, ROWS) for i in range(STEPS)]
+    batches = [zoo.image_batch(i, ROWS) for i in range(STEPS)]
+    return held, twin, model, layout, build(model, optimizer(), layout), batches
 
 
 def test_an_instance_trains_from_its_own_weights_like_plain_jit(held_cnn):
