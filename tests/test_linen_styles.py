@@ -90,21 +90,28 @@ class TiedLM(nn.Module):
 
 
 class ScanBlock(nn.Module):
+    hidden: int
+
     @nn.compact
     def __call__(self, x, _):
         init = nn.initializers.lecun_normal()
-        y = nn.Dense(64, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(nn.LayerNorm()(x))
-        y = nn.Dense(D, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(nn.relu(y))
+        y = nn.Dense(self.hidden, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(nn.LayerNorm()(x))
+        y = nn.Dense(x.shape[-1], kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(nn.relu(y))
         return x + y, None
 
 
 class ScannedLM(nn.Module):
+    features: int = D
+    hidden: int = 64
+    n_layers: int = 4
+
     @nn.compact
     def __call__(self, tokens):
-        x = nn.Embed(VOCAB, D, embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")))(tokens)
+        embed_init = nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed"))
+        x = nn.Embed(VOCAB, self.features, embedding_init=embed_init)(tokens)
         stack = nn.scan(nn.remat(ScanBlock), variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-                        length=4, metadata_params={nn.PARTITION_NAME: "layers"})
-        x, _ = stack(name="layers")(x, None)
+                        length=self.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+        x, _ = stack(self.hidden, name="layers")(x, None)
         return nn.Dense(VOCAB, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "vocab")))(x)
 
 
@@ -263,6 +270,33 @@ def test_scanned_rematerialised_layers_keep_their_layer_axis_under_fsdp_tp():
                                        lambda logits, b: zoo.cross_entropy(logits, b["targets"])), zoo.token_batch)
     spec = program.layout.param_shardings()["layers"]["Dense_0"]["kernel"].spec
     assert spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")  # the stacked axis stays whole
+
+
+def test_zero3_gathers_a_scanned_linen_stack_one_layer_at_a_time():
+    """Linen reads each parameter through ``self.param``, which unboxes it: shardlib hands the
+    shards in a box whose unbox is the ZeRO-3 gather, so inside ``nn.scan`` + ``nn.remat`` only
+    one layer's weights are whole at a time. Gathering the stack up front would need its
+    L x 2 x d x ff x 4 bytes of temporaries alone; the step stays below that."""
+    module = ScannedLM(features=64, hidden=256, n_layers=8)
+    model = from_linen(module, lambda logits, b: zoo.cross_entropy(logits, b["targets"]), zoo.token_batch(0),
+                       inputs=lambda b, train: ((b["tokens"],), {}), rng_streams=())
+    assert model.gathers_params
+    program = build(model, optimizer(), make_layout(model, "zero3", make_mesh({"fsdp": 8})))
+    batch = program.abstract_batch({k: (v.shape, v.dtype) for k, v in zoo.token_batch(0).items()})
+    temporaries = program.compile_step(program.abstract_state(), batch).memory_analysis().temp_size_in_bytes
+    assert temporaries < 8 * 2 * 64 * 256 * 4, temporaries
+
+
+def test_bf16_metrics_are_summed_in_float32():
+    """An aux metric computed in bf16 (nn.Embed's output takes the bf16 weights' dtype) is summed
+    over the devices in float32: a bf16 psum aborted XLA:CPU's compiler (AllReducePromotion)."""
+    module = TiedLM(dropout_rate=0.0)
+    loss = lambda out, b: (zoo.cross_entropy(out[0], b["targets"]), out[1])
+    model = from_linen(module, loss, zoo.token_batch(0), inputs=lambda b, train: ((b["tokens"], b["positions"]),
+                                                                                   {"deterministic": not train}))
+    program = build(model, optimizer(), make_layout(model, "zero3", make_mesh({"fsdp": 8})), precision="bf16")
+    _, metrics = program.step(program.init(jax.random.key(0)), zoo.token_batch(0))
+    assert metrics["hidden_rms"].dtype == jnp.float32 and np.isfinite(float(metrics["hidden_rms"]))
 
 
 # ---- t5x-style activation constraints ------------------------------------------------------

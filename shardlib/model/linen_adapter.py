@@ -86,7 +86,7 @@ def from_linen(
 
     def run(params, batch, specs, call):
         args, kwargs = inputs(batch, call.train)
-        out, state = apply_call(params, call, args, kwargs)
+        out, state = apply_call(_gathered_on_read(params, specs), call, args, kwargs)
         loss, aux = _loss_out(loss_fn(out, batch))
         return loss, aux, state
 
@@ -94,7 +94,7 @@ def from_linen(
         return {c: v for c, v in nn.unbox(variables(key)).items() if c in collections}
 
     return Model(init=lambda key: nn.unbox(variables(key)["params"]), loss=_with_call(run, bool(collections)),
-                 logical_axes=logical, apply=apply_call.outputs,
+                 logical_axes=logical, apply=apply_call.outputs, gathers_params=True,
                  takes_call=True, uses_key=bool(rng_streams), init_state=init_state if collections else None)
 
 
@@ -156,6 +156,64 @@ def _sown_paths(tree: Any) -> list[str]:
     jax.tree_util.tree_map_with_path(lambda path, x: found.append(rules_lib.path_str(path)) if isinstance(x, tuple) else None,
                                      tree, is_leaf=lambda x: isinstance(x, tuple))
     return found
+
+
+def _gathered_on_read(params: Any, specs: Any) -> Any:
+    """Each parameter the step stores split over the batch axes, boxed so that linen gathers it
+    where a layer reads it (``self.param`` unboxes): ZeRO-3 one layer at a time, inside
+    ``nn.scan`` and ``nn.remat`` too. ``specs`` None (no step): the parameters as they are."""
+    if specs is None:
+        return params
+    box = lambda path, value, spec: (_GatherOnRead(value, rules_lib.path_str(path), tuple(spec))
+                                     if any(spec) else value)
+    carried = lambda x: hasattr(x, "residual")  # ZeRO++'s shard with its residual (hooks._fit reads it alike)
+    return jax.tree_util.tree_map_with_path(box, params, specs, is_leaf=carried)
+
+
+def _gather_on_read_class():
+    """`_GatherOnRead`, defined on first use so that importing shardlib does not import flax."""
+    from flax import nnx, struct
+    from flax.core import meta
+
+    class GatherOnRead(struct.PyTreeNode, meta.AxisMetadata):
+        """A parameter shard whose ``unbox`` (linen's read of it) is `hooks.gather_layer`'s gather.
+        ``spec`` is the stored parameter's spec over the batch axes; under ``nn.scan`` the value
+        is one layer's slice and the gather drops the stacked axis's entry (``hooks._fit``)."""
+
+        value: Any
+        path: str = struct.field(pytree_node=False)
+        spec: tuple = struct.field(pytree_node=False)
+
+        def unbox(self) -> Any:
+            stamped = nnx.Param(self.value, **{hooks.SPEC_METADATA: (self.path, self.spec)})
+            return hooks.gather_layer(stamped).get_value()
+
+        def replace_boxed(self, val: Any) -> GatherOnRead:
+            return self.replace(value=val)
+
+        def add_axis(self, index: int, params: dict) -> GatherOnRead:
+            return self
+
+        def remove_axis(self, index: int, params: dict) -> GatherOnRead:
+            if index != 0 or self.spec[0]:
+                raise ValueError(
+                    f"{self.path}: linen transforms its axis {index}, which the step stores as {self.spec}; "
+                    "shardlib gathers a scanned parameter one layer at a time when its stacked axis is axis 0 "
+                    "and whole on every device: name it 'layers' (nn.scan(..., metadata_params="
+                    "{nn.PARTITION_NAME: 'layers'}) with nn.with_logical_partitioning)")
+            return self
+
+    return GatherOnRead
+
+
+def _GatherOnRead(value: Any, path: str, spec: tuple) -> Any:  # noqa: N802 (a class, made lazily)
+    global _GATHER_ON_READ
+    if _GATHER_ON_READ is None:
+        _GATHER_ON_READ = _gather_on_read_class()
+    return _GATHER_ON_READ(value, path, spec)
+
+
+_GATHER_ON_READ = None
 
 
 class _Apply:

@@ -231,7 +231,10 @@ class ModelCall:
         loss, aux, state = self.traced(lambda: self.model.run(self.view(params), rows, self._model_specs(), call))
         if ctx.model_state is not None:
             state = jax.tree.map(lambda new, old: new.astype(old.dtype), state, ctx.model_state)
-        return loss / self.rows_split, jax.tree.map(lambda a: a / self.rows_split, aux), state
+        # Summed over the devices in float32: a bf16 metric's psum aborts XLA:CPU (AllReducePromotion,
+        # docs/design.md) and a bf16 sum over devices loses digits on every backend.
+        share = lambda x: x.astype(jnp.float32) / self.rows_split
+        return share(loss), jax.tree.map(share, aux), state
 
     def stages(self, ctx: StepContext) -> Stages:
         """The model's pipeline stages over the parameters as stored (call them inside `traced`);
