@@ -320,3 +320,20 @@ def test_nnx_integer_state_that_differs_between_devices_is_refused():
     program = build(model, optax.sgd(0.1), make_layout(model, "dp", make_mesh(DATA8)))
     with pytest.raises(ValueError, match=r"model state \['positives'\] \(int32\) depends on this device's rows"):
         program.step(program.init(jax.random.key(0)), {"x": np.ones((8, 4), np.float32)})
+
+
+def test_a_loss_returning_per_example_outputs_keeps_scalar_metrics_and_says_what_it_drops():
+    """The Flax tutorials' ``(loss, logits)`` and dicts mixing scalars with arrays: every adapter
+    keeps the scalar entries as metrics and warns about the rest, instead of failing in dict()."""
+    params, batch = zoo.mlp_init(jax.random.key(0)), zoo.regression_batch(0)
+
+    def with_outputs(p, b):
+        loss = zoo.mlp_loss(p, b)
+        return loss, {"rmse": jnp.sqrt(loss), "residuals": b["y"] - loss}
+
+    with pytest.warns(UserWarning, match="non-scalar aux entries 'residuals'"):
+        loss, aux = from_functions(zoo.mlp_init, with_outputs).loss(params, batch)
+    assert set(aux) == {"rmse"} and float(aux["rmse"]) == pytest.approx(float(jnp.sqrt(loss)))
+    with pytest.warns(UserWarning, match="aux of type ndarray"):
+        _, aux = from_functions(zoo.mlp_init, lambda p, b: (zoo.mlp_loss(p, b), b["y"])).loss(params, batch)
+    assert aux == {}

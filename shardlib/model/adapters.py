@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from shardlib.sharding import rules as rules_lib
 
@@ -106,8 +107,26 @@ class Model:
 
 
 def _loss_out(out: Any) -> LossOut:
-    loss, aux = out if isinstance(out, tuple) else (out, {})
-    return loss, dict(aux)
+    """``(loss, metrics)`` from what ``loss_fn`` returned: aux's scalar entries are metrics
+    (averaged over the batch like the loss); the rest is dropped, and the warning says what."""
+    if not isinstance(out, tuple):
+        return out, {}
+    loss, aux = out[0], (out[1] if len(out) == 2 else out[1:])
+    if not isinstance(aux, dict):
+        _warn_dropped(f"aux of type {type(aux).__name__}")
+        return loss, {}
+    dropped = [k for k, v in aux.items() if jnp.ndim(v) != 0]
+    if dropped:
+        _warn_dropped(f"non-scalar aux entries {', '.join(map(repr, dropped))}")
+    return loss, {k: v for k, v in aux.items() if k not in dropped}
+
+
+def _warn_dropped(what: str) -> None:
+    warnings.warn(
+        f"the loss function returned {what}; shardlib reports scalar metrics only (averaged over "
+        "the global batch), so it drops them. Return (loss, {'accuracy': ...}) with scalars to see them in "
+        "the step's metrics, or compute per-example outputs with model.apply / the module outside the step",
+        UserWarning, stacklevel=2)
 
 
 def _with_call(run: Callable[[Params, Batch, Any, Call], tuple], needs_call: bool) -> Callable:

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from shardlib.model.adapters import Batch, LossOut, Model, Stages, _with_call
+from shardlib.model.adapters import Batch, Model, Stages, _loss_out, _with_call
 from shardlib.model.hooks import SPEC_METADATA
 from shardlib.sharding import rules as rules_lib
 
@@ -77,7 +76,7 @@ def from_nnx(
         module = parts.bind(params, specs, call.state, call.key)
         if not call.train:
             module.eval()
-        loss, aux = _nnx_loss_out(call_loss(module, batch, call.key))
+        loss, aux = _loss_out(call_loss(module, batch, call.key))
         return loss, aux, parts.carried_of(module) if stateful else None
 
     uses_key = bool(jax.tree.leaves(parts.rngs)) or loss_takes_rngs
@@ -95,7 +94,7 @@ def _stages(pipeline: Stages | None, parts: _NnxParts) -> Stages | None:
         stacked=pipeline.stacked,
         embed=lambda params, batch, specs=None: pipeline.embed(parts.bind(params, specs), batch),
         stage=lambda params, x, specs=None: pipeline.stage(parts.bind(params, specs), x),
-        head_loss=lambda params, x, batch, specs=None: _nnx_loss_out(
+        head_loss=lambda params, x, batch, specs=None: _loss_out(
             pipeline.head_loss(parts.bind(params, specs), x, batch)),
     )
 
@@ -178,29 +177,6 @@ def _carried_filter() -> Any:
     from flax import nnx
 
     return nnx.All(nnx.Not(_kinds("trained") + _kinds("reseeded") + _kinds("dropped")))
-
-
-def _nnx_loss_out(out: Any) -> LossOut:
-    """``(loss, metrics)`` from what ``loss_fn`` returned: aux's scalar entries are metrics
-    (averaged over the batch like the loss); the rest is dropped, and the warning says what."""
-    if not isinstance(out, tuple):
-        return out, {}
-    loss, aux = out[0], (out[1] if len(out) == 2 else out[1:])
-    if not isinstance(aux, dict):
-        _warn_dropped(f"aux of type {type(aux).__name__}")
-        return loss, {}
-    dropped = [k for k, v in aux.items() if jnp.ndim(v) != 0]
-    if dropped:
-        _warn_dropped(f"non-scalar aux entries {', '.join(map(repr, dropped))}")
-    return loss, {k: v for k, v in aux.items() if k not in dropped}
-
-
-def _warn_dropped(what: str) -> None:
-    warnings.warn(
-        f"from_nnx: the loss function returned {what}; shardlib reports scalar metrics only (averaged over "
-        "the global batch), so it drops them. Return (loss, {'accuracy': ...}) with scalars to see them in "
-        "the step's metrics, or compute per-example outputs with model.apply / the module outside the step",
-        UserWarning, stacklevel=2)
 
 
 @dataclasses.dataclass(frozen=True)
