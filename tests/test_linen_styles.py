@@ -287,6 +287,32 @@ def test_zero3_gathers_a_scanned_linen_stack_one_layer_at_a_time():
     assert temporaries < 8 * 2 * 64 * 256 * 4, temporaries
 
 
+class NarrowLayer(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        return jnp.tanh(nn.Dense(8)(h)), None
+
+
+class DeepNarrow(nn.Module):
+    """An unannotated nn.scan stack whose layer axis (16) is its largest: the ZeRO fallback would
+    split it, and the scan would then iterate over a device's share of the layers."""
+
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.scan(NarrowLayer, variable_axes={"params": 0}, split_rngs={"params": True}, length=16)
+        h, _ = stack(name="layers")(nn.Dense(8)(x), None)
+        return nn.Dense(8)(h)
+
+
+def test_an_unannotated_scanned_stack_keeps_its_layer_axis_whole():
+    module = DeepNarrow()
+    model = from_linen(module, mse, zoo.regression_batch(0), inputs=regression_inputs, rng_streams=())
+    assert model.logical_axes["layers"]["Dense_0"]["kernel"] == ("layers",)  # found by nn.scan's slicing
+    program, _, _ = _parity(model, "zero3", {"fsdp": 8}, _stateless(lambda p, b: module.apply({"params": p}, b["x"]), mse),
+                            zoo.regression_batch)
+    assert program.layout.param_shardings()["layers"]["Dense_0"]["kernel"].spec == jax.sharding.PartitionSpec(None, "fsdp", None)
+
+
 def test_bf16_metrics_are_summed_in_float32():
     """An aux metric computed in bf16 (nn.Embed's output takes the bf16 weights' dtype) is summed
     over the devices in float32: a bf16 psum aborted XLA:CPU's compiler (AllReducePromotion)."""

@@ -10,6 +10,7 @@ collection and what to do, instead of failing later inside the step with a pytre
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -64,7 +65,9 @@ def from_linen(
     ``capture`` names collections the module writes with ``self.sow`` (``"intermediates"``, an
     auxiliary ``"losses"``): each call starts them empty and ``loss_fn`` receives
     ``(outputs, {collection: values})``, what ``module.apply(..., mutable=capture)`` returns.
-    Inside the step, ``nn.with_logical_constraint`` maps through the strategy's activation rules.
+    Inside the step, ``nn.with_logical_constraint`` maps through the strategy's activation rules,
+    and each parameter stored split over the batch axes is gathered where a layer reads it
+    (`_gathered_on_read`), so ZeRO-3 holds one scanned layer's weights at a time.
     """
     from flax import linen as nn
     from flax.core import unfreeze
@@ -83,6 +86,7 @@ def from_linen(
     boxed = {c: tree for c, tree in boxed.items() if c not in _axes_collections(boxed)}
     collections = _state_collections(boxed, capture)
     apply_call = _Apply(module, rng_streams, collections, capture)
+    logical = _with_layer_axes(logical, _scanned_paths(apply_call, nn.unbox(boxed), inputs(example, False)))
 
     def run(params, batch, specs, call):
         args, kwargs = inputs(batch, call.train)
@@ -158,14 +162,14 @@ def _sown_paths(tree: Any) -> list[str]:
     return found
 
 
-def _gathered_on_read(params: Any, specs: Any) -> Any:
+def _gathered_on_read(params: Any, specs: Any, box_all: bool = False) -> Any:
     """Each parameter the step stores split over the batch axes, boxed so that linen gathers it
     where a layer reads it (``self.param`` unboxes): ZeRO-3 one layer at a time, inside
     ``nn.scan`` and ``nn.remat`` too. ``specs`` None (no step): the parameters as they are."""
     if specs is None:
         return params
     box = lambda path, value, spec: (_GatherOnRead(value, rules_lib.path_str(path), tuple(spec))
-                                     if any(spec) else value)
+                                     if box_all or any(spec) else value)
     carried = lambda x: hasattr(x, "residual")  # ZeRO++'s shard with its residual (hooks._fit reads it alike)
     return jax.tree_util.tree_map_with_path(box, params, specs, is_leaf=carried)
 
@@ -195,6 +199,10 @@ def _gather_on_read_class():
             return self
 
         def remove_axis(self, index: int, params: dict) -> GatherOnRead:
+            seen = _SCANNED.get()
+            if seen is not None:  # `_scanned_paths`' abstract call: note it, nothing to gather
+                seen[self.path] = index
+                return self
             if index != 0 or self.spec[0]:
                 raise ValueError(
                     f"{self.path}: linen transforms its axis {index}, which the step stores as {self.spec}; "
@@ -214,6 +222,35 @@ def _GatherOnRead(value: Any, path: str, spec: tuple) -> Any:  # noqa: N802 (a c
 
 
 _GATHER_ON_READ = None
+_SCANNED: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar("linen_scanned", default=None)
+
+
+def _scanned_paths(apply_call: _Apply, abstract: dict[str, Any], example_call: tuple) -> dict[str, int]:
+    """Parameter path -> the axis a linen transform (``nn.scan``) slices it along, from one abstract
+    evaluation call with every parameter boxed (`_GatherOnRead.remove_axis` notes each)."""
+    from shardlib.model.adapters import Call
+
+    spec_free = jax.tree.map(lambda x: (None,) * x.ndim, abstract["params"])
+    state = {c: abstract[c] for c in apply_call.collections} or None
+    seen: dict[str, int] = {}
+    token = _SCANNED.set(seen)
+    try:
+        jax.eval_shape(lambda p, s: apply_call(_gathered_on_read(p, spec_free, box_all=True), Call(state=s, train=False),
+                                               *example_call), abstract["params"], state)
+    finally:
+        _SCANNED.reset(token)
+    return seen
+
+
+def _with_layer_axes(logical: Any, scanned: dict[str, int]) -> Any:
+    """A stack that ``nn.scan`` slices along axis 0 gets the leading name ``"layers"`` where it
+    has none, so that no strategy's fallback splits the axis the scan iterates over."""
+    def name(path, names):
+        if scanned.get(rules_lib.path_str(path)) != 0 or (names and names[0] is not None):
+            return names
+        return ("layers", *(names or ())[1:])
+
+    return jax.tree_util.tree_map_with_path(name, logical, is_leaf=lambda x: x is None or isinstance(x, tuple))
 
 
 class _Apply:
