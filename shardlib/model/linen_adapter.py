@@ -5,6 +5,11 @@ Not every linen collection is state the step may carry: a ``cache`` exists in de
 only and is sized by the batch, and a collection written with ``self.sow`` holds a tuple that
 grows with every call (an output, not state). Those are refused at adaptation time, naming the
 collection and what to do, instead of failing later inside the step with a pytree error.
+
+ZeRO-3 without touching the module: linen reads every parameter through ``self.param``, which
+unboxes ``AxisMetadata``; the step's shards arrive in a box whose unbox is the gather
+(`_gathered_on_read`), so each layer's weights are whole only while it runs, inside
+``nn.scan`` and ``nn.remat`` as well.
 """
 
 from __future__ import annotations
