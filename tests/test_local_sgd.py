@@ -85,6 +85,31 @@ def test_sync_every_step_equals_data_parallel(dp8):
         np.testing.assert_allclose(got[0], np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
+def test_an_optimizer_placed_by_path_and_shape_trains_like_data_parallel(dp8):
+    """multi_transform with callable labels: optax's tree_map_params cannot place its state (it
+    calls the labels on a placeholder); by path and shape it is stacked over the replicas like any
+    other. Synced every step, momentum SGD in both branches trains as data-parallel momentum SGD
+    (momentum is linear in the gradients, and the replicas average after every step)."""
+    model, layout, _, _, _ = dp8
+    sgd = lambda: optax.sgd(LR / 4, momentum=0.9)
+    labels = lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, _: "norms" if "scale" in jax.tree_util.keystr(path) else "weights", params)
+    program = build_local_sgd(model, optax.multi_transform({"weights": sgd(), "norms": sgd()}, labels), layout,
+                              sync_every=1)
+    state = program.init(jax.random.key(0))
+    moments = jax.tree.leaves(state.opt_state)
+    assert moments and all(leaf.sharding.spec[0] == "data" for leaf in moments)
+    reference = build(model, sgd(), layout)
+    params = jax.tree.map(lambda x: np.asarray(x)[0], state.params)
+    ref_state = jax.device_put(TrainState(jnp.zeros((), jnp.int32), params, sgd().init(params)),
+                               reference.state_sharding)
+    for rows in batches(3):
+        rows = _on_mesh(layout, rows)
+        state, metrics = program.step(state, rows)
+        ref_state, ref_metrics = reference.step(ref_state, rows)
+        np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+
+
 def test_replicas_diverge_between_syncs_and_agree_after(dp8):
     _, layout, program, _, _ = dp8
     program = dataclasses.replace(program, sync_every=3)  # the schedule lives in Python: same executables

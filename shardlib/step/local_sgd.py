@@ -254,7 +254,7 @@ def build_local_sgd(
     _check_outer_delay(outer_delay, outer_mix, sync_every, outer_tx)
     grads_lib.refuse_key_and_state(model, "build_local_sgd", "use shardlib.build")
     replicas = _Replicas.for_layout(layout)
-    state_sharding = _state_sharding(model, tx, outer_tx, replicas, streamed=outer_delay > 0)
+    state_sharding = _state_sharding(model, tx, outer_tx, replicas, layout, streamed=outer_delay > 0)
     init = jax.jit(_init_fn(model, tx, outer_tx, replicas, streamed=outer_delay > 0), out_shardings=state_sharding)
     grads_fn = _replica_grads(model, layout, replicas)
     replicated = NamedSharding(layout.mesh, P())
@@ -316,16 +316,16 @@ class _Replicas:
 
 
 def _state_sharding(model: Model, tx: optax.GradientTransformation, outer_tx: optax.GradientTransformation | None,
-                    replicas: _Replicas, streamed: bool = False) -> LocalSGDState:
+                    replicas: _Replicas, layout: Layout, streamed: bool = False) -> LocalSGDState:
     """Inner optimizer state stacked like the parameters, the outer one laid out like the anchor."""
     mesh, replicated = replicas.mesh, NamedSharding(replicas.mesh, P())
     abstract = model.abstract()
-    abstract_stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((replicas.n, *x.shape), x.dtype), abstract)
-    abstract_opt = jax.eval_shape(jax.vmap(tx.init), abstract_stacked)
-    opt_shardings = optax.tree_utils.tree_map_params(
-        tx, lambda _, sharding: sharding, abstract_opt, replicas.stacked_state,
-        transform_non_params=lambda _: NamedSharding(mesh, P(REPLICA_AXIS)),
-    )
+    # Each leaf as `Layout.opt_state_layouts` places one replica's (never over the replica axis),
+    # stacked over the replicas: by path and shape, so callable masks and labels, masked states and
+    # factored moments place as they do in `build`.
+    one_replica = tuple(a for a in mesh.axis_names if a != REPLICA_AXIS)
+    opt_shardings = jax.tree.map(lambda leaf: NamedSharding(mesh, P(REPLICA_AXIS, *restrict(leaf.spec, one_replica))),
+                                 layout.opt_state_layouts(jax.eval_shape(tx.init, abstract)), is_leaf=rules_lib.is_layout)
     outer_shardings = None
     if outer_tx is not None:
         abstract_outer = jax.eval_shape(outer_tx.init, abstract)
