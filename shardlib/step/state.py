@@ -93,7 +93,9 @@ def check_optimizer(model: Model, tx: optax.GradientTransformation, layout: Layo
         return
     limit = WARN_REPLICATED_FRACTION * layout.param_bytes()
     replicated = rules_lib.replicated_leaves(layout.opt_state_layouts(abstract_opt), layout.mesh)
-    big = [l for l in replicated if l.bytes() > limit]
+    # Moments shaped like their parameter follow it; make_layout already warned about a parameter
+    # kept whole. Only state on its own layout (factored moments, flat buffers) is news here.
+    big = [l for l in replicated if l.bytes() > limit and any(n.startswith("own layout") for n in l.notes)]
     if big:
         lines = "\n".join(f"  {l.path} {l.shape}: {'; '.join(l.notes)}" for l in big)
         warnings.warn(f"{layout.strategy.name} keeps {len(big)} optimizer-state tensor(s) whole on every device:\n"
