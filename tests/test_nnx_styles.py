@@ -374,3 +374,17 @@ def test_bfloat16_params_compute_in_bfloat16_over_float32_masters():
     np.testing.assert_allclose(float(loss), float(reference(masters, carried, batch)[0]), rtol=1e-6)
     f32 = functional(make(nnx.Rngs(0)), zoo.regression_loss, param_dtype=jnp.float32)[2]
     assert float(f32(masters, carried, batch)[0]) != float(loss)  # the masters are not bfloat16 numbers
+
+
+class Sized(nnx.Module):
+    """The NNX docs' constructor shape: sizes first, rngs by keyword."""
+
+    def __init__(self, din, dout, *, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(din, dout, rngs=rngs)
+
+
+def test_a_class_that_needs_more_than_rngs_is_refused_with_the_lambda_to_write():
+    with pytest.raises(TypeError, match=r"Sized also requires din, dout: pass lambda rngs: Sized\(din, dout, rngs=rngs\)"):
+        from_nnx(Sized, tutorial_loss_fn)
+    from_nnx(lambda rngs: Sized(4, 2, rngs=rngs), tutorial_loss_fn)  # what the message says to write
+    from_nnx(lambda r: Sized(4, 2, rngs=r), tutorial_loss_fn)  # positional: the rngs are its first argument

@@ -121,6 +121,13 @@ class _Source:
             return cls(lambda key: make)
         if not callable(make):
             raise TypeError(f"from_nnx takes a module or make(rngs) -> nnx.Module, got {type(make).__name__}")
+        missing = _required_besides_rngs(make)
+        if missing:
+            name = getattr(make, "__name__", "make")
+            raise TypeError(
+                f"from_nnx calls make(rngs) to build the module, and {name} also requires {', '.join(missing)}: pass "
+                f"lambda rngs: {name}({', '.join(missing)}, rngs=rngs) with your values, or an instance "
+                f"{name}(..., rngs=nnx.Rngs(0)) (its weights are then the initial ones)")
         by_keyword = "rngs" in _parameter_names(make)
 
         def build(key):
@@ -152,6 +159,21 @@ def _parameter_names(make: Callable) -> tuple[str, ...]:
         return tuple(inspect.signature(make.__init__ if isinstance(make, type) else make).parameters)
     except (TypeError, ValueError):  # a builtin or C callable: call it positionally
         return ()
+
+
+def _required_besides_rngs(make: Callable) -> list[str]:
+    """The arguments ``make`` cannot do without besides the rngs it is given (by keyword where it
+    names ``rngs``, else as its first argument); a class: its ``__init__``'s, past ``self``."""
+    try:
+        params = list(inspect.signature(make.__init__ if isinstance(make, type) else make).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        return []
+    params = params[1:] if isinstance(make, type) else params
+    required = [p.name for p in params if p.default is inspect.Parameter.empty
+                and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    if "rngs" in (p.name for p in params):
+        return [name for name in required if name != "rngs"]
+    return required[1:]
 
 
 def _loss_caller(loss_fn: Callable) -> tuple[Callable[[Any, Batch, Any], Any], bool]:
