@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -179,6 +180,7 @@ def _gathered_on_read(params: Any, specs: Any, box_all: bool = False) -> Any:
     return jax.tree_util.tree_map_with_path(box, params, specs, is_leaf=carried)
 
 
+@functools.cache
 def _gather_on_read_class():
     """`_GatherOnRead`, defined on first use so that importing shardlib does not import flax."""
     from flax import nnx, struct
@@ -220,13 +222,9 @@ def _gather_on_read_class():
 
 
 def _GatherOnRead(value: Any, path: str, spec: tuple) -> Any:  # noqa: N802 (a class, made lazily)
-    global _GATHER_ON_READ
-    if _GATHER_ON_READ is None:
-        _GATHER_ON_READ = _gather_on_read_class()
-    return _GATHER_ON_READ(value, path, spec)
+    return _gather_on_read_class()(value, path, spec)
 
 
-_GATHER_ON_READ = None
 _SCANNED: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar("linen_scanned", default=None)
 
 

@@ -153,22 +153,24 @@ class _Source:
         return nnx_pure_dict(nnx.state(self.build(key), _carried_filter()))
 
 
-def _parameter_names(make: Callable) -> tuple[str, ...]:
-    """The names ``make`` takes (a class: its ``__init__``'s, which NNX's metaclass hides)."""
+def _parameters(make: Callable) -> list[inspect.Parameter]:
+    """What ``make`` takes (a class: its ``__init__``'s past ``self``, which NNX's metaclass hides);
+    empty for a builtin or C callable (then called positionally, unchecked)."""
     try:
-        return tuple(inspect.signature(make.__init__ if isinstance(make, type) else make).parameters)
-    except (TypeError, ValueError):  # a builtin or C callable: call it positionally
-        return ()
+        params = list(inspect.signature(make.__init__ if isinstance(make, type) else make).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    return params[1:] if isinstance(make, type) else params
+
+
+def _parameter_names(make: Callable) -> tuple[str, ...]:
+    return tuple(p.name for p in _parameters(make))
 
 
 def _required_besides_rngs(make: Callable) -> list[str]:
     """The arguments ``make`` cannot do without besides the rngs it is given (by keyword where it
-    names ``rngs``, else as its first argument); a class: its ``__init__``'s, past ``self``."""
-    try:
-        params = list(inspect.signature(make.__init__ if isinstance(make, type) else make).parameters.values())
-    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
-        return []
-    params = params[1:] if isinstance(make, type) else params
+    names ``rngs``, else as its first argument)."""
+    params = _parameters(make)
     required = [p.name for p in params if p.default is inspect.Parameter.empty
                 and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
     if "rngs" in (p.name for p in params):

@@ -173,7 +173,7 @@ class Layout:
                 return rules_lib.LeafLayout(name, shape, leaf.dtype, None, P())
             spec, notes = rules_lib.spec_for(None, shape, (), self.mesh, path=name, auto=auto)
             owner = f"its parameter {param.path} is {param.shape}" if param else "it follows no parameter"
-            return rules_lib.LeafLayout(name, shape, leaf.dtype, None, spec, (f"own layout: {owner}",) + notes[1:])
+            return rules_lib.LeafLayout(name, shape, leaf.dtype, None, spec, (f"{OWN_LAYOUT}: {owner}",) + notes[1:])
 
         return jax.tree_util.tree_map_with_path(place, abstract_opt_state)
 
@@ -190,10 +190,18 @@ def _owner(components: tuple[str, ...], by_path: Mapping[tuple[str, ...], rules_
     return None
 
 
+OWN_LAYOUT = "own layout"  # the note opening an optimizer-state leaf laid out on its own shape
+
+
+def has_own_layout(leaf: rules_lib.LeafLayout) -> bool:
+    """Whether `Layout.opt_state_layouts` laid this leaf out on its own shape (factored moments,
+    flat buffers) rather than as its parameter's state."""
+    return any(note.startswith(OWN_LAYOUT) for note in leaf.notes)
+
+
 def _own_layout_report(layouts: Any, mesh: Mesh) -> list[str]:
     """The optimizer-state leaves that could not take their parameter's layout, as a table."""
-    own = [l for l in jax.tree.leaves(layouts, is_leaf=rules_lib.is_layout)
-           if any(n.startswith("own layout") for n in l.notes)]
+    own = [l for l in jax.tree.leaves(layouts, is_leaf=rules_lib.is_layout) if has_own_layout(l)]
     return ["optimizer state not shaped like its parameter:", rules_lib.report(own, mesh)] if own else []
 
 

@@ -35,7 +35,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from shardlib.sharding.rules import as_axes
 from shardlib.step.compression import as_varying
 
-__all__ = ["all_gather", "apply", "gather", "pack", "psum", "psum_scatter"]
+__all__ = ["all_gather", "apply", "checked_limit", "gather", "pack", "psum", "psum_scatter"]
+
+
+def checked_limit(name: str, limit: int | None) -> int:
+    """A bucket size argument as bytes: 0 (or None) for one collective per tensor; negative refused."""
+    if limit is not None and limit < 0:
+        raise ValueError(f"{name} must be >= 0 (0 or None: one collective per tensor), got {limit}")
+    return int(limit or 0)
 
 
 def pack(sizes: Sequence[int], limit: int) -> list[list[int]]:

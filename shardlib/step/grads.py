@@ -27,8 +27,8 @@ from shardlib.step import compression as compression_lib
 from shardlib.step import layerwise as layerwise_lib
 from shardlib.step import pipeline as pipeline_lib
 from shardlib.step import stage_balance
-from shardlib.step.precision import Precision
 from shardlib.step.compute import ModelCall, StepContext
+from shardlib.step.precision import Precision
 from shardlib.step.reduce import Reducer
 
 

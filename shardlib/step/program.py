@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from shardlib.model import Model
 from shardlib.sharding.layout import Layout
 from shardlib.step import batch as batch_lib
+from shardlib.step import buckets as buckets_lib
 from shardlib.step import compression as compression_lib
 from shardlib.step import grads as grads_lib
 from shardlib.step import layerwise as layerwise_lib
@@ -132,7 +133,8 @@ def build(
 
     ``layerwise`` (dp, zero1, zero2): reduce each layer's gradients inside the backward pass's
     loop (dp all-reduces, zero1/zero2 reduce-scatter: their loop carries state-shard-sized
-    gradients), as plain ``jax.jit`` does, instead of all of them after it (`shardlib.step.layerwise`); None: where it applies (an uncompressed, unpipelined, synchronous
+    gradients), as plain ``jax.jit`` does, instead of all of them after it
+    (`shardlib.step.layerwise`); None: where it applies (an uncompressed, unpipelined, synchronous
     step of a model that calls ``gather_layer``), True: required (a clear error where it cannot),
     False: reduce after the backward pass.
 
@@ -158,7 +160,7 @@ def build(
     sharding = state_sharding(model, tx, layout, policy, reducer, placement)
     update = update_lib.Update(tx, policy, layout.state_shardings(), layout.param_shardings(), lr_schedule,
                                offloaded=opt_state_sharding(model, tx, layout) if placement.opt_state else None,
-                               gather_bucket_bytes=_bucket_limit("gather_bucket_bytes", gather_bucket_bytes))
+                               gather_bucket_bytes=buckets_lib.checked_limit("gather_bucket_bytes", gather_bucket_bytes))
     tau = staleness_lib.check_staleness(staleness, layout, policy, reducer, provider)
     provider = layerwise_lib.attach(provider, layout, model, method, grad_accum=grad_accum, staleness=tau,
                                     requested=layerwise)
@@ -168,12 +170,6 @@ def build(
     return TrainProgram(model, tx, layout, staleness_lib.with_queue(init, tau, layout, reducer, queued),
                         _CheckedStep(step, layout, microbatches), _eval_step(layout, provider, model), queued,
                         transient_initializer(model, layout, policy, reducer, sharding))
-
-
-def _bucket_limit(name: str, limit: int | None) -> int:
-    if limit is not None and limit < 0:
-        raise ValueError(f"{name} must be >= 0 (0 or None: one collective per tensor), got {limit}")
-    return int(limit or 0)
 
 
 def _weight_gather(weight_gather: str, method: compression_lib.Compression, reducer: reduce_lib.Reducer,

@@ -127,8 +127,6 @@ class Reducer:
         whole reduction is the autodiff reduce-scatter (hsdp's data-axis sum is compressible).
         ``bucket_bytes`` (0 or None: off) buckets the uncompressed reductions only: a compressed
         one keeps its per-tensor chunks, scales and residual."""
-        if bucket_bytes is not None and bucket_bytes < 0:
-            raise ValueError(f"bucket_bytes must be >= 0 (0 or None: one collective per tensor), got {bucket_bytes}")
         axes = active_axes(layout, exclude)
         untouched = _autodiff_only(layout, axes) if method.name != "none" else []
         if untouched and layout.pipeline_stages > 1:
@@ -140,7 +138,7 @@ class Reducer:
             )
         storage = jax.tree.map(lambda l: l.spec, layout.params, is_leaf=rules_lib.is_layout)
         return cls(layout.manual(layout.params), layout.manual(layout.state), axes, method, storage,
-                   int(bucket_bytes or 0), compresses_gathers=bool(untouched))
+                   buckets_lib.checked_limit("bucket_bytes", bucket_bytes), compresses_gathers=bool(untouched))
 
     def _carries(self, param_spec: P) -> bool:
         """Whether this parameter's reduce-scatter is its gather's compressed backward (qgZ)."""

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlib.model import Model
 from shardlib.sharding import rules as rules_lib
-from shardlib.sharding.layout import WARN_REPLICATED_FRACTION, Layout, ReplicationWarning
+from shardlib.sharding.layout import WARN_REPLICATED_FRACTION, Layout, ReplicationWarning, has_own_layout
 from shardlib.step import offload as offload_lib
 from shardlib.step import precision as precision_lib
 from shardlib.step.reduce import Reducer
@@ -82,8 +82,9 @@ REDUNDANT_WRAPPERS = {
 
 
 def check_optimizer(model: Model, tx: optax.GradientTransformation, layout: Layout) -> None:
-    """Warn about optimizer state a state-sharding strategy must leave whole (above 1% of the
-    parameter bytes: shapes no batch axis divides), and about wrappers the step makes inert."""
+    """Warn about optimizer state on its own layout (factored moments, flat buffers) that a
+    state-sharding strategy must leave whole (above 1% of the parameter bytes: no batch axis
+    divides it), and about wrappers the step makes inert."""
     abstract_opt = jax.eval_shape(tx.init, model.abstract())
     wrappers = tuple(REDUNDANT_WRAPPERS)
     for node in jax.tree.leaves(abstract_opt, is_leaf=lambda x: isinstance(x, wrappers)):
@@ -95,7 +96,7 @@ def check_optimizer(model: Model, tx: optax.GradientTransformation, layout: Layo
     replicated = rules_lib.replicated_leaves(layout.opt_state_layouts(abstract_opt), layout.mesh)
     # Moments shaped like their parameter follow it; make_layout already warned about a parameter
     # kept whole. Only state on its own layout (factored moments, flat buffers) is news here.
-    big = [l for l in replicated if l.bytes() > limit and any(n.startswith("own layout") for n in l.notes)]
+    big = [l for l in replicated if l.bytes() > limit and has_own_layout(l)]
     if big:
         lines = "\n".join(f"  {l.path} {l.shape}: {'; '.join(l.notes)}" for l in big)
         warnings.warn(f"{layout.strategy.name} keeps {len(big)} optimizer-state tensor(s) whole on every device:\n"
