@@ -121,6 +121,24 @@ def test_stop_signal_finishes_the_step_saves_and_exits_0(sig, heading, tmp_path,
 # ---------------------------------------------------------------- SIGKILL: bitwise resume, exactly-once data
 
 
+def test_a_step_is_saved_only_after_its_windows_are_written(tmp_path, monkeypatch) -> None:
+    """A multi-process save of step k commits once every process reaches it. Each process must
+    have written step k's windows by then: otherwise a process killed just after its peers'
+    commit resumes from k without them (what tests/test_elastic.py once caught, now and then)."""
+    from shardlib.run.checkpointing import SaveCheckpoint
+
+    out, seen = tmp_path / "run", []
+    save = SaveCheckpoint.save
+
+    def spy(self, step, state, metrics):
+        seen.append((step, [r["step"] for r in read_examples(out / "examples.jsonl")]))
+        save(self, step, state, metrics)
+
+    monkeypatch.setattr(SaveCheckpoint, "save", spy)
+    assert main(["train", *TINY, "--steps", "4", "--ckpt-every", "2", "--record-examples", "--out", str(out)]) == 0
+    assert seen == [(2, [1, 2]), (4, [1, 2, 3, 4])]
+
+
 def test_sigkill_restart_matches_the_uninterrupted_run_bitwise(reference, tmp_path, capsys) -> None:
     out = tmp_path / "run"
     proc = _spawn(out, *KILLED_RUN)

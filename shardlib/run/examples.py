@@ -44,8 +44,11 @@ class ExampleLog:
     the metrics log, a run resumed from a checkpoint after ``resume_step`` updates first drops
     the lines of later steps (written by the interrupted run, whose updates were lost), so the
     file describes exactly the data the final state was trained on. Each process writes its own
-    file (its own rows); a disabled log writes nothing. It must run before the metrics log: a
-    process killed between the two writes then never logs a step whose windows are missing.
+    file (its own rows); a disabled log writes nothing. It runs as soon as step k is dispatched,
+    before that step's checkpoint save: a save commits only once every process has reached it,
+    so no checkpoint holds a step whose windows some process has not yet written (a record read
+    one step later, with the metrics, could be lost with a killed process whose peers' save of
+    that step had already committed). It also comes before the step's metrics line.
     """
 
     def __init__(self, path: Path, loader: Any, *, enabled: bool, resume_step: int | None) -> None:

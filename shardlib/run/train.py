@@ -233,11 +233,9 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate, poison
                           enabled=config.record_examples, resume_step=resume_step)
     progress = Progress(total=config.steps, initial=first, log_every=config.log_every,
                         bar=run.is_main and config.progress, lines=run.is_main and config.verbose and not config.progress)
-    # Order matters: validation adds val_loss; the examples line goes before the metrics record
-    # (a process killed between the two never logs a step whose windows are missing); the
-    # guard raises last, once its step is logged.
+    # Order matters: validation adds val_loss; the guard raises last, once its step is logged.
     stragglers = straggler_action(config, clock)  # before the log: it adds the window's per-process times
-    record = Recorder([validation, tally, stragglers, examples, log, progress, NonFiniteGuard(config.max_skips, ckpt)],
+    record = Recorder([validation, tally, stragglers, log, progress, NonFiniteGuard(config.max_skips, ckpt)],
                       clock, tokens_per_step=run.tokens_per_step, at_once=validation.due)
     saver = None if ckpt is None else SaveCheckpoint(
         ckpt, Every(config.ckpt_every, last=config.steps if config.ckpt_every else None),
@@ -246,7 +244,7 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate, poison
     try:
         with preemption(saver, config.steps, resume_hint(config, run.out_dir)) as stop:
             state = run_steps(state, first, config.steps, step, run.load, record=record,
-                              after_step=[saver] if saver is not None else [], preemption=stop)
+                              after_step=[examples, *([saver] if saver is not None else [])], preemption=stop)
     finally:
         for action in (saver, progress, examples):
             if action is not None:
