@@ -25,8 +25,13 @@ class GPTConfig:
     compute_dtype: Any = "float32"  # anything jnp.dtype accepts; params stay float32
     remat: bool = True
     norm_eps: float = 1e-5
+    # "einsum": scores written out in float32 (any backend); "cudnn": jax.nn.dot_product_attention's
+    # fused kernel (GPU only; never materialises the T x T scores); "xla": that function's XLA path.
+    attention: str = "einsum"
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention={self.attention!r} is not one of {ATTENTION}")
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.d_model % self.n_heads:
@@ -40,6 +45,8 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+
+ATTENTION = ("einsum", "xla", "cudnn")
 
 CONFIGS: dict[str, GPTConfig] = {
     # For tests: every dimension is small and divisible by 4 or 8.

@@ -79,6 +79,7 @@ class Attention(nnx.Module):
         # Residual-branch outputs scaled by 1/sqrt(2 L) (GPT-2) so the stream's variance stays O(1).
         out_init = _fan_in(in_axis=(0, 1), out_axis=2, scale=1.0 / (2 * config.n_layers))
         self.wo = _param(rngs, out_init, (h, hd, d), ("heads", "head_dim", "embed"))
+        self.implementation = config.attention
 
     def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
         dtype = x.dtype
@@ -88,18 +89,25 @@ class Attention(nnx.Module):
         q = constrain(apply_rope(q, sin, cos), ("batch", "seq", "heads", "head_dim"))
         k = constrain(apply_rope(k, sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-
-        batch, seq, heads, head_dim = q.shape
-        kv_heads = k.shape[2]
-        q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # query groups share a kv head
-        scores = jnp.einsum("btngk,bsnk->bngts", q, k, preferred_element_type=jnp.float32)
-        scores = scores / math.sqrt(head_dim)
-        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        out = jnp.einsum("bngts,bsnk->btngk", probs, v).reshape(batch, seq, heads, head_dim)
+        if self.implementation == "einsum":
+            out = causal_attention(q, k, v)
+        else:
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))
         return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dtype))
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(d)) v under a causal mask, scores in float32; k/v may have fewer heads (GQA)."""
+    batch, seq, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # query groups share a kv head
+    scores = jnp.einsum("btngk,bsnk->bngts", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(head_dim)
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("bngts,bsnk->btngk", probs, v).reshape(batch, seq, heads, head_dim)
 
 
 class SwiGLU(nnx.Module):

@@ -4,11 +4,12 @@ MFU = model FLOPs per step / (step time x devices x dense bf16 peak per device).
 are `shardlib.models.flops_per_token` (6 N + 12 L H Q T, no remat recomputation) times the
 tokens of the global batch; the peak is the hardware profile's (`shardlib.tools.flops`). A CPU
 has no peak figure, so there MFU is "n/a" and the run is a smoke test of the script: the
-`tiny` model on 8 simulated devices. On GPU, compare with and without ``--xla-gpu-overlap``
-(docs/gpu.md has the commands and the results table).
+`tiny` model on 8 simulated devices. On a GPU the model's attention is the fused cuDNN kernel
+unless ``--attention`` says otherwise (docs/gpu.md has the commands and the results table).
 
   python scripts/benchmark_mfu.py                              # 1b, bf16, zero3 (tiny on a CPU)
   python scripts/benchmark_mfu.py --xla-gpu-overlap            # the same with XLA's overlap flags
+  python scripts/benchmark_mfu.py --vs-jit                     # also: step time over a plain jax.jit step
   python scripts/benchmark_mfu.py --model tiny --steps 3 --batch-size 8 --seq-len 32
 """
 
@@ -23,12 +24,14 @@ from collections.abc import Sequence
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 CPU_DEVICES = 8
 PER_DEVICE_BATCH = 8  # default global batch = this x devices
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    from shardlib.models.configs import ATTENTION
     from shardlib.run.config import PRECISIONS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -42,6 +45,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precision", default="bf16", choices=list(PRECISIONS), help="compute dtype (default: bf16)")
     parser.add_argument("--xla-gpu-overlap", action="store_true",
                         help="set XLA's GPU overlap flags first (shardlib.set_gpu_overlap_flags)")
+    parser.add_argument("--attention", choices=list(ATTENTION),
+                        help="models.GPTConfig.attention (default: cudnn, the fused kernel, on a GPU; else einsum)")
+    parser.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True,
+                        help="recompute each layer's forward in the backward pass (default: on)")
+    parser.add_argument("--vs-jit", action="store_true",
+                        help="also time a hand-written jax.jit step of the same model (scripts/benchmark.py's "
+                             "baseline) and print shardlib's step time over it")
     args = parser.parse_args(argv)
     for name in ("steps", "warmup", "batch_size", "seq_len"):
         value = getattr(args, name)
@@ -73,13 +83,15 @@ def build_program(args: argparse.Namespace, model_config: Any) -> Any:
     return build(model, optax.adamw(1e-4), layout, precision=args.precision)
 
 
-def time_steps(program: Any, batch: dict[str, Any], steps: int, warmup: int) -> tuple[float, float]:
-    """(compile seconds, seconds per step): ``steps`` steps dispatched back to back after ``warmup``."""
+def time_steps(program: Any, batch: dict[str, Any], steps: int, warmup: int,
+               step_fn: Any = None) -> tuple[float, float]:
+    """(compile seconds, seconds per step): ``steps`` steps dispatched back to back after ``warmup``.
+    ``step_fn``: another step over the program's state and shardings (default: the program's)."""
     import jax
 
     state = program.init(jax.random.key(0))
     start = time.perf_counter()
-    step = program.step.lower(state, batch).compile()
+    step = (step_fn or program.step).lower(state, batch).compile()
     compile_s = time.perf_counter() - start
     for _ in range(warmup):
         state, metrics = step(state, batch)
@@ -106,7 +118,8 @@ def report(args: argparse.Namespace, model_config: Any, step_s: float, compile_s
                    f"{mfu(model_flops, step_s, len(devices), peak):.1%} (of {peak / 1e12:.0f} TFLOP/s dense bf16 "
                    "per device)")
     return [
-        f"model       {args.model} ({param_count(model_config) / 1e6:.1f}M params), {args.strategy}, {args.precision}",
+        f"model       {args.model} ({param_count(model_config) / 1e6:.1f}M params), {args.strategy}, {args.precision}, "
+        f"{args.attention} attention, remat {'on' if args.remat else 'off'}",
         f"devices     {len(devices)} x {devices[0].platform} ({devices[0].device_kind}), jax {jax.__version__}",
         f"xla flags   {os.environ.get('XLA_FLAGS', '') or '(none)'}",
         f"batch       {args.batch_size} x {args.seq_len} tokens (global), {args.steps} timed steps",
@@ -116,6 +129,19 @@ def report(args: argparse.Namespace, model_config: Any, step_s: float, compile_s
         f"model FLOPs {model_flops / step_s / len(devices) / 1e12:.3f} TFLOP/s per device",
         f"MFU         {utilisation}",
     ]
+
+
+def vs_jit(program: Any, batch: dict[str, Any], args: argparse.Namespace, step_s: float) -> str:
+    """The same model and optimizer as a hand-written jit step (no shard_map, no non-finite skip,
+    no grad-norm metric), timed the same way after shardlib's: the overhead on this accelerator."""
+    import optax
+
+    from benchmark import baseline_step
+
+    sharding = program.layout.batch_sharding(batch)
+    plain = baseline_step(program.model, optax.adamw(1e-4), program, sharding)
+    _, plain_s = time_steps(program, batch, args.steps, args.warmup, step_fn=plain)
+    return f"vs jit      {step_s / plain_s:.3f} (plain jax.jit step: {plain_s * 1e3:.1f} ms)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -129,7 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     on_cpu = jax.default_backend() == "cpu"
     args.model = args.model or ("tiny" if on_cpu else "1b")
-    model_config = dataclasses.replace(get_config(args.model), compute_dtype=PRECISIONS[args.precision])
+    args.attention = args.attention or ("cudnn" if jax.default_backend() == "gpu" else "einsum")
+    model_config = dataclasses.replace(get_config(args.model), compute_dtype=PRECISIONS[args.precision],
+                                       attention=args.attention, remat=args.remat)
     args.seq_len = args.seq_len or model_config.max_seq_len
     args.batch_size = args.batch_size or PER_DEVICE_BATCH * len(jax.devices())
     program = build_program(args, model_config)
@@ -141,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if note:
         print(f"note        {note}")
     print("\n".join(report(args, model_config, step_s, compile_s)), flush=True)
+    if args.vs_jit:
+        print(vs_jit(program, batch, args, step_s), flush=True)
     return 0
 
 

@@ -75,17 +75,18 @@ def test_every_flag_is_known_to_this_jaxlib():
 def test_benchmark_mfu_smoke_run_on_cpu():
     env = _subprocess_env(JAX_PLATFORMS="cpu")
     cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_mfu.py"), "--steps", "2", "--warmup", "1",
-           "--batch-size", "8", "--seq-len", "32", "--xla-gpu-overlap"]
+           "--batch-size", "8", "--seq-len", "32", "--xla-gpu-overlap", "--vs-jit"]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    assert "model       tiny" in out and "zero3, bf16" in out
+    assert "model       tiny" in out and "zero3, bf16, einsum attention, remat on" in out
     assert "devices     8 x cpu" in out
     assert "batch       8 x 32 tokens" in out
     tokens_per_s = re.search(r"^tokens/s +([\d,]+)$", out, re.MULTILINE)
     assert tokens_per_s and int(tokens_per_s[1].replace(",", "")) > 0
     assert "MFU         n/a (no peak figure for cpu)" in out
     assert "XLA GPU overlap flags not set (JAX_PLATFORMS=cpu)" in out
+    assert re.search(r"^vs jit +\d+\.\d{3} \(plain jax\.jit step: [\d.]+ ms\)$", out, re.MULTILINE), out
 
 
 def test_train_flag_after_the_backend_started_names_the_flag():
@@ -109,7 +110,8 @@ def test_benchmark_mfu_figure_against_the_palm_formula(monkeypatch):
     spec.loader.exec_module(bench)
     monkeypatch.setattr("shardlib.tools.flops.peak_flops_for", lambda device: 2e12)
     c = get_config("tiny")
-    args = argparse.Namespace(model="tiny", strategy="zero3", precision="bf16", batch_size=16, seq_len=32, steps=3)
+    args = argparse.Namespace(model="tiny", strategy="zero3", precision="bf16", batch_size=16, seq_len=32, steps=3,
+                              attention="einsum", remat=True)
     lines = bench.report(args, c, step_s=1e-4, compile_s=1.0)
     layer = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads) + 3 * c.d_model * c.d_ff + 2 * c.d_model
     matmul_params = c.vocab_size * c.d_model + c.n_layers * layer + c.d_model  # the output head, layers, final norm

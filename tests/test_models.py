@@ -144,6 +144,25 @@ def test_grouped_query_attention_equals_repeated_kv_heads():
     np.testing.assert_allclose(gqa(inputs), nnx.merge(graphdef, merged)(inputs), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_dot_product_attention_path_equals_the_einsum_path(kv_heads):
+    """attention="xla" (jax.nn.dot_product_attention, whose "cudnn" kernel GPUs run) computes the
+    same logits and gradients as the written-out float32 scores, GQA included."""
+    batch = {"inputs": tokens(), "targets": tokens(seed=1)}
+    results = []
+    for attention in ("einsum", "xla"):
+        model = make(dataclasses.replace(TINY, n_kv_heads=kv_heads, attention=attention))
+        results.append(nnx.value_and_grad(next_token_loss, has_aux=True)(model, batch))
+    ((loss_a, _), grads_a), ((loss_b, _), grads_b) = results
+    np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads_a, grads_b)
+
+
+def test_unknown_attention_is_refused():
+    with pytest.raises(ValueError, match="attention='flash' is not one of"):
+        dataclasses.replace(TINY, attention="flash")
+
+
 def test_model_calls_the_shardlib_hooks(tiny):
     """Every activation constraint the model asks for has full rank and the expected names."""
     seen = []
