@@ -65,7 +65,7 @@ class ExampleLog:
             path.unlink()  # a fresh run in an old directory
         self._file = open(path, "a", encoding="utf-8")
 
-    def __call__(self, step: int, state: Any, record: dict[str, Any]) -> None:
+    def __call__(self, step: int, state: Any, metrics: Any) -> None:
         if self._file is None:
             return
         starts = loader_window_starts(self.loader, step - 1)  # batch index: 0-based
