@@ -24,6 +24,7 @@ import pytest
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import shardlib
 from shardlib import Call, Checkpointer, ReplicationWarning, build, from_functions, make_layout, make_mesh
 from tests import zoo
 from tests.helpers import optimizer  # AdamW, lr 3e-3, eps=1e-5
@@ -273,3 +274,71 @@ def test_from_functions_with_a_call_draws_the_documented_keys():
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     evaluation = float(program.evaluate(state.params, batches[0])["loss"])  # train=False, no key
     np.testing.assert_allclose(evaluation, float(_dropout_loss(ref_params, batches[0], Call(train=False))), rtol=1e-5)
+
+
+# ---------------------------------------------------------------- token-masked losses: shardlib.global_mean
+
+def _token_params(key):
+    k1, k2 = jax.random.split(key)
+    return {"embed": jax.random.normal(k1, (32, 16)) * 0.3, "out": jax.random.normal(k2, (16, 32)) * 0.3}
+
+
+def _token_batch(seed: int, rows: int = ROWS):
+    """Next-token targets under a padding mask whose valid count differs a lot between rows (1..12)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.permutation(np.arange(rows) % 12 + 1)
+    return {"tokens": rng.integers(0, 32, size=(rows, 12), dtype=np.int32),
+            "targets": rng.integers(0, 32, size=(rows, 12), dtype=np.int32),
+            "mask": (np.arange(12)[None, :] < lengths[:, None]).astype(np.float32)}
+
+
+def _token_ce(params, batch):
+    logits = jnp.tanh(params["embed"][batch["tokens"]]) @ params["out"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+
+
+def _masked_loss(params, batch):  # what the user writes: the mean over the valid tokens of the batch
+    return shardlib.global_mean(_token_ce(params, batch), batch["mask"])
+
+
+def _per_device_masked_loss(params, batch):  # the usual one-device formula, normalised by this device's tokens
+    ce = _token_ce(params, batch)
+    return (ce * batch["mask"]).sum() / batch["mask"].sum()
+
+
+def _token_run(loss, strategy, sizes, grad_accum=1):
+    model = from_functions(_token_params, loss)
+    program = build(model, optimizer(), make_layout(model, strategy, make_mesh(sizes)), grad_accum=grad_accum)
+    state = program.init(jax.random.key(0))
+    params0 = jax.tree.map(np.asarray, state.params)
+    batches = [_token_batch(i) for i in range(STEPS)]
+    state, losses = _train(program, state, batches)
+    return params0, batches, state, losses
+
+
+@pytest.mark.parametrize("strategy,sizes", [("zero3", FSDP8), ("dp", DATA8), ("hsdp", DATA2_FSDP4)])
+def test_global_mean_makes_a_token_masked_loss_equal_one_device(strategy, sizes):
+    """The mean over the valid tokens of the whole batch, trained on 8 devices, equals plain jit on one
+    (where global_mean is the weighted mean); the per-device formula does not (the reason it exists)."""
+    params0, batches, state, losses = _token_run(_masked_loss, strategy, sizes)
+    ref_params, ref_losses = zoo.plain_steps(_per_device_masked_loss, params0, optimizer(), batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), state.params, ref_params)
+    _, _, _, naive = _token_run(_per_device_masked_loss, strategy, sizes)
+    assert abs(naive[0] - ref_losses[0]) > 1e-3 * abs(ref_losses[0])
+
+
+def test_global_mean_under_grad_accum_is_the_mean_of_the_microbatch_means():
+    """grad_accum=2 on data=8: each microbatch (every device's first / second half of its rows) is
+    normalised by its own global token count, and the step averages the two."""
+    params0, batches, _, losses = _token_run(_masked_loss, "dp", DATA8, grad_accum=2)
+    per_device = ROWS // 8
+
+    def half(batch, i):  # microbatch i: rows i*h .. (i+1)*h of each device's block of rows
+        h = per_device // 2
+        rows = np.concatenate([np.arange(d * per_device + i * h, d * per_device + (i + 1) * h) for d in range(8)])
+        return jax.tree.map(lambda x: x[rows], batch)
+
+    reference = lambda p, b: (_per_device_masked_loss(p, half(b, 0)) + _per_device_masked_loss(p, half(b, 1))) / 2
+    _, ref_losses = zoo.plain_steps(reference, params0, optimizer(), batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from shardlib.sharding.rules import as_axes
@@ -43,6 +44,10 @@ class ComputeContext:
     gather_tree: Callable[[Any], Any] | None = None
     # (logical name, mesh axes) over the GSPMD axes: what Flax linen's nn.with_logical_constraint reads
     logical_rules: tuple[tuple[str, Any], ...] = ()
+    # The batch axes the step averages the per-device losses over, and how many devices that is
+    # (`global_mean`); empty outside a traced step body
+    mean_axes: tuple[str, ...] = ()
+    rows_split: int = 1
 
 
 _CONTEXT: contextvars.ContextVar[ComputeContext | None] = contextvars.ContextVar(
@@ -64,6 +69,24 @@ def logical_rules() -> tuple[tuple[str, Any], ...] | None:
     in the step); None outside a shardlib step, where the caller's own rules apply."""
     ctx = _CONTEXT.get()
     return None if ctx is None else ctx.logical_rules
+
+
+def global_mean(values: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """The mean of ``values`` over the whole batch, weighted by ``weights`` (a token mask), for a loss.
+
+    A step averages the devices' losses, so a loss that divides by its own rows' weight (the
+    masked tokens on this device) differs from one device's over the same batch. This one
+    divides by the weight summed over every device of the step, and scales by the device
+    count that the step's average divides by again: the step's loss and gradients are then
+    those of one device. Outside a shardlib step it is the plain weighted mean. Under
+    ``grad_accum=K`` it is each microbatch's global mean, and the step averages the K of them.
+    """
+    weights = jnp.ones_like(values) if weights is None else jnp.asarray(weights, values.dtype)
+    total = jax.lax.stop_gradient(weights.sum())
+    ctx = _CONTEXT.get()
+    if ctx is not None and ctx.mean_axes:
+        total = jax.lax.psum(total, ctx.mean_axes) / ctx.rows_split
+    return (values * weights).sum() / total
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:

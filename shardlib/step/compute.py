@@ -136,10 +136,11 @@ class ModelCall:
     gather: Callable[[Any, Any], jax.Array] | None = None  # ZeRO++'s quantised gather (`zeropp`); None: all_gather
     gather_tree: Callable[[Any], Any] | None = None  # per gather_layer call, first (`layerwise`'s twins)
     logical_rules: tuple = ()  # the activation rules for Flax's nn.with_logical_constraint (`logical_rules`)
+    mean_axes: tuple[str, ...] = ()  # the batch axes the loss is a mean over (`hooks.global_mean`)
 
     @classmethod
     def for_layout(cls, model: Model, layout: Layout, policy: precision_lib.Precision,
-                   rows_split: int, exclude: tuple[str, ...] = ()) -> ModelCall:
+                   rows_split: int, exclude: tuple[str, ...] = (), mean_exclude: tuple[str, ...] = ()) -> ModelCall:
         cast_first = policy.casts_before_gather(layout.mesh.devices.flat[0].platform)
         auto = layout.manual(layout.params, auto_axes(layout))
         by_path = {l.path: spec for l, spec in zip(jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout),
@@ -148,7 +149,7 @@ class ModelCall:
         specs = secondary.intra_specs if secondary else layout.manual(layout.params)
         return cls(model, specs, auto, by_path, sharded_paths(layout), activation_spec(layout),
                    policy.compute_dtype, cast_first, rows_split, active_axes(layout, exclude), secondary,
-                   logical_rules=logical_rules(layout))
+                   logical_rules=logical_rules(layout), mean_axes=active_axes(layout, exclude + mean_exclude))
 
     def _compute(self, tree: Any) -> Any:
         """``tree`` in the compute dtype; a layerwise state shard keeps the master dtype, so its
@@ -178,15 +179,17 @@ class ModelCall:
         unsharded = lambda p, spec: p if spec_axes(spec) else self._compute(p)
         return params if self.cast_first else jax.tree.map(unsharded, params, self.specs, is_leaf=zeropp.is_carried)
 
-    def _context(self) -> hooks.ComputeContext:
+    def _context(self, in_step: bool = True) -> hooks.ComputeContext:
+        """``in_step`` False: for an abstract trace outside the shard_map, where no batch axis is bound."""
         return hooks.ComputeContext(self.activation_spec, cast_to=None if self.cast_first else self.compute_dtype,
                                     auto_specs=self.auto_by_path, gather=self.gather, gather_tree=self.gather_tree,
-                                    logical_rules=self.logical_rules)
+                                    logical_rules=self.logical_rules, mean_axes=self.mean_axes if in_step else (),
+                                    rows_split=self.rows_split)
 
     def probe(self, params: Any, rows: Any, ctx: StepContext) -> hooks.ComputeContext:
         """The compute context an abstract trace of the loss leaves: which parameters the model
         passes through ``gather_layer`` (``gathered``), and which one stacked slice at a time (``sliced``)."""
-        seen = self._context()
+        seen = self._context(in_step=False)
 
         def run(p, b):
             with hooks.compute_context(seen):

@@ -361,7 +361,8 @@ def _replica_grads(model: Model, layout: Layout, replicas: _Replicas) -> Callabl
     unless ``synchronous`` (the warm-up: data parallelism's gradient all-reduce)."""
     reducer = reduce_lib.Reducer.for_layout(layout, get_compression("none"), exclude=(REPLICA_AXIS,))
     rows_split = math.prod(layout.mesh.shape[a] for a in layout.batch_axes if a != REPLICA_AXIS)
-    provider = grads_lib.Plain(ModelCall.for_layout(model, layout, precision_lib.get_precision("f32"), rows_split),
+    provider = grads_lib.Plain(ModelCall.for_layout(model, layout, precision_lib.get_precision("f32"), rows_split,
+                                                    mean_exclude=(REPLICA_AXIS,)),
                                reducer)
 
     def body(stacked, batch, synchronous: bool):
