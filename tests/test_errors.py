@@ -58,6 +58,26 @@ def test_model_that_does_not_gather_what_it_declares():
         program.step(state, {"x": np.ones((8, 8), np.float32)})
 
 
+def test_a_models_own_error_is_not_hidden_behind_the_gather_check():
+    """Under zero3 a loss that fails before its first layer (a batch key the user misspelt) raises
+    its own error, not the gather check's, though no layer has gathered its weights yet."""
+    from flax import linen as nn
+
+    from shardlib import from_linen
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(64)(x)  # 2048 weights: split over fsdp
+
+    example = {"image": np.ones((8, 32), np.float32)}
+    model = from_linen(Net(), lambda out, b: jnp.mean(out), example, inputs=lambda b, train: ((b["image"],), {}))
+    program = build(model, optax.sgd(0.1), make_layout(model, "zero3", make_mesh({"fsdp": 8})))
+    with pytest.raises(KeyError, match="image") as raised:
+        program.step(program.init(jax.random.key(0)), {"img": example["image"]})
+    assert any("raised before the model (gathers_params=True) passed" in note for note in raised.value.__notes__)
+
+
 def _matrix_model():
     return from_functions(lambda key: {"w": jnp.zeros((64, 64))}, lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2),
                           logical_axes={"w": ("embed", "mlp")})

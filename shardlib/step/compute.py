@@ -212,13 +212,21 @@ class ModelCall:
         return out
 
     def _check_gathered(self, ctx: hooks.ComputeContext, err: Exception | None = None) -> None:
+        """After a trace: refuse a model that computed with shards it never gathered. After an
+        error: only one about shapes can come from a shard; any other (a missing batch key, the
+        user's own check) is the model's and propagates as it is, with a note."""
         missed = [p for p in self.must_gather if p not in ctx.gathered] if self.model.gathers_params else []
-        if missed:
-            raise ValueError(
-                f"the model declares gathers_params=True but never passed {', '.join(missed)} through "
-                "shardlib.model.hooks.gather_layer, so it computed with parameter shards; gather them, "
-                "or build the model with gathers_params=False"
-            ) from err
+        if not missed:
+            return
+        if err is not None and "shape" not in str(err).lower():
+            err.add_note(f"shardlib: raised before the model (gathers_params=True) passed {', '.join(missed)} "
+                         "through shardlib.model.hooks.gather_layer")
+            return
+        raise ValueError(
+            f"the model declares gathers_params=True but never passed {', '.join(missed)} through "
+            "shardlib.model.hooks.gather_layer, so it computed with parameter shards; gather them, "
+            "or build the model with gathers_params=False"
+        ) from err
 
     def device_key(self, ctx: StepContext) -> jax.Array | None:
         """The step's key with this device's index over the batch axes folded in: data-parallel
