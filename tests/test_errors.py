@@ -116,6 +116,23 @@ def test_rules_that_name_none_of_the_models_axes_are_warned_about():
         make_layout(model, "tp", make_mesh({"fsdp": 2, "tensor": 4}))
 
 
+def test_unknown_names_hint_a_rule_and_a_stacks_layers_name_is_not_the_users():
+    """Flax's guide writes (None, "model"): the hint maps it, rather than naming the strategy that just
+    failed; the "layers" name the adapters give an nn.scan stack is no name the user wrote."""
+    import warnings
+
+    model = from_functions(lambda key: {"w": jnp.zeros((64, 64))}, lambda p, b: 0.0, logical_axes={"w": (None, "model")})
+    with pytest.warns(ReplicationWarning, match=r"\(model\); map them onto mesh axes, e\.g\. get_strategy\('tp'\)"
+                                                r"\.with_rules\(param_rules=\(\('model', 'tensor'\),\)") as seen:
+        make_layout(model, "tp", make_mesh({"tensor": 8}))
+    assert all("use a strategy whose rules name them" not in str(w.message) for w in seen)
+    stack = from_functions(lambda key: {"w": jnp.zeros((4, 64, 64))}, lambda p, b: 0.0,
+                           logical_axes={"w": ("layers", None, None)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplicationWarning)
+        make_layout(stack, "zero3", make_mesh({"fsdp": 8}))
+
+
 def test_sharding_report_takes_the_layout():
     layout = make_layout(_matrix_model(), "zero1", make_mesh({"data": 8}))
     text = sharding_report(layout)

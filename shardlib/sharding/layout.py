@@ -290,14 +290,19 @@ def _suggested_mesh(strategy: Strategy, mesh: Mesh) -> str:
 
 def _warn_unmatched_names(logical: Any, strategy: Strategy) -> None:
     """A model whose axis names no rule of the strategy knows is laid out by the fallback alone: say so."""
-    rule_names = {name for name, _ in strategy.param_rules + strategy.state_rules}
+    known = lambda s: {name for name, _ in s.param_rules + s.state_rules}
     leaves = jax.tree.leaves(logical, is_leaf=lambda x: x is None or isinstance(x, tuple))
-    names = {n for leaf in leaves if leaf is not None for n in leaf if n is not None}
-    if not rule_names or not names or names & rule_names:
+    # A stack's "layers" axis (named by the adapters for nn.scan stacks) is never split: not the user's name
+    names = {n for leaf in leaves if leaf is not None for n in leaf if n is not None} - set(rules_lib.AUTO_SHARD_SKIP)
+    if not known(strategy) or not names or names & known(strategy):
         return
+    others = [s.name for s in STRATEGIES.values() if s.name != strategy.name and names & known(s)]
+    example = ", ".join(f"({n!r}, 'tensor')" for n in sorted(map(str, names))[:2])
     hint = ("these look like mesh axes: strategy 'as_annotated' keeps the model's own placement"
             if all(a in MESH_AXES for n in names for a in rules_lib.as_axes(n)) else
-            "map them with Strategy.with_rules, or use a strategy whose rules name them (zero3, tp, fsdp_tp)")
+            f"map them onto mesh axes, e.g. get_strategy({strategy.name!r}).with_rules(param_rules=({example},) + "
+            f"get_strategy({strategy.name!r}).param_rules)"
+            + (f", or use a strategy whose rules name them ({', '.join(others)})" if others else ""))
     warnings.warn(
         f"strategy {strategy.name!r} has no rule for any of the model's axis names "
         f"({', '.join(sorted(map(str, names)))}); {hint}", ReplicationWarning, stacklevel=3)
