@@ -133,6 +133,23 @@ def test_unknown_names_hint_a_rule_and_a_stacks_layers_name_is_not_the_users():
         make_layout(stack, "zero3", make_mesh({"fsdp": 8}))
 
 
+def test_unwrapped_modules_and_an_nnx_optimizer_name_what_to_pass():
+    """The NNX tutorial's objects handed straight over: the module, then nnx.Optimizer."""
+    from flax import linen as nn
+    from flax import nnx
+
+    mesh = make_mesh({"data": 8})
+    module = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    for given, adapter in ((module, "from_nnx"), (nn.Dense(4), "from_linen"), ({"w": np.ones(3)}, "from_functions")):
+        with pytest.raises(TypeError, match=rf"make_layout takes a shardlib.Model, got .*: wrap it with shardlib.{adapter}\("):
+            make_layout(given, "dp", mesh)
+    model = _matrix_model()
+    with pytest.raises(TypeError, match=r"got flax\.nnx.*Optimizer: pass its optax transformation \(optimizer\.tx\)"):
+        build(model, nnx.Optimizer(module, optax.sgd(0.1), wrt=nnx.Param), make_layout(model, "dp", mesh))
+    with pytest.raises(TypeError, match=r"takes a Layout as its third argument, got str: make one with"):
+        build(model, optax.sgd(0.1), "dp")
+
+
 def test_sharding_report_takes_the_layout():
     layout = make_layout(_matrix_model(), "zero1", make_mesh({"data": 8}))
     text = sharding_report(layout)

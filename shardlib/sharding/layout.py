@@ -236,6 +236,7 @@ def make_layout(
     ``auto_shard`` (default on) applies the strategy's ZeRO fallback to every tensor its rules
     leave off the ZeRO axes (`rules.AutoShard`); off, only the rules place tensors.
     """
+    check_model_argument(model, "make_layout")
     strategy = get_strategy(strategy)
     _check_requirements(strategy, mesh)
     abstract = model.abstract()
@@ -259,6 +260,21 @@ def make_layout(
     _check_reducible(layout)
     _warn_replicated(layout)
     return layout
+
+
+def check_model_argument(model: Any, caller: str) -> None:
+    """Refuse what users hand over before wrapping it (an NNX or linen module, a params dict),
+    naming the adapter that makes a `shardlib.Model` of it."""
+    if isinstance(model, Model):
+        return
+    from flax import linen as nn
+    from flax import nnx
+
+    adapter = ("shardlib.from_nnx(module, loss_fn)" if isinstance(model, nnx.Module) else
+               "shardlib.from_linen(module, loss_fn, example_batch)" if isinstance(model, nn.Module) else
+               "shardlib.from_functions(init_fn, loss_fn)")
+    kind = type(model)
+    raise TypeError(f"{caller} takes a shardlib.Model, got {kind.__module__}.{kind.__qualname__}: wrap it with {adapter}")
 
 
 def _check_requirements(strategy: Strategy, mesh: Mesh) -> None:

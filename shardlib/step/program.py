@@ -26,7 +26,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlib.model import Model
-from shardlib.sharding.layout import Layout
+from shardlib.sharding.layout import Layout, check_model_argument
 from shardlib.step import batch as batch_lib
 from shardlib.step import buckets as buckets_lib
 from shardlib.step import compression as compression_lib
@@ -74,6 +74,19 @@ class TrainProgram:
     def compile_step(self, state: Any, batch: Any):
         """The compiled step for (abstract or concrete) arguments: memory_analysis, as_text, cost_analysis."""
         return self.step.lower(state, batch).compile()
+
+
+def _check_arguments(model: Any, tx: Any, layout: Any) -> None:
+    """build's three positional arguments, each refused with what to pass instead."""
+    check_model_argument(model, "build")
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        kind = type(tx)
+        instead = ("pass its optax transformation (optimizer.tx), or the optax chain you built it from"
+                   if kind.__name__ == "Optimizer" else "pass an optax.GradientTransformation, e.g. optax.adamw(1e-3)")
+        raise TypeError(f"build takes an optax optimizer, got {kind.__module__}.{kind.__qualname__}: {instead}")
+    if not isinstance(layout, Layout):
+        raise TypeError(f"build takes a Layout as its third argument, got {type(layout).__name__}: "
+                        "make one with shardlib.make_layout(model, strategy, mesh)")
 
 
 def build(
@@ -144,6 +157,7 @@ def build(
     ``staleness=tau`` reduces and applies the gradient computed at step t at step t + tau, so the
     reduction runs beside that step's compute (`shardlib.step.staleness`); 0: synchronous.
     """
+    _check_arguments(model, tx, layout)
     policy = precision_lib.get_precision(precision)
     method = compression_lib.get_compression(grad_compression)
     grads_lib.check_params(model, policy)
