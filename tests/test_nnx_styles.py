@@ -9,6 +9,7 @@ here with ``nnx.split`` / ``nnx.merge``.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -388,3 +389,63 @@ def test_a_class_that_needs_more_than_rngs_is_refused_with_the_lambda_to_write()
         from_nnx(Sized, tutorial_loss_fn)
     from_nnx(lambda rngs: Sized(4, 2, rngs=rngs), tutorial_loss_fn)  # what the message says to write
     from_nnx(lambda r: Sized(4, 2, rngs=r), tutorial_loss_fn)  # positional: the rngs are its first argument
+
+
+# ---------------------------------------------------------------- train / eval mode
+
+
+class FlagMLP(nnx.Module):
+    """BatchNorm and dropout 0.5, switched by the module's own flags (``module.eval()``) or, in
+    the older NNX style, by a ``train`` call argument that overrides them."""
+
+    def __init__(self, *, rngs):
+        self.l1, self.bn = nnx.Linear(32, 16, rngs=rngs), nnx.BatchNorm(16, rngs=rngs)
+        self.drop, self.l2 = nnx.Dropout(0.5, rngs=rngs), nnx.Linear(16, 8, rngs=rngs)
+
+    def __call__(self, x, train=None):
+        flag = None if train is None else not train
+        x = nnx.relu(self.bn(self.l1(x), use_running_average=flag))
+        return self.l2(self.drop(x, deterministic=flag))
+
+
+def flag_loss(model, batch, train):
+    return jnp.mean((model(batch["x"], train=train) - batch["y"]) ** 2)
+
+
+def test_a_module_held_in_eval_mode_is_warned_about_and_a_fresh_one_is_not():
+    held = FlagMLP(rngs=nnx.Rngs(0))
+    held.eval()  # left over from an eval loop
+    with pytest.warns(UserWarning, match=r"bn \(BatchNorm\): use_running_average=True; drop \(Dropout\): "
+                      r"deterministic=True\. Training runs the module as given.*call module\.train\(\)"):
+        from_nnx(held, zoo.regression_loss)
+    built_so = nnx.Sequential(nnx.Linear(32, 8, rngs=nnx.Rngs(0)), nnx.Dropout(0.1, deterministic=True))
+    with pytest.warns(UserWarning, match=r"layers/1 \(Dropout\): deterministic=True"):
+        from_nnx(built_so, zoo.regression_loss)
+    held.train()
+    no_dropout = nnx.MultiHeadAttention(2, 8, decode=False, deterministic=True, rngs=nnx.Rngs(0))  # rate 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for make in (held, FlagMLP, lambda rngs: FlagMLP(rngs=rngs), no_dropout):
+            from_nnx(make, zoo.regression_loss)
+
+
+def test_a_loss_with_a_train_argument_gets_false_in_evaluate_and_true_in_the_step():
+    held = FlagMLP(rngs=nnx.Rngs(0))
+    model = from_nnx(held, flag_loss)
+    program = build(model, optimizer(), make_layout(model, "dp", make_mesh({"data": 8})))
+    batch = zoo.regression_batch(0, ROWS)
+    state = program.init(jax.random.key(0))
+    before = float(program.evaluate(state.params, batch, state.model_state)["loss"])
+    trained, metrics = program.step(state, batch)  # donates state
+    evaluated = float(program.evaluate(trained.params, batch, trained.model_state)["loss"])
+    reference = nnx.clone(held)  # the module's own eval mode, eager on one device
+    nnx.update(reference, nnx.State(_host(trained.params)), nnx.State(_host(trained.model_state)))
+    np.testing.assert_allclose(evaluated, float(flag_loss(reference, batch, train=False)), rtol=1e-5)
+    # the step trains: dropout draws (same weights, another seed, another loss), batch statistics move
+    _, other_seed = program.step(program.init(jax.random.key(1)), batch)
+    assert float(metrics["loss"]) != float(other_seed["loss"]) and float(metrics["loss"]) != before
+    assert np.abs(np.asarray(trained.model_state["bn"]["mean"])).max() > 1e-4
+    # a train flag alone (nothing drawn, no state) still reaches the loss in evaluation
+    bare = from_nnx(lambda rngs: nnx.Linear(32, 8, rngs=rngs), lambda m, b, *, train: jnp.mean(m(b["x"])) * train)
+    params = bare.init(jax.random.key(0))
+    assert float(bare.run(params, batch, None, Call(train=False))[0]) == 0.0 != float(bare.run(params, batch, None, Call())[0])

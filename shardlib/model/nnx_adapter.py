@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -57,9 +58,11 @@ def from_nnx(
 
     ``loss_fn(module, batch)`` may also take an ``rngs`` argument (``loss_fn(model, rngs, batch)``,
     for modules whose ``__call__`` takes the rngs): it receives an ``nnx.Rngs`` seeded from the
-    step's key. It returns the loss, or ``(loss, aux)``: aux's scalar entries (a dict) become metrics;
+    step's key. A ``train`` argument (``loss_fn(model, batch, train)``, for modules whose train/eval
+    switch is a call argument) receives True in the step and False in evaluation. It returns the loss, or ``(loss, aux)``: aux's scalar entries (a dict) become metrics;
     anything else (the tutorial's ``(loss, logits)``) is dropped, with a warning. Evaluation runs
-    the module after ``module.eval()`` (dropout off, BatchNorm on running averages).
+    the module after ``module.eval()`` (dropout off, BatchNorm on running averages); training runs
+    it as given, so an instance left in eval mode is warned about.
 
     Set ``gathers_params=True`` when the module calls `shardlib.model.hooks.gather_layer` on all
     its parameters (as `models.gpt` does: per layer inside its scan), so ZeRO-3 gathers one layer
@@ -67,23 +70,62 @@ def from_nnx(
     (functions of the bound module) for pipeline parallelism.
     """
     source = _Source.of(make)
+    _warn_if_eval_mode(make)
     parts = _NnxParts.of(source.abstract())
     logical = rules_lib.logical_axes_of(nnx_pure_dict(parts.params, keep_variables=True))
     stateful = bool(jax.tree.leaves(parts.carried))
-    call_loss, loss_takes_rngs = _loss_caller(loss_fn)
+    call_loss, loss_takes_rngs, loss_takes_train = _loss_caller(loss_fn)
 
     def run(params, batch, specs, call):
         module = parts.bind(params, specs, call.state, call.key)
         if not call.train:
             module.eval()
-        loss, aux = _loss_out(call_loss(module, batch, call.key))
+        loss, aux = _loss_out(call_loss(module, batch, call.key, call.train))
         return loss, aux, parts.carried_of(module) if stateful else None
 
     uses_key = bool(jax.tree.leaves(parts.rngs)) or loss_takes_rngs
     return Model(init=source.params, loss=_with_call(run, uses_key or stateful), logical_axes=logical,
                  gathers_params=gathers_params, apply=lambda params, inputs: parts.bind(params)(inputs),
-                 pipeline=_stages(pipeline, parts), takes_call=uses_key or stateful, uses_key=uses_key,
-                 init_state=source.carried if stateful else None)
+                 pipeline=_stages(pipeline, parts), takes_call=uses_key or stateful or loss_takes_train,
+                 uses_key=uses_key, init_state=source.carried if stateful else None)
+
+
+# The attributes `nnx.Module.eval` sets to True (a fresh nnx.Dropout / nnx.BatchNorm has them False).
+EVAL_FLAGS = ("deterministic", "use_running_average")
+
+
+def _eval_flags(module: Any) -> list[str]:
+    """``path (Class): flag=True`` for each submodule whose eval-mode flag is set; a ``deterministic``
+    that changes nothing (dropout rate 0) is left out."""
+    from flax import nnx
+
+    found = []
+    for path, sub in nnx.iter_modules(module):
+        rate = getattr(sub, "rate", getattr(sub, "dropout_rate", None))
+        for flag in EVAL_FLAGS:
+            if getattr(sub, flag, None) is True and not (flag == "deterministic" and rate == 0):
+                name = "/".join(map(str, path)) or "the module itself"
+                found.append(f"{name} ({type(sub).__name__}): {flag}=True")
+    return sorted(found)
+
+
+def _warn_if_eval_mode(make: Any) -> None:
+    """A held module left in eval mode (``module.eval()``, or built with ``deterministic=True`` /
+    ``use_running_average=True``) would train with dropout off and BatchNorm statistics frozen,
+    silently: say so. A constructor builds a fresh module, in train mode unless asked otherwise."""
+    from flax import nnx
+
+    if not isinstance(make, nnx.Module):
+        return
+    found = _eval_flags(make)
+    if not found:
+        return
+    shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
+    warnings.warn(
+        f"from_nnx was given a module in eval mode: {shown}. Training runs the module as given, so dropout "
+        "stays off and BatchNorm statistics stay frozen; call module.train() before from_nnx to train with "
+        "dropout and batch statistics, or ignore this warning if the frozen statistics are intended "
+        "(fine-tuning). Evaluation switches to eval mode by itself.", UserWarning, stacklevel=3)
 
 
 def _stages(pipeline: Stages | None, parts: _NnxParts) -> Stages | None:
@@ -178,23 +220,52 @@ def _required_besides_rngs(make: Callable) -> list[str]:
     return required[1:]
 
 
-def _loss_caller(loss_fn: Callable) -> tuple[Callable[[Any, Batch, Any], Any], bool]:
-    """``(module, batch, key) -> loss_fn(...)``, and whether it draws: a loss with an ``rngs``
-    parameter (``loss_fn(model, rngs, batch)``, for modules whose ``__call__`` takes the rngs) gets
-    an ``nnx.Rngs`` seeded from this step's and device's key, in that parameter's place."""
+# Parameters of the user's loss that shardlib fills in itself, by name.
+LOSS_EXTRAS = ("rngs", "train")
+
+
+def _loss_caller(loss_fn: Callable) -> tuple[Callable[[Any, Batch, Any, bool], Any], bool, bool]:
+    """``(module, batch, key, train) -> loss_fn(...)``, whether it draws and whether it takes
+    ``train``: a loss with an ``rngs`` parameter (``loss_fn(model, rngs, batch)``, for modules whose
+    ``__call__`` takes the rngs) gets an ``nnx.Rngs`` seeded from this step's and device's key; one
+    with a ``train`` parameter (for modules whose train/eval switch is a call argument) gets
+    True in the step and False in evaluation, since ``module.eval()`` cannot reach a call argument."""
     from flax import nnx
 
-    names = _parameter_names(loss_fn)
-    if "rngs" not in names:
-        return (lambda module, batch, key: loss_fn(module, batch)), False
-    order = names.index("rngs")  # where rngs goes among (module, batch)
+    params = _parameters(loss_fn)
+    names = {p.name for p in params}
+    if not names & set(LOSS_EXTRAS):
+        return (lambda module, batch, key, train: loss_fn(module, batch)), False, False
+    positional, keyword = _loss_slots(params)
 
-    def call(module, batch, key):
-        rngs = nnx.Rngs(jax.random.key(0) if key is None else key)  # eval: module.eval() draws nothing
-        args = [module, batch]
-        return loss_fn(*args[:order], rngs, *args[order:])
+    def call(module, batch, key, train):
+        given = iter((module, batch))
+        extras = {"train": train}
+        if "rngs" in names:  # eval: key None, module.eval() draws nothing
+            extras["rngs"] = nnx.Rngs(jax.random.key(0) if key is None else key)
+        args = [extras[slot] if slot in extras else next(given) for slot in positional]
+        return loss_fn(*args, **{name: extras[name] for name in keyword})
 
-    return call, True
+    return call, "rngs" in names, "train" in names
+
+
+def _loss_slots(params: list[inspect.Parameter]) -> tuple[list[str | None], list[str]]:
+    """Where the loss takes its arguments: positional slots in order (None for the module and the
+    batch, the first two of its own parameters; a `LOSS_EXTRAS` name where it declares one) and the
+    extras passed by keyword (keyword-only ones, or those after a parameter left to its default)."""
+    positional, keyword, data, gap = [], [], 0, False
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.name in LOSS_EXTRAS:
+            by_keyword = p.kind is p.KEYWORD_ONLY or (gap and p.kind is not p.POSITIONAL_ONLY)
+            (keyword if by_keyword else positional).append(p.name)
+        elif data < 2 and p.kind is not p.KEYWORD_ONLY:
+            positional.append(None)
+            data += 1
+        else:
+            gap = True
+    return positional, keyword
 
 
 def _carried_filter() -> Any:
