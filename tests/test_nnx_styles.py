@@ -448,4 +448,5 @@ def test_a_loss_with_a_train_argument_gets_false_in_evaluate_and_true_in_the_ste
     # a train flag alone (nothing drawn, no state) still reaches the loss in evaluation
     bare = from_nnx(lambda rngs: nnx.Linear(32, 8, rngs=rngs), lambda m, b, *, train: jnp.mean(m(b["x"])) * train)
     params = bare.init(jax.random.key(0))
-    assert float(bare.run(params, batch, None, Call(train=False))[0]) == 0.0 != float(bare.run(params, batch, None, Call())[0])
+    run = lambda train: float(bare.run(params, batch, None, Call(train=train))[0])
+    assert run(False) == 0.0 != run(True)

@@ -59,10 +59,11 @@ def from_nnx(
     ``loss_fn(module, batch)`` may also take an ``rngs`` argument (``loss_fn(model, rngs, batch)``,
     for modules whose ``__call__`` takes the rngs): it receives an ``nnx.Rngs`` seeded from the
     step's key. A ``train`` argument (``loss_fn(model, batch, train)``, for modules whose train/eval
-    switch is a call argument) receives True in the step and False in evaluation. It returns the loss, or ``(loss, aux)``: aux's scalar entries (a dict) become metrics;
-    anything else (the tutorial's ``(loss, logits)``) is dropped, with a warning. Evaluation runs
-    the module after ``module.eval()`` (dropout off, BatchNorm on running averages); training runs
-    it as given, so an instance left in eval mode is warned about.
+    switch is a call argument) receives True in the step and False in evaluation. It returns the
+    loss, or ``(loss, aux)``: aux's scalar entries (a dict) become metrics; anything else (the
+    tutorial's ``(loss, logits)``) is dropped, with a warning. Evaluation runs the module after
+    ``module.eval()`` (dropout off, BatchNorm on running averages); training runs it as given, so
+    an instance left in eval mode is warned about.
 
     Set ``gathers_params=True`` when the module calls `shardlib.model.hooks.gather_layer` on all
     its parameters (as `models.gpt` does: per layer inside its scan), so ZeRO-3 gathers one layer
