@@ -15,6 +15,8 @@ HLO's sharding constraints, and bitwise checkpoint comparison.
 from __future__ import annotations
 
 import functools
+import re
+import warnings
 from typing import Any
 
 import jax
@@ -22,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import errors as flax_errors
 from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
 
@@ -444,3 +447,88 @@ def test_an_unannotated_module_under_tp_is_warned_about():
     with pytest.warns(shardlib.ReplicationWarning, match=r"tp on data=4 tensor=2 keeps \d+ tensor\(s\) whole[\s\S]*"
                                                          r"Dense_0/kernel[\s\S]*no logical axis names"):
         make_layout(model, "tp", make_mesh({"data": 4, "tensor": 2}))
+
+
+# ---- the TrainState habits: aux and variables that are not parameters -------------------------
+
+class BatchNormDense(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        return nn.Dense(8)(nn.BatchNorm(use_running_average=not train)(x))
+
+
+class Counting(nn.Module):
+    guarded: bool
+
+    @nn.compact
+    def __call__(self, x):
+        count = self.variable("counters", "count", lambda: jnp.zeros((), jnp.int32))
+        if not self.guarded or self.is_mutable_collection("counters"):
+            count.value += 1
+        return nn.Dense(8)(x)
+
+
+def _batch_stats_loss(module):
+    """The Flax BatchNorm guide's loss: the statistics' updates returned in aux."""
+    def loss_fn(variables, batch):
+        out, updates = module.apply(variables, batch["x"], train=True, mutable=["batch_stats"])
+        return mse(out, batch), {"rmse": jnp.sqrt(mse(out, batch)), "batch_stats": updates["batch_stats"]}
+
+    return loss_fn
+
+
+def test_aux_entries_that_are_not_arrays_are_dropped_by_name():
+    """``jnp.ndim`` of a dict is 0: a returned ``{"batch_stats": {...}}`` (or a list) must not pass
+    for a scalar metric (JAX deprecates that call); it is dropped with the non-scalars' warning."""
+    module, batch = BatchNormDense(), zoo.regression_batch(0)
+    variables = module.init(jax.random.key(0), batch["x"], train=False)
+
+    def loss_fn(v, b):
+        loss, aux = _batch_stats_loss(module)(v, b)
+        return loss, {**aux, "seen": [1.0]}
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss, aux = shardlib.from_functions(lambda key: variables, loss_fn).loss(variables, batch)
+    assert not [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert any("non-scalar aux entries 'batch_stats', 'seen'" in str(w.message) for w in caught)
+    out = module.apply(variables, batch["x"], train=True, mutable=["batch_stats"])[0]
+    assert set(aux) == {"rmse"}
+    assert float(aux["rmse"]) == pytest.approx(float(jnp.sqrt(jnp.mean((out - batch["y"]) ** 2))))
+
+
+def test_from_functions_warns_once_that_flax_collections_would_train_as_parameters():
+    """``init`` returning ``module.init``'s whole variables (the TrainState+BatchNorm habit) would
+    train batch_stats with the optimizer and never apply the loss's updates: one warning names the
+    collections and from_linen; ``variables["params"]`` alone is not warned about."""
+    module, batch = BatchNormDense(), zoo.regression_batch(0)
+    init = lambda key: {**module.init(key, batch["x"], train=False), "cache": {}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shardlib.from_functions(init, _batch_stats_loss(module))
+    named = [str(w.message) for w in caught if w.category is UserWarning and "Flax collection" in str(w.message)]
+    assert len(named) == 1
+    assert re.search(r"'batch_stats', 'cache'.*as if they were parameters.*not applied.*"
+                     r"shardlib\.from_linen\(module, loss, example, inputs=\.\.\.\)", named[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shardlib.from_functions(lambda key: {"params": init(key)["params"]}, lambda p, b: jnp.mean(b["y"] ** 2))
+
+
+def test_an_unguarded_state_update_is_named_with_the_guard_to_write():
+    """from_linen applies the module with its state read-only (to find scan stacks, and when
+    evaluating): an unguarded ``count.value += 1`` fails there with the guard to write; guarded,
+    training counts like ``module.apply(..., mutable=["counters"])`` and evaluation leaves it."""
+    batch = zoo.regression_batch(0)
+    with pytest.raises(ValueError, match=r"'counters' collection unconditionally.*read-only.*evaluation.*"
+                                         r"if self\.is_mutable_collection\(\"counters\"\):") as raised:
+        from_linen(Counting(guarded=False), mse, batch, inputs=regression_inputs, rng_streams=())
+    assert isinstance(raised.value.__cause__, flax_errors.ModifyScopeVariableError)
+    module = Counting(guarded=True)
+    model = from_linen(module, mse, batch, inputs=regression_inputs, rng_streams=())
+    params, state = model.init(jax.random.key(0)), model.init_state(jax.random.key(0))
+    _, _, trained = model.run(params, batch, None, shardlib.Call(state=state))
+    _, want = module.apply({"params": params, **state}, batch["x"], mutable=["counters"])
+    assert int(trained["counters"]["count"]) == int(want["counters"]["count"]) == int(state["counters"]["count"]) + 1
+    _, _, evaluated = model.run(params, batch, None, shardlib.Call(state=trained, train=False))
+    assert int(evaluated["counters"]["count"]) == int(trained["counters"]["count"])

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from shardlib.sharding import rules as rules_lib
 
@@ -115,10 +116,16 @@ def _loss_out(out: Any) -> LossOut:
     if not isinstance(aux, dict):
         _warn_dropped(f"aux of type {type(aux).__name__}")
         return loss, {}
-    dropped = [k for k, v in aux.items() if jnp.ndim(v) != 0]
+    dropped = [k for k, v in aux.items() if not _is_scalar(v)]
     if dropped:
         _warn_dropped(f"non-scalar aux entries {', '.join(map(repr, dropped))}")
     return loss, {k: v for k, v in aux.items() if k not in dropped}
+
+
+def _is_scalar(value: Any) -> bool:
+    """An array or number of shape ``()``; a dict or list (``{"batch_stats": ...}``) is not one,
+    although ``jnp.ndim`` says 0 for a dict (and warns that it will fail)."""
+    return isinstance(value, (jax.Array, np.ndarray, np.generic, int, float, complex)) and jnp.ndim(value) == 0
 
 
 def _warn_dropped(what: str) -> None:
@@ -172,12 +179,33 @@ def from_functions(
         logical_axes = rules_lib.logical_from_paths(abstract, path_rules)
     logical_axes = _empty_nodes_named(abstract, logical_axes)
     _warn_unknown_names(abstract, logical_axes)
+    _warn_flax_collections(abstract)
     if takes_call:
         run = lambda p, b, specs, call: (*_loss_out(loss_fn(p, b, call)), call.state)
         return Model(init=init, loss=_with_call(run, needs_call=True), logical_axes=logical_axes, apply=apply,
                      takes_call=True, uses_key=True)
     return Model(init=init, loss=lambda p, b, specs=None: _loss_out(loss_fn(p, b)),
                  logical_axes=logical_axes, apply=apply)
+
+
+# Top-level keys of ``module.init``'s variables that hold Flax collections, not parameters.
+_FLAX_COLLECTIONS = ("batch_stats", "cache", "intermediates")
+
+
+def _warn_flax_collections(abstract: Params) -> None:
+    """The TrainState+BatchNorm habit (``init`` returns all of ``module.init``'s variables) would
+    train the statistics as weights and never apply the loss's updates: say so, and what to use."""
+    found = [c for c in _FLAX_COLLECTIONS if isinstance(abstract, Mapping) and c in abstract]
+    if not found:
+        return
+    names = ", ".join(map(repr, found))
+    warnings.warn(
+        f"from_functions: init returned the Flax collection(s) {names} beside the parameters (module.init's "
+        f"whole variables dict): the optimizer would train them as if they were parameters (gradients, weight "
+        f"decay), and the updates your loss returns for them (module.apply(..., mutable=[...])) are not applied. "
+        f"Use shardlib.from_linen(module, loss, example, inputs=...), which trains 'params' and keeps every "
+        f"other collection as model state, or return only module.init(...)['params'] from init",
+        UserWarning, stacklevel=3)
 
 
 def _empty_nodes_named(abstract: Params, logical: Params) -> Params:

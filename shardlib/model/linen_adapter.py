@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -272,7 +273,8 @@ class _Apply:
         state = dict(call.state or {})
         mutable = [*(self.collections if call.train else ()), *self.capture]
         when = "evaluation" if not call.train else "training" if rngs is not None else "training without a key"
-        with _named_rng_errors(self.rng_streams, when), _logical_constraints():
+        with (_named_rng_errors(self.rng_streams, when), _named_read_only_errors(self.collections),
+              _logical_constraints()):
             if not mutable:  # evaluation (or no state): the state goes back as it came
                 out = self.module.apply({"params": params, **state}, *args, rngs=rngs, **kwargs)
                 return out, state if self.collections else None
@@ -314,6 +316,26 @@ def _named_rng_errors(streams: tuple[str, ...], when: str) -> Iterator[None]:
     except errors.InvalidRngError as err:
         raise ValueError(f"from_linen: the module asked for an rng stream it was not given ({err}); "
                          + _MISSING_RNG[when].format(streams=streams)) from err
+
+
+@contextlib.contextmanager
+def _named_read_only_errors(collections: tuple[str, ...]) -> Iterator[None]:
+    """Flax's error for a state variable updated where its collection is read-only (an unguarded
+    ``count.value += 1``), with why shardlib applies the module so and the guard to write."""
+    from flax import errors
+
+    try:
+        yield
+    except errors.ModifyScopeVariableError as err:
+        found = re.search(r'collection "([^"]+)" is immutable', str(err))
+        name = found.group(1) if found else None
+        if name not in collections:  # not model state (params): Flax's own message says it
+            raise
+        raise ValueError(
+            f"from_linen: the module updates its {name!r} collection unconditionally ({err}); shardlib applies "
+            f"the module with its state collections read-only, once to inspect it (from_linen finds nn.scan stacks "
+            f"so) and in every evaluation (train=False): guard the update with "
+            f'`if self.is_mutable_collection("{name}"):`') from err
 
 
 @contextlib.contextmanager
