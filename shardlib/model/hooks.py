@@ -160,7 +160,8 @@ def _fit(path: str, spec: Sequence[Any], value: jax.Array) -> tuple:
 
 
 def gather_layer(state: Any) -> Any:
-    """Gather the parameter shards in ``state`` (a Variable, a State, a module's state) under ZeRO-3."""
+    """Gather the parameter shards in ``state`` (a Variable, a State, a module's state, or an NNX
+    module such as the layer ``nnx.scan`` hands its body: a gathered copy) under ZeRO-3."""
     ctx = _CONTEXT.get()
     if ctx is None:
         return state
