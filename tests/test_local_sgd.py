@@ -215,6 +215,9 @@ def test_rejects_layouts_that_split_a_replica_over_data():
     model = tiny_model()
     with pytest.raises(ValueError, match="sharded over 'data'.*'hsdp'"):
         build_local_sgd(model, optax.sgd(LR), make_layout(model, "zero3", make_mesh({"data": 2, "fsdp": 4})), sync_every=2)
+    with pytest.raises(ValueError, match="mesh axis 'data', which has one device on the mesh fsdp=8: there is one "
+                                         "replica and nothing to average"):
+        build_local_sgd(model, optax.sgd(LR), make_layout(model, "zero3", make_mesh({"fsdp": 8})), sync_every=2)
     with pytest.raises(ValueError, match="sync_every must be a positive integer"):
         build_local_sgd(model, optax.sgd(LR), make_layout(model, "dp", make_mesh({"data": 8})), sync_every=0)
     with pytest.raises(ValueError, match="sync_warmup must be a non-negative integer"):

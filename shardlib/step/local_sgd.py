@@ -49,6 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from shardlib.model import Model
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout, restrict, spec_axes
+from shardlib.sharding.mesh import describe
 from shardlib.step import batch as batch_lib
 from shardlib.step import grads as grads_lib
 from shardlib.step import precision as precision_lib
@@ -130,6 +131,12 @@ def _check_layout(layout: Layout, sync_every: int, sync_warmup: int = 0) -> None
         raise ValueError(
             f"local SGD runs one replica per slice of mesh axis {REPLICA_AXIS!r}, but strategy "
             f"{layout.strategy.name!r} splits the batch over {layout.batch_axes} only"
+        )
+    if layout.mesh.shape[REPLICA_AXIS] < 2:
+        raise ValueError(
+            f"local SGD averages the replicas on mesh axis {REPLICA_AXIS!r}, which has one device on the mesh "
+            f"{describe(layout.mesh)}: there is one replica and nothing to average; give {REPLICA_AXIS!r} two or "
+            f"more devices (e.g. make_mesh({{{REPLICA_AXIS!r}: 2, 'fsdp': 4}}) with 'hsdp'), or train with build()"
         )
     for tree, what in ((layout.params, "stores"), (layout.state, "keeps the optimizer state of")):
         for leaf in jax.tree.leaves(tree, is_leaf=rules_lib.is_layout):
