@@ -589,3 +589,76 @@ def test_two_processes_save_restore_export_and_agree_on_preemption(zero3, tmp_pa
         with pytest.raises(ValueError, match="the 2 processes that saved it had different data iterator states"):
             ckpt.restore(zero3.abstract_state(), step=3)
     _assert_bitwise(host.params, load_exported(tmp_path / "weights.npz"))
+
+
+# ---------------------------------------------------------------- optimizer chain, staleness, export of model state
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    from shardlib import from_functions
+    from tests import zoo
+
+    return from_functions(zoo.mlp_init, zoo.mlp_loss)
+
+
+def _mlp_program(model, tx, n_devices: int = 8, **options):
+    mesh = make_mesh({"data": n_devices}, devices=jax.devices()[:n_devices])
+    return build(model, tx, make_layout(model, "dp", mesh), **options)
+
+
+def test_another_optimizer_chain_with_the_same_arrays_is_refused_by_name(mlp, tmp_path) -> None:
+    """optax.adamw's state is adam's plus one empty node: the same arrays, another tree for Orbax."""
+    adam = _mlp_program(mlp, optax.adam(1e-2))
+    state = _distinct_state(adam, seed=6)
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        assert ckpt.save(1, state, data_state=_data_state(1), config=CONFIG, force=True)
+        ckpt.wait()
+        with pytest.raises(CheckpointMismatchError, match=r"opt_state/2: an empty node .* in the target, not in the "
+                                                          r"checkpoint.*optimizer chain .* differs"):
+            ckpt.restore(_mlp_program(mlp, optax.adamw(1e-2)).abstract_state())
+        restored, _, _ = ckpt.restore(_mlp_program(mlp, optax.adam(1e-2), n_devices=4).abstract_state())
+    _assert_bitwise(state, restored)  # the same chain on another mesh still restores
+
+
+def test_another_staleness_is_refused_naming_the_option(mlp, tmp_path) -> None:
+    programs = {tau: _mlp_program(mlp, optax.adam(1e-2), staleness=tau) for tau in (0, 1)}
+    for saved, target in ((1, 0), (0, 1)):
+        with Checkpointer(tmp_path / f"ckpt{saved}") as ckpt:
+            assert ckpt.save(1, _distinct_state(programs[saved], seed=7), data_state=_data_state(1), config=CONFIG,
+                             force=True)
+            ckpt.wait()
+            with pytest.raises(CheckpointMismatchError, match=rf"saved by a program built with staleness={saved}, "
+                               rf"and the restore target is built with staleness={target}.*build\(\.\.\., "
+                               rf"staleness={saved}\)") as err:
+                ckpt.restore(programs[target].abstract_state())
+        assert "model and optimizer that saved it" not in str(err.value)
+
+
+def test_save_without_force_saves_whenever_every_is_zero(mlp, tmp_path) -> None:
+    state = _distinct_state(_mlp_program(mlp, optax.adam(1e-2)), seed=8)
+    with Checkpointer(tmp_path / "ckpt") as ckpt:  # every=0, the default: no schedule
+        assert ckpt.save(3, state, data_state=_data_state(3), config=CONFIG)
+        assert not ckpt.should_save(4)
+        ckpt.wait()
+        assert ckpt.all_steps() == [3]
+    with Checkpointer(tmp_path / "ckpt", every=2) as ckpt:  # a schedule: off it, only force saves
+        assert not ckpt.save(5, state, data_state=_data_state(5), config=CONFIG)
+        assert ckpt.save(5, state, data_state=_data_state(5), config=CONFIG, force=True)
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+def test_export_writes_the_model_state_and_load_exported_returns_it(tmp_path, suffix, capsys) -> None:
+    program = _built(_dropout_bn_model(), {"data": 8}, 8)
+    state = _distinct_state(program, seed=9)  # BatchNorm statistics unlike their init values
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        ckpt.save(4, state, data_state=_data_state(4), config={"model": "my-cnn"}, force=True)
+    out = tmp_path / f"cnn{suffix}"
+    assert cli.main(["export", "--ckpt", str(tmp_path / "ckpt"), "--out", str(out)]) == 0
+    assert "4 of them are the model state" in capsys.readouterr().out  # mean and var of 2 BatchNorms
+    params, model_state = load_exported(out, model_state=True)
+    _assert_bitwise(state.params, params)
+    _assert_bitwise(state.model_state, model_state)
+    _assert_bitwise(state.params, load_exported(out))  # without the flag: the parameter tree, as before
+    names = {t["name"] for t in read_export_metadata(out)["tensors"]}
+    assert {"model_state/bn1/mean", "model_state/bn2/var", "bn1/scale"} <= names

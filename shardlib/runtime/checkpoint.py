@@ -118,6 +118,32 @@ def signature_mismatches(saved: Mapping[str, tuple], target: Mapping[str, tuple]
     return problems
 
 
+def empty_nodes(tree: Any) -> set[str]:
+    """Paths of the subtrees that hold no array (``optax.EmptyState``, ``MaskedNode``, None).
+
+    Leaf signatures cannot see them, yet they are part of the tree Orbax restores into: the
+    checkpoint keeps each as None, and a target with one more or one fewer fails inside Orbax.
+    The topmost empty subtree counts once, spelled as `tree_signature` spells paths.
+    """
+    is_empty = lambda node: not jax.tree.leaves(node)
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_empty)
+    return {path_str(path) for path, leaf in flat if is_empty(leaf)}
+
+
+def structure_mismatches(saved: set[str], target: set[str], field: str) -> list[str]:
+    """The empty nodes of ``field`` present on one side only, worded like `signature_mismatches`."""
+    problems = []
+    for path in sorted(p for p in saved ^ target if _field(p) == field):
+        where = "in the checkpoint, not in the target" if path in saved else "in the target, not in the checkpoint"
+        problems.append(f"{path}: an empty node (no arrays, e.g. optax.EmptyState) {where}")
+    return problems
+
+
+def staleness_of(signature: Mapping[str, tuple]) -> int:
+    """The ``staleness`` a state was built with: the number of gradients queued in ``pending``."""
+    return len({p.split("/")[1] for p in signature if _field(p) == "pending" and "/" in p})
+
+
 def describe_mismatches(problems: Sequence[str]) -> str:
     """``"(N difference(s)): a; b; ... and M more"`` for an error message."""
     shown = "; ".join(problems[:_MAX_LISTED])
@@ -238,7 +264,9 @@ def pick_data_state(saved: Mapping[str, Any], directory: str, step: int) -> dict
 class Checkpointer:
     """Async, retained, sharded Orbax checkpoints of a `TrainState`, data state and run config.
 
-    ``every``: `should_save` is true on multiples of it (0: only forced saves).
+    ``every``: `should_save` is true on multiples of it, and `save` without ``force`` saves only
+    then. ``every=0`` (the default) means no schedule: `should_save` is never true and `save`
+    saves whenever it is called.
     ``keep``: how many complete checkpoints to keep (None: all); older ones are deleted only
     after a newer one committed. ``async_save``: `save` returns once the arrays are copied to
     host memory; writing continues in the background while training goes on (donating the
@@ -256,7 +284,7 @@ class Checkpointer:
         create: bool = True,
     ) -> None:
         if every < 0:
-            raise CheckpointError(f"checkpoint interval every={every} must be >= 0 (0 saves only when forced)")
+            raise CheckpointError(f"checkpoint interval every={every} must be >= 0 (0: save whenever save() is called)")
         if keep is not None and keep < 1:
             raise CheckpointError(f"keep={keep} would delete every checkpoint; use keep >= 1, or None to keep all")
         self.directory = resolve_directory(directory)
@@ -323,13 +351,14 @@ class Checkpointer:
     ) -> bool:
         """Start saving ``state`` as checkpoint ``step``; returns whether a save was started.
 
-        Call on every process. ``force`` saves off the ``every`` schedule (preemption, end of
-        run). Never overwrites: a step that already has a checkpoint is left alone (False).
+        Call on every process. With ``every > 0`` only steps on the schedule save; ``force``
+        saves off it (preemption, end of run). With ``every=0`` every call saves. Never overwrites:
+        a step that already has a checkpoint is left alone (False).
         ``metrics`` (the step's): a non-finite loss or a skipped step is not saved (False, logged).
         A state holding NaN/Inf raises `NonFiniteStateError` naming the tensors.
         """
         step = int(step)
-        if not force and not self.should_save(step):
+        if not force and self.every and not self.should_save(step):
             return False
         if step in self._manager.all_steps():  # Orbax's list: the same on every process
             log.warning("checkpoint %s step %d already exists; not overwriting it", self.directory, step)
@@ -428,14 +457,39 @@ class Checkpointer:
 
     def check_compatible(self, target: Any, step: int | None = None, ignore: tuple[str, ...] = ()) -> None:
         """Raise `CheckpointMismatchError` listing every path whose presence, shape or dtype
-        differs (top-level fields in ``ignore`` aside)."""
+        differs (top-level fields in ``ignore`` aside), and every empty node of the optimizer
+        state present on one side only (another optimizer chain with the same arrays)."""
         step = self.resolve_step(step)
         keep = lambda sig: {p: v for p, v in sig.items() if _field(p) not in ignore}
-        problems = signature_mismatches(keep(self.saved_signature(step)), keep(tree_signature(target)))
+        saved_tree = self.saved_tree(step)
+        saved, wanted = keep(tree_signature(saved_tree)), keep(tree_signature(target))
+        self._check_staleness(saved, wanted, step)
+        problems = signature_mismatches(saved, wanted)
+        chain = [] if "opt_state" in ignore else structure_mismatches(empty_nodes(saved_tree), empty_nodes(target),
+                                                                       "opt_state")
+        if chain:
+            raise CheckpointMismatchError(
+                f"checkpoint {self.directory} step {step} does not match the restore target "
+                f"{describe_mismatches(chain + problems)}. The optimizer chain (the tree structure of opt_state) "
+                "differs from the one that saved it (optax.adamw, for one, adds an empty node to optax.adam's "
+                f"state); build the program with the optimizer that saved it (its config: {self.saved_config(step)})"
+            )
         if problems:
             raise CheckpointMismatchError(
                 f"checkpoint {self.directory} step {step} does not match the restore target {describe_mismatches(problems)}. "
                 f"Restore it with the model and optimizer that saved it (its config: {self.saved_config(step)})"
+            )
+
+    def _check_staleness(self, saved: Mapping[str, tuple], target: Mapping[str, tuple], step: int) -> None:
+        """Refuse, naming the option, a checkpoint whose queue of stale gradients (``pending``)
+        was built with another ``staleness``: a queue of tau gradients means nothing under tau'."""
+        tau, tau_target = staleness_of(saved), staleness_of(target)
+        if tau != tau_target:
+            raise CheckpointMismatchError(
+                f"checkpoint {self.directory} step {step} was saved by a program built with staleness={tau}, and the "
+                f"restore target is built with staleness={tau_target}: the queued gradients (TrainState.pending) "
+                f"belong to the staleness that queued them. Build the program with build(..., staleness={tau}) "
+                "to resume this checkpoint"
             )
 
     def restore(self, abstract_state: Any, step: int | None = None, *,

@@ -1,7 +1,8 @@
-"""`shardlib export`: consolidated weights (parameters only) from a sharded checkpoint.
+"""`shardlib export`: consolidated weights (parameters and model state) from a sharded checkpoint.
 
-The parameters are restored sharded over all devices (Orbax partial restore: the optimizer
-state is never read), then written one tensor at a time: each tensor is gathered to the host
+The parameters, and the model state when the model keeps one (BatchNorm statistics, without
+which it cannot run inference), are restored sharded over all devices (Orbax partial restore:
+the optimizer state is never read), then written one tensor at a time: each tensor is gathered to the host
 (``jax.device_get``, or ``process_allgather`` when other processes hold some of its shards),
 appended to the output file by process 0, and freed. Host memory therefore stays near the
 largest tensor, not the model.
@@ -10,8 +11,10 @@ Formats, chosen by the suffix of ``--out``:
   .npz          a NumPy zip (``np.load`` reads it); one ``<path>.npy`` entry per tensor
   .safetensors  the safetensors layout (JSON header, then raw little-endian data), written by
                 shardlib itself, so no extra package is needed to write or read it
-Both carry a JSON record (format, step, run config, each tensor's key path and dtype) that
-`load_exported` uses to rebuild the exact parameter tree the model expects.
+Both carry a JSON record (format, step, run config, each tensor's part, key path and dtype) that
+`load_exported` uses to rebuild the exact parameter tree the model expects. A parameter is named
+by its path (``blocks/attn/wq``); a model-state tensor by its path under ``model_state/``
+(``model_state/bn/mean``), and ``load_exported(path, model_state=True)`` returns that tree too.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ from shardlib.runtime.checkpoint import (
 )
 from shardlib.sharding.rules import path_str
 
-EXPORT_FORMAT = "shardlib.tools.export/1"
+EXPORT_FORMAT = "shardlib.tools.export/2"  # /2 added the model state ("part" of each tensor)
+READABLE_FORMATS = ("shardlib.tools.export/1", EXPORT_FORMAT)  # /1: parameters only
 METADATA_ENTRY = "__shardlib_export__"  # npz entry / safetensors metadata key holding the JSON record
 SUFFIXES = (".npz", ".safetensors")
 
@@ -64,6 +68,7 @@ class ExportSummary:
     bytes: int
     largest_tensor_bytes: int
     model: str | None
+    model_state_tensors: int = 0  # of ``tensors``: those under ``model_state/``
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,13 +199,24 @@ def _iter_tensors(path: Path, record: dict[str, Any]) -> Iterator[tuple[dict[str
             yield t, np.frombuffer(raw, _dtype(t["dtype"]).newbyteorder("<")).reshape(t["shape"]).copy()
 
 
-def load_exported(path: str | os.PathLike[str]) -> dict[Any, Any]:
-    """The parameter tree (a pure dict of NumPy arrays) of an exported file, ready for ``model.apply``."""
+def load_exported(path: str | os.PathLike[str], *, model_state: bool = False) -> Any:
+    """The parameter tree (a pure dict of NumPy arrays) of an exported file, ready for ``model.apply``.
+
+    ``model_state=True``: ``(params, model_state)``, the second the BatchNorm statistics (or other
+    mutable state) the model needs for inference, None when the model keeps none.
+    """
     path = Path(path)
     record = read_export_metadata(path)
-    if record.get("format") != EXPORT_FORMAT:
-        raise CheckpointError(f"{path} has export format {record.get('format')!r}; this shardlib reads {EXPORT_FORMAT!r}")
-    return _unflatten([(t["path"], array) for t, array in _iter_tensors(path, record)])
+    if record.get("format") not in READABLE_FORMATS:
+        raise CheckpointError(f"{path} has export format {record.get('format')!r}; this shardlib reads "
+                              f"{' or '.join(map(repr, READABLE_FORMATS))}")
+    parts: dict[str, list] = {"params": [], "model_state": []}
+    for t, array in _iter_tensors(path, record):
+        parts[t.get("part", "params")].append((t["path"], array))
+    params = _unflatten(parts["params"])
+    if not model_state:
+        return params
+    return params, (_unflatten(parts["model_state"]) if parts["model_state"] else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,8 +291,50 @@ def _open_checkpoints(path: str | os.PathLike[str]) -> Checkpointer:
         absl_logger.removeFilter(notice)
 
 
+def _model_state_template(ckpt: Checkpointer, step: int) -> Any | None:
+    """The saved model state (BatchNorm statistics) as abstract arrays, or None when the model keeps none."""
+    saved = ckpt.saved_tree(step).get("model_state")
+    if not jax.tree.leaves(saved):
+        return None
+    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)
+
+
+def _tensor_records(parts: dict[str, Any]) -> tuple[list[jax.Array], list[dict[str, Any]]]:
+    """(arrays, records) of every tensor of ``parts`` (``{"params": tree, "model_state": tree}``): a
+    parameter named by its path, any other part's tensor by its path under the part's name."""
+    leaves, records = [], []
+    for part, tree in parts.items():
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            name = path_str(path) if part == "params" else f"{part}/{path_str(path)}"
+            records.append({"name": name, "part": part, "path": [_key_of(k) for k in path],
+                            "shape": list(leaf.shape), "dtype": np.dtype(leaf.dtype).name})
+            leaves.append(leaf)
+    names = [r["name"] for r in records]
+    clashes = sorted({n for n in names if names.count(n) > 1})
+    if clashes:
+        raise CheckpointError(f"cannot export: parameter and model-state tensors share the names {clashes}; "
+                              "rename the parameter collection whose top-level key is 'model_state'")
+    return leaves, records
+
+
+def _restore_parts(ckpt_dir: str | os.PathLike[str], step: int | None) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    """(step, run config, {"params": ..., ["model_state": ...]}) restored spread over all devices."""
+    ckpt = _open_checkpoints(ckpt_dir)
+    try:
+        step = ckpt.resolve_step(step)
+        config = ckpt.saved_config(step)
+        templates = {"params": _params_template(ckpt, step, config), "model_state": _model_state_template(ckpt, step)}
+        mesh = Mesh(np.asarray(jax.devices()), ("devices",))
+        spread = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=_spread_sharding(tuple(s.shape), mesh))
+        target = {part: jax.tree.map(spread, tree) for part, tree in templates.items() if tree is not None}
+        return step, config, ckpt.restore_subtree(target, step)
+    finally:
+        ckpt.close()
+
+
 def export_params(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, step: int | None = None) -> ExportSummary:
-    """Write the parameters of checkpoint ``step`` (default: latest complete) to ``out``.
+    """Write the parameters of checkpoint ``step`` (default: latest complete) to ``out``, and the
+    model state (BatchNorm statistics) under ``model_state/`` when the model keeps one.
 
     ``ckpt_dir``: a checkpoint directory, or the run folder of `shardlib train` holding one.
 
@@ -284,21 +342,8 @@ def export_params(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str],
     """
     out_path = Path(out).expanduser().resolve()
     _check_suffix(out_path)
-    ckpt = _open_checkpoints(ckpt_dir)
-    try:
-        step = ckpt.resolve_step(step)
-        config = ckpt.saved_config(step)
-        template = _params_template(ckpt, step, config)
-        mesh = Mesh(np.asarray(jax.devices()), ("devices",))
-        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=_spread_sharding(tuple(s.shape), mesh)), template)
-        params = ckpt.restore_subtree({"params": target}, step)["params"]
-    finally:
-        ckpt.close()
-    flat, _ = jax.tree_util.tree_flatten_with_path(params)
-    tensors = [
-        {"name": path_str(path), "path": [_key_of(k) for k in path], "shape": list(leaf.shape), "dtype": np.dtype(leaf.dtype).name}
-        for path, leaf in flat
-    ]
+    step, config, parts = _restore_parts(ckpt_dir, step)
+    leaves, tensors = _tensor_records({part: parts[part] for part in ("params", "model_state") if part in parts})
     record = {"format": EXPORT_FORMAT, "step": step, "config": config, "tensors": tensors}
     writing = jax.process_index() == 0
     if writing:
@@ -306,7 +351,7 @@ def export_params(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str],
     writer = _writer(out_path, record) if writing else None
     total = largest = 0
     try:
-        for (_, leaf), t in zip(flat, tensors):
+        for leaf, t in zip(leaves, tensors):
             host = _to_host(leaf)  # may alias the device buffer on CPU: free the leaf only after writing
             total += host.nbytes
             largest = max(largest, host.nbytes)
@@ -317,7 +362,8 @@ def export_params(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str],
     finally:
         if writer is not None:
             writer.close()
-    return ExportSummary(str(out_path), step, len(tensors), total, largest, config.get("model"))
+    state_tensors = sum(t["part"] == "model_state" for t in tensors)
+    return ExportSummary(str(out_path), step, len(tensors), total, largest, config.get("model"), state_tensors)
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,4 +386,7 @@ def run(args: argparse.Namespace) -> int:
             f"{summary.largest_tensor_bytes / 2**20:.2f} MiB) of step {summary.step}"
             f"{f' (model {summary.model})' if summary.model else ''} to {summary.path}"
         )
+        if summary.model_state_tensors:
+            print(f"{summary.model_state_tensors} of them are the model state (BatchNorm statistics) under "
+                  "model_state/; load_exported(path, model_state=True) returns (params, model_state)")
     return 0
