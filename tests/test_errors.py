@@ -150,6 +150,30 @@ def test_unwrapped_modules_and_an_nnx_optimizer_name_what_to_pass():
         build(model, optax.sgd(0.1), "dp")
 
 
+def test_every_adapter_names_axis_names_that_no_strategy_knows():
+    """The Flax guide's mesh name "model" (NNX) and a rules-context name "hidden" (linen) are placed
+    as if unnamed by every strategy: both adapters say so with the tensor and dim, as from_functions does."""
+    from flax import linen as nn
+    from flax import nnx
+
+    from shardlib import from_linen, from_nnx
+
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("data", "model"))
+    make = lambda rngs: nnx.Linear(8, 16, kernel_init=init, rngs=rngs)
+    with pytest.warns(UserWarning, match=r"no strategy has a rule .*: kernel \(8, 16\) dim 1 'model'"):
+        from_nnx(make, lambda m, b: m(b["x"]).mean())
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            kernel_init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "hidden"))
+            return nn.Dense(16, kernel_init=kernel_init)(x)
+
+    with pytest.warns(UserWarning, match=r"no strategy has a rule .*: Dense_0/kernel \(8, 16\) dim 1 'hidden'"):
+        from_linen(Net(), lambda out, b: out.mean(), {"x": np.ones((2, 8), np.float32)},
+                   inputs=lambda b, train: ((b["x"],), {}))
+
+
 def test_sharding_report_takes_the_layout():
     layout = make_layout(_matrix_model(), "zero1", make_mesh({"data": 8}))
     text = sharding_report(layout)

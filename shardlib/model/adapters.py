@@ -178,7 +178,7 @@ def from_functions(
     if logical_axes is None:
         logical_axes = rules_lib.logical_from_paths(abstract, path_rules)
     logical_axes = _empty_nodes_named(abstract, logical_axes)
-    _warn_unknown_names(abstract, logical_axes)
+    warn_unknown_names(abstract, logical_axes)
     _warn_flax_collections(abstract)
     if takes_call:
         run = lambda p, b, specs, call: (*_loss_out(loss_fn(p, b, call)), call.state)
@@ -214,13 +214,16 @@ def _empty_nodes_named(abstract: Params, logical: Params) -> Params:
     return jax.tree.map(lambda p, names: {} if p is None else names, abstract, logical, is_leaf=lambda x: x is None)
 
 
-def _warn_unknown_names(abstract: Params, logical: Params) -> None:
-    """Warn, naming the tensor, its shape and the dimension, about names no strategy's table knows."""
+def warn_unknown_names(abstract: Params, logical: Params) -> None:
+    """Warn, naming the tensor, its shape and the dimension, about names no strategy's table knows
+    (every adapter: a typo, a name from another codebase's rules such as the Flax guide's "model")."""
+    from shardlib.sharding.rules import AUTO_SHARD_SKIP
     from shardlib.sharding.strategies import PIPE_RULES, STRATEGIES  # strategies' tables name these
 
     tables = [s.param_rules + s.state_rules + s.activation_rules + s.batch_rules for s in STRATEGIES.values()]
     known = {name for rules in tables + [PIPE_RULES] for name, _ in rules}
     unknown = []
+    known.update(AUTO_SHARD_SKIP)  # "layers": the stack axis adapters name, never split
     for (path, leaf), names in zip(jax.tree_util.tree_leaves_with_path(abstract),
                                    jax.tree.leaves(logical, is_leaf=lambda x: x is None or isinstance(x, tuple))):
         unknown += [f"{rules_lib.path_str(path)} {tuple(leaf.shape)} dim {dim} {name!r}"

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 
 from shardlib.model import hooks
-from shardlib.model.adapters import Batch, Model, _loss_out, _with_call
+from shardlib.model.adapters import Batch, Model, _loss_out, _with_call, warn_unknown_names
 from shardlib.sharding import rules as rules_lib
 
 Inputs = Callable[[Batch, bool], tuple[tuple[Any, ...], dict[str, Any]]]
@@ -94,6 +94,7 @@ def from_linen(
     collections = _state_collections(boxed, capture)
     apply_call = _Apply(module, rng_streams, collections, capture)
     logical = _with_layer_axes(logical, _scanned_paths(apply_call, nn.unbox(boxed), inputs(example, False)))
+    warn_unknown_names(nn.unbox(boxed)["params"], logical)
 
     def run(params, batch, specs, call):
         args, kwargs = inputs(batch, call.train)

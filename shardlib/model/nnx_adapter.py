@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from shardlib.model.adapters import Batch, Model, Stages, _loss_out, _with_call
+from shardlib.model.adapters import Batch, Model, Stages, _loss_out, _with_call, warn_unknown_names
 from shardlib.model.hooks import SPEC_METADATA
 from shardlib.sharding import rules as rules_lib
 
@@ -74,6 +74,7 @@ def from_nnx(
     _warn_if_eval_mode(make)
     parts = _NnxParts.of(source.abstract())
     logical = rules_lib.logical_axes_of(nnx_pure_dict(parts.params, keep_variables=True))
+    warn_unknown_names(nnx_pure_dict(parts.params), logical)
     stateful = bool(jax.tree.leaves(parts.carried))
     call_loss, loss_takes_rngs, loss_takes_train = _loss_caller(loss_fn)
 
