@@ -532,3 +532,28 @@ def test_an_unguarded_state_update_is_named_with_the_guard_to_write():
     assert int(trained["counters"]["count"]) == int(want["counters"]["count"]) == int(state["counters"]["count"]) + 1
     _, _, evaluated = model.run(params, batch, None, shardlib.Call(state=trained, train=False))
     assert int(evaluated["counters"]["count"]) == int(trained["counters"]["count"])
+
+
+def test_an_ensemble_stacked_along_axis_1_says_where_to_stack_it_under_zero3():
+    """nn.vmap with variable_axes={"params": 1}: the step gathers stacked parameters a slice at a time
+    along axis 0 only, so zero3 refuses, naming the two ways out."""
+    class Member(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8)(nn.relu(nn.Dense(64)(x)))
+
+    class Ensemble(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            members = nn.vmap(Member, in_axes=None, out_axes=0, variable_axes={"params": 1},
+                              split_rngs={"params": True}, axis_size=4)
+            return members(name="members")(x).mean(0)
+
+    batch = {"x": np.ones((16, 32), np.float32), "label": np.zeros((16,), np.int32)}
+    loss = lambda out, b: optax.softmax_cross_entropy_with_integer_labels(out, b["label"]).mean()
+    model = from_linen(Ensemble(), loss, batch, inputs=lambda b, train: ((b["x"],), {}), rng_streams=())
+    program = build(model, optax.sgd(0.1), make_layout(model, "zero3", make_mesh({"fsdp": 8})))
+    with pytest.raises(ValueError, match=r"members/Dense_0/kernel: linen's nn.vmap / nn.scan stacks this parameter "
+                                         r"along axis 1; .*variable_axes=\{'params': 0\}\), or train under a strategy "
+                                         r"that keeps parameters whole \(dp, zero1, zero2\)"):
+        program.step(program.init(jax.random.key(0)), batch)

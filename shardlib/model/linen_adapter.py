@@ -212,7 +212,13 @@ def _gather_on_read_class():
             if seen is not None:  # `_scanned_paths`' abstract call: note it, nothing to gather
                 seen[self.path] = index
                 return self
-            if index != 0 or self.spec[0]:
+            if index != 0:
+                raise ValueError(
+                    f"{self.path}: linen's nn.vmap / nn.scan stacks this parameter along axis {index}; under a "
+                    f"strategy that shards parameters (here stored as {self.spec}) shardlib gathers a stacked parameter "
+                    "one slice at a time only along axis 0: stack it there (variable_axes={'params': 0}), or train "
+                    "under a strategy that keeps parameters whole (dp, zero1, zero2)")
+            if self.spec[0]:
                 raise ValueError(
                     f"{self.path}: linen transforms its axis {index}, which the step stores as {self.spec}; "
                     "shardlib gathers a scanned parameter one layer at a time when its stacked axis is axis 0 "
