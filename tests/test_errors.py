@@ -174,6 +174,21 @@ def test_every_adapter_names_axis_names_that_no_strategy_knows():
                    inputs=lambda b, train: ((b["x"],), {}))
 
 
+def test_a_models_own_sharding_constraint_on_a_batch_axis_is_explained():
+    """MaxText-style jax.lax.with_sharding_constraint(x, P("data", None)) in the model: JAX refuses a
+    manual axis inside the step; the error says why the axis is manual and what to write instead."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = make_mesh({"data": 8})
+    model = from_functions(lambda key: {"w": jnp.zeros((64, 64))},
+                           lambda p, b: jnp.mean(jax.lax.with_sharding_constraint(b["x"] @ p["w"], P("data", None))))
+    program = build(model, optax.sgd(0.1), make_layout(model, "dp", mesh))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="can only refer to Auto axes") as raised:
+        program.step(program.init(jax.random.key(0)), {"x": np.ones((8, 64), np.float32)})
+    assert any("the batch axes ('data',) are manual" in note and "shardlib.constrain(x, logical_names)" in note
+               for note in raised.value.__notes__)
+
+
 def test_sharding_report_takes_the_layout():
     layout = make_layout(_matrix_model(), "zero1", make_mesh({"data": 8}))
     text = sharding_report(layout)

@@ -116,6 +116,17 @@ def sharded_paths(layout: Layout) -> tuple[str, ...]:
                  if spec_axes(restrict(l.spec, layout.batch_axes)))
 
 
+def _note_manual_axes(err: Exception, batch_axes: tuple[str, ...]) -> None:
+    """JAX's refusal of a ``with_sharding_constraint`` over a manual axis, in the model's own code
+    (MaxText-style ``P("data", None)``), with why the step makes those axes manual and what to write."""
+    if "can only refer to Auto axes" in str(err):
+        err.add_note(
+            f"shardlib: inside the train step the batch axes {batch_axes} are manual (each device computes on "
+            "its own rows), so a jax.lax.with_sharding_constraint in the model may name only the other mesh "
+            "axes ('tensor'); write shardlib.constrain(x, logical_names) or nn.with_logical_constraint, whose "
+            "batch entries the step drops, or leave the batch axes out of the spec")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelCall:
     """The model as one device computes it: parameters cast to the compute dtype and gathered
@@ -206,6 +217,7 @@ class ModelCall:
             try:
                 out = fn()
             except Exception as err:  # a shape error from an ungathered shard: say which parameter
+                _note_manual_axes(err, self.key_axes)
                 self._check_gathered(ctx, err)
                 raise
         self._check_gathered(ctx)
