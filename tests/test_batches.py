@@ -342,3 +342,12 @@ def test_global_mean_under_grad_accum_is_the_mean_of_the_microbatch_means():
     reference = lambda p, b: (_per_device_masked_loss(p, half(b, 0)) + _per_device_masked_loss(p, half(b, 1))) / 2
     _, ref_losses = zoo.plain_steps(reference, params0, optimizer(), batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+def test_global_mean_outside_a_step_is_numpys_weighted_average():
+    """One weight per row weighs all of that row's elements, as jnp.average with the weights broadcast."""
+    values = np.random.default_rng(0).normal(size=(4, 3, 2)).astype(np.float32)
+    rows = np.array([1.0, 0.0, 2.0, 3.0], np.float32)
+    want = np.average(values, weights=np.broadcast_to(rows[:, None, None], values.shape))
+    np.testing.assert_allclose(shardlib.global_mean(values, rows), want, rtol=1e-6)
+    np.testing.assert_allclose(shardlib.global_mean(values), values.mean(), rtol=1e-6)

@@ -78,10 +78,13 @@ def global_mean(values: jax.Array, weights: jax.Array | None = None) -> jax.Arra
     masked tokens on this device) differs from one device's over the same batch. This one
     divides by the weight summed over every device of the step, and scales by the device
     count that the step's average divides by again: the step's loss and gradients are then
-    those of one device. Outside a shardlib step it is the plain weighted mean. Under
+    those of one device. Outside a shardlib step it is the plain weighted mean. ``weights`` may
+    have fewer dims than ``values`` (one weight per row): it then weighs each row's elements. Under
     ``grad_accum=K`` it is each microbatch's global mean, and the step averages the K of them.
     """
-    weights = jnp.ones_like(values) if weights is None else jnp.asarray(weights, values.dtype)
+    weights = jnp.ones((), values.dtype) if weights is None else jnp.asarray(weights, values.dtype)
+    weights = weights.reshape(weights.shape + (1,) * (values.ndim - weights.ndim))  # per row: over its elements
+    weights = jnp.broadcast_to(weights, values.shape)
     total = jax.lax.stop_gradient(weights.sum())
     ctx = _CONTEXT.get()
     if ctx is not None and ctx.mean_axes:
