@@ -243,7 +243,7 @@ def make_layout(
     stages = mesh.shape.get(PIPE_AXIS, 1)
     if stages > 1:
         strategy = pipelined(strategy)
-    _warn_unmatched_names(model.logical_axes, strategy)
+    _warn_unmatched_names(model.logical_axes, strategy, mesh)
     fallback = lambda axes: rules_lib.AutoShard(axes) if auto_shard and axes else None
     params = rules_lib.layout_tree(abstract, model.logical_axes, strategy.param_rules, mesh,
                                    table=f"{strategy.name}.param_rules", auto=fallback(strategy.param_fallback))
@@ -304,7 +304,7 @@ def _suggested_mesh(strategy: Strategy, mesh: Mesh) -> str:
     return "--mesh " + ",".join(f"{k}={v}" for k, v in sizes.items() if v > 1)
 
 
-def _warn_unmatched_names(logical: Any, strategy: Strategy) -> None:
+def _warn_unmatched_names(logical: Any, strategy: Strategy, mesh: Mesh) -> None:
     """A model whose axis names no rule of the strategy knows is laid out by the fallback alone: say so."""
     known = lambda s: {name for name, _ in s.param_rules + s.state_rules}
     leaves = jax.tree.leaves(logical, is_leaf=lambda x: x is None or isinstance(x, tuple))
@@ -313,12 +313,16 @@ def _warn_unmatched_names(logical: Any, strategy: Strategy) -> None:
     if not known(strategy) or not names or names & known(strategy):
         return
     others = [s.name for s in STRATEGIES.values() if s.name != strategy.name and names & known(s)]
-    example = ", ".join(f"({n!r}, 'tensor')" for n in sorted(map(str, names))[:2])
-    hint = ("these look like mesh axes: strategy 'as_annotated' keeps the model's own placement"
-            if all(a in MESH_AXES for n in names for a in rules_lib.as_axes(n)) else
-            f"map them onto mesh axes, e.g. get_strategy({strategy.name!r}).with_rules(param_rules=({example},) + "
-            f"get_strategy({strategy.name!r}).param_rules)"
-            + (f", or use a strategy whose rules name them ({', '.join(others)})" if others else ""))
+    if all(a in MESH_AXES for n in names for a in rules_lib.as_axes(n)):
+        hint = "these look like mesh axes: strategy 'as_annotated' keeps the model's own placement"
+    else:  # an example rule onto an axis this mesh splits, for names that are not mesh axes already
+        target = next((a for a in ("tensor", "fsdp", "data") if mesh.shape.get(a, 1) > 1), None)
+        own = sorted(str(n) for n in names if not set(rules_lib.as_axes(n)) <= set(MESH_AXES))[:2]
+        rule = ", ".join(f"({n!r}, {target!r})" for n in own)
+        hint = ("map them onto mesh axes with Strategy.with_rules" if target is None else
+                f"map them onto mesh axes, e.g. get_strategy({strategy.name!r}).with_rules(param_rules=({rule},) + "
+                f"get_strategy({strategy.name!r}).param_rules)")
+        hint += f", or use a strategy whose rules name them ({', '.join(others)})" if others else ""
     warnings.warn(
         f"strategy {strategy.name!r} has no rule for any of the model's axis names "
         f"({', '.join(sorted(map(str, names)))}); {hint}", ReplicationWarning, stacklevel=3)
