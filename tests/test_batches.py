@@ -90,14 +90,20 @@ BATCHES = {
 }
 
 
-def _parity(name, strategy, sizes, grad_accum=1):
-    make_batch, loss = BATCHES[name]
-    model = from_functions(init, loss)
+def _trained(init_fn, loss, make_batch, strategy, sizes, grad_accum=1):
+    """(program, initial params, batches, state, per-step losses) of STEPS shardlib steps."""
+    model = from_functions(init_fn, loss)
     program = build(model, optimizer(), make_layout(model, strategy, make_mesh(sizes)), grad_accum=grad_accum)
     state = program.init(jax.random.key(0))
     params0 = jax.tree.map(np.asarray, state.params)
     batches = [make_batch(i) for i in range(STEPS)]
     state, losses = _train(program, state, batches)
+    return program, params0, batches, state, losses
+
+
+def _parity(name, strategy, sizes, grad_accum=1):
+    make_batch, loss = BATCHES[name]
+    program, params0, batches, state, losses = _trained(init, loss, make_batch, strategy, sizes, grad_accum)
     ref_params, ref_losses = zoo.plain_steps(loss, params0, optimizer(), batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     evaluation = program.evaluate(state.params, batches[0])
@@ -307,13 +313,7 @@ def _per_device_masked_loss(params, batch):  # the usual one-device formula, nor
 
 
 def _token_run(loss, strategy, sizes, grad_accum=1):
-    model = from_functions(_token_params, loss)
-    program = build(model, optimizer(), make_layout(model, strategy, make_mesh(sizes)), grad_accum=grad_accum)
-    state = program.init(jax.random.key(0))
-    params0 = jax.tree.map(np.asarray, state.params)
-    batches = [_token_batch(i) for i in range(STEPS)]
-    state, losses = _train(program, state, batches)
-    return params0, batches, state, losses
+    return _trained(_token_params, loss, _token_batch, strategy, sizes, grad_accum)[1:]
 
 
 @pytest.mark.parametrize("strategy,sizes", [("zero3", FSDP8), ("dp", DATA8), ("hsdp", DATA2_FSDP4)])
