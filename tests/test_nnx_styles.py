@@ -484,3 +484,49 @@ def test_a_scanned_nnx_stack_that_gathers_its_layer_trains_like_plain_jit_and_ho
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     whole = from_nnx(lambda rngs: ScanLM(rngs=rngs, dropout_rate=0.0), lm_loss)  # the same stack, no gathers
     assert temps(program) < temps(build(whole, optimizer(), make_layout(whole, "zero3", make_mesh(FSDP8))))
+
+
+class LoRANet(nnx.Module):
+    def __init__(self, *, rngs):
+        self.l1 = nnx.LoRALinear(32, 64, lora_rank=4, rngs=rngs)
+        self.l2 = nnx.Linear(64, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(nnx.relu(self.l1(x)))
+
+
+def lora_loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def test_wrt_trains_only_the_lora_params_like_an_nnx_optimizer_with_wrt():
+    """from_nnx(wrt=nnx.LoRAParam) under zero3 against the NNX way on one device: nnx.Optimizer(wrt=...)
+    and nnx.value_and_grad over DiffState(0, nnx.LoRAParam). The base weights stay bitwise as they
+    were, and the optimizer keeps moments for the LoRA factors only."""
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.normal(size=(ROWS, 32)).astype(np.float32), "y": rng.normal(size=(ROWS, 8)).astype(np.float32)}
+               for _ in range(STEPS)]
+    model = from_nnx(lambda rngs: LoRANet(rngs=rngs), lora_loss, wrt=nnx.LoRAParam)
+    program = build(model, optimizer(), make_layout(model, "zero3", make_mesh(FSDP8)))
+    state = program.init(jax.random.key(0))
+    start = _host(state.params)
+    state, losses = _train(program, state, batches)
+
+    reference = LoRANet(rngs=nnx.Rngs(0))
+    nnx.update(reference, nnx.State(start))
+    opt = nnx.Optimizer(reference, optimizer(), wrt=nnx.LoRAParam)
+    grad_fn = nnx.value_and_grad(lora_loss, argnums=nnx.DiffState(0, nnx.LoRAParam))
+    ref_losses = []
+    for batch in batches:
+        loss, grads = grad_fn(reference, batch)
+        opt.update(reference, grads)
+        ref_losses.append(float(loss))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    got = _host(state.params)
+    _assert_close(got, nnx.to_pure_dict(nnx.state(reference, nnx.Param)))
+    for layer, name in (("l1", "kernel"), ("l1", "bias"), ("l2", "kernel"), ("l2", "bias")):
+        np.testing.assert_array_equal(got[layer][name], start[layer][name])  # frozen: not one bit moved
+    moments = {x.shape for x in jax.tree.leaves(state.opt_state) if x.ndim}
+    assert moments == {(32, 4), (4, 64)}  # Adam's mu and nu of lora_a and lora_b, nothing of the base
+    with pytest.raises(ValueError, match="wrt=.* selects none of the module's parameters"):
+        from_nnx(lambda rngs: nnx.Linear(4, 4, rngs=rngs), lora_loss, wrt=nnx.LoRAParam)

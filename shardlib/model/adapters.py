@@ -90,6 +90,9 @@ class Model:
     takes_call: bool = False
     uses_key: bool = False
     init_state: Callable[[jax.Array], Any] | None = None
+    # A tree like the parameters, True where one is frozen (``from_nnx(wrt=...)``): no gradient
+    # flows into it and `build` masks the optimizer to the others; None: every parameter trains.
+    frozen: Params | None = None
 
     def abstract(self) -> Params:
         """Parameter shapes and dtypes, without allocating anything."""

@@ -40,6 +40,7 @@ def from_nnx(
     *,
     gathers_params: bool = False,
     pipeline: Stages | None = None,
+    wrt: Any = None,
 ) -> Model:
     """Adapt ``make(rngs) -> nnx.Module`` (or a module already built) and ``loss_fn(module, batch)``.
 
@@ -65,6 +66,11 @@ def from_nnx(
     ``module.eval()`` (dropout off, BatchNorm on running averages); training runs it as given, so
     an instance left in eval mode is warned about.
 
+    ``wrt`` (an NNX filter, as ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``) trains only the
+    matching parameters: the others are frozen (no gradient flows into them; `build` masks the
+    optimizer to the trained ones, so they get neither updates nor optimizer state) but stay
+    parameters, stored and sharded as the strategy places them. None: every ``nnx.Param`` trains.
+
     Set ``gathers_params=True`` when the module calls `shardlib.model.hooks.gather_layer` on all
     its parameters (as `models.gpt` does: per layer inside its scan), so ZeRO-3 gathers one layer
     at a time instead of the whole model. ``pipeline`` gives the module-level `Stages`
@@ -77,8 +83,11 @@ def from_nnx(
     warn_unknown_names(nnx_pure_dict(parts.params), logical)
     stateful = bool(jax.tree.leaves(parts.carried))
     call_loss, loss_takes_rngs, loss_takes_train = _loss_caller(loss_fn)
+    frozen = _frozen_mask(parts.params, wrt)
 
     def run(params, batch, specs, call):
+        if frozen is not None:
+            params = jax.tree.map(lambda p, f: jax.lax.stop_gradient(p) if f else p, params, frozen)
         module = parts.bind(params, specs, call.state, call.key)
         if not call.train:
             module.eval()
@@ -89,7 +98,30 @@ def from_nnx(
     return Model(init=source.params, loss=_with_call(run, uses_key or stateful), logical_axes=logical,
                  gathers_params=gathers_params, apply=lambda params, inputs: parts.bind(params)(inputs),
                  pipeline=_stages(pipeline, parts), takes_call=uses_key or stateful or loss_takes_train,
-                 uses_key=uses_key, init_state=source.carried if stateful else None)
+                 uses_key=uses_key, init_state=source.carried if stateful else None, frozen=frozen)
+
+
+def _frozen_mask(params: Any, wrt: Any) -> Any:
+    """True for each parameter ``wrt`` does not select; None when it selects them all. A filter
+    that selects none is refused: nothing would train."""
+    from flax import nnx
+
+    if wrt is None:
+        return None
+    selects = nnx.filterlib.to_predicate(wrt)
+    variables = nnx_pure_dict(params, keep_variables=True)
+    frozen = jax.tree_util.tree_map_with_path(lambda path, v: not selects(tuple(_key(k) for k in path), v),
+                                              variables, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    flags = jax.tree.leaves(frozen)
+    if all(flags):
+        kinds = sorted({type(v).__name__ for v in jax.tree.leaves(variables, is_leaf=lambda v: isinstance(v, nnx.Variable))})
+        raise ValueError(f"from_nnx: wrt={wrt!r} selects none of the module's parameters (kinds: {', '.join(kinds)}), "
+                         "so nothing would train; pass the filter that matches the ones to train")
+    return frozen if any(flags) else None
+
+
+def _key(entry: Any) -> Any:
+    return getattr(entry, "key", getattr(entry, "idx", entry))
 
 
 # The attributes `nnx.Module.eval` sets to True (a fresh nnx.Dropout / nnx.BatchNorm has them False).
