@@ -351,3 +351,25 @@ def test_global_mean_outside_a_step_is_numpys_weighted_average():
     want = np.average(values, weights=np.broadcast_to(rows[:, None, None], values.shape))
     np.testing.assert_allclose(shardlib.global_mean(values, rows), want, rtol=1e-6)
     np.testing.assert_allclose(shardlib.global_mean(values), values.mean(), rtol=1e-6)
+
+
+def test_global_mean_of_a_bf16_loss_sums_in_float32_and_an_empty_microbatch_adds_nothing():
+    """A bf16 per-token loss (a model computing in bf16): the sums and the psum run in float32 (a bf16
+    psum aborts XLA:CPU). A microbatch whose rows are all padding adds 0 instead of a 0/0 NaN."""
+    bf16_loss = lambda p, b: shardlib.global_mean(_token_ce(p, b).astype(jnp.bfloat16), b["mask"])
+    params0, batches, _, losses = _token_run(bf16_loss, "dp", DATA8)
+    _, ref_losses = zoo.plain_steps(bf16_loss, params0, optimizer(), batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert jax.eval_shape(bf16_loss, params0, batches[0]).dtype == jnp.float32
+
+    padded = dict(_token_batch(0))  # rows 1, 3, 5, ... (each device's second microbatch under K=2) all padding
+    padded["mask"] = padded["mask"] * (np.arange(ROWS) % 2 == 0)[:, None]
+    model = from_functions(_token_params, _masked_loss)
+    program = build(model, optimizer(), make_layout(model, "dp", make_mesh(DATA8)), grad_accum=2)
+    state = program.init(jax.random.key(0))
+    start = jax.tree.map(np.asarray, state.params)
+    _, metrics = program.step(state, padded)
+    kept = jax.tree.map(lambda x: x[::2], padded)  # the microbatch with tokens, averaged with an empty one
+    want = float(_per_device_masked_loss(start, kept)) / 2
+    assert int(metrics["skipped"]) == 0
+    np.testing.assert_allclose(float(metrics["loss"]), want, rtol=1e-5)

@@ -80,16 +80,19 @@ def global_mean(values: jax.Array, weights: jax.Array | None = None) -> jax.Arra
     count that the step's average divides by again: the step's loss and gradients are then
     those of one device. Outside a shardlib step it is the plain weighted mean. ``weights`` may
     have fewer dims than ``values`` (one weight per row): it then weighs each row's elements. Under
-    ``grad_accum=K`` it is each microbatch's global mean, and the step averages the K of them.
+    ``grad_accum=K`` it is each microbatch's global mean, and the step averages the K of them; a
+    microbatch with no weight anywhere contributes 0. Computed in float32, whatever ``values`` is.
     """
-    weights = jnp.ones((), values.dtype) if weights is None else jnp.asarray(weights, values.dtype)
+    values = jnp.asarray(values).astype(jnp.float32)  # sums in float32 (a bf16 psum also aborts XLA:CPU)
+    weights = jnp.ones((), jnp.float32) if weights is None else jnp.asarray(weights).astype(jnp.float32)
     weights = weights.reshape(weights.shape + (1,) * (values.ndim - weights.ndim))  # per row: over its elements
     weights = jnp.broadcast_to(weights, values.shape)
     total = jax.lax.stop_gradient(weights.sum())
     ctx = _CONTEXT.get()
     if ctx is not None and ctx.mean_axes:
         total = jax.lax.psum(total, ctx.mean_axes) / ctx.rows_split
-    return (values * weights).sum() / total
+    # No weight at all (a microbatch of padding only): it adds nothing, rather than 0/0 = NaN.
+    return jnp.where(total > 0, (values * weights).sum() / jnp.where(total > 0, total, 1.0), 0.0)
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
