@@ -530,3 +530,15 @@ def test_wrt_trains_only_the_lora_params_like_an_nnx_optimizer_with_wrt():
     assert moments == {(32, 4), (4, 64)}  # Adam's mu and nu of lora_a and lora_b, nothing of the base
     with pytest.raises(ValueError, match="wrt=.* selects none of the module's parameters"):
         from_nnx(lambda rngs: nnx.Linear(4, 4, rngs=rngs), lora_loss, wrt=nnx.LoRAParam)
+
+
+def test_a_loss_needing_another_argument_is_refused_up_front_naming_it():
+    """loss_fn(model, batch, deterministic): shardlib fills only rngs and train, so from_nnx says so
+    before the first step (which failed inside the trace with Python's missing-argument error)."""
+    def loss_fn(model, batch, deterministic):
+        return jnp.mean(model(batch["x"]))
+
+    with pytest.raises(TypeError, match=r"'loss_fn' requires deterministic besides \(module, batch\) \(model, batch\); "
+                                        r"shardlib fills in only parameters named rngs or train"):
+        from_nnx(lambda rngs: nnx.Linear(4, 4, rngs=rngs), loss_fn)
+    from_nnx(lambda rngs: nnx.Linear(4, 4, rngs=rngs), lambda model, batch, deterministic=True: 0.0)  # a default: fine

@@ -268,6 +268,7 @@ def _loss_caller(loss_fn: Callable) -> tuple[Callable[[Any, Batch, Any, bool], A
 
     params = _parameters(loss_fn)
     names = {p.name for p in params}
+    _refuse_unfilled(loss_fn, params)
     if not names & set(LOSS_EXTRAS):
         return (lambda module, batch, key, train: loss_fn(module, batch)), False, False
     positional, keyword = _loss_slots(params)
@@ -281,6 +282,18 @@ def _loss_caller(loss_fn: Callable) -> tuple[Callable[[Any, Batch, Any, bool], A
         return loss_fn(*args, **{name: extras[name] for name in keyword})
 
     return call, "rngs" in names, "train" in names
+
+
+def _refuse_unfilled(loss_fn: Callable, params: list[inspect.Parameter]) -> None:
+    """A loss needing more than (module, batch) and the extras shardlib fills by name (a flag
+    called ``deterministic``) would fail at the first step inside the trace: say so up front."""
+    required = [p.name for p in params if p.default is p.empty and p.name not in LOSS_EXTRAS
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if len(required) > 2:
+        raise TypeError(
+            f"from_nnx: the loss {getattr(loss_fn, '__name__', loss_fn)!r} requires {', '.join(required[2:])} besides "
+            f"(module, batch) ({', '.join(required[:2])}); shardlib fills in only parameters named "
+            f"{' or '.join(LOSS_EXTRAS)} (train: True in the step, False in evaluate): rename it, or give it a default")
 
 
 def _loss_slots(params: list[inspect.Parameter]) -> tuple[list[str | None], list[str]]:
