@@ -373,3 +373,17 @@ def test_global_mean_of_a_bf16_loss_sums_in_float32_and_an_empty_microbatch_adds
     want = float(_per_device_masked_loss(start, kept)) / 2
     assert int(metrics["skipped"]) == 0
     np.testing.assert_allclose(float(metrics["loss"]), want, rtol=1e-5)
+
+
+def test_host_rows_in_a_multi_process_job_are_refused_with_the_recipe(monkeypatch):
+    """device_put would read each process's numpy rows as the whole batch; two processes (faked:
+    the check reads jax.process_count) get the refusal, with how to build global arrays."""
+    from shardlib.step import batch as batch_lib
+
+    batch = {"x": np.ones((8, 3), np.float32), "temperature": np.float32(2.0), "y": jnp.ones((8,))}
+    batch_lib._refuse_host_rows_across_processes(batch)  # one process: numpy rows are the global batch
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(TypeError, match=r"multi-process job \(2 processes\) .* batch 'x' are host arrays: .*"
+                                        r"make_array_from_process_local_data"):
+        batch_lib._refuse_host_rows_across_processes(batch)
+    batch_lib._refuse_host_rows_across_processes({"y": jnp.ones((8,)), "temperature": np.float32(2.0)})

@@ -52,7 +52,22 @@ def place(layout: Layout, batch: Any) -> Any:
             return x
         return jax.device_put(x, sharding)
 
+    _refuse_host_rows_across_processes(batch)
     return jax.tree.map(one, batch, shardings(layout, batch))
+
+
+def _refuse_host_rows_across_processes(batch: Any) -> None:
+    """In a multi-process job a host array with rows is ambiguous (this process's rows, or the
+    whole batch on every process?), and device_put would read it as the whole batch: refuse it."""
+    if jax.process_count() == 1:
+        return
+    host = [name for name, x in _leaves(batch) if np.ndim(x) and not isinstance(x, (jax.Array, jax.ShapeDtypeStruct))]
+    if host:
+        raise TypeError(
+            f"in a multi-process job ({jax.process_count()} processes) the step takes global jax.Arrays, and "
+            f"batch {', '.join(map(repr, host))} are host arrays: make each from this process's rows with "
+            "jax.tree.map(lambda x, s: jax.make_array_from_process_local_data(s, x), batch, "
+            "program.layout.batch_sharding(batch)), or shardlib.runtime.data.to_global for a dict of rows")
 
 
 def _first_rows(leaves: list[tuple[str, Any]]) -> dict[str, Any]:
