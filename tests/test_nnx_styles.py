@@ -528,6 +528,8 @@ def test_wrt_trains_only_the_lora_params_like_an_nnx_optimizer_with_wrt():
         np.testing.assert_array_equal(got[layer][name], start[layer][name])  # frozen: not one bit moved
     moments = {x.shape for x in jax.tree.leaves(state.opt_state) if x.ndim}
     assert moments == {(32, 4), (4, 64)}  # Adam's mu and nu of lora_a and lora_b, nothing of the base
+    with pytest.raises(ValueError, match=r"build_local_sgd does not support models that need frozen parameters"):
+        shardlib.build_local_sgd(model, optimizer(), make_layout(model, "dp", make_mesh({"data": 8})), sync_every=2)
     with pytest.raises(ValueError, match="wrt=.* selects none of the module's parameters"):
         from_nnx(lambda rngs: nnx.Linear(4, 4, rngs=rngs), lora_loss, wrt=nnx.LoRAParam)
 

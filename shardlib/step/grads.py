@@ -176,7 +176,8 @@ def for_layout(call: ModelCall, reducer: Reducer, layout: Layout, *, grad_accum:
 def refuse_key_and_state(model: Model, step: str, instead: str) -> None:
     """Steps that do not pass keys or model state yet say so, rather than train without them."""
     needs = [what for what, needed in (("a random key (nnx.Rngs / dropout)", model.uses_key),
-                                       ("mutable state (BatchNorm statistics)", model.stateful)) if needed]
+                                       ("mutable state (BatchNorm statistics)", model.stateful),
+                                       ("frozen parameters (from_nnx(wrt=...))", model.frozen is not None)) if needed]
     if needs:
         raise ValueError(f"{step} does not support models that need {' or '.join(needs)} yet; {instead}, "
                          "or build the model without them (linen: from_linen(..., rng_streams=()))")

@@ -158,8 +158,9 @@ def build(
     reduction runs beside that step's compute (`shardlib.step.staleness`); 0: synchronous.
     """
     _check_arguments(model, tx, layout)
-    if model.frozen is not None:  # from_nnx(wrt=...): the optimizer sees the trained parameters only
-        tx = optax.masked(tx, jax.tree.map(lambda frozen: not frozen, model.frozen))
+    if model.frozen is not None:  # from_nnx(wrt=...): the optimizer sees the trained parameters only,
+        trained = jax.tree.map(lambda frozen: not frozen, model.frozen)  # and the frozen ones get no update
+        tx = optax.chain(optax.masked(tx, trained), optax.masked(optax.set_to_zero(), model.frozen))
     policy = precision_lib.get_precision(precision)
     method = compression_lib.get_compression(grad_compression)
     grads_lib.check_params(model, policy)
