@@ -114,7 +114,8 @@ def _frozen_mask(params: Any, wrt: Any) -> Any:
                                               variables, is_leaf=lambda v: isinstance(v, nnx.Variable))
     flags = jax.tree.leaves(frozen)
     if all(flags):
-        kinds = sorted({type(v).__name__ for v in jax.tree.leaves(variables, is_leaf=lambda v: isinstance(v, nnx.Variable))})
+        leaves = jax.tree.leaves(variables, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        kinds = sorted({type(v).__name__ for v in leaves})
         raise ValueError(f"from_nnx: wrt={wrt!r} selects none of the module's parameters (kinds: {', '.join(kinds)}), "
                          "so nothing would train; pass the filter that matches the ones to train")
     return frozen if any(flags) else None

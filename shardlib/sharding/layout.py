@@ -274,7 +274,8 @@ def check_model_argument(model: Any, caller: str) -> None:
                "shardlib.from_linen(module, loss_fn, example_batch)" if isinstance(model, nn.Module) else
                "shardlib.from_functions(init_fn, loss_fn)")
     kind = type(model)
-    raise TypeError(f"{caller} takes a shardlib.Model, got {kind.__module__}.{kind.__qualname__}: wrap it with {adapter}")
+    raise TypeError(f"{caller} takes a shardlib.Model, got {kind.__module__}.{kind.__qualname__}: "
+                    f"wrap it with {adapter}")
 
 
 def _check_requirements(strategy: Strategy, mesh: Mesh) -> None:
