@@ -141,7 +141,8 @@ def test_unwrapped_modules_and_an_nnx_optimizer_name_what_to_pass():
     mesh = make_mesh({"data": 8})
     module = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
     for given, adapter in ((module, "from_nnx"), (nn.Dense(4), "from_linen"), ({"w": np.ones(3)}, "from_functions")):
-        with pytest.raises(TypeError, match=rf"make_layout takes a shardlib.Model, got .*: wrap it with shardlib.{adapter}\("):
+        with pytest.raises(TypeError, match=rf"make_layout takes a shardlib.Model, got .*: "
+                                            rf"wrap it with shardlib.{adapter}\("):
             make_layout(given, "dp", mesh)
     model = _matrix_model()
     with pytest.raises(TypeError, match=r"got flax\.nnx.*Optimizer: pass its optax transformation \(optimizer\.tx\)"):
