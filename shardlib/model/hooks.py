@@ -91,8 +91,8 @@ def global_mean(values: jax.Array, weights: jax.Array | None = None) -> jax.Arra
     ctx = _CONTEXT.get()
     if ctx is not None and ctx.mean_axes:
         total = jax.lax.psum(total, ctx.mean_axes) / ctx.rows_split
-    # No weight at all (a microbatch of padding only): it adds nothing, rather than 0/0 = NaN.
-    return jnp.where(total > 0, (values * weights).sum() / jnp.where(total > 0, total, 1.0), 0.0)
+    # No weight at all (a microbatch of padding only): the sum is 0 too, so it adds 0 rather than 0/0 = NaN.
+    return (values * weights).sum() / jnp.where(total > 0, total, 1.0)
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:

@@ -110,7 +110,7 @@ def _frozen_mask(params: Any, wrt: Any) -> Any:
         return None
     selects = nnx.filterlib.to_predicate(wrt)
     variables = nnx_pure_dict(params, keep_variables=True)
-    frozen = jax.tree_util.tree_map_with_path(lambda path, v: not selects(tuple(_key(k) for k in path), v),
+    frozen = jax.tree_util.tree_map_with_path(lambda path, v: not selects(rules_lib.path_keys(path), v),
                                               variables, is_leaf=lambda v: isinstance(v, nnx.Variable))
     flags = jax.tree.leaves(frozen)
     if all(flags):
@@ -119,10 +119,6 @@ def _frozen_mask(params: Any, wrt: Any) -> Any:
         raise ValueError(f"from_nnx: wrt={wrt!r} selects none of the module's parameters (kinds: {', '.join(kinds)}), "
                          "so nothing would train; pass the filter that matches the ones to train")
     return frozen if any(flags) else None
-
-
-def _key(entry: Any) -> Any:
-    return getattr(entry, "key", getattr(entry, "idx", entry))
 
 
 # The attributes `nnx.Module.eval` sets to True (a fresh nnx.Dropout / nnx.BatchNorm has them False).
@@ -244,12 +240,16 @@ def _parameter_names(make: Callable) -> tuple[str, ...]:
     return tuple(p.name for p in _parameters(make))
 
 
+def _required(params: list[inspect.Parameter]) -> list[str]:
+    """The names among ``params`` a call must give: no default, not ``*args`` / ``**kwargs``."""
+    return [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
 def _required_besides_rngs(make: Callable) -> list[str]:
     """The arguments ``make`` cannot do without besides the rngs it is given (by keyword where it
     names ``rngs``, else as its first argument)."""
     params = _parameters(make)
-    required = [p.name for p in params if p.default is inspect.Parameter.empty
-                and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    required = _required(params)
     if "rngs" in (p.name for p in params):
         return [name for name in required if name != "rngs"]
     return required[1:]
@@ -288,8 +288,7 @@ def _loss_caller(loss_fn: Callable) -> tuple[Callable[[Any, Batch, Any, bool], A
 def _refuse_unfilled(loss_fn: Callable, params: list[inspect.Parameter]) -> None:
     """A loss needing more than (module, batch) and the extras shardlib fills by name (a flag
     called ``deterministic``) would fail at the first step inside the trace: say so up front."""
-    required = [p.name for p in params if p.default is p.empty and p.name not in LOSS_EXTRAS
-                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    required = [name for name in _required(params) if name not in LOSS_EXTRAS]
     if len(required) > 2:
         raise TypeError(
             f"from_nnx: the loss {getattr(loss_fn, '__name__', loss_fn)!r} requires {', '.join(required[2:])} besides "

@@ -186,6 +186,19 @@ def path_str(path: Sequence[Any]) -> str:
     return "/".join(parts)
 
 
+def path_keys(path: Sequence[Any]) -> tuple[str | int, ...]:
+    """``(DictKey('blocks'), SequenceKey(0))`` -> ``("blocks", 0)``: dict keys as they are (str or
+    int), indices as int, anything else as its string (what JSON and NNX filters take)."""
+    def one(entry: Any) -> str | int:
+        for attr in ("key", "idx", "name"):
+            if hasattr(entry, attr):
+                value = getattr(entry, attr)
+                return value if isinstance(value, (str, int)) else str(value)
+        return str(entry)
+
+    return tuple(one(entry) for entry in path)
+
+
 def logical_from_paths(tree: Any, path_rules: PathRules) -> Any:
     """Logical names for an unannotated pytree from regex rules on its paths (first match wins)."""
     compiled = [(re.compile(pattern), logical) for pattern, logical in path_rules]

@@ -43,7 +43,7 @@ from shardlib.runtime.checkpoint import (
     signature_mismatches,
     tree_signature,
 )
-from shardlib.sharding.rules import path_str
+from shardlib.sharding.rules import path_keys, path_str
 
 EXPORT_FORMAT = "shardlib.tools.export/2"  # /2 added the model state ("part" of each tensor)
 READABLE_FORMATS = ("shardlib.tools.export/1", EXPORT_FORMAT)  # /1: parameters only
@@ -74,15 +74,6 @@ class ExportSummary:
 # --------------------------------------------------------------------------------------------
 # Tree <-> named tensors
 # --------------------------------------------------------------------------------------------
-
-
-def _key_of(entry: Any) -> str | int:
-    """One path element as JSON keeps it: dict keys as they are (str or int), indices as int."""
-    for attr in ("key", "idx", "name"):
-        if hasattr(entry, attr):
-            value = getattr(entry, attr)
-            return value if isinstance(value, (str, int)) else str(value)
-    return str(entry)
 
 
 def _unflatten(items: list[tuple[list[str | int], np.ndarray]]) -> dict[Any, Any]:
@@ -306,7 +297,7 @@ def _tensor_records(parts: dict[str, Any]) -> tuple[list[jax.Array], list[dict[s
     for part, tree in parts.items():
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
             name = path_str(path) if part == "params" else f"{part}/{path_str(path)}"
-            records.append({"name": name, "part": part, "path": [_key_of(k) for k in path],
+            records.append({"name": name, "part": part, "path": list(path_keys(path)),
                             "shape": list(leaf.shape), "dtype": np.dtype(leaf.dtype).name})
             leaves.append(leaf)
     names = [r["name"] for r in records]
