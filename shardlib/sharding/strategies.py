@@ -42,12 +42,15 @@ from shardlib.registry import lookup
 
 # Megatron-style tensor parallelism: attention heads and the MLP hidden dimension are split, so
 # the in-projections are column-parallel and the out-projections row-parallel; the vocabulary of
-# the embedding and the output head is split too.
+# the embedding and the output head is split too. Flax's own names (lm1b, t5x, MaxText) are known:
+# 'joined_kv' (heads x head_dim fused) splits like heads; 'kv' (head_dim) and 'norm' stay whole.
 TENSOR_RULES: Rules = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
+    ("joined_kv", "tensor"),
     ("mlp", "tensor"),
     ("vocab", "tensor"),
+    ("norm", None),
 )
 
 # Pipeline parallelism: the stacked layers are split into contiguous stages over 'pipe'. Prepended
@@ -66,7 +69,9 @@ ZERO_RULES: Rules = (
     ("heads", ("data", "fsdp")),
     ("kv_heads", ("data", "fsdp")),
     ("vocab", ("data", "fsdp")),
+    ("joined_kv", ("data", "fsdp")),
     ("head_dim", ("data", "fsdp")),
+    ("kv", ("data", "fsdp")),
 )
 
 # Hybrid sharding: shard within the fsdp axis only, replicate across data.
