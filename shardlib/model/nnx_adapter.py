@@ -89,7 +89,9 @@ def from_nnx(
         if frozen is not None:
             params = jax.tree.map(lambda p, f: jax.lax.stop_gradient(p) if f else p, params, frozen)
         module = parts.bind(params, specs, call.state, call.key)
-        if not call.train:
+        if call.train:
+            _train_undecided(module)
+        else:
             module.eval()
         loss, aux = _loss_out(call_loss(module, batch, call.key, call.train))
         return loss, aux, parts.carried_of(module) if stateful else None
@@ -123,6 +125,19 @@ def _frozen_mask(params: Any, wrt: Any) -> Any:
 
 # The attributes `nnx.Module.eval` sets to True (a fresh nnx.Dropout / nnx.BatchNorm has them False).
 EVAL_FLAGS = ("deterministic", "use_running_average")
+
+
+def _train_undecided(module: Any) -> None:
+    """Set each eval-mode flag left None to False, as ``module.train()`` would: a layer built
+    undecided (``nnx.MultiHeadAttention(dropout_rate=0.1)`` has ``deterministic=None``) otherwise
+    refuses to run, and a user's own loop calls ``model.train()`` first. Flags the module set
+    itself (an instance in eval mode for fine-tuning) are kept, and a call argument still wins."""
+    from flax import nnx
+
+    for _, sub in nnx.iter_modules(module):
+        for flag in EVAL_FLAGS:
+            if hasattr(sub, flag) and getattr(sub, flag) is None:
+                setattr(sub, flag, False)
 
 
 def _eval_flags(module: Any) -> list[str]:
