@@ -1,5 +1,7 @@
 """Bad input is refused with a message that names the tensor, axis or batch and says what to do."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,7 +105,11 @@ def test_one_device_and_hsdp_without_data_are_allowed():
     """One device: every strategy is the same placement. hsdp with data=1 is zero3 over fsdp."""
     model = _matrix_model()
     for strategy in ("zero3", "tp", "fsdp_tp", "hsdp"):
-        make_layout(model, strategy, make_mesh({}, devices=jax.devices()[:1]))
+        with pytest.warns(ReplicationWarning, match=rf"strategy '{strategy}' on a one-device mesh splits nothing"):
+            make_layout(model, strategy, make_mesh({}, devices=jax.devices()[:1]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_layout(model, "dp", make_mesh({}, devices=jax.devices()[:1]))
     hsdp, zero3 = (make_layout(model, s, make_mesh({"fsdp": 8})) for s in ("hsdp", "zero3"))
     assert hsdp.params["w"].spec == zero3.params["w"].spec == jax.sharding.PartitionSpec("fsdp", None)
 

@@ -279,7 +279,16 @@ def check_model_argument(model: Any, caller: str) -> None:
 
 
 def _check_requirements(strategy: Strategy, mesh: Mesh) -> None:
-    """Refuse a strategy whose axes have one device here: it would train replicated under its name."""
+    """Refuse a strategy whose axes have one device here: it would train replicated under its name.
+
+    One device is the exception (a notebook on one accelerator runs the same code it will run on
+    many): allowed, with a warning that the strategy splits nothing here.
+    """
+    if mesh.size == 1 and strategy.requires:
+        warnings.warn(f"strategy {strategy.name!r} on a one-device mesh splits nothing: every tensor is whole "
+                      f"on the one device, as under 'dp'; the layout takes effect on a mesh with more devices",
+                      ReplicationWarning, stacklevel=3)
+        return
     unmet = unmet_requirements(strategy, mesh.shape)
     if not unmet:
         return
