@@ -55,6 +55,7 @@ def from_linen(
     inputs: Inputs | None = None,
     rng_streams: tuple[str, ...] = ("dropout",),
     capture: tuple[str, ...] = (),
+    path_rules: rules_lib.PathRules = (),
 ) -> Model:
     """Adapt a linen module whose parameters use ``nn.with_logical_partitioning``, t5x's
     ``param_with_axes`` (names read from ``params_axes``, which is not state), or no names.
@@ -68,6 +69,12 @@ def from_linen(
     model draws nothing) and update every variable collection besides ``params`` (linen
     ``batch_stats``), which the train state carries; evaluation calls ``inputs(batch, False)``,
     with no rngs and the collections read-only. The module is initialised with ``train=False``.
+
+    ``path_rules`` (regex on the parameter's path, first match wins) name the parameters that carry
+    no annotation, as big_vision / scenic modules do not: ``[(r"(query|key|value)/kernel$", ("embed",
+    "heads", "head_dim"))]``. A parameter ``nn.scan`` stacks is named as one layer's slice, the
+    shape the module sees; ``"layers"`` is inserted at the stacked axis, so one rule list serves the
+    looped and the scanned stack alike.
 
     ``capture`` names collections the module writes with ``self.sow`` (``"intermediates"``, an
     auxiliary ``"losses"``): each call starts them empty and ``loss_fn`` receives
@@ -93,7 +100,8 @@ def from_linen(
     boxed = {c: tree for c, tree in boxed.items() if c not in _axes_collections(boxed)}
     collections = _state_collections(boxed, capture)
     apply_call = _Apply(module, rng_streams, collections, capture)
-    logical = _with_layer_axes(logical, _scanned_paths(apply_call, nn.unbox(boxed), inputs(example, False)))
+    scanned = _scanned_paths(apply_call, nn.unbox(boxed), inputs(example, False))
+    logical = _with_layer_axes(_with_path_rules(logical, nn.unbox(boxed)["params"], path_rules, scanned), scanned)
     warn_unknown_names(nn.unbox(boxed)["params"], logical)
 
     def run(params, batch, specs, call):
@@ -251,6 +259,33 @@ def _scanned_paths(apply_call: _Apply, abstract: dict[str, Any], example_call: t
     finally:
         _SCANNED.reset(token)
     return seen
+
+
+def _with_path_rules(logical: Any, abstract: Any, path_rules: rules_lib.PathRules, scanned: dict[str, int]) -> Any:
+    """Names from ``path_rules`` for the parameters without an annotation of their own. A stacked
+    parameter's rule names one slice (what ``self.param`` returns inside ``nn.scan``), and
+    ``"layers"`` goes in at the stacked axis."""
+    if not path_rules:
+        return logical
+
+    def one_slice(path, x):
+        axis = scanned.get(rules_lib.path_str(path))
+        return x if axis is None else jax.ShapeDtypeStruct(x.shape[:axis] + x.shape[axis + 1:], x.dtype)
+
+    sliced = jax.tree_util.tree_map_with_path(one_slice, abstract)
+    from_rules = rules_lib.logical_from_paths(sliced, path_rules)
+
+    def pick(path, own, ruled, one):
+        if own is not None or ruled is None:
+            return own
+        axis = scanned.get(rules_lib.path_str(path))
+        if axis is None:
+            return tuple(ruled)
+        names = rules_lib.names_for_rank(ruled, one.shape)
+        return (*names[:axis], "layers", *names[axis:])
+
+    is_names = lambda x: x is None or isinstance(x, tuple)
+    return jax.tree_util.tree_map_with_path(pick, logical, from_rules, sliced, is_leaf=is_names)
 
 
 def _with_layer_axes(logical: Any, scanned: dict[str, int]) -> Any:
