@@ -47,6 +47,23 @@ def _single_input(batch: Batch, train: bool) -> tuple[tuple[Any, ...], dict[str,
     return (batch["inputs"],), {}
 
 
+def _checked_inputs(inputs: Inputs) -> Inputs:
+    """``inputs`` whose result must be ``(args, kwargs)``: anything else (a bare array as args, no
+    kwargs dict) would be unpacked into the module's call by position and fail there with an
+    argument count or unpacking error that does not name ``inputs``."""
+    def checked(batch: Batch, train: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        out = inputs(batch, train)
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], (tuple, list)) and isinstance(out[1], Mapping):
+            return tuple(out[0]), dict(out[1])
+        got = f"({', '.join(type(x).__name__ for x in out)})" if isinstance(out, tuple) else type(out).__name__
+        raise ValueError(
+            f"from_linen: inputs(batch, train) returned {got}; it must return (args, kwargs), a tuple of the "
+            "module's positional arguments and a dict of its keywords, e.g. "
+            "inputs=lambda batch, train: ((batch['image'],), {'train': train})")
+
+    return checked
+
+
 def from_linen(
     module: Any,
     loss_fn: Callable[[Any, Batch], Any],
@@ -88,6 +105,7 @@ def from_linen(
 
     if inputs is None:
         inputs, example = _single_input, {"inputs": example}
+    inputs = _checked_inputs(inputs)
     capture = tuple(capture)
 
     def variables(key):
