@@ -104,18 +104,54 @@ class Model:
 
     def run(self, params: Params, batch: Batch, specs: Any, call: Call) -> tuple[jax.Array, dict[str, jax.Array], Any]:
         """``(loss, aux, new model state)`` whichever protocol the loss follows."""
-        if self.takes_call:
-            return self.loss(params, batch, specs, call)
-        loss, aux = self.loss(params, batch, specs)
-        return loss, aux, call.state
+        try:
+            if self.takes_call:
+                return self.loss(params, batch, specs, call)
+            loss, aux = self.loss(params, batch, specs)
+            return loss, aux, call.state
+        except _USER_ERRORS as error:
+            _note_batch(error, batch)
+            raise
+
+
+# What a loss raises when a batch leaf is not what the model reads (a shape, a dtype, a key).
+_USER_ERRORS = (TypeError, ValueError, KeyError, IndexError, AttributeError)
+
+
+def _note_batch(error: Exception, batch: Any) -> None:
+    """Inside the step the loss sees one device's rows, so an error's shapes (``(2, 5)``) match no
+    array the user built: list the batch's leaves as the loss received them, to tell which it was."""
+    if getattr(error, "_shardlib_batch_noted", False):
+        return
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    shown = ", ".join(f"{rules_lib.path_str(path)!r} {_dtype_shape(x)}" for path, x in leaves[:_NOTE_LEAVES])
+    more = f" and {len(leaves) - _NOTE_LEAVES} more" if len(leaves) > _NOTE_LEAVES else ""
+    error.add_note(f"shardlib: raised by the loss on the batch {shown}{more} (inside a step: this device's rows of "
+                   "the global batch, split over the data-parallel devices); check the leaves the failing line reads "
+                   "(their trailing shapes and dtypes, and the batch's keys)")
+    error._shardlib_batch_noted = True
+
+
+_NOTE_LEAVES = 20
+
+
+def _dtype_shape(x: Any) -> str:
+    """``int32[2,5]``, as JAX writes avals; a python value by its type."""
+    if not hasattr(x, "shape"):
+        return type(x).__name__
+    return f"{np.dtype(x.dtype).name}[{','.join(map(str, x.shape))}]"
 
 
 def _loss_out(out: Any) -> LossOut:
     """``(loss, metrics)`` from what ``loss_fn`` returned: aux's scalar entries are metrics
     (averaged over the batch like the loss); the rest is dropped, and the warning says what."""
+    loss = out[0] if isinstance(out, tuple) else out
+    if jnp.ndim(loss) != 0:  # per-row losses: JAX's own error would name only this device's share of rows
+        raise ValueError(f"the loss function returned a loss of shape {jnp.shape(loss)} (this device's rows) where "
+                         "a scalar is differentiated: reduce it, e.g. .mean(); the step averages the devices' losses")
     if not isinstance(out, tuple):
         return out, {}
-    loss, aux = out[0], (out[1] if len(out) == 2 else out[1:])
+    aux = out[1] if len(out) == 2 else out[1:]
     if not isinstance(aux, dict):
         _warn_dropped(f"aux of type {type(aux).__name__}")
         return loss, {}

@@ -24,8 +24,31 @@ __all__ = ["check", "place", "shardings", "specs"]
 
 
 def _leaves(batch: Any) -> list[tuple[str, Any]]:
-    """(path, leaf) pairs, paths written as parameters' are (``inputs/tokens``, ``0`` for a tuple's first)."""
-    return [(rules_lib.path_str(path), x) for path, x in jax.tree_util.tree_leaves_with_path(batch)]
+    """(path, leaf) pairs, paths written as parameters' are (``inputs/tokens``, ``0`` for a tuple's first);
+    a python list of numbers is one leaf, so that it is refused by its own path, not number by number."""
+    return [(rules_lib.path_str(path), x)
+            for path, x in jax.tree_util.tree_leaves_with_path(batch, is_leaf=_is_number_list)]
+
+
+_NUMBER = (int, float, bool, np.generic)
+
+
+def _is_number_list(x: Any) -> bool:
+    """A (nested) python list of numbers: token ids a tokenizer returned, rows not yet made an array."""
+    return isinstance(x, list) and bool(x) and all(isinstance(i, _NUMBER) or _is_number_list(i) for i in x)
+
+
+def _refuse_number_list(name: str, x: list) -> None:
+    """JAX reads a list as a pytree: each number would become a scalar leaf, given whole to every
+    device, and the model would get a list instead of an array. Say what to pass instead."""
+    try:
+        shape = np.shape(x)
+    except ValueError:  # numpy refuses ragged nesting
+        raise TypeError(f"batch {name!r} is a python list of rows of different lengths; a batch holds arrays: "
+                        "pad the rows to one length (with an attention mask for the padding, e.g. a tokenizer's "
+                        f"padding='max_length') and pass np.asarray(...) as {name!r}") from None
+    raise TypeError(f"batch {name!r} is a python list (shape {shape}); a batch holds arrays: pass "
+                    f"np.asarray(...) as {name!r} (JAX reads a list as a pytree, one scalar leaf per number)")
 
 
 def _leaf_spec(layout: Layout, x: Any) -> P:
@@ -73,7 +96,9 @@ def _refuse_host_rows_across_processes(batch: Any) -> None:
 def _first_rows(leaves: list[tuple[str, Any]]) -> dict[str, Any]:
     """The first leaf with rows, by path (none for a batch of scalars); every leaf with rows must have as many."""
     for name, x in leaves:
-        if not hasattr(x, "shape") and not isinstance(x, (int, float, bool, np.generic)):
+        if isinstance(x, list):
+            _refuse_number_list(name, x)
+        if not hasattr(x, "shape") and not isinstance(x, _NUMBER):
             raise TypeError(f"batch {name!r} is a {type(x).__name__}; a batch holds arrays (numpy or jax) and "
                             "scalars only: keep other values out of it (close over them in the loss)")
     rows = [(name, x) for name, x in leaves if np.ndim(x)]
