@@ -90,6 +90,10 @@ class Model:
     takes_call: bool = False
     uses_key: bool = False
     init_state: Callable[[jax.Array], Any] | None = None
+    # Every parameter read goes through the gather (linen's unbox, `from_linen`), so one the loss
+    # never read (an eval-only branch, or one after the line that raised) was never computed with:
+    # the step's ``gather_layer`` check has nothing to refuse.
+    gathers_on_read: bool = False
     # A tree like the parameters, True where one is frozen (``from_nnx(wrt=...)``): no gradient
     # flows into it and `build` masks the optimizer to the others; None: every parameter trains.
     frozen: Params | None = None

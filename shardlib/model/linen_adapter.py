@@ -132,7 +132,7 @@ def from_linen(
         return {c: v for c, v in nn.unbox(variables(key)).items() if c in collections}
 
     return Model(init=lambda key: nn.unbox(variables(key)["params"]), loss=_with_call(run, bool(collections)),
-                 logical_axes=logical, apply=apply_call.outputs, gathers_params=True,
+                 logical_axes=logical, apply=apply_call.outputs, gathers_params=True, gathers_on_read=True,
                  takes_call=True, uses_key=bool(rng_streams), init_state=init_state if collections else None)
 
 

@@ -226,11 +226,12 @@ class ModelCall:
     def _check_gathered(self, ctx: hooks.ComputeContext, err: Exception | None = None) -> None:
         """After a trace: refuse a model that computed with shards it never gathered. After an
         error: only one about shapes can come from a shard; any other (a missing batch key, the
-        user's own check) is the model's and propagates as it is, with a note."""
+        user's own check) is the model's and propagates as it is, with a note. A model that gathers
+        on read (linen) is never refused: a parameter it did not read, it did not compute with."""
         missed = [p for p in self.must_gather if p not in ctx.gathered] if self.model.gathers_params else []
-        if not missed:
+        if not missed or (err is None and self.model.gathers_on_read):
             return
-        if err is not None and "shape" not in str(err).lower():
+        if err is not None and (self.model.gathers_on_read or "shape" not in str(err).lower()):
             err.add_note(f"shardlib: raised before the model (gathers_params=True) passed {', '.join(missed)} "
                          "through shardlib.model.hooks.gather_layer")
             return
