@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout, restrict
 
-__all__ = ["check", "place", "shardings", "specs"]
+__all__ = ["check", "place", "refuse_donated", "shardings", "specs"]
 
 
 def _leaves(batch: Any) -> list[tuple[str, Any]]:
@@ -91,6 +91,20 @@ def _refuse_host_rows_across_processes(batch: Any) -> None:
             f"batch {', '.join(map(repr, host))} are host arrays: make each from this process's rows with "
             "jax.tree.map(lambda x, s: jax.make_array_from_process_local_data(s, x), batch, "
             "program.layout.batch_sharding(batch)), or shardlib.runtime.data.to_global for a dict of rows")
+
+
+def refuse_donated(tree: Any, name: str) -> None:
+    """A step donates its input state (its buffers become the new state's). Passing that state again,
+    the usual slip of ``program.step(state, batch)`` without ``state, metrics = ``, crashes the whole
+    process on XLA:CPU (jaxlib 0.10.2 segfaults on a donated buffer) instead of raising: refuse it."""
+    deleted = [rules_lib.path_str(path) for path, x in jax.tree_util.tree_leaves_with_path(tree)
+               if isinstance(x, jax.Array) and x.is_deleted()]
+    if deleted:
+        more = f" (and {len(deleted) - 1} more)" if len(deleted) > 1 else ""
+        raise ValueError(
+            f"{name} {deleted[0]!r}{more}: donated to an earlier program.step, which reuses its memory for the "
+            "state it returns: pass the latest state (state, metrics = program.step(state, batch); "
+            "program.evaluate(state.params, ...)), or build(..., donate=False) to keep old states alive")
 
 
 def _first_rows(leaves: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -269,6 +269,7 @@ def _eval_step(layout: Layout, provider: grads_lib.Provider, model: Model):
             raise ValueError("this model carries mutable state (BatchNorm statistics): evaluate with "
                              "program.evaluate(state.params, batch, state.model_state)")
         batch_lib.check(layout, batch)
+        batch_lib.refuse_donated({"params": params, "model_state": model_state}, "evaluate's")
         return jitted(params, batch_lib.place(layout, batch), model_state)
 
     return evaluate
@@ -293,6 +294,7 @@ class _CheckedStep:
 
     def __call__(self, state, batch):
         self._check(batch)
+        batch_lib.refuse_donated(state, "state")
         if self._in_flight is not None:
             jax.block_until_ready(self._in_flight)
         state, metrics = self._jitted(state, batch_lib.place(self._layout, batch))
