@@ -238,6 +238,7 @@ def make_layout(
     """
     check_model_argument(model, "make_layout")
     strategy = get_strategy(strategy)
+    _check_axis_names(strategy, mesh)
     _check_requirements(strategy, mesh)
     abstract = model.abstract()
     stages = mesh.shape.get(PIPE_AXIS, 1)
@@ -276,6 +277,31 @@ def check_model_argument(model: Any, caller: str) -> None:
     kind = type(model)
     raise TypeError(f"{caller} takes a shardlib.Model, got {kind.__module__}.{kind.__qualname__}: "
                     f"wrap it with {adapter}")
+
+
+# Other codebases' names for shardlib's mesh axes (the Flax guide's "model", MaxText's "tensor"...).
+_AXIS_ALIASES = {"model": "tensor", "mp": "tensor", "tp": "tensor", "batch": "data", "dp": "data", "replica": "data"}
+
+
+def _check_axis_names(strategy: Strategy, mesh: Mesh) -> None:
+    """A mesh of the user's own (jax.make_mesh) with an axis no rule names, without one a rule names,
+    or with Explicit axes: the first would split nothing, the others fail later with JAX's words
+    about specs. Say which mesh to build."""
+    named = {a for rules in (strategy.param_rules, strategy.state_rules, strategy.activation_rules,
+                             strategy.batch_rules) for _, axes in rules for a in rules_lib.as_axes(axes)}
+    foreign = [a for a in mesh.axis_names if a not in MESH_AXES and a not in named and mesh.shape[a] > 1]
+    missing = [a for a in MESH_AXES if a in named and a not in mesh.axis_names]
+    typed = [a for a, kind in zip(mesh.axis_names, mesh.axis_types) if kind != jax.sharding.AxisType.Auto]
+    if not foreign and not missing and not typed:
+        return
+    problem = (f"mesh axis {foreign[0]!r} is not one of shardlib's, so strategy {strategy.name!r} would split "
+               f"nothing over it" if foreign else f"the mesh has no axis {missing[0]!r}, which strategy "
+               f"{strategy.name!r}'s rules name" if missing else
+               f"mesh axis {typed[0]!r} is {mesh.axis_types[mesh.axis_names.index(typed[0])]} (jax.make_mesh's "
+               "default), and the step leaves the model-parallel axes to the compiler, which needs Auto axes")
+    sizes = {_AXIS_ALIASES.get(a, a): n for a, n in mesh.shape.items() if n > 1}
+    raise MeshError(f"{problem} (mesh {describe(mesh)}); shardlib meshes have the axes {', '.join(MESH_AXES)} "
+                    f"(unused ones of size 1): build it with shardlib.make_mesh({sizes})")
 
 
 def _check_requirements(strategy: Strategy, mesh: Mesh) -> None:
