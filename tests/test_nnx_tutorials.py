@@ -15,7 +15,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from shardlib import build, from_nnx, make_layout, make_mesh
+from shardlib import Checkpointer, build, from_nnx, load_exported, make_layout, make_mesh
+from shardlib.tools.export import export_params
 from tests.helpers import optimizer
 from tests.test_user_models import _assert_close, _host, _train
 
@@ -92,9 +93,10 @@ def users_own_loop(model: TutorialLM, batches):
     return [float(train_step(model, opt, batch)) for batch in batches]
 
 
-def test_tutorial_transformer_under_fsdp_tp_trains_like_its_own_nnx_optimizer_loop():
+def test_tutorial_transformer_under_fsdp_tp_trains_like_its_own_nnx_optimizer_loop(tmp_path):
     """3-D attention kernels split over `tensor` on the heads dim and over `fsdp` on another, the
-    counter carried, Flax's names known (no warning): the trajectory is the user's own loop's."""
+    counter carried, Flax's names known (no warning): the trajectory is the user's own loop's. The
+    exported weights (list indices read back as strings) run through ``model.apply`` in eval mode."""
     held, batches = build_lm(), token_batches()
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="no strategy has a rule")
@@ -109,6 +111,17 @@ def test_tutorial_transformer_under_fsdp_tp_trains_like_its_own_nnx_optimizer_lo
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     _assert_close(_host(state.params), nnx.to_pure_dict(nnx.state(held, nnx.Param)))
     assert int(state.model_state["steps"]) == int(held.steps[...]) == STEPS
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        assert ckpt.save(STEPS, state, data_state={}, config={}, force=True)
+    export_params(tmp_path / "ckpt", tmp_path / "lm.npz")
+    params, model_state = load_exported(tmp_path / "lm.npz", model_state=True)
+    variables = nnx.state(held)  # the Flax way to load a pure dict read back without a target
+    nnx.replace_by_pure_dict(variables, params)
+    nnx.replace_by_pure_dict(variables, model_state)
+    nnx.update(held, variables)
+    held.eval()
+    tokens = batches[0]["tokens"]
+    np.testing.assert_allclose(model.apply(params, tokens, model_state=model_state), held(tokens), rtol=1e-6)
 
 
 def test_attention_dropout_left_undecided_trains_with_dropout_and_evaluates_without():

@@ -98,7 +98,7 @@ def from_nnx(
 
     uses_key = bool(jax.tree.leaves(parts.rngs)) or loss_takes_rngs
     return Model(init=source.params, loss=_with_call(run, uses_key or stateful), logical_axes=logical,
-                 gathers_params=gathers_params, apply=lambda params, inputs: parts.bind(params)(inputs),
+                 gathers_params=gathers_params, apply=parts.apply,
                  pipeline=_stages(pipeline, parts), takes_call=uses_key or stateful or loss_takes_train,
                  uses_key=uses_key, init_state=source.carried if stateful else None, frozen=frozen)
 
@@ -359,14 +359,23 @@ class _NnxParts:
 
         return nnx_pure_dict(nnx.state(module, _carried_filter()))
 
+    def apply(self, params: Any, *args: Any, model_state: Any = None, **kwargs: Any) -> Any:
+        """`Model.apply`: the module over ``params`` (and its ``model_state``, BatchNorm statistics
+        included) called in eval mode, as `evaluate` runs it: sampling, or a user's own inference on
+        `load_exported` weights. The call's state updates (a counter) are not kept."""
+        module = self.bind(params, carried=model_state)
+        module.eval()
+        return module(*args, **kwargs)
+
     def bind(self, params: Any, specs: Any = None, carried: Any = None, key: jax.Array | None = None) -> Any:
         """The module over these values; sharded parameters carry their spec for `gather_layer`."""
         from flax import nnx
 
         if carried is None and jax.tree.leaves(self.carried):
             kinds = sorted({type(v).__name__ for v in _variables(self.carried)})
-            raise ValueError(f"this NNX module holds model state ({', '.join(kinds)} variables): pass it "
-                             "(TrainState.model_state) to run the module")
+            raise ValueError(f"this NNX module holds model state ({', '.join(kinds)} variables): call "
+                             "model.apply(params, *args, model_state=state.model_state) (or the model_state "
+                             "load_exported(path, model_state=True) returns)")
         states = [_bound_state(self.params, params, specs, declared_dtype=True), self.rng_state(key), self.dropped]
         if carried is not None:
             states.append(_bound_state(self.carried, carried))
@@ -409,6 +418,19 @@ def _declared(value: jax.Array, template: Any) -> jax.Array:
     return value.astype(declared) if narrower else value
 
 
+def _value_at(values: dict[tuple, Any], path: tuple) -> Any:
+    """The value at ``path``, whose list indices (``nnx.List``, ``nnx.Sequential``) may be spelled as
+    strings: a tree read back without a target (Orbax metadata, `load_exported`) keys them so, as
+    ``nnx.replace_by_pure_dict`` accepts."""
+    if path in values:
+        return values[path]
+    spelled = tuple(map(str, path))
+    if spelled not in values:
+        raise KeyError(f"no value for the module's variable {'/'.join(spelled)}: the tree passed has "
+                       f"{len(values)} leaves, none at that path; pass the parameters this module was trained with")
+    return values[spelled]
+
+
 def _bound_state(template: Any, values: Any, specs: Any = None, declared_dtype: bool = False) -> Any:
     """The NNX state ``template`` (abstract variables) holding ``values`` (a pure dict), each
     variable tagged with its storage spec from ``specs`` when given."""
@@ -419,7 +441,7 @@ def _bound_state(template: Any, values: Any, specs: Any = None, declared_dtype: 
     spec_of = traversals.flatten_mapping(specs) if specs is not None else {}
     flat = {}
     for path, variable in nnx.to_flat_state(template):
-        value = values[path]
+        value = _value_at(values, path)
         bound = variable.replace(_declared(value, variable.get_value()) if declared_dtype else value)
         if path in spec_of:
             bound.set_metadata(**{SPEC_METADATA: ("/".join(map(str, path)), tuple(spec_of[path]))})
