@@ -155,11 +155,18 @@ class JoinedAttention(nnx.Module):
         return self.out(self.qkv(self.norm(x))[..., :D])
 
 
-def test_flax_names_joined_kv_and_norm_are_known_and_joined_kv_splits_like_heads():
+def test_flax_names_are_known_joined_kv_splits_like_heads_and_path_rules_name_the_unannotated():
+    loss = lambda m, batch: jnp.mean((m(batch["x"]) - batch["x"]) ** 2)
+    mesh = make_mesh({"data": 2, "tensor": 4})
+    P = jax.sharding.PartitionSpec
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no unknown-name nor replication warning
-        model = from_nnx(JoinedAttention, lambda m, batch: jnp.mean((m(batch["x"]) - batch["x"]) ** 2))
-        specs = make_layout(model, "tp", make_mesh({"data": 2, "tensor": 4})).param_shardings()
-    P = jax.sharding.PartitionSpec
-    assert (specs["qkv"]["kernel"].spec, specs["out"]["kernel"].spec) == (P(None, "tensor"), P("tensor", None))
-    assert specs["norm"]["scale"].spec == P(None)
+        specs = make_layout(from_nnx(JoinedAttention, loss), "tp", mesh).param_shardings()
+        assert (specs["qkv"]["kernel"].spec, specs["out"]["kernel"].spec) == (P(None, "tensor"), P("tensor", None))
+        assert specs["norm"]["scale"].spec == P(None)
+        rules = [(r"(query|key|value)/kernel$", ("embed", "heads", "kv")), (r"(query|key|value)/bias$", ("heads", "kv")),
+                 (r"out/kernel$", ("heads", "kv", "embed"))]  # the tutorial's attention, left unannotated
+        attention = from_nnx(lambda rngs: nnx.MultiHeadAttention(HEADS, D, decode=False, rngs=rngs), loss,
+                             path_rules=rules)
+        specs = make_layout(attention, "tp", mesh).param_shardings()
+    assert specs["query"]["kernel"].spec == P(None, "tensor", None) and specs["out"]["kernel"].spec[0] == "tensor"

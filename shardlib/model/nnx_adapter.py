@@ -41,6 +41,7 @@ def from_nnx(
     gathers_params: bool = False,
     pipeline: Stages | None = None,
     wrt: Any = None,
+    path_rules: rules_lib.PathRules = (),
 ) -> Model:
     """Adapt ``make(rngs) -> nnx.Module`` (or a module already built) and ``loss_fn(module, batch)``.
 
@@ -71,6 +72,11 @@ def from_nnx(
     optimizer to the trained ones, so they get neither updates nor optimizer state) but stay
     parameters, stored and sharded as the strategy places them. None: every ``nnx.Param`` trains.
 
+    ``path_rules`` (regex on the parameter's path such as ``blocks/0/attn/query/kernel``, first
+    match wins) name the parameters that carry no annotation of their own, so a model written
+    without ``nnx.with_partitioning`` (the tutorials' ``nnx.MultiHeadAttention``) can be split by
+    ``tp`` without touching its code; an annotation wins over a rule.
+
     Set ``gathers_params=True`` when the module calls `shardlib.model.hooks.gather_layer` on all
     its parameters (as `models.gpt` does: per layer inside its scan), so ZeRO-3 gathers one layer
     at a time instead of the whole model. ``pipeline`` gives the module-level `Stages`
@@ -79,7 +85,8 @@ def from_nnx(
     source = _Source.of(make)
     _warn_if_eval_mode(make)
     parts = _NnxParts.of(source.abstract())
-    logical = rules_lib.logical_axes_of(nnx_pure_dict(parts.params, keep_variables=True))
+    logical = _with_path_rules(rules_lib.logical_axes_of(nnx_pure_dict(parts.params, keep_variables=True)),
+                               nnx_pure_dict(parts.params), path_rules)
     warn_unknown_names(nnx_pure_dict(parts.params), logical)
     stateful = bool(jax.tree.leaves(parts.carried))
     call_loss, loss_takes_rngs, loss_takes_train = _loss_caller(loss_fn)
@@ -101,6 +108,15 @@ def from_nnx(
                  gathers_params=gathers_params, apply=parts.apply,
                  pipeline=_stages(pipeline, parts), takes_call=uses_key or stateful or loss_takes_train,
                  uses_key=uses_key, init_state=source.carried if stateful else None, frozen=frozen)
+
+
+def _with_path_rules(logical: Any, abstract: Any, path_rules: rules_lib.PathRules) -> Any:
+    """``logical`` with the names ``path_rules`` give to the parameters that have none of their own."""
+    if not path_rules:
+        return logical
+    ruled = rules_lib.logical_from_paths(abstract, path_rules)
+    return jax.tree.map(lambda own, rule: rule if own is None else own, logical, ruled,
+                        is_leaf=lambda x: x is None or isinstance(x, tuple))
 
 
 def _frozen_mask(params: Any, wrt: Any) -> Any:
