@@ -282,28 +282,24 @@ def _scanned_paths(apply_call: _Apply, abstract: dict[str, Any], example_call: t
 def _with_path_rules(logical: Any, abstract: Any, path_rules: rules_lib.PathRules, scanned: dict[str, int]) -> Any:
     """Names from ``path_rules`` for the parameters without an annotation of their own. A stacked
     parameter's rule names one slice (what ``self.param`` returns inside ``nn.scan``), and
-    ``"layers"`` goes in at the stacked axis."""
+    ``"layers"`` goes in at the stacked axis, unless the rule names ``"layers"`` itself."""
     if not path_rules:
         return logical
+    from_rules = rules_lib.logical_from_paths(abstract, path_rules)
 
-    def one_slice(path, x):
-        axis = scanned.get(rules_lib.path_str(path))
-        return x if axis is None else jax.ShapeDtypeStruct(x.shape[:axis] + x.shape[axis + 1:], x.dtype)
-
-    sliced = jax.tree_util.tree_map_with_path(one_slice, abstract)
-    from_rules = rules_lib.logical_from_paths(sliced, path_rules)
-
-    def pick(path, own, ruled, one):
+    def pick(path, own, ruled, leaf):
         if own is not None or ruled is None:
             return own
-        axis = scanned.get(rules_lib.path_str(path))
-        if axis is None:
+        name = rules_lib.path_str(path)
+        axis = scanned.get(name)
+        if axis is None or "layers" in ruled:
             return tuple(ruled)
-        names = rules_lib.names_for_rank(ruled, one.shape)
+        one = leaf.shape[:axis] + leaf.shape[axis + 1:]
+        names = rules_lib.names_for_rank(ruled, one, f"{name} (one layer of the nn.scan stack {tuple(leaf.shape)})")
         return (*names[:axis], "layers", *names[axis:])
 
     is_names = lambda x: x is None or isinstance(x, tuple)
-    return jax.tree_util.tree_map_with_path(pick, logical, from_rules, sliced, is_leaf=is_names)
+    return jax.tree_util.tree_map_with_path(pick, logical, from_rules, abstract, is_leaf=is_names)
 
 
 def _with_layer_axes(logical: Any, scanned: dict[str, int]) -> Any:
