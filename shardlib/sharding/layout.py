@@ -260,6 +260,7 @@ def make_layout(
     layout = Layout(mesh, strategy, params, state, batch_axes)
     _check_reducible(layout)
     _warn_replicated(layout)
+    _warn_idle_model_axes(layout)
     return layout
 
 
@@ -362,6 +363,21 @@ def _warn_unmatched_names(logical: Any, strategy: Strategy, mesh: Mesh) -> None:
     warnings.warn(
         f"strategy {strategy.name!r} has no rule for any of the model's axis names "
         f"({', '.join(sorted(map(str, names)))}); {hint}", ReplicationWarning, stacklevel=3)
+
+
+def _warn_idle_model_axes(layout: Layout) -> None:
+    """A model axis the strategy requires (``tensor``) that splits no parameter: an unannotated model
+    under fsdp_tp, whose fsdp fallback splits every tensor, so no replication warning shows that
+    the tensor devices hold and compute the same thing."""
+    required = {a for group in layout.strategy.requires for a in group if a not in layout.batch_axes}
+    used = {a for leaf in jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout) for a in spec_axes(leaf.spec)}
+    for axis in sorted(a for a in required - used if layout.mesh.shape.get(a, 1) > 1):
+        names = sorted({n for n, axes in layout.strategy.param_rules if axis in rules_lib.as_axes(axes)}, key=str)
+        warnings.warn(
+            f"{layout.strategy.name} on {describe(layout.mesh)} splits no parameter over {axis!r}: none has a logical "
+            f"name its rules map there ({', '.join(map(str, names))}), so the {axis} devices hold and compute the same; "
+            "name them (nn.with_logical_partitioning, or path_rules= of from_linen / from_nnx / from_functions), "
+            "or give those devices to a batch axis", ReplicationWarning, stacklevel=3)
 
 
 def _warn_replicated(layout: Layout) -> None:
