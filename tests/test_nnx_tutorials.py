@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from shardlib import Checkpointer, build, from_nnx, load_exported, make_layout, make_mesh
@@ -124,10 +125,13 @@ def test_tutorial_transformer_under_fsdp_tp_trains_like_its_own_nnx_optimizer_lo
     np.testing.assert_allclose(model.apply(params, tokens, model_state=model_state), held(tokens), rtol=1e-6)
 
 
-def test_attention_dropout_left_undecided_trains_with_dropout_and_evaluates_without():
+def test_attention_modes_undecided_dropout_trains_and_evaluates_and_decode_is_refused():
     """``nnx.MultiHeadAttention(dropout_rate=...)`` is built with ``deterministic=None`` and refuses
     to run until ``model.train()``; a constructor handed to from_nnx gets no such call from the
-    user, so the step sets the undecided flags as ``train()`` would, and evaluate as ``eval()``."""
+    user, so the step sets the undecided flags as ``train()`` would, and evaluate as ``eval()``.
+    ``decode=True`` (a cache sized for one batch) is refused by path before any step."""
+    with pytest.raises(ValueError, match="the module itself is built with decode=True.*train a decode=False module"):
+        from_nnx(lambda rngs: nnx.MultiHeadAttention(HEADS, D, decode=True, rngs=rngs), lm_loss)
     make = lambda rngs: TutorialLM(rngs=rngs, attn_dropout=0.5)
     model = from_nnx(make, lm_loss)
     program = build(model, optimizer(), make_layout(model, "dp", make_mesh({"data": 8})), grad_accum=2)

@@ -84,7 +84,9 @@ def from_nnx(
     """
     source = _Source.of(make)
     _warn_if_eval_mode(make)
-    parts = _NnxParts.of(source.abstract())
+    abstract = source.abstract()
+    _refuse_decode_mode(abstract)
+    parts = _NnxParts.of(abstract)
     logical = _with_path_rules(rules_lib.logical_axes_of(nnx_pure_dict(parts.params, keep_variables=True)),
                                nnx_pure_dict(parts.params), path_rules)
     warn_unknown_names(nnx_pure_dict(parts.params), logical)
@@ -169,6 +171,21 @@ def _eval_flags(module: Any) -> list[str]:
                 name = "/".join(map(str, path)) or "the module itself"
                 found.append(f"{name} ({type(sub).__name__}): {flag}=True")
     return sorted(found)
+
+
+def _refuse_decode_mode(module: Any) -> None:
+    """Attention built with ``decode=True`` keeps an autoregressive cache sized for the whole batch
+    and one token per call: the step feeds each device its rows of full sequences, so flax fails
+    with a cache-shape error that names neither. Refuse it by path, as from_linen refuses 'cache'."""
+    from flax import nnx
+
+    found = sorted("/".join(map(str, path)) or "the module itself"
+                   for path, sub in nnx.iter_modules(module) if getattr(sub, "decode", None) is True)
+    if found:
+        raise ValueError(
+            f"from_nnx: {', '.join(found)} {'is' if len(found) == 1 else 'are'} built with decode=True (an "
+            "autoregressive cache for sampling one token at a time, sized for one batch); train a decode=False "
+            "module and sample with a decode=True copy holding the trained weights (nnx.update)")
 
 
 def _warn_if_eval_mode(make: Any) -> None:
