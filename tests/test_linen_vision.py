@@ -10,6 +10,8 @@ the docs say that device gets (docs/your-model.md, "Keys").
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,7 +145,11 @@ def test_path_rules_split_a_scanned_vits_heads_over_tensor_and_train_like_one_de
     assert looped.logical_axes["encoderblock_1"]["MultiHeadDotProductAttention_0"]["query"]["kernel"] == (
         "embed", "heads", "head_dim")  # the same rules, one layer's names
 
-    program = build(model, optimizer(), make_layout(model, "fsdp_tp", make_mesh({"fsdp": 4, "tensor": 2})))
+    mesh = make_mesh({"fsdp": 4, "tensor": 2})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        program = build(model, optimizer(), make_layout(model, "fsdp_tp", mesh))
+    assert not [w for w in caught if "splits no parameter" in str(w.message)]
     placed = program.layout.param_shardings()["encoderblock"]
     assert placed["MultiHeadDotProductAttention_0"]["query"]["kernel"].spec == P(None, "fsdp", "tensor", None)
     assert placed["MultiHeadDotProductAttention_0"]["out"]["kernel"].spec == P(None, "tensor", "fsdp", None)
@@ -164,7 +170,8 @@ def test_path_rules_split_a_scanned_vits_heads_over_tensor_and_train_like_one_de
 
 def test_a_malformed_inputs_function_and_an_unreduced_loss_name_the_fix():
     """Mistakes a first from_linen user makes: ``inputs`` returning the args without the kwargs
-    dict, or a bare array as args (unpacked row by row into the call), and a per-example loss."""
+    dict, or a bare array as args (unpacked row by row into the call), a per-example loss, and
+    fsdp_tp for a model without names, which the fsdp fallback splits whole and tensor not at all."""
     module = ViT(depth=1, scan=False)
     for wrong, got in [(lambda b, train: (b["image"],), r"\(ndarray\)"),
                        (lambda b, train: (b["image"], {"train": train}), r"\(ndarray, dict\)")]:
@@ -172,5 +179,8 @@ def test_a_malformed_inputs_function_and_an_unreduced_loss_name_the_fix():
             from_linen(module, smoothed_loss, image_batch(0), inputs=wrong)
     per_example = lambda logits, b: optax.softmax_cross_entropy_with_integer_labels(logits, b["label"])
     model = from_linen(module, per_example, image_batch(0), inputs=vit_inputs)
+    with pytest.warns(shardlib.ReplicationWarning, match=r"fsdp_tp on fsdp=4 tensor=2 splits no parameter over "
+                                                         r"'tensor'.*path_rules="):  # unnamed: fsdp splits it all
+        make_layout(model, "fsdp_tp", make_mesh({"fsdp": 4, "tensor": 2}))
     with pytest.raises(ValueError, match=r"loss of shape \(16,\) .*reduce it, e\.g\. \.mean\(\)"):
         model.run(model.init(jax.random.key(0)), image_batch(0), None, shardlib.Call(key=jax.random.key(1)))
