@@ -30,7 +30,8 @@ CASES = {  # name -> (strategy, mesh)
     "fsdp_tp": ("fsdp_tp", {"fsdp": 4, "tensor": 2}), "hsdp": ("hsdp", {"data": 2, "fsdp": 4}),
     "dp_pipe": ("dp", {"pipe": 2, "data": 4}), "zero3_pipe": ("zero3", {"pipe": 2, "fsdp": 4}),
 }
-TENSOR_NAMES = {"heads", "kv_heads", "joined_kv", "mlp", "vocab"}  # the logical names tp splits (strategies.TENSOR_RULES)
+# the logical names tp splits (strategies.TENSOR_RULES)
+TENSOR_NAMES = {"heads", "kv_heads", "joined_kv", "mlp", "vocab"}
 
 
 def _size(shape) -> int:

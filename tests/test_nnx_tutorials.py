@@ -168,8 +168,8 @@ def test_flax_names_are_known_joined_kv_splits_like_heads_and_path_rules_name_th
         specs = make_layout(from_nnx(JoinedAttention, loss), "tp", mesh).param_shardings()
         assert (specs["qkv"]["kernel"].spec, specs["out"]["kernel"].spec) == (P(None, "tensor"), P("tensor", None))
         assert specs["norm"]["scale"].spec == P(None)
-        rules = [(r"(query|key|value)/kernel$", ("embed", "heads", "kv")), (r"(query|key|value)/bias$", ("heads", "kv")),
-                 (r"out/kernel$", ("heads", "kv", "embed"))]  # the tutorial's attention, left unannotated
+        rules = [(r"(query|key|value)/kernel$", ("embed", "heads", "kv")),  # the tutorial's attention, unannotated
+                 (r"(query|key|value)/bias$", ("heads", "kv")), (r"out/kernel$", ("heads", "kv", "embed"))]
         attention = from_nnx(lambda rngs: nnx.MultiHeadAttention(HEADS, D, decode=False, rngs=rngs), loss,
                              path_rules=rules)
         specs = make_layout(attention, "tp", mesh).param_shardings()
