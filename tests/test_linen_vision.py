@@ -97,9 +97,9 @@ def image_batch(seed):
 
 # Megatron's split for Flax's own layers, by path: one layer's shapes, looped or scanned.
 VIT_RULES = [
-    (r"(query|key|value)/kernel$", ("embed", "heads", "head_dim")),
-    (r"(query|key|value)/bias$", ("heads", "head_dim")),
-    (r"out/kernel$", ("heads", "head_dim", "embed")),
+    (r"/(query|key|value)/kernel$", ("embed", "heads", "head_dim")),
+    (r"/(query|key|value)/bias$", ("heads", "head_dim")),
+    (r"/out/kernel$", ("heads", "head_dim", "embed")),
     (r"MlpBlock_0/Dense_0/kernel$", ("embed", "mlp")),
     (r"MlpBlock_0/Dense_0/bias$", ("mlp",)),
     (r"MlpBlock_0/Dense_1/kernel$", ("mlp", "embed")),

@@ -88,7 +88,7 @@ def from_linen(
     with no rngs and the collections read-only. The module is initialised with ``train=False``.
 
     ``path_rules`` (regex on the parameter's path, first match wins) name the parameters that carry
-    no annotation, as big_vision / scenic modules do not: ``[(r"(query|key|value)/kernel$", ("embed",
+    no annotation, as big_vision / scenic modules do not: ``[(r"/(query|key|value)/kernel$", ("embed",
     "heads", "head_dim"))]``. A parameter ``nn.scan`` stacks is named as one layer's slice, the
     shape the module sees; ``"layers"`` is inserted at the stacked axis, so one rule list serves the
     looped and the scanned stack alike.
