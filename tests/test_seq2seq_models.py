@@ -282,6 +282,8 @@ def test_bad_inputs_are_refused_naming_the_leaf_and_what_to_do():
     with pytest.raises(ValueError, match="Incompatible shapes") as shorter:
         program.step(state, {**batch, "tags": batch["tags"][:, :7]})
     assert "'tags' int32[2,7]" in shorter.value.__notes__[0]  # this device's rows of the leaf the message means
+    with pytest.raises(ValueError, match=r"global_mean: weights of shape \(10,\) do not fit values of shape \(16, 10\)"):
+        shardlib.global_mean(jnp.ones((ROWS, 10)), batch["mask"][0])  # numpy would align it with each row
     with pytest.raises(MeshError, match=r"mesh axis 'model' .* shardlib.make_mesh\(\{'data': 2, 'tensor': 4\}\)"):
         make_layout(model, "zero3", jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2))
 

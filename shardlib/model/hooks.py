@@ -79,12 +79,14 @@ def global_mean(values: jax.Array, weights: jax.Array | None = None) -> jax.Arra
     divides by the weight summed over every device of the step, and scales by the device
     count that the step's average divides by again: the step's loss and gradients are then
     those of one device. Outside a shardlib step it is the plain weighted mean. ``weights`` may
-    have fewer dims than ``values`` (one weight per row): it then weighs each row's elements. Under
+    have fewer dims than ``values`` (one weight per row): it then weighs each row's elements; its
+    shape must lead ``values``' (a (seq,) vector against (rows, seq) values is refused). Under
     ``grad_accum=K`` it is each microbatch's global mean, and the step averages the K of them; a
     microbatch with no weight anywhere contributes 0. Computed in float32, whatever ``values`` is.
     """
     values = jnp.asarray(values).astype(jnp.float32)  # sums in float32 (a bf16 psum also aborts XLA:CPU)
     weights = jnp.ones((), jnp.float32) if weights is None else jnp.asarray(weights).astype(jnp.float32)
+    _check_weights(values.shape, weights.shape)
     weights = weights.reshape(weights.shape + (1,) * (values.ndim - weights.ndim))  # per row: over its elements
     weights = jnp.broadcast_to(weights, values.shape)
     total = jax.lax.stop_gradient(weights.sum())
@@ -93,6 +95,15 @@ def global_mean(values: jax.Array, weights: jax.Array | None = None) -> jax.Arra
         total = jax.lax.psum(total, ctx.mean_axes) / ctx.rows_split
     # No weight at all (a microbatch of padding only): the sum is 0 too, so it adds 0 rather than 0/0 = NaN.
     return (values * weights).sum() / jnp.where(total > 0, total, 1.0)
+
+
+def _check_weights(values: tuple[int, ...], weights: tuple[int, ...]) -> None:
+    """Weights lead like the values (one per value, or per row of them); numpy's trailing alignment
+    would weigh a (rows, seq) loss by a (seq,) vector, which is rarely what a mask means: refuse it."""
+    if weights and weights != values[:len(weights)]:
+        raise ValueError(f"global_mean: weights of shape {weights} do not fit values of shape {values}: give one "
+                         f"weight per value (shape {values}) or per row (a leading part of it, such as {values[:1]}), "
+                         "e.g. the padding mask of the tokens the loss was computed on")
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
