@@ -276,6 +276,9 @@ def test_bad_inputs_are_refused_naming_the_leaf_and_what_to_do():
         program.step(first, batch)  # jaxlib 0.10.2 segfaults on a donated buffer, on XLA:CPU
     with pytest.raises(TypeError, match=r"batch 'ids' is a python list \(shape \(16, 10\)\); .* np.asarray"):
         program.step(state, {**batch, "ids": batch["ids"].tolist()})
+    tensor = type("Tensor", (), {"shape": (ROWS, 10), "dtype": "torch.int64"})()  # a torch tensor, to the step
+    with pytest.raises(TypeError, match=r"batch 'ids' is a \S*Tensor; .*x.numpy\(\) for a torch"):
+        program.step(state, {**batch, "ids": tensor})
     ragged = [row[:n].tolist() for row, n in zip(batch["ids"], batch["mask"].sum(1))]
     with pytest.raises(TypeError, match=r"batch 'ids' is a python list of rows of different lengths; .* pad"):
         program.evaluate(state.params, {**batch, "ids": ragged})

@@ -107,14 +107,26 @@ def refuse_donated(tree: Any, name: str) -> None:
             "program.evaluate(state.params, ...)), or build(..., donate=False) to keep old states alive")
 
 
+def _check_leaf(name: str, x: Any) -> None:
+    """Numpy and jax arrays and scalars only. A torch or TensorFlow tensor (a tokenizer's
+    return_tensors='pt', a DataLoader's batch) has a shape but no dtype JAX reads: say how to convert."""
+    if isinstance(x, list):
+        _refuse_number_list(name, x)
+    if isinstance(x, (np.ndarray, jax.Array, jax.ShapeDtypeStruct) + _NUMBER):
+        return
+    package = type(x).__module__.split(".")[0]
+    kind = type(x).__name__ if package == "builtins" else f"{package}.{type(x).__name__}"
+    if hasattr(x, "shape"):
+        raise TypeError(f"batch {name!r} is a {kind}; a batch holds numpy or jax arrays: pass np.asarray(...) as "
+                        f"{name!r} (x.numpy() for a torch or TensorFlow tensor, return_tensors='np' from a tokenizer)")
+    raise TypeError(f"batch {name!r} is a {kind}; a batch holds arrays (numpy or jax) and "
+                    "scalars only: keep other values out of it (close over them in the loss)")
+
+
 def _first_rows(leaves: list[tuple[str, Any]]) -> dict[str, Any]:
     """The first leaf with rows, by path (none for a batch of scalars); every leaf with rows must have as many."""
     for name, x in leaves:
-        if isinstance(x, list):
-            _refuse_number_list(name, x)
-        if not hasattr(x, "shape") and not isinstance(x, _NUMBER):
-            raise TypeError(f"batch {name!r} is a {type(x).__name__}; a batch holds arrays (numpy or jax) and "
-                            "scalars only: keep other values out of it (close over them in the loss)")
+        _check_leaf(name, x)
     rows = [(name, x) for name, x in leaves if np.ndim(x)]
     if len({np.shape(x)[0] for _, x in rows}) > 1:
         named = ", ".join(f"batch {name!r} {np.shape(x)}" for name, x in rows)
