@@ -168,15 +168,19 @@ def test_path_rules_split_a_scanned_vits_heads_over_tensor_and_train_like_one_de
                  state.params, want_params)
 
 
-def test_a_malformed_inputs_function_and_an_unreduced_loss_name_the_fix():
+def test_a_first_linen_users_mistakes_are_named_with_the_fix():
     """Mistakes a first from_linen user makes: ``inputs`` returning the args without the kwargs
-    dict, or a bare array as args (unpacked row by row into the call), a per-example loss, and
+    dict, or a bare array as args (unpacked row by row into the call), no inputs= for a module
+    with a train flag (left at its default when training), a per-example loss, and
     fsdp_tp for a model without names, which the fsdp fallback splits whole and tensor not at all."""
     module = ViT(depth=1, scan=False)
     for wrong, got in [(lambda b, train: (b["image"],), r"\(ndarray\)"),
                        (lambda b, train: (b["image"], {"train": train}), r"\(ndarray, dict\)")]:
         with pytest.raises(ValueError, match=rf"inputs\(batch, train\) returned {got}; it must return \(args, kwargs\)"):
             from_linen(module, smoothed_loss, image_batch(0), inputs=wrong)
+    with pytest.warns(UserWarning, match=r"without inputs= calls module\(batch\['inputs'\]\), so ViT's 'train' keeps "
+                                         r"its default \(False\) in training.*inputs=lambda batch, train: "):
+        from_linen(module, smoothed_loss, image_batch(0)["image"])  # the one-input call: dropout never on
     per_example = lambda logits, b: optax.softmax_cross_entropy_with_integer_labels(logits, b["label"])
     model = from_linen(module, per_example, image_batch(0), inputs=vit_inputs)
     with pytest.warns(shardlib.ReplicationWarning, match=r"fsdp_tp on fsdp=4 tensor=2 splits no parameter over "

@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import re
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -45,6 +47,33 @@ def _single_input(batch: Batch, train: bool) -> tuple[tuple[Any, ...], dict[str,
             f"{type(batch).__name__} without it: pass inputs=, e.g. for a batch (x, y): "
             "from_linen(module, loss_fn, example_batch, inputs=lambda batch, train: ((batch[0],), {}))")
     return (batch["inputs"],), {}
+
+
+# Keywords by which linen modules switch dropout and BatchNorm between training and evaluation.
+_MODE_FLAGS = ("train", "training", "is_training", "deterministic", "use_running_average")
+
+
+def _check_mode_flags(module: Any) -> None:
+    """Without ``inputs=`` the module is called as ``module(batch["inputs"])``: a train / deterministic
+    flag is never passed, so a required one fails at init and a defaulted one (big_vision's
+    ``train=False``) stays at its default when training too, dropout off, with no error."""
+    try:
+        parameters = inspect.signature(module.__call__).parameters.values()
+    except (TypeError, ValueError):  # a callable inspect cannot read: nothing to say
+        return
+    flags = [p for p in parameters if p.name in _MODE_FLAGS]
+    if not flags:
+        return
+    flag = flags[0]
+    value = "not train" if flag.name in ("deterministic", "use_running_average") else "train"
+    recipe = (f"pass inputs=lambda batch, train: ((batch['inputs'],), {{{flag.name!r}: {value}}}), which training "
+              "calls with train=True and evaluation with train=False")
+    if flag.default is inspect.Parameter.empty:
+        raise ValueError(f"from_linen without inputs= calls module(batch['inputs']), which does not pass the "
+                         f"module's required {flag.name!r} argument: {recipe}")
+    warnings.warn(f"from_linen without inputs= calls module(batch['inputs']), so {type(module).__name__}'s "
+                  f"{flag.name!r} keeps its default ({flag.default!r}) in training as in evaluation: {recipe}",
+                  UserWarning, stacklevel=3)
 
 
 def _checked_inputs(inputs: Inputs) -> Inputs:
@@ -104,6 +133,7 @@ def from_linen(
     from flax.core import unfreeze
 
     if inputs is None:
+        _check_mode_flags(module)
         inputs, example = _single_input, {"inputs": example}
     inputs = _checked_inputs(inputs)
     capture = tuple(capture)
