@@ -279,13 +279,17 @@ def test_bad_inputs_are_refused_naming_the_leaf_and_what_to_do():
     tensor = type("Tensor", (), {"shape": (ROWS, 10), "dtype": "torch.int64"})()  # a torch tensor, to the step
     with pytest.raises(TypeError, match=r"batch 'ids' is a \S*Tensor; .*x.numpy\(\) for a torch"):
         program.step(state, {**batch, "ids": tensor})
+    with pytest.raises(ValueError, match=r"different row counts: .* batch 'rng' looks like a random key: .* call.key"):
+        program.step(state, {**batch, "rng": jax.random.PRNGKey(1)})  # uint32[2]: read as 2 rows
+    with pytest.warns(UserWarning, match=r"batch 'rng' looks like a random key: .*the same dropout mask on every"):
+        state, _ = program.step(state, {**batch, "rng": jax.random.key(1)})  # a scalar: every device gets it whole
     ragged = [row[:n].tolist() for row, n in zip(batch["ids"], batch["mask"].sum(1))]
     with pytest.raises(TypeError, match=r"batch 'ids' is a python list of rows of different lengths; .* pad"):
         program.evaluate(state.params, {**batch, "ids": ragged})
     with pytest.raises(ValueError, match="Incompatible shapes") as shorter:
         program.step(state, {**batch, "tags": batch["tags"][:, :7]})
     assert "'tags' int32[2,7]" in shorter.value.__notes__[0]  # this device's rows of the leaf the message means
-    with pytest.raises(ValueError, match=r"global_mean: weights of shape \(10,\) do not fit values of shape \(16, 10\)"):
+    with pytest.raises(ValueError, match=r"global_mean: weights of shape \(10,\) do not fit values of shape \(16, 10"):
         shardlib.global_mean(jnp.ones((ROWS, 10)), batch["mask"][0])  # numpy would align it with each row
     with pytest.raises(MeshError, match=r"mesh axis 'model' .* shardlib.make_mesh\(\{'data': 2, 'tensor': 4\}\)"):
         make_layout(model, "zero3", jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2))

@@ -10,6 +10,7 @@ fail inside the step with the leaf's name lost.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -130,12 +131,32 @@ def _first_rows(leaves: list[tuple[str, Any]]) -> dict[str, Any]:
     rows = [(name, x) for name, x in leaves if np.ndim(x)]
     if len({np.shape(x)[0] for _, x in rows}) > 1:
         named = ", ".join(f"batch {name!r} {np.shape(x)}" for name, x in rows)
+        keys = [name for name, x in rows if _is_raw_key(x)]
         raise ValueError(
             f"the leaves of the batch lead with different row counts: {named}; "
             "the step splits every leaf by its leading dimension over the data-parallel devices, so all need "
             "the same number of rows: pass a per-step constant as a scalar (shape (), given whole to every "
-            "device) or close over it in the loss function")
+            "device) or close over it in the loss function" + (f". {_key_advice(keys[0])}" if keys else ""))
     return dict(rows[:1])
+
+
+def _is_raw_key(x: Any) -> bool:
+    """A ``jax.random.PRNGKey``: two uint32 words."""
+    return np.shape(x) == (2,) and np.dtype(x.dtype) == np.uint32
+
+
+def _key_advice(name: str) -> str:
+    return (f"batch {name!r} looks like a random key: a key in the batch reaches every device alike, so each "
+            "draws the same numbers for its own rows (the same dropout mask on every device); draw from the "
+            "step's key instead, which differs per device: from_functions(..., takes_call=True) and call.key, "
+            "or rngs={'dropout': ...} from from_linen / from_nnx")
+
+
+def _warn_keys(leaves: list[tuple[str, Any]]) -> None:
+    """A typed key (``jax.random.key``) is a scalar leaf, so it passes as one: warn that every device gets it."""
+    for name, x in leaves:
+        if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            warnings.warn(_key_advice(name), UserWarning, stacklevel=5)  # the caller of program.step
 
 
 def check(layout: Layout, batch: Any, microbatches: int = 1) -> None:
@@ -145,6 +166,7 @@ def check(layout: Layout, batch: Any, microbatches: int = 1) -> None:
     _check_pipelined(layout, batch, leaves)
     # the divisibility message is the one the CLI's batches get
     layout.check_batch(_first_rows(leaves), microbatches=microbatches)
+    _warn_keys(leaves)
 
 
 def _check_pipelined(layout: Layout, batch: Any, leaves: list[tuple[str, Any]]) -> None:
