@@ -21,6 +21,7 @@ from shardlib.model import Call, Model, Stages, hooks
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout, restrict, spec_axes
 from shardlib.sharding.strategies import BATCH_RULES
+from shardlib.step import axis_names as axis_names_lib
 from shardlib.step import hierarchical
 from shardlib.step import precision as precision_lib
 from shardlib.step import zeropp
@@ -80,6 +81,21 @@ def average_state(model_state: Any, axes: tuple[str, ...]) -> Any:
             "(then it is averaged over the batch axes), or update it from replicated values only (a step count)")
 
     return jax.tree_util.tree_map_with_path(mean, model_state)
+
+
+def check_axis_alias(alias: str | None, layout: Layout) -> str | None:
+    """``build(axis_name=...)``: a name of the model's own, not one of the mesh's axes (those are
+    bound in the step already; rebinding one would silently change what its collectives reduce)."""
+    if alias is None:
+        return None
+    if not isinstance(alias, str):
+        raise TypeError(f"build(axis_name=...) takes the one collective axis name your modules use, such as "
+                        f"'batch', got {alias!r}")
+    if alias in layout.mesh.axis_names:
+        raise ValueError(f"build(axis_name={alias!r}): {alias!r} is a mesh axis, bound in the step already; "
+                         "axis_name names the model's own pmap-era axis (nn.BatchNorm(axis_name='batch')), "
+                         "so leave it out")
+    return alias
 
 
 def logical_rules(layout: Layout) -> tuple[tuple[str, Any], ...]:
@@ -148,10 +164,12 @@ class ModelCall:
     gather_tree: Callable[[Any], Any] | None = None  # per gather_layer call, first (`layerwise`'s twins)
     logical_rules: tuple = ()  # the activation rules for Flax's nn.with_logical_constraint (`logical_rules`)
     mean_axes: tuple[str, ...] = ()  # the batch axes the loss is a mean over (`hooks.global_mean`)
+    axis_alias: str | None = None  # a linen module's own collective axis_name, bound to key_axes (`axis_names`)
 
     @classmethod
     def for_layout(cls, model: Model, layout: Layout, policy: precision_lib.Precision,
-                   rows_split: int, exclude: tuple[str, ...] = (), mean_exclude: tuple[str, ...] = ()) -> ModelCall:
+                   rows_split: int, exclude: tuple[str, ...] = (), mean_exclude: tuple[str, ...] = (),
+                   axis_alias: str | None = None) -> ModelCall:
         cast_first = policy.casts_before_gather(layout.mesh.devices.flat[0].platform)
         auto = layout.manual(layout.params, auto_axes(layout))
         by_path = {l.path: spec for l, spec in zip(jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout),
@@ -160,7 +178,8 @@ class ModelCall:
         specs = secondary.intra_specs if secondary else layout.manual(layout.params)
         return cls(model, specs, auto, by_path, sharded_paths(layout), activation_spec(layout),
                    policy.compute_dtype, cast_first, rows_split, active_axes(layout, exclude), secondary,
-                   logical_rules=logical_rules(layout), mean_axes=active_axes(layout, exclude + mean_exclude))
+                   logical_rules=logical_rules(layout), mean_axes=active_axes(layout, exclude + mean_exclude),
+                   axis_alias=check_axis_alias(axis_alias, layout))
 
     def _compute(self, tree: Any) -> Any:
         """``tree`` in the compute dtype; a layerwise state shard keeps the master dtype, so its
@@ -207,17 +226,23 @@ class ModelCall:
                 call = Call(key=self.device_key(ctx), state=ctx.model_state, train=ctx.train)
                 return self.model.run(self.view(p), b, self._model_specs(), call)
 
-        jax.eval_shape(run, params, rows)
+        with axis_names_lib.bound_axis_name(self.axis_alias, self.key_axes):
+            try:
+                jax.eval_shape(run, params, rows)
+            except Exception as err:
+                axis_names_lib.note_unbound_axis(err, self.key_axes, self.axis_alias)
+                raise
         return seen
 
     def traced(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` in a compute context; name any sharded parameter the model never gathered."""
         ctx = self._context()
-        with hooks.compute_context(ctx):
+        with hooks.compute_context(ctx), axis_names_lib.bound_axis_name(self.axis_alias, self.key_axes):
             try:
                 out = fn()
             except Exception as err:  # a shape error from an ungathered shard: say which parameter
                 _note_manual_axes(err, self.key_axes)
+                axis_names_lib.note_unbound_axis(err, self.key_axes, self.axis_alias)
                 self._check_gathered(ctx, err)
                 raise
         self._check_gathered(ctx)

@@ -108,6 +108,7 @@ def build(
     weight_gather: str = "none",
     stage_layers: str | tuple[int, ...] | None = None,
     layerwise: bool | None = None,
+    axis_name: str | None = None,
 ) -> TrainProgram:
     """Compile-ready init, train step and eval step for ``model`` under ``layout``.
 
@@ -156,6 +157,10 @@ def build(
 
     ``staleness=tau`` reduces and applies the gradient computed at step t at step t + tau, so the
     reduction runs beside that step's compute (`shardlib.step.staleness`); 0: synchronous.
+
+    ``axis_name``: the collective axis name the model's linen modules were written with for
+    ``jax.pmap`` (``nn.BatchNorm(axis_name="batch")``); their collectives run over the step's
+    batch axes, so BatchNorm statistics cover the global batch (`shardlib.step.axis_names`).
     """
     _check_arguments(model, tx, layout)
     if model.frozen is not None:  # from_nnx(wrt=...): the optimizer sees the trained parameters only,
@@ -168,7 +173,7 @@ def build(
     stage_layers = grads_lib.check_stage_layers(model, layout, stage_layers)
     reducer = reduce_lib.Reducer.for_layout(layout, method, bucket_bytes=bucket_bytes)
     rows_split = math.prod(layout.mesh.shape[a] for a in layout.batch_axes)
-    call = ModelCall.for_layout(model, layout, policy, rows_split)
+    call = ModelCall.for_layout(model, layout, policy, rows_split, axis_alias=axis_name)
     call = dataclasses.replace(call, gather=_weight_gather(weight_gather, method, reducer, layout, call, grad_accum))
     provider = grads_lib.for_layout(call, reducer, layout, grad_accum=grad_accum, microbatches=microbatches,
                                     schedule=schedule, stage_layers=stage_layers)
