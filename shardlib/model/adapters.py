@@ -125,18 +125,17 @@ _USER_ERRORS = (TypeError, ValueError, KeyError, IndexError, AttributeError)
 def _note_batch(error: Exception, batch: Any) -> None:
     """Inside the step the loss sees one device's rows, so an error's shapes (``(2, 5)``) match no
     array the user built: list the batch's leaves as the loss received them, to tell which it was."""
-    if getattr(error, "_shardlib_batch_noted", False):
-        return
+    if any(note.startswith(_BATCH_NOTE) for note in getattr(error, "__notes__", ())):
+        return  # a loss that runs another model's loss
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     shown = ", ".join(f"{rules_lib.path_str(path)!r} {_dtype_shape(x)}" for path, x in leaves[:_NOTE_LEAVES])
     more = f" and {len(leaves) - _NOTE_LEAVES} more" if len(leaves) > _NOTE_LEAVES else ""
-    error.add_note(f"shardlib: raised by the loss on the batch {shown}{more} (inside a step: this device's rows of "
+    error.add_note(f"{_BATCH_NOTE} {shown}{more} (inside a step: this device's rows of "
                    "the global batch, split over the data-parallel devices); check the leaves the failing line reads "
                    "(their trailing shapes and dtypes, and the batch's keys)")
-    error._shardlib_batch_noted = True
 
 
-_NOTE_LEAVES = 20
+_BATCH_NOTE, _NOTE_LEAVES = "shardlib: raised by the loss on the batch", 20
 
 
 def _dtype_shape(x: Any) -> str:
