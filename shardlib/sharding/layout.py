@@ -115,7 +115,8 @@ class Layout:
                 from shardlib.runtime.data import nearest_multiples
 
                 raise ValueError(f"batch {name!r} has {size} rows, which {what} cannot split evenly; "
-                                 f"use a multiple of {n}: {nearest_multiples(size, n)}")
+                                 f"use a multiple of {n}: {nearest_multiples(size, n)} (a dataset's last, "
+                                 "shorter batch: pad it with rows of loss weight 0, the mask of shardlib.global_mean)")
 
     def replicated(self) -> list[rules_lib.LeafLayout]:
         """Tensors the strategy shards that stayed whole on every device (each with its notes)."""
