@@ -205,8 +205,9 @@ def test_linen_attention_with_two_names_on_three_dim_kernels():
     by_path = {l.path: l for l in _leaves(layout.params)}
     query = by_path["MultiHeadDotProductAttention_0/query/kernel"]
     assert query.shape == (64, 4, 16) and query.logical == ("embed", "kv", None) and query.spec == P("fsdp", None, None)
-    out = by_path["MultiHeadDotProductAttention_0/out/kernel"]  # (4, 16, 64): "embed"=4 does not divide
-    assert out.spec == P(None, None, "fsdp") and "auto-sharded dim 2" in out.notes[-1]
+    out = by_path["MultiHeadDotProductAttention_0/out/kernel"]  # (4, 16, 64): "embed"=4 does not divide,
+    assert out.spec == P(None, "fsdp", None)  # so the next named dim ("kv", Flax's head_dim) takes fsdp
+    assert out.notes == ("dim 0 (embed=4) not divisible by fsdp=8",)
     program = build(model, optax.sgd(0.1), layout)
     state, metrics = program.step(program.init(jax.random.key(0)), {"inputs": x})
     assert np.isfinite(float(metrics["loss"]))
