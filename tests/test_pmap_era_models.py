@@ -1,5 +1,10 @@
 """Model code from the pmap era and the MaxText era, through shardlib's public API.
 
+A MaxText-style decoder (logical partitioning, logical constraints, ``nn.scan`` with
+``PARTITION_NAME``) hands shardlib its own ``nn.logical_axis_rules`` table with
+`Strategy.with_logical_rules`, and trains inside the user's ``nn.logical_axis_rules`` and
+``jax.set_mesh`` contexts like a plain one-device ``jax.jit`` + optax step.
+
 The Flax ImageNet example's ResNet hard-codes ``nn.BatchNorm(axis_name="batch")``, the name its
 ``jax.pmap(train_step, axis_name="batch")`` binds; `build(..., axis_name="batch")` binds it to
 the step's batch axes, and the reference is that pmap train step itself, written here as the
@@ -17,6 +22,7 @@ import optax
 import pytest
 from flax import linen as nn
 
+import shardlib
 from shardlib import build, from_linen, make_layout, make_mesh
 
 STEPS, ROWS, CLASSES = 3, 16, 10
@@ -134,3 +140,96 @@ def test_an_unbound_pmap_axis_name_is_named_with_its_module_and_the_fix():
     assert "BatchNorm 'bn_init'" in notes and "axis 'batch'" in notes and "build(..., axis_name='batch')" in notes
     with pytest.raises(ValueError, match="'data' is a mesh axis"):
         build(model, example_optimizer(), layout, axis_name="data")
+
+
+# ---- a MaxText-style decoder with the user's own logical-axis rules -----------------------------
+
+VOCAB, D, MLP, SEQ = 32, 16, 32, 8
+
+# What MaxText / t5x users pass to nn.logical_axis_rules, activation names included.
+MAXTEXT_RULES = (
+    ("activation_batch", ("data", "fsdp")), ("activation_length", None), ("activation_embed", None),
+    ("activation_mlp", "tensor"), ("activation_vocab", "tensor"),
+    ("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"), ("vocab", "tensor"), ("norm", None), ("layers", None),
+)
+
+
+def logical_init(init, names):
+    return nn.with_logical_partitioning(init, names)
+
+
+class MlpLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        x = nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
+        h = nn.Dense(MLP, use_bias=False, kernel_init=logical_init(nn.initializers.lecun_normal(), ("embed", "mlp")),
+                     name="wi")(x)
+        h = nn.with_logical_constraint(nn.gelu(h), ("activation_batch", "activation_length", "activation_mlp"))
+        y = nn.Dense(D, use_bias=False, kernel_init=logical_init(nn.initializers.lecun_normal(), ("mlp", "embed")),
+                     name="wo")(h)
+        scale = self.param("scale", logical_init(nn.initializers.ones_init(), ("norm",)), (D,))
+        return x + y * scale, None
+
+
+class Decoder(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        table = self.param("token_embedder", logical_init(nn.initializers.normal(1.0), ("vocab", "embed")), (VOCAB, D))
+        x = nn.with_logical_constraint(table[tokens], ("activation_batch", "activation_length", "activation_embed"))
+        layers = nn.scan(nn.remat(MlpLayer), variable_axes={"params": 0}, split_rngs={"params": True}, length=2,
+                         metadata_params={nn.PARTITION_NAME: "layers"})
+        x, _ = layers(name="decoder")(x, None)
+        logits = nn.Dense(VOCAB, use_bias=False, kernel_init=logical_init(nn.initializers.lecun_normal(), ("embed", "vocab")),
+                          name="logits")(x)
+        return nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
+
+
+def next_token_loss(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch["tokens"][:, 1:]).mean()
+
+
+def token_batches(n=STEPS):
+    rng = np.random.default_rng(1)
+    return [{"tokens": rng.integers(0, VOCAB, (ROWS, SEQ)).astype(np.int32)} for _ in range(n)]
+
+
+def test_maxtext_decoder_with_its_own_rule_table_places_and_trains_as_asked():
+    model = from_linen(Decoder(), next_token_loss, token_batches(1)[0],
+                       inputs=lambda batch, train: ((batch["tokens"],), {}), rng_streams=())
+    mesh = make_mesh({"fsdp": 4, "tensor": 2})
+    strategy = shardlib.get_strategy("fsdp_tp").with_logical_rules(MAXTEXT_RULES)
+    layout = make_layout(model, strategy, mesh)
+    specs = jax.tree.map(lambda s: s.spec, layout.param_shardings())
+    P = jax.sharding.PartitionSpec
+    assert specs["decoder"]["wi"]["kernel"] == P(None, "fsdp", "tensor")  # ("layers", "embed", "mlp")
+    assert specs["token_embedder"] == P("tensor", "fsdp") and specs["logits"]["kernel"] == P("fsdp", "tensor")
+
+    tx = optax.adamw(3e-3, eps=1e-5, weight_decay=0.1)
+    program = build(model, tx, layout, grad_accum=2)
+    state, losses = program.init(jax.random.key(0)), []
+    params0 = jax.tree.map(np.asarray, state.params)
+    with nn.logical_axis_rules(MAXTEXT_RULES), jax.set_mesh(mesh):  # as a MaxText train loop wraps its step
+        for batch in token_batches():
+            state, metrics = program.step(state, batch)
+            losses.append(float(metrics["loss"]))
+
+    @jax.jit
+    def reference_step(params, opt_state, batch):  # one device, the global batch, no rules in force
+        loss, grads = jax.value_and_grad(lambda p: next_token_loss(Decoder().apply({"params": p}, batch["tokens"]),
+                                                                   batch))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params, opt_state, ref_losses = params0, tx.init(params0), []
+    for batch in token_batches():
+        params, opt_state, loss = reference_step(params, opt_state, batch)
+        ref_losses.append(float(loss))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-6),
+                 jax.tree.map(np.asarray, state.params), jax.tree.map(np.asarray, params))
+
+    with pytest.warns(UserWarning, match=r"no rule for: decoder/wi/kernel dim 2 'mlp'"):
+        make_layout(model, shardlib.get_strategy("fsdp_tp").with_logical_rules(
+            [rule for rule in MAXTEXT_RULES if rule[0] != "mlp"]), mesh)
+    with pytest.raises(ValueError, match=r"'model' is not a mesh axis of shardlib .* write 'tensor'"):
+        shardlib.get_strategy("fsdp_tp").with_logical_rules([("mlp", "model")])

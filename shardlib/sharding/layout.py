@@ -28,7 +28,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from shardlib.sharding import rules as rules_lib
 from shardlib.model import Model
 from shardlib.sharding.mesh import MESH_AXES, MeshError, describe, resolve_axis_sizes
-from shardlib.sharding.strategies import PIPE_AXIS, STRATEGIES, Strategy, get_strategy, pipelined, unmet_requirements
+from shardlib.sharding.strategies import (PIPE_AXIS, STRATEGIES, Strategy, get_strategy, pipelined, unmet_requirements,
+                                         warn_uncovered_names)
 
 # A tensor replicated under a sharding strategy is warned about above this share of the model's
 # parameter bytes (smaller ones cost little; `max_replicated_bytes` makes any size an error).
@@ -246,6 +247,7 @@ def make_layout(
     if stages > 1:
         strategy = pipelined(strategy)
     _warn_unmatched_names(model.logical_axes, strategy, mesh)
+    warn_uncovered_names(strategy, model.logical_axes)
     fallback = lambda axes: rules_lib.AutoShard(axes) if auto_shard and axes else None
     params = rules_lib.layout_tree(abstract, model.logical_axes, strategy.param_rules, mesh,
                                    table=f"{strategy.name}.param_rules", auto=fallback(strategy.param_fallback))

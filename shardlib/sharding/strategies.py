@@ -36,8 +36,13 @@ import itertools
 import math
 from collections.abc import Mapping
 
+import warnings
+from typing import Any
+
+import jax
+
 from shardlib.sharding.mesh import MESH_AXES
-from shardlib.sharding.rules import Rules
+from shardlib.sharding.rules import AUTO_SHARD_SKIP, Rules, as_axes, path_str
 from shardlib.registry import lookup
 
 # Megatron-style tensor parallelism: attention heads and the MLP hidden dimension are split, so
@@ -130,8 +135,66 @@ class Strategy:
         """The optimizer state is placed otherwise than the parameters (ZeRO-1/2)."""
         return (self.state_rules, self.state_fallback) != (self.param_rules, self.param_fallback)
 
+    # The model's own rule table (`with_logical_rules`): every logical name the model uses must be in it.
+    own_rules: Rules | None = None
+
     def with_rules(self, **changes) -> "Strategy":
         return dataclasses.replace(self, **changes)
+
+    def with_logical_rules(self, rules: Rules) -> "Strategy":
+        """This strategy with your own Flax rule table (what MaxText / t5x pass to
+        ``nn.logical_axis_rules``) placing the parameters, their optimizer state and the
+        activations, as it does there; the strategy keeps its batch split, ZeRO fallback (for
+        tensors the table leaves off the batch axes) and gradient buffer. Rules over axes
+        shardlib's meshes lack are refused here, and `make_layout` warns about a name the model
+        uses that the table does not list (such a dim would otherwise stay whole silently)."""
+        table = check_logical_rules(rules)
+        return dataclasses.replace(self, param_rules=table, state_rules=table, activation_rules=table, own_rules=table)
+
+
+# Mesh axes of other codebases' rule tables and the shardlib axis that does their job.
+_FOREIGN_AXES = {"model": "tensor", "mdl": "tensor", "stage": "pipe", "batch": "data", "replica": "data"}
+
+
+def _check_rule(entry: Any) -> tuple[str, Any]:
+    """One ``(logical_name, mesh_axes)`` entry, its mesh axes shardlib's own."""
+    if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)):
+        raise ValueError(f"logical rule {entry!r}: each rule is (logical_name, mesh_axes), mesh_axes a mesh axis, "
+                         "a tuple of them or None, as nn.logical_axis_rules takes them")
+    name, axes = entry
+    axes = tuple(axes) if isinstance(axes, list) else axes
+    for axis in as_axes(axes):
+        if axis not in MESH_AXES:
+            use = _FOREIGN_AXES.get(axis)
+            hint = (f"write {use!r}, shardlib's axis for that job" if use else
+                    "map the name to one of those axes, or to None to keep the dim whole")
+            raise ValueError(f"logical rule ({name!r}, {axes!r}): {axis!r} is not a mesh axis of shardlib "
+                             f"(its meshes have {', '.join(MESH_AXES)}); {hint}")
+    return name, axes
+
+
+def check_logical_rules(rules: Rules) -> Rules:
+    """A user's rule table as a tuple of checked ``(name, mesh_axes)`` rules (order kept: first
+    applicable rule wins, as in Flax)."""
+    if isinstance(rules, (str, bytes)) or not hasattr(rules, "__iter__"):
+        raise ValueError(f"with_logical_rules takes a sequence of (logical_name, mesh_axes) rules, got {rules!r}")
+    return tuple(_check_rule(entry) for entry in rules)
+
+
+def warn_uncovered_names(strategy: Strategy, logical: Any) -> None:
+    """Under the model's own rule table: warn about each tensor dim whose logical name the table
+    does not list, which every strategy would otherwise keep whole without a word."""
+    if strategy.own_rules is None:
+        return
+    listed = {name for name, _ in strategy.own_rules} | set(AUTO_SHARD_SKIP)
+    is_names = lambda x: x is None or isinstance(x, tuple)
+    missing = [f"{path_str(path)} dim {dim} {name!r}"
+               for path, names in jax.tree_util.tree_leaves_with_path(logical, is_leaf=is_names)
+               for dim, name in enumerate(names or ()) if name is not None and name not in listed]
+    if missing:
+        warnings.warn(f"your logical-axis rules (Strategy.with_logical_rules) have no rule for: {'; '.join(missing)}; "
+                      "those dims are placed as if unnamed: add a rule for each name (None keeps the dim whole)",
+                      UserWarning, stacklevel=3)
 
 
 STRATEGIES: dict[str, Strategy] = {
