@@ -55,15 +55,21 @@ def _module_name(module) -> str:
     return f"{type(module).__name__} {name!r}" if name else type(module).__name__
 
 
-def note_unbound_axis(err: BaseException, bound: tuple[str, ...], alias: str | None) -> None:
+def note_unbound_axis(err: BaseException, bound: tuple[str, ...], alias: str | None, *,
+                      step: str = "build") -> None:
     """Tell the user which collective axis name the model used that the step does not bind, and
-    what to write instead; errors raised elsewhere are left as they are."""
+    what to write instead; errors raised elsewhere are left as they are. ``step``: "build" (the
+    mesh step) or "pmap_step" (whose one axis the user names)."""
     found = unbound_axis(err, bound)
     if found is None:
         return
     axis, module = found
     where = f"in {module}" if module else "in the model or its loss"
     batch = ", ".join(repr(a) for a in bound) or "none: one device"
+    if step == "pmap_step":
+        err.add_note(f"shardlib: a collective {where} runs over axis {axis!r}, but pmap_step binds {batch}: "
+                     f"write pmap_step(model, tx, axis_name={axis!r})")
+        return
     bind = ("" if alias else f"; for a linen module's own axis_name (nn.BatchNorm(axis_name={axis!r}), the Flax "
             f"ImageNet example), build(..., axis_name={axis!r}) binds it to those axes (synchronised statistics)")
     err.add_note(

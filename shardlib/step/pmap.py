@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 from shardlib.model import Model
+from shardlib.step import axis_names
 from shardlib.step import grads as grads_lib
 
 
@@ -38,10 +39,15 @@ def split_batch(batch: Any, n_devices: int) -> Any:
 
 def pmap_step(model: Model, tx: optax.GradientTransformation, axis_name: str = "data") -> Callable:
     """``step(params, opt_state, batch) -> (params, opt_state, metrics)``, pmapped over ``axis_name``."""
-    grads_lib.refuse_key_and_state(model, "pmap_step", "use shardlib.build")
+    grads_lib.refuse_key_and_state(model, "pmap_step", "use shardlib.build(model, tx, layout) (its axis_name= binds "
+                                   "a pmap-era name your modules use, nn.BatchNorm(axis_name='batch'), to the batch axes)")
 
     def step(params, opt_state, batch):
-        (loss, aux), grads = jax.value_and_grad(lambda p: model.loss(p, batch, None), has_aux=True)(params)
+        try:
+            (loss, aux), grads = jax.value_and_grad(lambda p: model.loss(p, batch, None), has_aux=True)(params)
+        except Exception as err:
+            axis_names.note_unbound_axis(err, (axis_name,), None, step="pmap_step")
+            raise
         grads = jax.lax.pmean(grads, axis_name)
         updates, opt_state = tx.update(grads, opt_state, params)
         metrics = {"loss": jax.lax.pmean(loss, axis_name), "grad_norm": optax.tree.norm(grads),
