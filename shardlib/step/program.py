@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,8 +40,8 @@ from shardlib.step import staleness as staleness_lib
 from shardlib.step import update as update_lib
 from shardlib.step import zeropp
 from shardlib.step.compute import ModelCall, StepContext, average_state
-from shardlib.step.state import (TrainState, abstract_state, initializer, opt_state_sharding, state_sharding,
-                                 step_key, transient_initializer)
+from shardlib.step.state import (TrainState, abstract_model_state, abstract_state, initializer, like_model,
+                                 opt_state_sharding, state_sharding, step_key, transient_initializer)
 
 __all__ = ["TrainProgram", "TrainState", "abstract_state", "build"]
 
@@ -64,6 +65,24 @@ class TrainProgram:
     def mesh(self):
         return self.layout.mesh
 
+    def init_from(self, params: Any, key: jax.Array | None = None, model_state: Any = None) -> TrainState:
+        """A train state that starts from weights you already have (pretrained, `load_exported`, a
+        ``TrainState.create``'s params, ``nnx.state(model, nnx.Param)``) instead of the model's init:
+        each placed straight into its shards and cast to the master dtype, with a fresh optimizer
+        state built from them, as ``init`` builds it. ``model_state`` (BatchNorm statistics) is kept
+        when given, else the model's own init of it, with a warning. ``key`` (default
+        ``jax.random.key(0)``) seeds the dropout stream."""
+        key = jax.random.key(0) if key is None else key
+        params = like_model(_pure(params), self.model.abstract(), "parameters")
+        if model_state is not None:
+            model_state = like_model(_pure(model_state), abstract_model_state(self.model), "model_state")
+            model_state = jax.device_put(model_state, self.state_sharding.model_state)
+        elif self.model.init_state is not None:
+            warnings.warn("init_from without model_state=: the model's state (BatchNorm statistics, counters) starts "
+                          "from its own init, not from the weights' run; pass model_state= to keep it", UserWarning,
+                          stacklevel=2)
+        return self.init(key, jax.device_put(params, self.layout.param_shardings()), model_state)
+
     def abstract_state(self) -> TrainState:
         """ShapeDtypeStructs (with shardings) of the train state: for planning and restoring."""
         return abstract_state(self.init, self.state_sharding)
@@ -74,6 +93,11 @@ class TrainProgram:
     def compile_step(self, state: Any, batch: Any):
         """The compiled step for (abstract or concrete) arguments: memory_analysis, as_text, cost_analysis."""
         return self.step.lower(state, batch).compile()
+
+
+def _pure(tree: Any) -> Any:
+    """An NNX ``State`` as the plain nested dict its paths spell; any other tree as it is."""
+    return tree.to_pure_dict() if callable(getattr(tree, "to_pure_dict", None)) else tree
 
 
 def _check_arguments(model: Any, tx: Any, layout: Any) -> None:

@@ -97,8 +97,8 @@ def with_queue(init: Any, staleness: int, layout: Any, reducer: Any, sharding: A
         return init
     n = math.prod(layout.mesh.shape[a] for a in reducer.axes)
 
-    def init_fn(key):
-        state = init(key)
+    def init_fn(key, *given):
+        state = init(key, *given)
         entry = lambda: {"ready": jnp.zeros((), jnp.bool_), "loss": jnp.zeros((), jnp.float32),
                          "grads": jax.tree.map(lambda p: jnp.zeros((n, *p.shape), p.dtype), state.params)}
         return dataclasses.replace(state, pending=tuple(entry() for _ in range(staleness)))

@@ -146,17 +146,46 @@ def abstract_model_state(model: Model) -> Any:
 
 
 def initializer(model: Model, tx: optax.GradientTransformation, layout: Layout, policy: precision_lib.Precision,
-                reducer: Reducer, sharding: TrainState) -> Callable[[jax.Array], TrainState]:
-    """The jitted ``init(key)``: parameters and optimizer state created directly in their shards."""
+                reducer: Reducer, sharding: TrainState) -> Callable[..., TrainState]:
+    """The jitted ``init(key, params=None, model_state=None)``: parameters (the model's own init, or
+    weights you already have) and optimizer state created directly in their shards."""
     state_shardings = layout.state_shardings()
 
-    def init_fn(key):
-        params = precision_lib.cast_floating(model.init(key), policy.param_dtype)
+    def init_fn(key, params=None, model_state=None):
+        params = precision_lib.cast_floating(model.init(key) if params is None else params, policy.param_dtype)
+        if model_state is None and model.init_state is not None:
+            model_state = model.init_state(key)
         in_state_layout = jax.lax.with_sharding_constraint(params, state_shardings)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(in_state_layout),
                           loss_scale=precision_lib.init_loss_scale(policy),
                           grad_residual=reducer.zero_residuals(params, layout.mesh),
                           rng=_key_data(jax.random.fold_in(key, _DROPOUT_STREAM)) if model.uses_key else None,
-                          model_state=None if model.init_state is None else model.init_state(key))
+                          model_state=model_state)
 
     return jax.jit(init_fn, out_shardings=sharding)
+
+
+def like_model(tree: Any, abstract: Any, what: str) -> Any:
+    """``tree`` rebuilt in the structure of ``abstract`` (the model's own parameters or state), each
+    leaf found by its path as `rules.path_str` spells it, so weights from elsewhere fit whatever
+    container held them (a dict of a `TrainState.create`, `load_exported`'s string list indices,
+    an NNX ``State``). Every missing, extra, misshapen or non-float leaf is named."""
+    given = {rules_lib.path_str(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+    wanted = jax.tree_util.tree_leaves_with_path(abstract)
+    names = [rules_lib.path_str(path) for path, _ in wanted]
+    problems = [f"{name}: not in the {what} given (the model has {tuple(leaf.shape)} {leaf.dtype})"
+                for name, (_, leaf) in zip(names, wanted) if name not in given]
+    problems += [f"{name}: in the {what} given, not in the model" for name in sorted(given.keys() - set(names))]
+    for name, (_, leaf) in zip(names, wanted):
+        mine = given.get(name)
+        if mine is None:
+            continue
+        if tuple(jnp.shape(mine)) != tuple(leaf.shape):
+            problems.append(f"{name}: {tuple(jnp.shape(mine))} given, the model's is {tuple(leaf.shape)}")
+        elif jnp.issubdtype(leaf.dtype, jnp.inexact) != jnp.issubdtype(jnp.result_type(mine), jnp.inexact):
+            problems.append(f"{name}: {jnp.result_type(mine)} given, the model's is {leaf.dtype}")
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; ... and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise ValueError(f"the {what} given do not fit this model ({len(problems)} difference(s)): {shown}; "
+                         f"pass the {what} of the same model (paths as in jax.tree_util.tree_leaves_with_path)")
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract), [given[name] for name in names])
