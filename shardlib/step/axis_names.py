@@ -70,8 +70,10 @@ def note_unbound_axis(err: BaseException, bound: tuple[str, ...], alias: str | N
         err.add_note(f"shardlib: a collective {where} runs over axis {axis!r}, but pmap_step binds {batch}: "
                      f"write pmap_step(model, tx, axis_name={axis!r})")
         return
-    bind = ("" if alias else f"; for a linen module's own axis_name (nn.BatchNorm(axis_name={axis!r}), the Flax "
-            f"ImageNet example), build(..., axis_name={axis!r}) binds it to those axes (synchronised statistics)")
+    bind = (f"; build(..., axis_name={axis!r}) binds the axis_name of linen modules only, not of NNX modules "
+            "or of a lax collective you call" if alias == axis else
+            f"; for a linen module's own axis_name (nn.BatchNorm(axis_name={axis!r}), the Flax ImageNet example), "
+            f"build(..., axis_name={axis!r}) binds it to those axes (synchronised statistics)")
     err.add_note(
         f"shardlib: a collective {where} runs over axis {axis!r}, which is not bound inside the step: its "
         f"batch axes are the mesh axes {batch} (what shardlib.batch_axis_names(mesh) returns). Pass "
