@@ -26,6 +26,7 @@ from tests.helpers import optimizer  # AdamW, lr 3e-3, eps=1e-5
 from tests.test_user_models import _train  # (state, per-step losses) of program.step over batches
 
 ROWS, STEPS, D = 16, 3, 16
+LAYERS = 1  # per stack (a T5 stack's first layer holds its relative-position bias table)
 FSDP8, DATA2_FSDP4, DATA2_TENSOR4 = {"fsdp": 8}, {"data": 2, "fsdp": 4}, {"data": 2, "tensor": 4}
 
 
@@ -65,7 +66,7 @@ class BertForPreTraining(nn.Module):
         h = (words(input_ids) + nn.Embed(64, D, name="position_embeddings")(positions)
              + nn.Embed(2, D, name="token_type_embeddings")(token_type_ids))
         h = nn.Dropout(self.dropout_rate)(nn.LayerNorm(epsilon=1e-12, name="embeddings_LayerNorm")(h), deterministic)
-        for i in range(2):
+        for i in range(LAYERS):
             h = BertLayer(dropout_rate=self.dropout_rate, name=f"layer_{i}")(h, attention_mask, deterministic)
         pooled = jnp.tanh(nn.Dense(D, name="pooler")(h[:, 0]))
         transformed = nn.gelu(nn.Dense(D, name="transform")(h))
@@ -156,9 +157,6 @@ class T5Attention(nn.Module):
             allowed = allowed & jnp.tril(jnp.ones((x.shape[1], kv.shape[1]), bool))
         weights = nn.Dropout(0.0)(jax.nn.softmax(jnp.where(allowed, scores, -1e9)), deterministic=deterministic)
         return nn.Dense(D, use_bias=False, name="o")(jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(x.shape))
-
-
-LAYERS = 1  # per stack; the first layer of each holds the relative-position bias table
 
 
 class T5(nn.Module):
