@@ -281,6 +281,8 @@ def test_bad_inputs_are_refused_naming_the_leaf_and_what_to_do():
         program.step(state, {**batch, "rng": jax.random.PRNGKey(1)})  # uint32[2]: read as 2 rows
     with pytest.warns(UserWarning, match=r"batch 'rng' looks like a random key: .*the same dropout mask on every"):
         state, _ = program.step(state, {**batch, "rng": jax.random.key(1)})  # a scalar: every device gets it whole
+    with pytest.raises(TypeError, match=r"batch 'text' is a numpy array of dtype <U4, which JAX cannot hold"):
+        program.step(state, {**batch, "text": np.array(["text"] * ROWS)})  # a datasets column left in
     ragged = [row[:n].tolist() for row, n in zip(batch["ids"], batch["mask"].sum(1))]
     with pytest.raises(TypeError, match=r"batch 'ids' is a python list of rows of different lengths; .* pad"):
         program.evaluate(state.params, {**batch, "ids": ragged})

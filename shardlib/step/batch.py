@@ -39,6 +39,11 @@ def _is_number_list(x: Any) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(i, _NUMBER) or _is_number_list(i) for i in x)
 
 
+def _is_float(dtype: np.dtype) -> bool:
+    """bfloat16 and float8 (ml_dtypes) are numpy kind 'V', like a structured array, but floats to JAX."""
+    return jax.numpy.issubdtype(dtype, jax.numpy.floating)
+
+
 def _refuse_number_list(name: str, x: list) -> None:
     """JAX reads a list as a pytree: each number would become a scalar leaf, given whole to every
     device, and the model would get a list instead of an array. Say what to pass instead."""
@@ -113,6 +118,10 @@ def _check_leaf(name: str, x: Any) -> None:
     return_tensors='pt', a DataLoader's batch) has a shape but no dtype JAX reads: say how to convert."""
     if isinstance(x, list):
         _refuse_number_list(name, x)
+    if isinstance(x, (np.ndarray, np.generic)) and x.dtype.kind in "OSUMmV" and not _is_float(x.dtype):
+        raise TypeError(f"batch {name!r} is a numpy array of dtype {x.dtype}, which JAX cannot hold (numbers and "
+                        "bools only): drop it from the batch (a datasets column of text or ids: remove_columns, or "
+                        f"with_format('numpy', columns=[...])), or encode it as numbers")
     if isinstance(x, (np.ndarray, jax.Array, jax.ShapeDtypeStruct) + _NUMBER):
         return
     package = type(x).__module__.split(".")[0]
