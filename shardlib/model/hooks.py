@@ -106,6 +106,40 @@ def _check_weights(values: tuple[int, ...], weights: tuple[int, ...]) -> None:
                          "e.g. the padding mask of the tokens the loss was computed on")
 
 
+def gather_batch(x: Any, *, return_offset: bool = False) -> Any:
+    """Every device's rows of ``x`` (an array or a pytree of arrays, rows leading), in the global
+    batch's row order: for a loss that couples the examples of the batch (CLIP / SigLIP logits over
+    all image-text pairs, in-batch negatives), which each device would otherwise compute over its
+    own rows only, a different objective.
+
+    The step averages the devices' losses, so a loss that is the same formula on the gathered rows
+    (every device computes the whole B x B loss), or the mean over this device's rows against all
+    gathered ones, trains like one device over the global batch: the gather's transpose sums every
+    device's cotangent for these rows back onto the device that computed them. With
+    ``return_offset=True`` it returns ``(gathered, offset)``, ``offset`` the index of this device's
+    first row in ``gathered`` (the CLIP labels of its rows are ``arange(rows) + offset``). Under
+    ``grad_accum=K`` it gathers the microbatch's rows of every device (B/K rows). Outside a shardlib
+    step it returns ``x`` (and offset 0).
+    """
+    ctx = _CONTEXT.get()
+    axes = ctx.mean_axes if ctx is not None else ()
+    gathered = jax.tree.map(lambda leaf: jax.lax.all_gather(leaf, axes, axis=0, tiled=True), x) if axes else x
+    if not return_offset:
+        return gathered
+    return gathered, (jax.lax.axis_index(axes) * _rows(x) if axes else 0)
+
+
+def _rows(x: Any) -> int:
+    """The leading dim all leaves of ``x`` share: the offset counts rows, so they must agree."""
+    rows = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in jax.tree.leaves(x)}
+    if len(rows) != 1 or None in rows:
+        shapes = [jnp.shape(leaf) for leaf in jax.tree.leaves(x)]
+        raise ValueError(f"gather_batch(return_offset=True): the leaves of x have shapes {shapes}; the offset "
+                         "counts rows, so every leaf needs the same leading (batch) dimension: gather them "
+                         "in separate calls")
+    return rows.pop()
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """Sharding constraint from logical axis names; identity outside a shardlib step."""
     ctx = _CONTEXT.get()
