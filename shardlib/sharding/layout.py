@@ -28,8 +28,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from shardlib.sharding import rules as rules_lib
 from shardlib.model import Model
 from shardlib.sharding.mesh import MESH_AXES, MeshError, describe, resolve_axis_sizes
-from shardlib.sharding.strategies import (PIPE_AXIS, STRATEGIES, Strategy, get_strategy, pipelined, unmet_requirements,
-                                         warn_uncovered_names)
+from shardlib.sharding.strategies import (_FOREIGN_AXES, PIPE_AXIS, STRATEGIES, Strategy, get_strategy, pipelined,
+                                         unmet_requirements, warn_uncovered_names)
 
 # A tensor replicated under a sharding strategy is warned about above this share of the model's
 # parameter bytes (smaller ones cost little; `max_replicated_bytes` makes any size an error).
@@ -283,10 +283,6 @@ def check_model_argument(model: Any, caller: str) -> None:
                     f"wrap it with {adapter}")
 
 
-# Other codebases' names for shardlib's mesh axes (the Flax guide's "model", MaxText's "tensor"...).
-_AXIS_ALIASES = {"model": "tensor", "mp": "tensor", "tp": "tensor", "batch": "data", "dp": "data", "replica": "data"}
-
-
 def _check_axis_names(strategy: Strategy, mesh: Mesh) -> None:
     """A mesh of the user's own (jax.make_mesh) with an axis no rule names, without one a rule names,
     or with Explicit axes: the first would split nothing, the others fail later with JAX's words
@@ -303,7 +299,7 @@ def _check_axis_names(strategy: Strategy, mesh: Mesh) -> None:
                f"{strategy.name!r}'s rules name" if missing else
                f"mesh axis {typed[0]!r} is {mesh.axis_types[mesh.axis_names.index(typed[0])]} (jax.make_mesh's "
                "default), and the step leaves the model-parallel axes to the compiler, which needs Auto axes")
-    sizes = {_AXIS_ALIASES.get(a, a): n for a, n in mesh.shape.items() if n > 1}
+    sizes = {_FOREIGN_AXES.get(a, a): n for a, n in mesh.shape.items() if n > 1}
     raise MeshError(f"{problem} (mesh {describe(mesh)}); shardlib meshes have the axes {', '.join(MESH_AXES)} "
                     f"(unused ones of size 1): build it with shardlib.make_mesh({sizes})")
 

@@ -153,7 +153,8 @@ class Strategy:
 
 
 # Mesh axes of other codebases' rule tables and the shardlib axis that does their job.
-_FOREIGN_AXES = {"model": "tensor", "mdl": "tensor", "stage": "pipe", "batch": "data", "replica": "data"}
+_FOREIGN_AXES = {"model": "tensor", "mdl": "tensor", "mp": "tensor", "tp": "tensor", "stage": "pipe", "batch": "data",
+                 "replica": "data", "dp": "data"}
 
 
 def _check_rule(entry: Any) -> tuple[str, Any]:
