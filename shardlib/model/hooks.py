@@ -112,32 +112,48 @@ def gather_batch(x: Any, *, return_offset: bool = False) -> Any:
     all image-text pairs, in-batch negatives), which each device would otherwise compute over its
     own rows only, a different objective.
 
-    The step averages the devices' losses, so a loss that is the same formula on the gathered rows
-    (every device computes the whole B x B loss), or the mean over this device's rows against all
-    gathered ones, trains like one device over the global batch: the gather's transpose sums every
-    device's cotangent for these rows back onto the device that computed them. With
-    ``return_offset=True`` it returns ``(gathered, offset)``, ``offset`` the index of this device's
-    first row in ``gathered`` (the CLIP labels of its rows are ``arange(rows) + offset``). Under
-    ``grad_accum=K`` it gathers the microbatch's rows of every device (B/K rows). Outside a shardlib
-    step it returns ``x`` (and offset 0).
+    The step's loss is the mean of the devices' losses (its gradient that mean's), and the gather's
+    transpose sums every device's cotangent for these rows back onto the device that computed them; so a loss whose
+    average over the devices is the global one trains like one device over the global batch: the
+    same formula on the gathered rows (each device computes the whole B x B loss, as big_vision
+    does), or the mean over this device's rows against all gathered ones. ``return_offset=True``
+    returns ``(gathered, offset)``, ``offset`` the index of this device's first row in ``gathered``
+    (the CLIP labels of its rows are ``arange(rows) + offset``). Under ``grad_accum=K`` or a
+    pipeline's microbatches it gathers the microbatch's rows of every device (B/K rows); rows split
+    over no axis (``tensor``) are whole already. Outside a shardlib step it returns ``x`` (offset 0).
     """
+    rows = _leading_rows(x)
     ctx = _CONTEXT.get()
     axes = ctx.mean_axes if ctx is not None else ()
-    gathered = jax.tree.map(lambda leaf: jax.lax.all_gather(leaf, axes, axis=0, tiled=True), x) if axes else x
+    gathered = jax.tree.map(lambda leaf: _gather_rows(leaf, axes), x) if axes else x
     if not return_offset:
         return gathered
-    return gathered, (jax.lax.axis_index(axes) * _rows(x) if axes else 0)
+    if len(rows) != 1:
+        raise ValueError(f"gather_batch(return_offset=True): the leaves of x have {sorted(rows)} rows; the offset "
+                         "counts rows, so every leaf needs the same leading (batch) dimension: gather them in "
+                         "separate calls")
+    return gathered, (jax.lax.axis_index(axes) * rows.pop() if axes else 0)
 
 
-def _rows(x: Any) -> int:
-    """The leading dim all leaves of ``x`` share: the offset counts rows, so they must agree."""
-    rows = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in jax.tree.leaves(x)}
-    if len(rows) != 1 or None in rows:
-        shapes = [jnp.shape(leaf) for leaf in jax.tree.leaves(x)]
-        raise ValueError(f"gather_batch(return_offset=True): the leaves of x have shapes {shapes}; the offset "
-                         "counts rows, so every leaf needs the same leading (batch) dimension: gather them "
-                         "in separate calls")
-    return rows.pop()
+def _gather_rows(leaf: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """All-gather along the rows in at least float32: the transpose sums the devices' cotangents (a
+    reduce-scatter), which in bf16 loses digits and aborts XLA:CPU (as a bf16 psum does)."""
+    leaf = jnp.asarray(leaf)
+    if not jnp.issubdtype(leaf.dtype, jnp.floating):
+        return jax.lax.all_gather(leaf, axes, axis=0, tiled=True)
+    wide = leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
+    return jax.lax.all_gather(wide, axes, axis=0, tiled=True).astype(leaf.dtype)
+
+
+def _leading_rows(x: Any) -> set[int]:
+    """The row counts of ``x``'s leaves. A leaf without rows (a scalar such as the temperature) is
+    refused here, on one device too, rather than by the all-gather inside a step."""
+    shapes = [jnp.shape(leaf) for leaf in jax.tree.leaves(x)]
+    if not shapes or any(not shape for shape in shapes):
+        raise ValueError(f"gather_batch: x has leaves of shapes {shapes}; it gathers the rows (leading dimension) "
+                         "of per-example arrays such as embeddings, so pass only those (a scalar such as a "
+                         "temperature is the same on every device: use it as it is)")
+    return {shape[0] for shape in shapes}
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
