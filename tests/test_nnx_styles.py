@@ -279,7 +279,7 @@ def test_a_tuple_aux_is_dropped_with_a_warning_that_says_what_to_return():
     jax.tree.map(np.testing.assert_array_equal, model.init(jax.random.key(3)),
                  nnx.to_pure_dict(nnx.state(TutorialCNN(rngs=nnx.Rngs(jax.random.key(3))), nnx.Param)))
     call = Call(key=jax.random.key(0), state=model.init_state(jax.random.key(0)))
-    with pytest.warns(UserWarning, match=r"aux of type ArrayImpl.*Return \(loss, \{'accuracy'"):
+    with pytest.warns(UserWarning, match=r"an array aux of shape \(4, 10\).*Return \(loss, \{'accuracy'"):
         loss, aux, _ = model.loss(model.init(jax.random.key(0)), zoo.image_batch(0, 4), None, call)
     assert aux == {} and loss.shape == ()
 

@@ -156,7 +156,7 @@ def _loss_out(out: Any) -> LossOut:
         return out, {}
     aux = out[1] if len(out) == 2 else out[1:]
     if not isinstance(aux, dict):
-        _warn_dropped(f"aux of type {type(aux).__name__}")
+        _warn_dropped(f"an array aux of shape {jnp.shape(aux)}" if hasattr(aux, "shape") else f"aux of type {type(aux).__name__}")
         return loss, {}
     dropped = [k for k, v in aux.items() if not _is_scalar(v)]
     if dropped:
@@ -274,4 +274,5 @@ def warn_unknown_names(abstract: Params, logical: Params) -> None:
         warnings.warn(
             f"no strategy has a rule for these logical names, so every strategy places those dims as if they "
             f"were unnamed: {'; '.join(unknown)}; use names among {', '.join(sorted(n for n in known if isinstance(n, str)))} "
-            "(or add a rule with Strategy.with_rules)", UserWarning, stacklevel=3)
+            "(or, for names of your own codebase's rule table, build with "
+            "shardlib.get_strategy(name).with_logical_rules(your_rules))", UserWarning, stacklevel=3)
