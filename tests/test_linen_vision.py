@@ -170,7 +170,8 @@ def test_path_rules_split_a_scanned_vits_heads_over_tensor_and_train_like_one_de
 
 def test_a_first_linen_users_mistakes_are_named_with_the_fix():
     """Mistakes a first from_linen user makes: ``inputs`` returning the args without the kwargs
-    dict, or a bare array as args (unpacked row by row into the call), no inputs= for a module
+    dict, or a bare array as args (unpacked row by row into the call), or the whole batch spread
+    into the call's keywords (labels included), no inputs= for a module
     with a train flag (left at its default when training), a per-example loss, and
     fsdp_tp for a model without names, which the fsdp fallback splits whole and tensor not at all."""
     module = ViT(depth=1, scan=False)
@@ -178,6 +179,9 @@ def test_a_first_linen_users_mistakes_are_named_with_the_fix():
                        (lambda b, train: (b["image"], {"train": train}), r"\(ndarray, dict\)")]:
         with pytest.raises(ValueError, match=rf"inputs\(batch, train\) returned {got}; it must return \(args, kwargs\)"):
             from_linen(module, smoothed_loss, image_batch(0), inputs=wrong)
+    with pytest.raises(ValueError, match=r"keywords \['image', 'label', 'train'\], which ViT.__call__\(image, train\) "
+                                         r"cannot take .*unexpected keyword argument 'label'"):  # the batch spread in
+        from_linen(module, smoothed_loss, image_batch(0), inputs=lambda b, train: ((), {**b, "train": train}))
     with pytest.warns(UserWarning, match=r"without inputs= calls module\(batch\['inputs'\]\), so ViT's 'train' keeps "
                                          r"its default \(False\) in training.*inputs=lambda batch, train: "):
         from_linen(module, smoothed_loss, image_batch(0)["image"])  # the one-input call: dropout never on

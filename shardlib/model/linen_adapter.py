@@ -93,6 +93,23 @@ def _checked_inputs(inputs: Inputs) -> Inputs:
     return checked
 
 
+def _check_call_arguments(module: Any, args: tuple, kwargs: dict) -> None:
+    """What ``inputs`` returns must bind to the module's ``__call__``: a batch spread into it
+    (``{**batch}``, labels included) otherwise fails in Flax's init naming the argument only."""
+    try:
+        signature = inspect.signature(module.__call__)
+    except (TypeError, ValueError):  # a callable inspect cannot read: Flax will say what is wrong
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as err:
+        takes = ", ".join(signature.parameters)
+        raise ValueError(f"from_linen: inputs(batch, train) returned {len(args)} positional argument(s) and keywords "
+                         f"{sorted(kwargs)}, which {type(module).__name__}.__call__({takes}) cannot take ({err}): pass "
+                         "only the module's call arguments; the loss function gets the whole batch (labels "
+                         "included) as its second argument") from None
+
+
 def from_linen(
     module: Any,
     loss_fn: Callable[[Any, Batch], Any],
@@ -137,6 +154,8 @@ def from_linen(
         inputs, example = _single_input, {"inputs": example}
     inputs = _checked_inputs(inputs)
     capture = tuple(capture)
+
+    _check_call_arguments(module, *inputs(example, False))
 
     def variables(key):
         args, kwargs = inputs(example, False)
