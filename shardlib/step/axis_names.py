@@ -79,7 +79,8 @@ def note_unbound_axis(err: BaseException, bound: tuple[str, ...], alias: str | N
         f"batch axes are the mesh axes {batch} (what shardlib.batch_axis_names(mesh) returns). Pass "
         f"axis_name=shardlib.batch_axis_names(mesh) to the module instead of {axis!r}{bind}. A pmean of the "
         "loss or metrics over the batch is not needed: the step averages the loss and aux metrics over the "
-        "global batch, so drop it")
+        "global batch, so drop it; an all_gather of per-example embeddings for a loss over the whole batch "
+        "(CLIP / SigLIP logits) is shardlib.gather_batch(x), which is the identity on one device")
 
 
 @contextlib.contextmanager
