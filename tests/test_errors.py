@@ -213,3 +213,16 @@ def test_inspect_refuses_a_strategy_the_mesh_cannot_apply_and_totals_the_replica
     assert err.startswith("shardlib inspect: error: strategy 'tp' shards over mesh axis tensor") and "--mesh tensor=8" in err
     assert main(["inspect", "--model", "tiny", "--strategy", "zero3", "--devices", "8"]) == 0
     assert "replicated against the strategy: none" in capsys.readouterr().out
+
+
+def test_a_state_of_another_program_is_named_by_the_paths_that_differ():
+    model = _matrix_model()
+    layout = make_layout(model, "zero1", make_mesh({"data": 8}))
+    adam, momentum = build(model, optax.adam(1e-3), layout), build(model, optax.sgd(1e-3, momentum=0.9), layout)
+    batch = {"x": np.ones((8, 64), np.float32)}
+    with pytest.raises(ValueError, match=r"the state given was not made by this program .*opt_state/0/mu/w: in the "
+                                         r"state given, not in this program's.*opt_state/0/trace/w: in this program's "
+                                         r"state, not in the one given; make it with this program's init"):
+        momentum.step(adam.init(jax.random.key(0)), batch)
+    with pytest.raises(TypeError, match=r"step takes the TrainState this program's init .* made, got dict"):
+        adam.step({"w": np.zeros((64, 64), np.float32)}, batch)

@@ -27,6 +27,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlib.model import Model
+from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout, check_model_argument
 from shardlib.step import batch as batch_lib
 from shardlib.step import buckets as buckets_lib
@@ -93,6 +94,10 @@ class TrainProgram:
     def compile_step(self, state: Any, batch: Any):
         """The compiled step for (abstract or concrete) arguments: memory_analysis, as_text, cost_analysis."""
         return self.step.lower(state, batch).compile()
+
+
+def _leaf_paths(tree: Any) -> set[str]:
+    return {rules_lib.path_str(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def _pure(tree: Any) -> Any:
@@ -214,7 +219,7 @@ def build(
     step = (staleness_lib.train_step if tau else _train_step)(layout, provider, reducer, update, queued, donate)
     init = initializer(model, tx, layout, policy, reducer, sharding)
     return TrainProgram(model, tx, layout, staleness_lib.with_queue(init, tau, layout, reducer, queued),
-                        _CheckedStep(step, layout, microbatches), _eval_step(layout, provider, model), queued,
+                        _CheckedStep(step, layout, microbatches, queued), _eval_step(layout, provider, model), queued,
                         transient_initializer(model, layout, policy, reducer, sharding))
 
 
@@ -314,15 +319,34 @@ class _CheckedStep:
     step is queued while the current one runs) and bounds the queue.
     """
 
-    def __init__(self, jitted, layout: Layout, microbatches: int):
+    def __init__(self, jitted, layout: Layout, microbatches: int, state_sharding: Any):
         self._jitted, self._layout, self.microbatches = jitted, layout, microbatches
+        self._structure = jax.tree.structure(state_sharding)
+        self._paths = _leaf_paths(state_sharding)
         self._in_flight = None
+
+    def _check_state(self, state) -> None:
+        """A state of another program (another optimizer, precision or model) is named by the
+        paths that differ, where jit would fail naming only a pytree structure."""
+        if jax.tree.structure(state) == self._structure:
+            return
+        if not isinstance(state, TrainState):
+            raise TypeError(f"step takes the TrainState this program's init (or a restore) made, got "
+                            f"{type(state).__name__}: state = program.init(key), then state, metrics = program.step(state, batch)")
+        given = _leaf_paths(state)
+        differ = [f"{p}: in the state given, not in this program's" for p in sorted(given - self._paths)]
+        differ += [f"{p}: in this program's state, not in the one given" for p in sorted(self._paths - given)]
+        shown = "; ".join(differ[:6]) + (f"; ... and {len(differ) - 6} more" if len(differ) > 6 else "")
+        raise ValueError("the state given was not made by this program (another optimizer, precision, staleness or "
+                         f"model): {shown or 'the same paths in other containers'}; make it with this program's "
+                         "init or init_from, or restore a checkpoint onto this program's abstract_state()")
 
     def _check(self, batch):
         batch_lib.check(self._layout, batch, microbatches=self.microbatches)
 
     def __call__(self, state, batch):
         self._check(batch)
+        self._check_state(state)
         batch_lib.refuse_donated(state, "state")
         if self._in_flight is not None:
             jax.block_until_ready(self._in_flight)
