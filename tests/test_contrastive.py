@@ -17,7 +17,7 @@ import pytest
 from flax import linen as nn
 
 import shardlib
-from shardlib import build, from_linen, make_layout, make_mesh
+from shardlib import build, from_functions, from_linen, make_layout, make_mesh
 from tests import zoo
 from tests.helpers import optimizer  # AdamW, lr 3e-3, eps=1e-5
 
@@ -169,11 +169,24 @@ def test_bf16_compute_sums_the_gathered_rows_cotangents_in_float32():
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-3)
 
 
-def test_outside_a_step_it_is_the_identity_and_scalars_are_refused():
+def test_one_device_is_the_identity_pmap_step_gathers_and_scalars_are_refused():
+    """Eagerly it returns its input (offset 0). `pmap_step` averages the devices' losses as the mesh
+    step does, so it gathers there too (it used to see no step and train each device's block)."""
     z = np.arange(12, dtype=np.float32).reshape(6, 2)
     assert shardlib.gather_batch(z) is z
     tree, offset = shardlib.gather_batch((z, z[:, :1]), return_offset=True)
     assert tree[0] is z and offset == 0
+
+    from shardlib.step.pmap import pmap_step, replicate, split_batch
+    params = {"w": np.eye(3, D, dtype=np.float32)}
+    loss = lambda p, b, gather=shardlib.gather_batch: clip_loss((b["x"] @ p["w"], b["y"] @ p["w"], {"t": 1.0}), b, gather)
+    rows = {"x": np.random.default_rng(0).normal(size=(ROWS, 3)).astype(np.float32), "y": np.ones((ROWS, 3), np.float32)}
+    rows["y"][::2] = -1
+    tx = optax.sgd(0.1)
+    _, _, metrics = pmap_step(from_functions(lambda key: params, loss), tx)(replicate(params, 8), replicate(tx.init(params), 8),
+                                                                          split_batch(rows, 8))
+    np.testing.assert_allclose(metrics["loss"][0], loss(params, rows, gather=whole), rtol=RTOL)
+
     with pytest.raises(ValueError, match=r"gather_batch: x has leaves of shapes \[\(6, 2\), \(\)\].*temperature"):
         shardlib.gather_batch((z, jnp.float32(2.0)))
     with pytest.raises(ValueError, match=r"return_offset=True\): the leaves of x have \[3, 6\] rows"):

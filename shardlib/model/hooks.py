@@ -43,7 +43,8 @@ class ComputeContext:
     # state -> state, first, on all of one gather_layer call's state (`shardlib.step.layerwise`'s twins)
     gather_tree: Callable[[Any], Any] | None = None
     # (logical name, mesh axes) over the GSPMD axes: what Flax linen's nn.with_logical_constraint reads
-    logical_rules: tuple[tuple[str, Any], ...] = ()
+    # (None: the caller's own rules, as outside a step)
+    logical_rules: tuple[tuple[str, Any], ...] | None = ()
     # The batch axes the step averages the per-device losses over, and how many devices that is
     # (`global_mean`); empty outside a traced step body
     mean_axes: tuple[str, ...] = ()
@@ -62,6 +63,15 @@ def compute_context(ctx: ComputeContext) -> Iterator[ComputeContext]:
         yield ctx
     finally:
         _CONTEXT.reset(token)
+
+
+def pmap_context(axis_name: str) -> ComputeContext:
+    """The context of ``jax.pmap``'s step (`shardlib.step.pmap`), which averages the devices' losses
+    over ``axis_name`` as the mesh step does: `global_mean` and `gather_batch` reach across it there
+    too, rather than computing each device's own objective. Nothing else changes: no activation
+    constraint, the user's own linen rules."""
+    return ComputeContext(lambda logical_axes, shape: P(), logical_rules=None, mean_axes=(axis_name,),
+                          rows_split=jax.lax.axis_size(axis_name))
 
 
 def logical_rules() -> tuple[tuple[str, Any], ...] | None:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from shardlib.model import Model
+from shardlib.model import Model, hooks
 from shardlib.step import axis_names
 from shardlib.step import grads as grads_lib
 
@@ -44,7 +44,8 @@ def pmap_step(model: Model, tx: optax.GradientTransformation, axis_name: str = "
 
     def step(params, opt_state, batch):
         try:
-            (loss, aux), grads = jax.value_and_grad(lambda p: model.loss(p, batch, None), has_aux=True)(params)
+            with hooks.compute_context(hooks.pmap_context(axis_name)):  # global_mean, gather_batch over axis_name
+                (loss, aux), grads = jax.value_and_grad(lambda p: model.loss(p, batch, None), has_aux=True)(params)
         except Exception as err:
             axis_names.note_unbound_axis(err, (axis_name,), None, step="pmap_step")
             raise
