@@ -8,7 +8,10 @@
   weights exist only while that layer runs and are gathered again in the backward pass; its
   transpose is the reduce-scatter of the gradients. Everywhere else it returns its input.
 
-Both are no-ops outside a shardlib step, so the same model runs eagerly on one device.
+Losses call two more: ``global_mean(values, weights)`` (a masked mean over the global batch) and
+``gather_batch(x)`` (every device's rows, for a loss over the whole batch such as CLIP's).
+
+All are no-ops outside a shardlib step, so the same model runs eagerly on one device.
 """
 
 from __future__ import annotations
