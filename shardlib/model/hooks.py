@@ -1,4 +1,4 @@
-"""The two calls model code makes so that one model definition serves every strategy.
+"""The calls model code makes so that one model definition serves every strategy.
 
 * ``constrain(x, ("batch", "seq", "embed"))`` pins an activation to the strategy's compute
   layout (tensor-parallel axes only: batch axes are manual inside the train step).
