@@ -21,6 +21,7 @@ import numpy as np
 import optax
 import pytest
 from flax import linen as nn
+from flax import nnx
 
 import shardlib
 from shardlib import build, from_linen, make_layout, make_mesh
@@ -140,6 +141,46 @@ def test_an_unbound_pmap_axis_name_is_named_with_its_module_and_the_fix():
     assert "BatchNorm 'bn_init'" in notes and "axis 'batch'" in notes and "build(..., axis_name='batch')" in notes
     with pytest.raises(ValueError, match="'data' is a mesh axis"):
         build(model, example_optimizer(), layout, axis_name="data")
+
+
+class NnxNormed(nnx.Module):
+    """The NNX spelling: ``nnx.BatchNorm(axis_name="batch")``, as code written for pmap has it."""
+
+    def __init__(self, rngs, axis_name="batch"):
+        self.conv = nnx.Conv(3, 8, kernel_size=(3, 3), rngs=rngs)
+        self.norm = nnx.BatchNorm(8, momentum=0.9, axis_name=axis_name, rngs=rngs)
+        self.head = nnx.Linear(8, CLASSES, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(nnx.relu(self.norm(self.conv(x))).mean(axis=(1, 2)))
+
+
+def test_nnx_batchnorm_with_a_pmap_axis_name_normalises_over_the_global_batch():
+    """The reference is the same module with no axis name, on one device over the global batch:
+    what synchronised statistics must reproduce."""
+    user = NnxNormed(nnx.Rngs(0), axis_name=None)
+    params, stats = jax.tree.map(np.asarray, (nnx.state(user, nnx.Param), nnx.state(user, nnx.BatchStat)))
+    tx = example_optimizer()
+    opt = nnx.Optimizer(user, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def reference_step(module, opt, batch):
+        loss, grads = nnx.value_and_grad(lambda m: cross_entropy_loss(m(batch["image"]), batch["label"]))(module)
+        opt.update(module, grads)
+        return loss
+
+    model = shardlib.from_nnx(lambda rngs: NnxNormed(rngs), lambda m, b: cross_entropy_loss(m(b["image"]), b["label"]))
+    program = build(model, tx, make_layout(model, "dp", make_mesh({"data": 8})), axis_name="batch")
+    state, losses, ref_losses = program.init_from(params, model_state=stats), [], []
+    for batch in imagenet_batches():
+        state, metrics = program.step(state, batch)
+        losses.append(float(metrics["loss"]))
+        ref_losses.append(float(reference_step(user, opt, batch)))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(state.model_state["norm"]["var"]), np.asarray(user.norm.var[...]), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(state.params["head"]["kernel"]), np.asarray(user.head.kernel[...]),
+                               rtol=1e-4, atol=1e-6)
+    assert user.norm.axis_name is None
 
 
 # ---- a MaxText-style decoder with the user's own logical-axis rules -----------------------------

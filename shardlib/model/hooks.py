@@ -68,6 +68,36 @@ def compute_context(ctx: ComputeContext) -> Iterator[ComputeContext]:
         _CONTEXT.reset(token)
 
 
+# (alias, batch axes) while a step binds a pmap-era axis name (`build(axis_name=)`), for NNX modules.
+_AXIS_BINDING: contextvars.ContextVar[tuple[str, tuple[str, ...]] | None] = contextvars.ContextVar(
+    "shardlib_axis_binding", default=None
+)
+
+
+@contextlib.contextmanager
+def axis_binding(alias: str, axes: tuple[str, ...]) -> Iterator[None]:
+    token = _AXIS_BINDING.set((alias, axes))
+    try:
+        yield
+    finally:
+        _AXIS_BINDING.reset(token)
+
+
+def rebind_axis_name(module: Any) -> None:
+    """Under `axis_binding`: point every NNX submodule whose ``axis_name`` is the alias (a
+    ``nnx.BatchNorm(axis_name="batch")``) at the step's batch axes (None on one device). The
+    module is the step's own binding of the parameters, so the user's instance is untouched."""
+    binding = _AXIS_BINDING.get()
+    if binding is None:
+        return
+    from flax import nnx
+
+    alias, axes = binding
+    for _, sub in nnx.iter_modules(module):
+        if getattr(sub, "axis_name", None) == alias:
+            sub.axis_name = axes or None
+
+
 def pmap_context(axis_name: str) -> ComputeContext:
     """The context of ``jax.pmap``'s step (`shardlib.step.pmap`), which averages the devices' losses
     over ``axis_name`` as the mesh step does: `global_mean` and `gather_batch` reach across it there

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from shardlib.model.adapters import Batch, Model, Stages, _loss_out, _with_call, warn_unknown_names
+from shardlib.model import hooks
 from shardlib.model.hooks import SPEC_METADATA
 from shardlib.sharding import rules as rules_lib
 
@@ -98,6 +99,7 @@ def from_nnx(
         if frozen is not None:
             params = jax.tree.map(lambda p, f: jax.lax.stop_gradient(p) if f else p, params, frozen)
         module = parts.bind(params, specs, call.state, call.key)
+        hooks.rebind_axis_name(module)
         if call.train:
             _train_undecided(module)
         else:

@@ -13,6 +13,8 @@ import contextlib
 import types
 from collections.abc import Iterator
 
+from shardlib.model import hooks
+
 # JAX frames of a collective (psum, pmean, all_gather, ...) hold the axis names in this local.
 _COLLECTIVE_FILE = "jax/_src/lax/parallel.py"
 
@@ -70,8 +72,8 @@ def note_unbound_axis(err: BaseException, bound: tuple[str, ...], alias: str | N
         err.add_note(f"shardlib: a collective {where} runs over axis {axis!r}, but pmap_step binds {batch}: "
                      f"write pmap_step(model, tx, axis_name={axis!r})")
         return
-    bind = (f"; build(..., axis_name={axis!r}) binds the axis_name of linen modules only, not of NNX modules "
-            "or of a lax collective you call" if alias == axis else
+    bind = (f"; build(..., axis_name={axis!r}) binds the axis_name of linen and NNX modules, not "
+            "that of a lax collective you call" if alias == axis else
             f"; for a linen module's own axis_name (nn.BatchNorm(axis_name={axis!r}), the Flax ImageNet example), "
             f"build(..., axis_name={axis!r}) binds it to those axes (synchronised statistics)")
     err.add_note(
@@ -85,8 +87,9 @@ def note_unbound_axis(err: BaseException, bound: tuple[str, ...], alias: str | N
 
 @contextlib.contextmanager
 def bound_axis_name(alias: str | None, axes: tuple[str, ...]):
-    """While the model runs: every linen module whose ``axis_name`` is ``alias`` computes its
-    collectives over ``axes`` (the step's active batch axes; None on one device, no collective)."""
+    """While the model runs: every linen module (and NNX module, `hooks.rebind_axis_name`) whose ``axis_name``
+    is ``alias`` computes its collectives over ``axes`` (the step's active batch axes; None on one
+    device, no collective)."""
     if alias is None:
         yield
         return
@@ -104,5 +107,5 @@ def bound_axis_name(alias: str | None, axes: tuple[str, ...]):
         finally:
             object.__setattr__(module, "axis_name", alias)
 
-    with nn.intercept_methods(rebind):
+    with nn.intercept_methods(rebind), hooks.axis_binding(alias, axes):
         yield

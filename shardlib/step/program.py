@@ -187,7 +187,7 @@ def build(
     ``staleness=tau`` reduces and applies the gradient computed at step t at step t + tau, so the
     reduction runs beside that step's compute (`shardlib.step.staleness`); 0: synchronous.
 
-    ``axis_name``: the collective axis name the model's linen modules were written with for
+    ``axis_name``: the collective axis name the model's linen or NNX modules were written with for
     ``jax.pmap`` (``nn.BatchNorm(axis_name="batch")``); their collectives run over the step's
     batch axes, so BatchNorm statistics cover the global batch (`shardlib.step.axis_names`).
     """
