@@ -91,3 +91,26 @@ def test_nnx_weights_and_statistics_from_another_run_are_kept_and_misfits_are_na
     with pytest.raises(ValueError, match=r"\(2 difference\(s\)\): blocks/0/bias: not in the parameters given .*"
                                          r"head/kernel: \(32, 9\) given, the model's is \(32, 8\)"):
         program.init_from(wrong)
+
+
+def test_fine_tuning_from_a_checkpoint_of_another_optimizer_and_mesh(tmp_path):
+    """Pretrained with Adam under zero3, fine-tuned with SGD under dp: the checkpoint's parameters
+    only (Orbax's partial restore, straight into dp's shards), then init_from builds SGD's state."""
+    from shardlib import Checkpointer
+
+    model = from_linen(_Classifier(), _loss, np.zeros((ROWS, 32), np.float32), rng_streams=())
+    pretrain = build(model, optax.adam(1e-2), make_layout(model, "zero3", make_mesh({"fsdp": 8})))
+    state = pretrain.init(jax.random.key(0))
+    for batch in _batches(2):
+        state, _ = pretrain.step(state, batch)
+    saved = jax.tree.map(np.asarray, state.params)
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.save(2, state, data_state={}, config={"note": "pretraining"})
+    ckpt.close()
+    tune = build(model, optax.sgd(0.1, momentum=0.9), make_layout(model, "dp", make_mesh({"data": 8})))
+    params = Checkpointer(tmp_path / "ckpt").restore_subtree({"params": tune.abstract_state().params})["params"]
+    tuned = tune.init_from(params)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, tuned.params), saved)
+    assert all(float(jnp.abs(t).max()) == 0 for t in jax.tree.leaves(tuned.opt_state[0].trace))
+    tuned, metrics = tune.step(tuned, _batches(1)[0])
+    assert np.isfinite(float(metrics["loss"]))
