@@ -9,7 +9,7 @@ from shardlib.sharding.rules import LeafLayout, RuleError, check_replication, la
 from shardlib.sharding.strategies import STRATEGIES, Strategy, get_strategy
 from shardlib.sharding.layout import Layout, ReplicationWarning, make_layout, sharding_report
 from shardlib.model import Call, Model, Stages, from_functions, from_linen, from_nnx
-from shardlib.model.hooks import constrain, gather_batch, gather_layer, global_mean
+from shardlib.model.hooks import batch_varying, constrain, gather_batch, gather_layer, global_mean
 from shardlib.step import TrainProgram, TrainState, build
 from shardlib.step.compute import batch_axis_names
 from shardlib.step.precision import POLICIES, Precision
@@ -37,7 +37,7 @@ def __getattr__(name: str):
 __all__ = [
     "Call", "Checkpointer", "POLICIES", "batch_axis_names", "PreemptionGuard", "Precision", "build_local_sgd", "load_exported",
     "MESH_AXES", "SCHEDULES", "STRATEGIES", "Stages", "bubble_fraction", "LeafLayout", "Layout", "MeshError", "Model", "ReplicationWarning", "RuleError", "Strategy",
-    "TrainProgram", "TrainState", "build", "check_replication", "constrain", "from_functions",
+    "TrainProgram", "TrainState", "batch_varying", "build", "check_replication", "constrain", "from_functions",
     "from_linen", "from_nnx", "gather_batch", "gather_layer", "get_strategy", "global_mean", "layout_tree", "make_layout",
     "make_mesh", "parse_mesh", "set_gpu_overlap_flags", "sharding_report", "simulate_cpu_devices",
 ]

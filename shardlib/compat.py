@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["backends_initialized", "distributed_state"]
+__all__ = ["backends_initialized", "distributed_state", "varying_axes"]
 
 
 def _private(module: str, name: str) -> Any:
@@ -47,3 +47,14 @@ def distributed_state() -> Any:
     """``jax.distributed``'s process state (its client and preemption sync manager), which JAX
     does not expose publicly (private ``global_state`` in 0.10.2-0.12.0.1)."""
     return _private("distributed", "global_state")
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """The manual mesh axes ``x`` varies over inside a ``shard_map`` (empty outside one): its type's
+    ``vma`` in newer JAX, ``manual_axis_type.varying`` in 0.10.2."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        manual = getattr(aval, "manual_axis_type", None)
+        vma = manual.varying if manual is not None else ()
+    return frozenset(vma)

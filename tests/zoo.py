@@ -191,6 +191,15 @@ def mlp_loss(params, batch):
     return jnp.mean((h @ params["decoder"]["kernel"] + params["decoder"]["bias"] - batch["y"]) ** 2)
 
 
+def program_steps(program, state, batches):
+    """``program``'s steps over ``batches`` from ``state``: the final state and the losses."""
+    losses = []
+    for batch in batches:
+        state, metrics = program.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
 def plain_steps(loss_fn, params, tx, batches):
     """The independent reference: one device, ``jax.jit(jax.value_and_grad)`` + optax, no shardlib."""
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from shardlib import compat
 from shardlib.sharding.rules import as_axes
 
 SPEC_METADATA = "shardlib_spec"  # Variable metadata: (path, storage spec over the manual axes)
@@ -52,6 +53,8 @@ class ComputeContext:
     # (`global_mean`); empty outside a traced step body
     mean_axes: tuple[str, ...] = ()
     rows_split: int = 1
+    # The batch axes this device's rows vary over inside the step (`batch_varying`)
+    row_axes: tuple[str, ...] = ()
 
 
 _CONTEXT: contextvars.ContextVar[ComputeContext | None] = contextvars.ContextVar(
@@ -138,6 +141,40 @@ def global_mean(values: jax.Array, weights: jax.Array | None = None) -> jax.Arra
         total = jax.lax.psum(total, ctx.mean_axes) / ctx.rows_split
     # No weight at all (a microbatch of padding only): the sum is 0 too, so it adds 0 rather than 0/0 = NaN.
     return (values * weights).sum() / jnp.where(total > 0, total, 1.0)
+
+
+def batch_varying(x: Any) -> Any:
+    """``x`` (an array or pytree built from constants, such as an RNN's zero initial carry) typed as
+    varying with this device's rows. Inside the step the rows vary over the batch axes, so a
+    ``lax.scan`` / ``while_loop`` whose carry starts constant and takes the rows up in its body fails
+    JAX's check that the carry keeps its type; this is the cast JAX asks for (``lax.pcast(...,
+    to="varying")``) over the step's batch axes. Flax's RNN cells get it from the adapters; call it
+    on the initial carry of a scan of your own. The identity outside a shardlib step."""
+    ctx = _CONTEXT.get()
+    axes = ctx.row_axes if ctx is not None else ()
+    return jax.tree.map(lambda leaf: _vary(leaf, axes), x) if axes else x
+
+
+def vary_initial_carry(cell: Any) -> None:
+    """Make this RNN cell instance's ``initialize_carry`` return `batch_varying` carries (an
+    instance attribute over the class's method; the linen adapter removes it after the call)."""
+    method = type(cell).initialize_carry
+    object.__setattr__(cell, "initialize_carry", lambda *args, **kwargs: batch_varying(method(cell, *args, **kwargs)))
+
+
+def vary_nnx_carries(module: Any) -> None:
+    """`vary_initial_carry` on every NNX RNN cell of ``module`` (the step's own binding of the
+    parameters, so the user's instance keeps its method), for ``nnx.RNN``'s scan in the step."""
+    from flax import nnx
+
+    for _, sub in nnx.iter_modules(module):
+        if isinstance(sub, nnx.RNNCellBase):
+            vary_initial_carry(sub)
+
+
+def _vary(leaf: Any, axes: tuple[str, ...]) -> jax.Array:
+    missing = tuple(a for a in axes if a not in compat.varying_axes(leaf))
+    return jax.lax.pcast(leaf, missing, to="varying") if missing else leaf
 
 
 def _check_weights(values: tuple[int, ...], weights: tuple[int, ...]) -> None:

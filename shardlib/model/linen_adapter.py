@@ -377,9 +377,10 @@ class _Apply:
         rngs = _stream_keys(call.key, self.rng_streams) if call.train and call.key is not None else None
         state = dict(call.state or {})
         mutable = [*(self.collections if call.train else ()), *self.capture]
-        when = "evaluation" if not call.train else "training" if rngs is not None else "training without a key"
+        keyed = rngs is not None or not self.rng_streams  # rng_streams=(): the step passes no key at all
+        when = "evaluation" if not call.train else "training" if keyed else "training without a key"
         with (_named_rng_errors(self.rng_streams, when), _named_read_only_errors(self.collections),
-              _logical_constraints()):
+              _logical_constraints(), _varying_carries()):
             if not mutable:  # evaluation (or no state): the state goes back as it came
                 out = self.module.apply({"params": params, **state}, *args, rngs=rngs, **kwargs)
                 return out, state if self.collections else None
@@ -454,6 +455,27 @@ def _logical_constraints() -> Iterator[None]:
     from flax import linen as nn
 
     with nn.logical_axis_rules(rules):
+        yield
+
+
+@contextlib.contextmanager
+def _varying_carries() -> Iterator[None]:
+    """An RNN cell's initial carry (``initialize_carry``'s zeros) typed as varying with the rows
+    (`hooks.batch_varying`): ``nn.RNN``'s scan would otherwise fail inside the step, its carry
+    constant going in and varying coming out."""
+    from flax import linen as nn
+
+    def mark(next_fun, args, kwargs, context):
+        cell = getattr(context.module, "cell", None)
+        if not isinstance(context.module, nn.RNN) or context.method_name != "__call__" or cell is None:
+            return next_fun(*args, **kwargs)
+        hooks.vary_initial_carry(cell)  # initialize_carry is @nowrap: no interceptor sees it
+        try:
+            return next_fun(*args, **kwargs)
+        finally:
+            object.__delattr__(cell, "initialize_carry")
+
+    with nn.intercept_methods(mark):
         yield
 
 

@@ -100,6 +100,7 @@ def from_nnx(
             params = jax.tree.map(lambda p, f: jax.lax.stop_gradient(p) if f else p, params, frozen)
         module = parts.bind(params, specs, call.state, call.key)
         hooks.rebind_axis_name(module)
+        hooks.vary_nnx_carries(module)
         if call.train:
             _train_undecided(module)
         else:

@@ -133,14 +133,21 @@ def sharded_paths(layout: Layout) -> tuple[str, ...]:
 
 
 def _note_manual_axes(err: Exception, batch_axes: tuple[str, ...]) -> None:
-    """JAX's refusal of a ``with_sharding_constraint`` over a manual axis, in the model's own code
-    (MaxText-style ``P("data", None)``), with why the step makes those axes manual and what to write."""
+    """JAX's refusals that come from the batch axes being manual in the step, with why and what to
+    write: a ``with_sharding_constraint`` over one in the model's own code (MaxText-style
+    ``P("data", None)``), and a scan carry that starts constant and comes out varying with the rows."""
     if "can only refer to Auto axes" in str(err):
         err.add_note(
             f"shardlib: inside the train step the batch axes {batch_axes} are manual (each device computes on "
             "its own rows), so a jax.lax.with_sharding_constraint in the model may name only the other mesh "
             "axes ('tensor'); write shardlib.constrain(x, logical_names) or nn.with_logical_constraint, whose "
             "batch entries the step drops, or leave the batch axes out of the spec")
+    elif "carry" in str(err) and "manual axis types do not match" in str(err):
+        err.add_note(
+            f"shardlib: inside the train step this device's rows vary over the batch axes {batch_axes}, so a "
+            "lax.scan / while_loop whose initial carry is built from constants (zeros) but takes the rows up in "
+            "its body changes type; start it from shardlib.batch_varying(initial_carry), the cast JAX suggests "
+            "over those axes (the identity outside a step). Flax's RNN cells (nn.RNN, nnx.RNN) get it already")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,11 +217,12 @@ class ModelCall:
         return params if self.cast_first else jax.tree.map(unsharded, params, self.specs, is_leaf=zeropp.is_carried)
 
     def _context(self, in_step: bool = True) -> hooks.ComputeContext:
-        """``in_step`` False: for an abstract trace outside the shard_map, where no batch axis is bound."""
+        """``in_step`` False: for an abstract trace (`probe`, inside the shard_map) that must not sum
+        over the batch axes; the rows still vary over them (``row_axes``)."""
         return hooks.ComputeContext(self.activation_spec, cast_to=None if self.cast_first else self.compute_dtype,
                                     auto_specs=self.auto_by_path, gather=self.gather, gather_tree=self.gather_tree,
                                     logical_rules=self.logical_rules, mean_axes=self.mean_axes if in_step else (),
-                                    rows_split=self.rows_split)
+                                    rows_split=self.rows_split, row_axes=self.key_axes)
 
     def probe(self, params: Any, rows: Any, ctx: StepContext) -> hooks.ComputeContext:
         """The compute context an abstract trace of the loss leaves: which parameters the model
@@ -230,6 +238,7 @@ class ModelCall:
             try:
                 jax.eval_shape(run, params, rows)
             except Exception as err:
+                _note_manual_axes(err, self.key_axes)
                 axis_names_lib.note_unbound_axis(err, self.key_axes, self.axis_alias)
                 raise
         return seen
