@@ -174,16 +174,24 @@ def _apply_rules(names: Logical, shape: Sequence[int], rules: Rules, mesh: Mesh)
 
 
 def path_str(path: Sequence[Any]) -> str:
-    """``(DictKey('blocks'), DictKey('w_up'))`` -> ``"blocks/w_up"``."""
+    """``(DictKey('blocks'), DictKey('w_up'))`` -> ``"blocks/w_up"``.
+
+    A ``/`` inside a key is written ``\\/`` (and a backslash ``\\\\``), so that ``{"a/b": x}`` and
+    ``{"a": {"b": y}}`` keep two names: layouts, checkpoint checks, exports and `init_from` find
+    tensors by these strings, and one name for two tensors would give both one entry."""
     parts = []
     for key in path:
         for attr in ("key", "name", "idx"):
             if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
+                parts.append(_escape_key(str(getattr(key, attr))))
                 break
         else:
-            parts.append(str(key))
+            parts.append(_escape_key(str(key)))
     return "/".join(parts)
+
+
+def _escape_key(key: str) -> str:
+    return key.replace("\\", "\\\\").replace("/", "\\/")
 
 
 def path_keys(path: Sequence[Any]) -> tuple[str | int, ...]:
@@ -226,17 +234,37 @@ def layout_tree(
     ``auto`` is the ZeRO fallback for tensors the rules leave off its axes (see `AutoShard`).
     """
     validate_rules(rules, mesh, table=table)
-    logical_leaves = jax.tree.leaves(logical, is_leaf=lambda x: x is None or isinstance(x, tuple))
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-    if len(logical_leaves) != len(flat):
-        raise RuleError(f"logical axes tree has {len(logical_leaves)} leaves, the parameter tree {len(flat)}")
     layouts = []
-    for (path, leaf), names in zip(flat, logical_leaves):
+    for (path, leaf), names in zip(flat, logical_leaves(abstract, logical)):
         name = path_str(path)
         spec, notes = spec_for(names, leaf.shape, rules, mesh, path=name, auto=auto)
         full = None if names is None else names_for_rank(names, leaf.shape, name)
         layouts.append(LeafLayout(name, tuple(leaf.shape), np.dtype(leaf.dtype), full, spec, notes))
     return jax.tree.unflatten(treedef, layouts)
+
+
+def is_names(x: Any) -> bool:
+    """Whether ``x`` is one tensor's names (None, or a plain tuple of names / mesh-axis tuples / None),
+    not a container of the logical tree: a NamedTuple of layers is a tuple too."""
+    if x is None:
+        return True
+    if type(x) is not tuple:
+        return False
+    return all(e is None or isinstance(e, str) or (type(e) is tuple and all(isinstance(a, str) for a in e)) for e in x)
+
+
+def logical_leaves(abstract: Any, logical: Any) -> list[Logical | None]:
+    """The names of each leaf of ``abstract``, in its flattening order, read from ``logical`` by the
+    parameters' own structure, so NamedTuple and tuple containers are never taken for names."""
+    treedef = jax.tree.structure(abstract, is_leaf=lambda x: x is None)
+    try:
+        per_leaf = treedef.flatten_up_to(logical)
+    except (ValueError, TypeError) as error:
+        raise RuleError(f"the logical axes tree does not have the parameters' structure ({error}); give one names "
+                        "tuple (or None) per parameter, in the same containers") from None
+    leaves = jax.tree.leaves(abstract, is_leaf=lambda x: x is None)
+    return [names for leaf, names in zip(leaves, per_leaf) if leaf is not None]
 
 
 def is_layout(x: Any) -> bool:

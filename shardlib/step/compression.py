@@ -242,7 +242,10 @@ def compressed_psum(
     """
     comp, axes = get_compression(method), as_axes(axes)
     n = jax.lax.axis_size(axes) if axes else 1
-    if n == 1 or x.size == 0:
+    if x.size == 0:  # a (0, d) parameter: no bytes to send, but the sum is invariant like any other
+        return jnp.zeros(x.shape, x.dtype), (None if residual is None and not comp.needs_residual else
+                                             jnp.zeros(x.shape, jnp.float32))
+    if n == 1:
         return _no_comm(x, residual, comp)
     u = as_varying(_with_residual(x, residual), axes)
     if comp.name == "none":
