@@ -343,7 +343,7 @@ def _suggested_mesh(strategy: Strategy, mesh: Mesh) -> str:
 def _warn_unmatched_names(logical: Any, strategy: Strategy, mesh: Mesh) -> None:
     """A model whose axis names no rule of the strategy knows is laid out by the fallback alone: say so."""
     known = lambda s: {name for name, _ in s.param_rules + s.state_rules}
-    leaves = jax.tree.leaves(logical, is_leaf=lambda x: x is None or isinstance(x, tuple))
+    leaves = jax.tree.leaves(logical, is_leaf=rules_lib.is_names)
     # A stack's "layers" axis (named by the adapters for nn.scan stacks) is never split: not the user's name
     names = {n for leaf in leaves if leaf is not None for n in leaf if n is not None} - set(rules_lib.AUTO_SHARD_SKIP)
     if not known(strategy) or not names or names & known(strategy):

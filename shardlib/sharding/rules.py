@@ -249,9 +249,15 @@ def is_names(x: Any) -> bool:
     not a container of the logical tree: a NamedTuple of layers is a tuple too."""
     if x is None:
         return True
-    if type(x) is not tuple:
-        return False
-    return all(e is None or isinstance(e, str) or (type(e) is tuple and all(isinstance(a, str) for a in e)) for e in x)
+    return type(x) is tuple and all(_is_name_entry(e) for e in x)
+
+
+def _is_name_entry(e: Any) -> bool:
+    """One dim's entry: None, a name, a tuple of mesh axes, or another marker (P.UNCONSTRAINED); a
+    container (a layer's NamedTuple, dict, list or dataclass of names) is not one."""
+    if type(e) is tuple:
+        return all(isinstance(a, str) for a in e)
+    return not isinstance(e, (tuple, list, dict)) and not dataclasses.is_dataclass(e)
 
 
 def logical_leaves(abstract: Any, logical: Any) -> list[Logical | None]:
