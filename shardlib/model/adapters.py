@@ -267,7 +267,7 @@ def warn_unknown_names(abstract: Params, logical: Params) -> None:
     unknown = []
     known.update(AUTO_SHARD_SKIP)  # "layers": the stack axis adapters name, never split
     for (path, leaf), names in zip(jax.tree_util.tree_leaves_with_path(abstract),
-                                   jax.tree.leaves(logical, is_leaf=lambda x: x is None or isinstance(x, tuple))):
+                                   rules_lib.logical_leaves(abstract, logical)):
         unknown += [f"{rules_lib.path_str(path)} {tuple(leaf.shape)} dim {dim} {name!r}"
                     for dim, name in enumerate(names or ()) if name is not None and name not in known]
     if unknown:

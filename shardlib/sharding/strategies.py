@@ -42,7 +42,7 @@ from typing import Any
 import jax
 
 from shardlib.sharding.mesh import MESH_AXES
-from shardlib.sharding.rules import AUTO_SHARD_SKIP, Rules, as_axes, path_str
+from shardlib.sharding.rules import AUTO_SHARD_SKIP, Rules, as_axes, is_names, path_str
 from shardlib.registry import lookup
 
 # Megatron-style tensor parallelism: attention heads and the MLP hidden dimension are split, so
@@ -188,7 +188,6 @@ def warn_uncovered_names(strategy: Strategy, logical: Any) -> None:
     if strategy.own_rules is None:
         return
     listed = {name for name, _ in strategy.own_rules} | set(AUTO_SHARD_SKIP)
-    is_names = lambda x: x is None or isinstance(x, tuple)
     missing = [f"{path_str(path)} dim {dim} {name!r}"
                for path, names in jax.tree_util.tree_leaves_with_path(logical, is_leaf=is_names)
                for dim, name in enumerate(names or ()) if name is not None and name not in listed]
