@@ -118,3 +118,31 @@ def test_random_augmentation_and_diffusion_losses_train_like_one_device_with_the
     assert np.all(np.isfinite(losses)) and losses[0] != losses[1]
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-6), state.params, expected)
+
+
+def _cond_returning_a_constant(params, batch, call):
+    loss = diffusion_loss(params, batch, call)
+    return jax.lax.cond(loss > 1.0, lambda: loss, lambda: jnp.float32(1.0))
+
+
+def _poisson_from_a_constant_rate(params, batch, call):
+    return diffusion_loss(params, batch, call) * jax.random.poisson(call.key, 3.0, (2,)).mean()
+
+
+def _choice_with_probabilities(params, batch, call):
+    noise = jax.random.choice(call.key, STEPS_T, (batch["x"].shape[0],), p=jnp.full((STEPS_T,), 1.0 / STEPS_T))
+    return diffusion_loss(params, batch, call) * noise.mean()
+
+
+@pytest.mark.parametrize("loss_fn, error, recipe", [
+    (_cond_returning_a_constant, TypeError, "return shardlib.batch_varying(constant) from that branch"),
+    (_poisson_from_a_constant_rate, TypeError, "jax.random.poisson(key, shardlib.batch_varying(rate), shape)"),
+    (_choice_with_probabilities, AssertionError, "jax.random.categorical(key, jnp.log(probs), shape=shape)"),
+])
+def test_constants_meeting_the_rows_in_control_flow_are_told_what_to_write(loss_fn, error, recipe):
+    _, init, _, _ = CASES["diffusion_zero3"]
+    model = from_functions(init, loss_fn, takes_call=True)
+    program = build(model, optax.sgd(0.1), make_layout(model, "dp", make_mesh({"data": 8})))
+    with pytest.raises(error) as caught:
+        program.step(program.init(jax.random.key(0)), _batches(1)[0])
+    assert recipe in "\n".join(caught.value.__notes__)
