@@ -168,6 +168,15 @@ def nonfinite_paths(tree: Any) -> list[str]:
     return [path_str(path) for (path, _), ok in zip(floats, flags) if not ok]
 
 
+def _refuse_zero_size(state: Any) -> None:
+    """Orbax refuses zero-size arrays (naming an internal ParamInfo); name the tensors instead."""
+    empty = [path_str(path) for path, leaf in jax.tree_util.tree_leaves_with_path(state) if np.size(leaf) == 0]
+    if empty:
+        raise CheckpointError(
+            f"cannot checkpoint zero-size tensors ({_listed(empty)}): Orbax does not save arrays with no elements. "
+            "They hold no values: leave them out of the parameters (create the layer only when its size is > 0)")
+
+
 def is_finite_state(state: Any) -> bool:
     """True when every floating-point value of ``state`` (params, optimizer state) is finite."""
     return not nonfinite_paths(state)
@@ -367,6 +376,7 @@ class Checkpointer:
         if reason is not None:
             log.warning("not saving checkpoint step %d in %s: %s; the last good checkpoint stays", step, self.directory, reason)
             return False
+        _refuse_zero_size(state)
         bad = nonfinite_paths(state)
         if bad:
             raise NonFiniteStateError(
