@@ -227,7 +227,8 @@ def check_params(model: Model, policy: Precision) -> None:
         master, compute = jnp.dtype(policy.param_dtype).name, jnp.dtype(policy.compute_dtype).name
         warnings.warn(
             f"precision {policy.name!r} keeps {master} master weights: these parameters are stored and updated in "
-            f"{master} and handed to the model in {compute}, not in the dtype the model wrote: {', '.join(recast[:8])}"
+            f"{master}, not in the dtype the model wrote, and handed to the model in {compute} (an NNX module casts "
+            f"them back to the dtype it declared): {', '.join(recast[:8])}"
             f"{' ...' if len(recast) > 8 else ''}; pass precision='bf16' to compute in bf16, or "
             "precision=shardlib.Precision(name, param_dtype=..., compute_dtype=...) to keep them as written",
             UserWarning, stacklevel=3)
