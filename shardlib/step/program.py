@@ -304,9 +304,29 @@ def _eval_step(layout: Layout, provider: grads_lib.Provider, model: Model):
                              "program.evaluate(state.params, batch, state.model_state)")
         batch_lib.check(layout, batch)
         batch_lib.refuse_donated({"params": params, "model_state": model_state}, "evaluate's")
-        return jitted(params, batch_lib.place(layout, batch), model_state)
+        try:
+            return jitted(params, batch_lib.place(layout, batch), model_state)
+        except (TypeError, ValueError) as err:
+            _note_evaluation_key(err, model)
+            raise
 
     return evaluate
+
+
+# What JAX, linen's apply and nnx.Rngs say when handed a None key.
+_NONE_KEY_ERRORS = ("PRNG key type <class 'NoneType'>", "passed to an apply function should be a ``jax.PRNGKey``",
+                    "Invalid rng value: None")
+
+
+def _note_evaluation_key(err: Exception, model: Model) -> None:
+    """A loss that draws from ``call.key`` unconditionally fails in evaluate, where the key is None
+    by design (eval mode draws nothing); JAX's error names neither evaluate nor the fix."""
+    if model.uses_key and any(marker in str(err) for marker in _NONE_KEY_ERRORS):
+        err.add_note("shardlib: program.evaluate runs the model in eval mode, where call.key is None and call.train "
+                     "False, so the loss got no key to draw from; draw only in training, e.g. "
+                     "rngs={'dropout': call.key} if call.train else None (Flax modules with "
+                     "deterministic=not call.train then draw nothing), or evaluate with a one-device loop of your own "
+                     "when evaluation itself must be random")
 
 
 class _CheckedStep:
