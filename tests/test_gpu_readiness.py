@@ -120,3 +120,22 @@ def test_benchmark_mfu_figure_against_the_palm_formula(monkeypatch):
     mfu_line = next(line for line in lines if line.startswith("MFU"))
     assert f"{expected:.1%} (of 2 TFLOP/s" in mfu_line
     assert any(line == f"tokens/s    {16 * 32 / 1e-4:,.0f}" for line in lines)
+
+
+@pytest.mark.filterwarnings("ignore::shardlib.ReplicationWarning")  # the toy head is kept whole
+def test_benchmark_user_models_runs_and_refuses_a_baseline_that_trains_differently(capsys):
+    """A scanned linen ViT under zero3 at toy size: the table row comes out and the script's own
+    check passes (shardlib's and the user's jit step end on the same loss); a jit step that trains
+    something else is refused rather than timed."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark_user_models", ROOT / "scripts" / "benchmark_user_models.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--models", "vit_scan", "--strategies", "zero3", "--width", "16", "--depth", "1", "--heads",
+                       "2", "--batch-size", "8", "--image-size", "16", "--repeats", "1", "--warmup", "0"]) == 0
+    row = re.search(r"^vit_scan zero3 +fsdp=8 +([\d.]+) +([\d.]+) +([\d.]+) ", capsys.readouterr().out, re.MULTILINE)
+    assert row and all(float(x) > 0 for x in row.groups())
+    step = lambda loss: lambda state, batch: (state, {"loss": loss})  # noqa: E731
+    with pytest.raises(SystemExit, match=r"shardlib's loss is 1 and the jit step's 1\.1: .*not compute the same step"):
+        bench.check_same_training({"shardlib": step(1.0), "jit": step(1.1)}, {"shardlib": None, "jit": None}, None)
