@@ -52,6 +52,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64, help="global images per step (default: 64)")
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per program (default: 7)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per program (default: 2)")
+    parser.add_argument("--bucket-mb", type=float, default=None, metavar="MB",
+                        help="shardlib's bucket_bytes in MiB (0: one collective per tensor; default: build's)")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table (for BENCHMARKS.md)")
     return parser.parse_args(argv)
 
@@ -236,7 +238,7 @@ def bench(name: str, strategy: str, args: argparse.Namespace, batch_np: dict) ->
     mesh = make_mesh(MESHES[strategy], devices=jax.devices()[:8])
     layout = make_layout(model, strategy, mesh)
     tx = optax.adamw(1e-3)
-    program = build(model, tx, layout)
+    program = build(model, tx, layout, **({} if args.bucket_mb is None else {"bucket_bytes": int(args.bucket_mb * 2**20)}))
     batch = jax.device_put(batch_np, layout.batch_sharding(batch_np))
     states = {"shardlib": program.init(jax.random.key(0)), "jit": program.init(jax.random.key(0))}
     fns = {"shardlib": program.step.lower(states["shardlib"], batch).compile(),
