@@ -35,19 +35,17 @@ from bench_common import load, machine  # noqa: E402
 from benchmark import _figures, _time, render  # noqa: E402
 
 MODELS = ("vit_scan", "vit_loop", "nnx")
-STRATEGIES = ("dp", "zero1", "zero3", "fsdp_tp")
-MESHES = {"dp": {"data": 8}, "zero1": {"fsdp": 8}, "zero2": {"fsdp": 8}, "zero3": {"fsdp": 8},
-          "tp": {"data": 4, "tensor": 2}, "fsdp_tp": {"fsdp": 4, "tensor": 2}}
+STRATEGIES = ("dp", "zero1", "zero2", "zero3", "tp", "fsdp_tp")
 NAMED_STRATEGIES = ("tp", "fsdp_tp")  # the ones that get path_rules=
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS, metavar="M")
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=sorted(MESHES), metavar="S")
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES, metavar="S")
     parser.add_argument("--width", type=int, default=192, help="model width (default: 192)")
     parser.add_argument("--depth", type=int, default=6, help="encoder blocks (default: 6)")
-    parser.add_argument("--heads", type=int, default=3, help="attention heads (default: 3)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads; tp splits them (default: 4)")
     parser.add_argument("--image-size", type=int, default=32, help="square image side, 8x8 patches (default: 32)")
     parser.add_argument("--batch-size", type=int, default=64, help="global images per step (default: 64)")
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per program (default: 7)")
@@ -233,9 +231,11 @@ def bench(name: str, strategy: str, args: argparse.Namespace, batch_np: dict) ->
     import optax
 
     from shardlib import build, make_layout, make_mesh
+    from shardlib.tools.plan import default_mesh
 
     model, loss = user_model(name, args, batch_np, named=strategy in NAMED_STRATEGIES)
-    mesh = make_mesh(MESHES[strategy], devices=jax.devices()[:8])
+    sizes = default_mesh(strategy, 8, argparse.Namespace(n_heads=args.heads, n_kv_heads=args.heads))
+    mesh = make_mesh(sizes, devices=jax.devices()[:8])
     layout = make_layout(model, strategy, mesh)
     tx = optax.adamw(1e-3)
     program = build(model, tx, layout, **({} if args.bucket_mb is None else {"bucket_bytes": int(args.bucket_mb * 2**20)}))
@@ -246,7 +246,7 @@ def bench(name: str, strategy: str, args: argparse.Namespace, batch_np: dict) ->
     times = interleaved(fns, states, batch, args.warmup, args.repeats)
     check_same_training(fns, states, batch)
     ratios = [a / b for a, b in zip(times["shardlib"], times["jit"])]
-    return {"strategy": f"{name} {strategy}", "mesh": ",".join(f"{k}={v}" for k, v in MESHES[strategy].items()),
+    return {"strategy": f"{name} {strategy}", "mesh": ",".join(f"{k}={v}" for k, v in sizes.items() if v > 1),
             "shardlib_s": statistics.median(times["shardlib"]), "baseline_s": statistics.median(times["jit"]),
             "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
             **{f"shardlib_{k}": v for k, v in _figures(fns["shardlib"], 8).items()},
