@@ -8,6 +8,7 @@ loop, once per layer) and in the compiled peak.
 """
 
 import dataclasses
+import types
 
 import jax
 import numpy as np
@@ -92,3 +93,51 @@ def test_layerwise_true_refuses_a_model_that_does_not_gather_its_own_parameters(
     model = dataclasses.replace(tiny_model(), gathers_params=False)  # gathered up front, whole gradients
     with pytest.raises(ValueError, match="layerwise=True .*gathers_params=False"):
         build(model, optimizer(), make_layout(model, "zero1", make_mesh({"data": 8})), layerwise=True)
+
+
+def test_a_scanned_linen_stack_is_reduced_per_layer_too():
+    """from_linen gathers on read: under zero1 its whole parameters go through gather_layer as
+    well, so a user's nn.scan stack gets the per-layer reduce-scatters (not the whole stacked
+    gradient after the loop), trains bitwise like the reduction after the loop, and like plain
+    jit + optax on one device."""
+    import optax
+    from flax import linen as nn
+
+    from shardlib import from_linen
+    from tests import zoo
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return x + nn.Dense(64)(nn.relu(nn.Dense(256)(x))), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x, _ = nn.scan(nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=6)()(
+                nn.Dense(64)(x), None)
+            return nn.Dense(10)(x)
+
+    rng = np.random.default_rng(0)
+    rows = [{"inputs": rng.normal(size=(64, 32)).astype(np.float32), "label": rng.integers(0, 10, 64).astype(np.int32)}
+            for _ in range(STEPS)]
+    loss = lambda logits, b: optax.softmax_cross_entropy_with_integer_labels(logits, b["label"]).mean()
+    model = from_linen(Net(), loss, rows[0]["inputs"], rng_streams=())
+    layout, tx = make_layout(model, "zero1", make_mesh({"data": 8})), optax.adam(1e-3)
+    results = {}
+    for layerwise in (None, False):
+        program = build(model, tx, layout, layerwise=layerwise)
+        state = program.init(jax.random.key(0))
+        start = jax.tree.map(np.asarray, state.params)
+        compiled = program.compile_step(state, rows[0])
+        state, losses = zoo.program_steps(types.SimpleNamespace(step=compiled), state, rows)
+        results[layerwise] = (compiled.memory_analysis().temp_size_in_bytes, losses, jax.tree.map(np.asarray, state.params))
+    jax.tree.map(np.testing.assert_array_equal, results[None][2], results[False][2])
+    stacked = sum(x.nbytes for name, tree in start.items() if name.startswith("Scan") for x in jax.tree.leaves(tree))
+    assert results[None][0] + stacked / 2 < results[False][0]  # the whole stacked gradient is never live
+    expected, expected_losses = zoo.plain_steps(lambda p, b: loss(Net().apply({"params": p}, b["inputs"]), b), start,
+                                                tx, rows)
+    np.testing.assert_allclose(results[None][1], expected_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), results[None][2],
+                 jax.tree.map(np.asarray, expected))
+

@@ -306,6 +306,14 @@ def _fit(path: str, spec: Sequence[Any], value: jax.Array) -> tuple:
     return spec
 
 
+def reduces_per_layer() -> bool:
+    """Whether the step twins the parameters `gather_layer` sees, to reduce their gradients layer
+    by layer inside the backward loop (`shardlib.step.layerwise`): then a model that gathers on
+    read must route its whole parameters through `gather_layer` too, not only its shards."""
+    ctx = _CONTEXT.get()
+    return ctx is not None and ctx.gather_tree is not None
+
+
 def gather_layer(state: Any) -> Any:
     """Gather the parameter shards in ``state`` (a Variable, a State, a module's state, or an NNX
     module such as the layer ``nnx.scan`` hands its body: a gathered copy) under ZeRO-3."""

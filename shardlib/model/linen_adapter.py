@@ -173,7 +173,7 @@ def from_linen(
 
     def run(params, batch, specs, call):
         args, kwargs = inputs(batch, call.train)
-        out, state = apply_call(_gathered_on_read(params, specs), call, args, kwargs)
+        out, state = apply_call(_gathered_on_read(params, specs, box_all=hooks.reduces_per_layer()), call, args, kwargs)
         loss, aux = _loss_out(loss_fn(out, batch))
         return loss, aux, state
 
