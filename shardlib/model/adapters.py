@@ -128,9 +128,8 @@ def _note_batch(error: Exception, batch: Any) -> None:
     if any(note.startswith(_BATCH_NOTE) for note in getattr(error, "__notes__", ())):
         return  # a loss that runs another model's loss
     leaves = jax.tree_util.tree_leaves_with_path(batch)
-    shown = ", ".join(f"{rules_lib.path_str(path)!r} {_dtype_shape(x)}" for path, x in leaves[:_NOTE_LEAVES])
-    more = f" and {len(leaves) - _NOTE_LEAVES} more" if len(leaves) > _NOTE_LEAVES else ""
-    error.add_note(f"{_BATCH_NOTE} {shown}{more} (inside a step: this device's rows of "
+    shown = rules_lib.listed([f"{rules_lib.path_str(path)!r} {_dtype_shape(x)}" for path, x in leaves], _NOTE_LEAVES)
+    error.add_note(f"{_BATCH_NOTE} {shown} (inside a step: this device's rows of "
                    "the global batch, split over the data-parallel devices); check the leaves the failing line reads "
                    "(their trailing shapes and dtypes, and the batch's keys)")
 

@@ -213,7 +213,7 @@ def _logical_axes(boxed: dict[str, Any]) -> Any:
         meta = node.get(f"{leaf}_axes") if isinstance(node, Mapping) else None
         return None if meta is None else tuple(meta.names)
 
-    return jax.tree_util.tree_map_with_path(from_axes, logical, is_leaf=lambda x: x is None or isinstance(x, tuple))
+    return jax.tree_util.tree_map_with_path(from_axes, logical, is_leaf=rules_lib.is_names)
 
 
 def _state_collections(boxed: dict[str, Any], capture: tuple[str, ...]) -> tuple[str, ...]:
@@ -347,8 +347,7 @@ def _with_path_rules(logical: Any, abstract: Any, path_rules: rules_lib.PathRule
         names = rules_lib.names_for_rank(ruled, one, f"{name} (one layer of the nn.scan stack {tuple(leaf.shape)})")
         return (*names[:axis], "layers", *names[axis:])
 
-    is_names = lambda x: x is None or isinstance(x, tuple)
-    return jax.tree_util.tree_map_with_path(pick, logical, from_rules, abstract, is_leaf=is_names)
+    return jax.tree_util.tree_map_with_path(pick, logical, from_rules, abstract, is_leaf=rules_lib.is_names)
 
 
 def _with_layer_axes(logical: Any, scanned: dict[str, int]) -> Any:
@@ -359,7 +358,7 @@ def _with_layer_axes(logical: Any, scanned: dict[str, int]) -> Any:
             return names
         return ("layers", *(names or ())[1:])
 
-    return jax.tree_util.tree_map_with_path(name, logical, is_leaf=lambda x: x is None or isinstance(x, tuple))
+    return jax.tree_util.tree_map_with_path(name, logical, is_leaf=rules_lib.is_names)
 
 
 class _Apply:

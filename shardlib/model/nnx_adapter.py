@@ -121,7 +121,7 @@ def _with_path_rules(logical: Any, abstract: Any, path_rules: rules_lib.PathRule
         return logical
     ruled = rules_lib.logical_from_paths(abstract, path_rules)
     return jax.tree.map(lambda own, rule: rule if own is None else own, logical, ruled,
-                        is_leaf=lambda x: x is None or isinstance(x, tuple))
+                        is_leaf=rules_lib.is_names)
 
 
 def _frozen_mask(params: Any, wrt: Any) -> Any:
@@ -202,7 +202,7 @@ def _warn_if_eval_mode(make: Any) -> None:
     found = _eval_flags(make)
     if not found:
         return
-    shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
+    shown = rules_lib.listed(found, 8, sep="; ")
     warnings.warn(
         f"from_nnx was given a module in eval mode: {shown}. Training runs the module as given, so dropout "
         "stays off and BatchNorm statistics stay frozen; call module.train() before from_nnx to train with "

@@ -43,13 +43,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from shardlib.sharding.rules import path_str
+from shardlib.sharding.rules import describe_mismatches, listed, path_str
 from shardlib.step.state import TRANSIENT_FIELDS
 
 log = logging.getLogger("shardlib.runtime.checkpoint")
 
 FORMAT = "shardlib.runtime.checkpoint/1"
-_MAX_LISTED = 12  # paths shown in an error before "... and N more"
 
 
 class CheckpointError(ValueError):
@@ -81,12 +80,6 @@ def resolve_directory(directory: str | os.PathLike[str]) -> str:
     if "://" in text:
         return text
     return str(Path(text).expanduser().resolve())
-
-
-def _listed(items: Sequence[str]) -> str:
-    shown = ", ".join(items[:_MAX_LISTED])
-    more = len(items) - _MAX_LISTED
-    return shown + (f" ... and {more} more" if more > 0 else "")
 
 
 def _leaf_signature(leaf: Any) -> tuple[tuple[int, ...], str]:
@@ -144,13 +137,6 @@ def staleness_of(signature: Mapping[str, tuple]) -> int:
     return len({p.split("/")[1] for p in signature if _field(p) == "pending" and "/" in p})
 
 
-def describe_mismatches(problems: Sequence[str]) -> str:
-    """``"(N difference(s)): a; b; ... and M more"`` for an error message."""
-    shown = "; ".join(problems[:_MAX_LISTED])
-    more = f"; ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
-    return f"({len(problems)} difference(s)): {shown}{more}"
-
-
 def _finite_flags(leaves: list[jax.Array]) -> jax.Array:
     return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
 
@@ -173,7 +159,7 @@ def _refuse_zero_size(state: Any) -> None:
     empty = [path_str(path) for path, leaf in jax.tree_util.tree_leaves_with_path(state) if np.size(leaf) == 0]
     if empty:
         raise CheckpointError(
-            f"cannot checkpoint zero-size tensors ({_listed(empty)}): Orbax does not save arrays with no elements. "
+            f"cannot checkpoint zero-size tensors ({listed(empty)}): Orbax does not save arrays with no elements. "
             "They hold no values: leave them out of the parameters (create the layer only when its size is > 0)")
 
 
@@ -380,7 +366,7 @@ class Checkpointer:
         bad = nonfinite_paths(state)
         if bad:
             raise NonFiniteStateError(
-                f"refusing to save checkpoint step {step} in {self.directory}: non-finite values in {_listed(bad)}; "
+                f"refusing to save checkpoint step {step} in {self.directory}: non-finite values in {listed(bad)}; "
                 f"the last good checkpoint (step {self.latest_step()}) is kept. Lower the learning rate, enable "
                 "gradient clipping or loss scaling, and resume from it"
             )
@@ -517,7 +503,7 @@ class Checkpointer:
                      if getattr(leaf, "sharding", None) is None]
         if unsharded:
             raise CheckpointError(
-                f"restore target has no sharding for {_listed(unsharded)}; pass program.abstract_state() "
+                f"restore target has no sharding for {listed(unsharded)}; pass program.abstract_state() "
                 "(ShapeDtypeStructs with shardings) so every shard knows which device it goes to"
             )
         reinit = transient_changes(self.saved_signature(step), tree_signature(abstract_state))

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from shardlib.sharding import rules as rules_lib
 from shardlib.model import Model
 from shardlib.sharding.mesh import MESH_AXES, MeshError, describe, resolve_axis_sizes
-from shardlib.sharding.strategies import (_FOREIGN_AXES, PIPE_AXIS, STRATEGIES, Strategy, get_strategy, pipelined,
+from shardlib.sharding.strategies import (FOREIGN_AXES, PIPE_AXIS, STRATEGIES, Strategy, get_strategy, pipelined,
                                          unmet_requirements, warn_uncovered_names)
 
 # A tensor replicated under a sharding strategy is warned about above this share of the model's
@@ -299,7 +299,7 @@ def _check_axis_names(strategy: Strategy, mesh: Mesh) -> None:
                f"{strategy.name!r}'s rules name" if missing else
                f"mesh axis {typed[0]!r} is {mesh.axis_types[mesh.axis_names.index(typed[0])]} (jax.make_mesh's "
                "default), and the step leaves the model-parallel axes to the compiler, which needs Auto axes")
-    sizes = {_FOREIGN_AXES.get(a, a): n for a, n in mesh.shape.items() if n > 1}
+    sizes = {FOREIGN_AXES.get(a, a): n for a, n in mesh.shape.items() if n > 1}
     raise MeshError(f"{problem} (mesh {describe(mesh)}); shardlib meshes have the axes {', '.join(MESH_AXES)} "
                     f"(unused ones of size 1): build it with shardlib.make_mesh({sizes})")
 

@@ -194,6 +194,20 @@ def _escape_key(key: str) -> str:
     return key.replace("\\", "\\\\").replace("/", "\\/")
 
 
+MAX_LISTED = 12  # items an error message shows before "... and N more"
+
+
+def listed(items: Sequence[str], limit: int = MAX_LISTED, sep: str = ", ") -> str:
+    """``"a, b, ... and N more"``: the first ``limit`` items of an error message's list."""
+    more = len(items) - limit
+    return sep.join(items[:limit]) + (f"{sep}... and {more} more" if more > 0 else "")
+
+
+def describe_mismatches(problems: Sequence[str]) -> str:
+    """``"(N difference(s)): a; b; ... and M more"`` for an error message."""
+    return f"({len(problems)} difference(s)): {listed(problems, sep='; ')}"
+
+
 def path_keys(path: Sequence[Any]) -> tuple[str | int, ...]:
     """``(DictKey('blocks'), SequenceKey(0))`` -> ``("blocks", 0)``: dict keys as they are (str or
     int), indices as int, anything else as its string (what JSON and NNX filters take)."""

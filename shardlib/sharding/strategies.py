@@ -153,7 +153,7 @@ class Strategy:
 
 
 # Mesh axes of other codebases' rule tables and the shardlib axis that does their job.
-_FOREIGN_AXES = {"model": "tensor", "mdl": "tensor", "mp": "tensor", "tp": "tensor", "stage": "pipe", "batch": "data",
+FOREIGN_AXES = {"model": "tensor", "mdl": "tensor", "mp": "tensor", "tp": "tensor", "stage": "pipe", "batch": "data",
                  "replica": "data", "dp": "data"}
 
 
@@ -166,7 +166,7 @@ def _check_rule(entry: Any) -> tuple[str, Any]:
     axes = tuple(axes) if isinstance(axes, list) else axes
     for axis in as_axes(axes):
         if axis not in MESH_AXES:
-            use = _FOREIGN_AXES.get(axis)
+            use = FOREIGN_AXES.get(axis)
             hint = (f"write {use!r}, shardlib's axis for that job" if use else
                     "map the name to one of those axes, or to None to keep the dim whole")
             raise ValueError(f"logical rule ({name!r}, {axes!r}): {axis!r} is not a mesh axis of shardlib "

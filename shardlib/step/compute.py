@@ -221,8 +221,7 @@ class ModelCall:
             try:
                 jax.eval_shape(run, params, rows)
             except Exception as err:
-                manual_axes_lib.note(err, self.key_axes)
-                axis_names_lib.note_unbound_axis(err, self.key_axes, self.axis_alias)
+                self._explain(err)
                 raise
         return seen
 
@@ -233,12 +232,16 @@ class ModelCall:
             try:
                 out = fn()
             except Exception as err:  # a shape error from an ungathered shard: say which parameter
-                manual_axes_lib.note(err, self.key_axes)
-                axis_names_lib.note_unbound_axis(err, self.key_axes, self.axis_alias)
+                self._explain(err)
                 self._check_gathered(ctx, err)
                 raise
         self._check_gathered(ctx)
         return out
+
+    def _explain(self, err: Exception) -> None:
+        """JAX's errors about the step's manual batch axes, or a pmap-era axis name, with what to write."""
+        manual_axes_lib.note(err, self.key_axes)
+        axis_names_lib.note_unbound_axis(err, self.key_axes, self.axis_alias)
 
     def _check_gathered(self, ctx: hooks.ComputeContext, err: Exception | None = None) -> None:
         """After a trace: refuse a model that computed with shards it never gathered. After an

@@ -356,9 +356,9 @@ class _CheckedStep:
         given = _leaf_paths(state)
         differ = [f"{p}: in the state given, not in this program's" for p in sorted(given - self._paths)]
         differ += [f"{p}: in this program's state, not in the one given" for p in sorted(self._paths - given)]
-        shown = "; ".join(differ[:6]) + (f"; ... and {len(differ) - 6} more" if len(differ) > 6 else "")
+        shown = rules_lib.describe_mismatches(differ) if differ else "the same paths in other containers"
         raise ValueError("the state given was not made by this program (another optimizer, precision, staleness or "
-                         f"model): {shown or 'the same paths in other containers'}; make it with this program's "
+                         f"model) {shown}; make it with this program's "
                          "init or init_from, or restore a checkpoint onto this program's abstract_state()")
 
     def _check(self, batch):

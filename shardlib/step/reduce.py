@@ -41,11 +41,6 @@ def vary(params: Any, specs: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(one, params, specs)
 
 
-def _listed(paths: list[str], shown: int = 3) -> str:
-    more = len(paths) - shown
-    return ", ".join(paths[:shown]) + (f" and {more} more" if more > 0 else "")
-
-
 def scatter_dims(param_spec: P, state_spec: P) -> tuple[tuple[int, tuple[str, ...]], ...]:
     """The dims only the optimizer state shards (ZeRO-1/2): each is reduce-scattered here."""
     return tuple((dim, rules_lib.as_axes(s_axes)) for dim, (p_axes, s_axes) in enumerate(zip(param_spec, state_spec))
@@ -132,7 +127,7 @@ class Reducer:
         if untouched and layout.pipeline_stages > 1:
             raise ValueError(
                 f"grad_compression={method.name!r} cannot compress {layout.strategy.name}'s gradient reduce-scatter of "
-                f"{_listed(untouched)} in a pipelined step (pipe={layout.pipeline_stages}): ZeRO++'s compressed "
+                f"{rules_lib.listed(untouched, 3)} in a pipelined step (pipe={layout.pipeline_stages}): ZeRO++'s compressed "
                 "gather backward (qgZ) runs in unpipelined steps only; use pipe=1, precision='bf16', or a strategy "
                 "that keeps parameters unsharded (dp, zero1, zero2)"
             )

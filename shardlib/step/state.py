@@ -185,7 +185,6 @@ def like_model(tree: Any, abstract: Any, what: str) -> Any:
         elif jnp.issubdtype(leaf.dtype, jnp.inexact) != jnp.issubdtype(jnp.result_type(mine), jnp.inexact):
             problems.append(f"{name}: {jnp.result_type(mine)} given, the model's is {leaf.dtype}")
     if problems:
-        shown = "; ".join(problems[:8]) + (f"; ... and {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise ValueError(f"the {what} given do not fit this model ({len(problems)} difference(s)): {shown}; "
+        raise ValueError(f"the {what} given do not fit this model {rules_lib.describe_mismatches(problems)}; "
                          f"pass the {what} of the same model (paths as in jax.tree_util.tree_leaves_with_path)")
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract), [given[name] for name in names])

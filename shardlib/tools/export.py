@@ -39,11 +39,10 @@ from shardlib.runtime.checkpoint import (
     Checkpointer,
     CheckpointError,
     CheckpointMismatchError,
-    describe_mismatches,
     signature_mismatches,
     tree_signature,
 )
-from shardlib.sharding.rules import path_keys, path_str
+from shardlib.sharding.rules import describe_mismatches, path_keys, path_str
 
 EXPORT_FORMAT = "shardlib.tools.export/2"  # /2 added the model state ("part" of each tensor)
 READABLE_FORMATS = ("shardlib.tools.export/1", EXPORT_FORMAT)  # /1: parameters only
