@@ -20,7 +20,7 @@ import functools
 import inspect
 import re
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -173,7 +173,9 @@ def from_linen(
 
     def run(params, batch, specs, call):
         args, kwargs = inputs(batch, call.train)
-        out, state = apply_call(_gathered_on_read(params, specs, box_all=hooks.reduces_per_layer()), call, args, kwargs)
+        # under the per-layer reduction, a scanned stack's whole parameters get their twins on read too
+        stacked = scanned.keys() if hooks.reduces_per_layer() else ()
+        out, state = apply_call(_gathered_on_read(params, specs, also=stacked), call, args, kwargs)
         loss, aux = _loss_out(loss_fn(out, batch))
         return loss, aux, state
 
@@ -245,14 +247,17 @@ def _sown_paths(tree: Any) -> list[str]:
     return found
 
 
-def _gathered_on_read(params: Any, specs: Any, box_all: bool = False) -> Any:
-    """Each parameter the step stores split over the batch axes, boxed so that linen gathers it
-    where a layer reads it (``self.param`` unboxes): ZeRO-3 one layer at a time, inside
-    ``nn.scan`` and ``nn.remat`` too. ``specs`` None (no step): the parameters as they are."""
+def _gathered_on_read(params: Any, specs: Any, box_all: bool = False, also: Collection[str] = ()) -> Any:
+    """Each parameter the step stores split over the batch axes (and those at the paths ``also``),
+    boxed so that linen gathers it where a layer reads it (``self.param`` unboxes): ZeRO-3 one
+    layer at a time, inside ``nn.scan`` and ``nn.remat`` too; the layerwise reduction of an
+    ``nn.scan`` stack's whole parameters inside the backward loop. ``specs`` None (no step): the
+    parameters as they are."""
     if specs is None:
         return params
+    boxed = lambda path, spec: box_all or any(spec) or rules_lib.path_str(path) in also
     box = lambda path, value, spec: (_GatherOnRead(value, rules_lib.path_str(path), tuple(spec))
-                                     if box_all or any(spec) else value)
+                                     if boxed(path, spec) else value)
     carried = lambda x: hasattr(x, "residual")  # ZeRO++'s shard with its residual (hooks._fit reads it alike)
     return jax.tree_util.tree_map_with_path(box, params, specs, is_leaf=carried)
 
