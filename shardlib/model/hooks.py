@@ -143,6 +143,14 @@ def global_mean(values: jax.Array, weights: jax.Array | None = None) -> jax.Arra
     return (values * weights).sum() / jnp.where(total > 0, total, 1.0)
 
 
+def row_index() -> Any:
+    """This device's index over the batch axes that split the rows inside a step (0 outside one):
+    what the step folds into its key, for an adapter that draws where the step passes no key."""
+    ctx = _CONTEXT.get()
+    axes = ctx.row_axes if ctx is not None else ()
+    return jax.lax.axis_index(axes) if axes else 0
+
+
 def batch_varying(x: Any) -> Any:
     """``x`` (an array or pytree built from constants, such as an RNN's zero initial carry) typed as
     varying with this device's rows. Inside the step the rows vary over the batch axes, so a
