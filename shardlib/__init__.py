@@ -11,6 +11,7 @@ from shardlib.sharding.layout import Layout, ReplicationWarning, make_layout, sh
 from shardlib.model import Call, Model, Stages, from_functions, from_linen, from_nnx
 from shardlib.model.hooks import batch_varying, constrain, gather_batch, gather_layer, global_mean
 from shardlib.step import TrainProgram, TrainState, build
+from shardlib.step.batch import per_device
 from shardlib.step.compute import batch_axis_names
 from shardlib.step.precision import POLICIES, Precision
 from shardlib.step.pipeline import SCHEDULES, bubble_fraction
@@ -39,6 +40,6 @@ __all__ = [
     "MESH_AXES", "SCHEDULES", "STRATEGIES", "Stages", "bubble_fraction", "LeafLayout", "Layout", "MeshError", "Model", "ReplicationWarning", "RuleError", "Strategy",
     "TrainProgram", "TrainState", "batch_varying", "build", "check_replication", "constrain", "from_functions",
     "from_linen", "from_nnx", "gather_batch", "gather_layer", "get_strategy", "global_mean", "layout_tree", "make_layout",
-    "make_mesh", "parse_mesh", "set_gpu_overlap_flags", "sharding_report", "simulate_cpu_devices",
+    "make_mesh", "parse_mesh", "per_device", "set_gpu_overlap_flags", "sharding_report", "simulate_cpu_devices",
 ]
 __version__ = "0.1.0"

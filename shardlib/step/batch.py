@@ -6,10 +6,16 @@ device, or arrays the user sharded. Every leaf with a dimension leads with the r
 step splits over the data-parallel devices; a scalar leaf (a ``temperature``, a loss weight) is
 handed whole to every device. Anything else is refused here, naming the leaf, before JAX would
 fail inside the step with the leaf's name lost.
+
+A batch whose leaves count different things (a graph batch's nodes, edges and graphs) cannot be
+split by rows: the user pads one batch per data-parallel device, stacks them, and passes
+``per_device(stacked)``; each device's loss gets its own batch, the device axis dropped (`local`),
+as a ``jax.pmap`` step gets it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -21,7 +27,36 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout, restrict
 
-__all__ = ["check", "place", "refuse_donated", "shardings", "specs"]
+__all__ = ["PerDevice", "check", "local", "per_device", "place", "refuse_donated", "shardings", "specs"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PerDevice:
+    """Leaves that lead with one entry per data-parallel device (x microbatches), each a whole batch
+    of its own: the step hands device d its entry with that axis dropped."""
+
+    batch: Any
+
+
+def per_device(batch: Any) -> PerDevice:
+    """Mark ``batch`` as already split per device: every leaf leads with the data-parallel device
+    count (times ``grad_accum``), as a ``jax.pmap`` loop stacks it. For batches whose leaves count
+    different things (padded graphs: nodes, edges, graphs), which no row split can keep whole."""
+    return PerDevice(batch)
+
+
+def _is_per_device(x: Any) -> bool:
+    return isinstance(x, PerDevice)
+
+
+def local(batch: Any) -> Any:
+    """Inside the step: each ``per_device`` part as this device's own batch (its leading entry,
+    the one this device holds, without the device axis); other leaves as they are."""
+    def one(x):
+        return jax.tree.map(lambda leaf: leaf[0], x.batch) if _is_per_device(x) else x
+
+    return jax.tree.map(one, batch, is_leaf=_is_per_device)
 
 
 def _leaves(batch: Any) -> list[tuple[str, Any]]:
@@ -133,11 +168,9 @@ def _check_leaf(name: str, x: Any) -> None:
                     "scalars only: keep other values out of it (close over them in the loss)")
 
 
-def _first_rows(leaves: list[tuple[str, Any]]) -> dict[str, Any]:
+def _first_rows(rows: list[tuple[str, Any]]) -> dict[str, Any]:
     """The first leaf with rows, by path (none for a batch of scalars); every leaf with rows must have as many."""
-    for name, x in leaves:
-        _check_leaf(name, x)
-    rows = [(name, x) for name, x in leaves if np.ndim(x)]
+    rows = [(name, x) for name, x in rows if np.ndim(x)]
     if len({np.shape(x)[0] for _, x in rows}) > 1:
         named = ", ".join(f"batch {name!r} {np.shape(x)}" for name, x in rows)
         keys = [name for name, x in rows if _is_raw_key(x)]
@@ -145,8 +178,55 @@ def _first_rows(leaves: list[tuple[str, Any]]) -> dict[str, Any]:
             f"the leaves of the batch lead with different row counts: {named}; "
             "the step splits every leaf by its leading dimension over the data-parallel devices, so all need "
             "the same number of rows: pass a per-step constant as a scalar (shape (), given whole to every "
-            "device) or close over it in the loss function" + (f". {_key_advice(keys[0])}" if keys else ""))
+            "device) or close over it in the loss function; leaves that count different things (a graph "
+            "batch's nodes, edges and graphs) need one padded batch per device, stacked and passed as "
+            "shardlib.per_device(batch)" + (f". {_key_advice(keys[0])}" if keys else ""))
     return dict(rows[:1])
+
+
+def _parts(batch: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """(path, leaf) pairs of the leaves split by rows, and of the leaves of ``per_device`` parts."""
+    rows, devices = [], []
+    is_leaf = lambda x: _is_per_device(x) or _is_number_list(x)
+    for path, x in jax.tree_util.tree_leaves_with_path(batch, is_leaf=is_leaf):
+        name = rules_lib.path_str(path)
+        if _is_per_device(x):
+            devices += [(f"{name}/{inner}" if name else inner, leaf) for inner, leaf in _leaves(x.batch)]
+        else:
+            rows.append((name, x))
+    return rows, devices
+
+
+def _check_per_device(layout: Layout, devices: list[tuple[str, Any]], microbatches: int) -> None:
+    """A ``per_device`` leaf leads with exactly one entry per device (x microbatches): any other
+    count would hand a device several batches, or part of one."""
+    n = layout.batch_size_multiple * microbatches
+    for name, x in devices:
+        if not np.ndim(x) or np.shape(x)[0] != n:
+            axes = "x".join(a for a in layout.batch_axes if layout.mesh.shape[a] > 1) or "none"
+            times = f" x {microbatches} microbatches (device d's microbatch i is entry d*{microbatches}+i)" if microbatches > 1 else ""
+            raise ValueError(
+                f"per_device batch {name!r} has shape {np.shape(x)}; a per_device batch leads with one entry per "
+                f"data-parallel device: {n} ({layout.batch_size_multiple} devices, mesh axes {axes}{times}). "
+                f"Pad one batch per device to the same shapes and stack them (np.stack(..., axis=0)); "
+                "a value the same on every device goes beside the per_device part, not in it")
+
+
+# jraph's GraphsTuple: nodes, edges and graphs counted apart, senders/receivers indexing the nodes.
+_GRAPH_FIELDS = frozenset({"senders", "receivers", "n_node"})
+
+
+def _refuse_split_graphs(rows: list[tuple[str, Any]], layout: Layout) -> None:
+    """A graph batch split by rows loses its graphs (a device gets some nodes, some edges, indices
+    into other devices' nodes), even where the counts happen to agree: refuse it with the fix."""
+    if not _GRAPH_FIELDS <= {name.rsplit("/", 1)[-1] for name, x in rows if np.ndim(x)}:
+        return
+    raise ValueError(
+        f"the batch holds a graph batch ({', '.join(sorted(_GRAPH_FIELDS))}: jraph's GraphsTuple), which the step "
+        f"cannot split by rows over the {layout.batch_size_multiple} data-parallel devices: graphs would be cut "
+        "apart and senders / receivers would index other devices' nodes. Pad one graph batch per device "
+        "(jraph.pad_with_graphs, the same sizes on every device), stack them (np.stack per leaf) and pass "
+        "shardlib.per_device(graphs): each device's loss gets its own GraphsTuple, as under jax.pmap")
 
 
 def _is_raw_key(x: Any) -> bool:
@@ -170,11 +250,17 @@ def _warn_keys(leaves: list[tuple[str, Any]]) -> None:
 
 def check(layout: Layout, batch: Any, microbatches: int = 1) -> None:
     """Refuse a batch the step cannot split: leaves that are not arrays, leaves whose row counts
-    differ, rows the data-parallel devices (x microbatches) cannot split evenly."""
+    differ, rows the data-parallel devices (x microbatches) cannot split evenly, a graph batch
+    split by rows, a ``per_device`` part without one entry per device (x microbatches)."""
     leaves = _leaves(batch)
     _check_pipelined(layout, batch, leaves)
+    for name, x in leaves:
+        _check_leaf(name, x)
+    rows, devices = _parts(batch)
+    _refuse_split_graphs(rows, layout)
     # the divisibility message is the one the CLI's batches get
-    layout.check_batch(_first_rows(leaves), microbatches=microbatches)
+    layout.check_batch(_first_rows(rows), microbatches=microbatches)
+    _check_per_device(layout, devices, microbatches)
     _warn_keys(leaves)
 
 

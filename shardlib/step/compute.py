@@ -22,6 +22,7 @@ from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout, restrict, spec_axes
 from shardlib.sharding.strategies import BATCH_RULES
 from shardlib.step import axis_names as axis_names_lib
+from shardlib.step import batch as batch_lib
 from shardlib.step import manual_axes as manual_axes_lib
 from shardlib.step import hierarchical
 from shardlib.step import precision as precision_lib
@@ -215,7 +216,7 @@ class ModelCall:
         def run(p, b):
             with hooks.compute_context(seen):
                 call = Call(key=self.device_key(ctx), state=ctx.model_state, train=ctx.train)
-                return self.model.run(self.view(p), b, self._model_specs(), call)
+                return self.model.run(self.view(p), batch_lib.local(b), self._model_specs(), call)
 
         with axis_names_lib.bound_axis_name(self.axis_alias, self.key_axes):
             try:
@@ -272,6 +273,7 @@ class ModelCall:
         """This device's share of the mean loss over all rows (and of the aux metrics), and the
         model state after this call (in the dtypes it came in, so a skipped step can keep either)."""
         call = Call(key=self.device_key(ctx), state=ctx.model_state, train=ctx.train)
+        rows = batch_lib.local(rows)  # a per_device batch: this device's own
         loss, aux, state = self.traced(lambda: self.model.run(self.view(params), rows, self._model_specs(), call))
         if ctx.model_state is not None:
             state = jax.tree.map(lambda new, old: new.astype(old.dtype), state, ctx.model_state)
