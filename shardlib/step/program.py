@@ -74,9 +74,11 @@ class TrainProgram:
         when given, else the model's own init of it, with a warning. ``key`` (default
         ``jax.random.key(0)``) seeds the dropout stream."""
         key = jax.random.key(0) if key is None else key
+        _refuse_whole_flax_state(params, self.model)
         params = like_model(_pure(params), self.model.abstract(), "parameters")
         if model_state is not None:
-            model_state = like_model(_pure(model_state), abstract_model_state(self.model), "model_state")
+            expected = abstract_model_state(self.model)
+            model_state = like_model(_one_entry(_pure(model_state), expected), expected, "model_state")
             model_state = jax.device_put(model_state, self.state_sharding.model_state)
         elif self.model.init_state is not None:
             warnings.warn("init_from without model_state=: the model's state (BatchNorm statistics, counters) starts "
@@ -103,6 +105,38 @@ def _leaf_paths(tree: Any) -> set[str]:
 def _pure(tree: Any) -> Any:
     """An NNX ``State`` as the plain nested dict its paths spell; any other tree as it is."""
     return tree.to_pure_dict() if callable(getattr(tree, "to_pure_dict", None)) else tree
+
+
+def _one_entry(given: Any, expected: Any) -> Any:
+    """``{"batch_stats": given}`` when the model's state has that one top-level entry and ``given`` is
+    exactly its tree: a Flax ``TrainState`` holds ``state.batch_stats`` without the collection's name,
+    and nothing else could be meant. Any other tree is returned as it is, to be matched by path."""
+    if not isinstance(expected, Mapping) or len(expected) != 1:
+        return given
+    (name, tree), = expected.items()
+    return {name: given} if _leaf_paths(given) == _leaf_paths(tree) else given
+
+
+def _refuse_whole_flax_state(given: Any, model: Model) -> None:
+    """A whole Flax ``TrainState`` (or shardlib's) or ``module.init``'s variables passed as the
+    parameters: say which fields to pass, where matching by path would list every tensor as missing."""
+    collections = list(abstract_model_state(model) or {})
+    if hasattr(given, "params") and hasattr(given, "opt_state"):
+        held = [c for c in collections if hasattr(given, c)]
+        rest = (f"{{{', '.join(f'{c!r}: state.{c}' for c in held)}}}" if held else "state.model_state")
+        call, what = "init_from(state.params" + (f", model_state={rest})" if collections else ")"), "a whole train state"
+    elif isinstance(given, Mapping) and "params" in given and not _has_top_level(model.abstract(), "params"):
+        rest = f"{{{', '.join(f'{c!r}: variables[{c!r}]' for c in collections)}}}"
+        call, what = "init_from(variables['params']" + (f", model_state={rest})" if collections else ")"), \
+            f"module.init's whole variables (collections {', '.join(map(repr, given))})"
+    else:
+        return
+    raise ValueError(f"init_from takes the parameters, and got {what}: write program.{call}; its optimizer state is "
+                     "not carried over (init_from builds this program's own from the weights)")
+
+
+def _has_top_level(tree: Any, key: str) -> bool:
+    return isinstance(tree, Mapping) and key in tree
 
 
 def _check_arguments(model: Any, tx: Any, layout: Any) -> None:
