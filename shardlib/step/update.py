@@ -27,9 +27,11 @@ def loss_scale(state: TrainState) -> jax.Array:
 
 def _learning_rates(opt_state: Any, step: jax.Array, schedule: Callable | None) -> dict[str, jax.Array]:
     """``{"lr": rate}``: the schedule's, else the one injected hyperparameter; several injected
-    rates (``multi_transform`` of ``inject_hyperparams``) each as ``lr/<label or chain index>``."""
+    rates (``multi_transform`` of ``inject_hyperparams``) each as ``lr/<label or chain index>``.
+    Under ``MultiSteps`` the schedule runs on its update count (``gradient_step``), as the rate applied does."""
     if schedule is not None:
-        return {"lr": jnp.asarray(schedule(step), jnp.float32)}
+        counts = optax.tree_utils.tree_get_all_with_path(opt_state, "gradient_step")
+        return {"lr": jnp.asarray(schedule(counts[0][1] if len(counts) == 1 else step), jnp.float32)}
     found = optax.tree_utils.tree_get_all_with_path(opt_state, "learning_rate")
     if len(found) == 1:
         return {"lr": jnp.asarray(found[0][1], jnp.float32)}
