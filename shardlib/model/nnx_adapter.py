@@ -91,6 +91,7 @@ def from_nnx(
     logical = _with_path_rules(rules_lib.logical_axes_of(nnx_pure_dict(parts.params, keep_variables=True)),
                                nnx_pure_dict(parts.params), path_rules)
     warn_unknown_names(nnx_pure_dict(parts.params), logical)
+    _warn_short_names(nnx_pure_dict(parts.params), logical)
     stateful = bool(jax.tree.leaves(parts.carried))
     call_loss, loss_takes_rngs, loss_takes_train = _loss_caller(loss_fn)
     frozen = _frozen_mask(parts.params, wrt)
@@ -106,6 +107,8 @@ def from_nnx(
         else:
             module.eval()
         loss, aux = _loss_out(call_loss(module, batch, call.key, call.train))
+        if call.train and stateful:
+            _refuse_rows_in_cache(module)
         return loss, aux, parts.carried_of(module) if stateful else None
 
     uses_key = bool(jax.tree.leaves(parts.rngs)) or loss_takes_rngs
@@ -122,6 +125,47 @@ def _with_path_rules(logical: Any, abstract: Any, path_rules: rules_lib.PathRule
     ruled = rules_lib.logical_from_paths(abstract, path_rules)
     return jax.tree.map(lambda own, rule: rule if own is None else own, logical, ruled,
                         is_leaf=rules_lib.is_names)
+
+
+def _warn_short_names(abstract: Any, logical: Any) -> None:
+    """Names shorter than a parameter's rank name its leading dims (as in JAX and Flax). In NNX the
+    usual cause is a layer stack built by ``nnx.vmap`` without ``transform_metadata``: each kernel
+    keeps its per-layer names, so the stack axis takes the first one (``"embed"`` on the layers
+    dim, split by ZeRO or ``tp``) and every name lands one dim early. Say so, per tensor."""
+    short = [f"{rules_lib.path_str(path)} {tuple(leaf.shape)} {tuple(names)}"
+             for (path, leaf), names in zip(jax.tree_util.tree_leaves_with_path(abstract),
+                                            rules_lib.logical_leaves(abstract, logical))
+             if names is not None and 0 < len(names) < len(leaf.shape)]
+    if short:
+        warnings.warn(
+            f"from_nnx: these parameters have fewer logical names than dims, so the names are placed on their "
+            f"leading dims and the trailing ones stay unnamed: {rules_lib.listed(short, sep='; ')}. A layer stack "
+            "made with nnx.vmap keeps each layer's names unless the vmap adds the stack axis: write "
+            "nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: 'layers'}) (or begin the path_rules names "
+            "with 'layers'); if the trailing dims are meant unnamed, pad the names with None to the rank",
+            UserWarning, stacklevel=3)
+
+
+def _refuse_rows_in_cache(module: Any) -> None:
+    """An ``nnx.Cache`` written from the device's rows in training is a decoding cache (keys and
+    values for one batch): each device fills only its own rows and the step would then average the
+    caches over the batch axes into a tensor no single run computes. Refuse it, naming it."""
+    from flax import nnx
+
+    written = sorted("/".join(map(str, path)) for path, variable in nnx.to_flat_state(nnx.state(module, nnx.Cache))
+                     if _varies(variable.get_value()))
+    if written:
+        raise ValueError(
+            f"from_nnx: the training call wrote the device's rows into nnx.Cache {rules_lib.listed(written)}: a "
+            "decoding cache sized for one batch, which each device fills only in part. Train the module without "
+            "it (create the cache, init_cache, only on the copy that samples, after nnx.update with the trained "
+            "weights), or, for a running statistic of the rows, declare it an nnx.BatchStat or your own "
+            "nnx.Variable subclass (averaged over the batch axes after each step)")
+
+
+def _varies(value: Any) -> bool:
+    """Whether ``value`` differs between the step's devices (it was computed from their rows)."""
+    return bool(jax.typeof(value).manual_axis_type.varying)
 
 
 def _frozen_mask(params: Any, wrt: Any) -> Any:
