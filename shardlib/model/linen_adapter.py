@@ -117,6 +117,7 @@ def from_linen(
     *,
     inputs: Inputs | None = None,
     rng_streams: tuple[str, ...] = ("dropout",),
+    eval_rng_streams: tuple[str, ...] = (),
     capture: tuple[str, ...] = (),
     path_rules: rules_lib.PathRules = (),
 ) -> Model:
@@ -132,6 +133,10 @@ def from_linen(
     model draws nothing) and update every variable collection besides ``params`` (linen
     ``batch_stats``), which the train state carries; evaluation calls ``inputs(batch, False)``,
     with no rngs and the collections read-only. The module is initialised with ``train=False``.
+    ``eval_rng_streams`` (some of ``rng_streams``) are passed in evaluation too, for a loss that is
+    random by nature (a VAE's reparameterisation noise, a diffusion loss's timesteps and noise):
+    from a fixed key with the device's index folded in, so evaluation is the same on every call and
+    the devices' rows draw independent noise, as the Flax VAE example's fixed ``eval_rng``.
 
     ``path_rules`` (regex on the parameter's path, first match wins) name the parameters that carry
     no annotation, as big_vision / scenic modules do not: ``[(r"/(query|key|value)/kernel$", ("embed",
@@ -153,7 +158,7 @@ def from_linen(
         _check_mode_flags(module)
         inputs, example = _single_input, {"inputs": example}
     inputs = _checked_inputs(inputs)
-    capture = tuple(capture)
+    capture, eval_rng_streams = tuple(capture), _checked_eval_streams(eval_rng_streams, rng_streams)
 
     _check_call_arguments(module, *inputs(example, False))
 
@@ -166,7 +171,7 @@ def from_linen(
     logical = _logical_axes(boxed)
     boxed = {c: tree for c, tree in boxed.items() if c not in _axes_collections(boxed)}
     collections = _state_collections(boxed, capture)
-    apply_call = _Apply(module, rng_streams, collections, capture)
+    apply_call = _Apply(module, rng_streams, collections, capture, eval_rng_streams)
     scanned = _scanned_paths(apply_call, nn.unbox(boxed), inputs(example, False))
     logical = _with_layer_axes(_with_path_rules(logical, nn.unbox(boxed)["params"], path_rules, scanned), scanned)
     warn_unknown_names(nn.unbox(boxed)["params"], logical)
@@ -185,6 +190,17 @@ def from_linen(
     return Model(init=lambda key: nn.unbox(variables(key)["params"]), loss=_with_call(run, bool(collections)),
                  logical_axes=logical, apply=apply_call.outputs, gathers_params=True, gathers_on_read=True,
                  takes_call=True, uses_key=bool(rng_streams), init_state=init_state if collections else None)
+
+
+def _checked_eval_streams(eval_streams: tuple[str, ...], streams: tuple[str, ...]) -> tuple[str, ...]:
+    """``eval_rng_streams`` must be streams the module is given in training (a typo would otherwise
+    surface as Flax's missing-rng error in the first evaluation only)."""
+    unknown = [s for s in eval_streams if s not in streams]
+    if unknown:
+        raise ValueError(f"from_linen: eval_rng_streams names {unknown!r}, which rng_streams={streams!r} does not: "
+                         "list every stream the module draws from in rng_streams, and those evaluation draws "
+                         "from too in eval_rng_streams as well")
+    return tuple(eval_streams)
 
 
 def _axes_collections(boxed: dict[str, Any]) -> set[str]:
@@ -323,10 +339,13 @@ def _scanned_paths(apply_call: _Apply, abstract: dict[str, Any], example_call: t
 
     spec_free = jax.tree.map(lambda x: (None,) * x.ndim, abstract["params"])
     state = {c: abstract[c] for c in apply_call.collections} or None
+    # a key for every stream: a module that draws in eval mode too (a VAE's reparameterisation) is
+    # still inspected; whether evaluation may draw is `_Apply`'s to say, not this abstract call's
+    inspect = lambda s: Call(key=jax.random.key(0), state=s, train=False)
     seen: dict[str, int] = {}
     token = _SCANNED.set(seen)
     try:
-        jax.eval_shape(lambda p, s: apply_call(_gathered_on_read(p, spec_free, box_all=True), Call(state=s, train=False),
+        jax.eval_shape(lambda p, s: apply_call(_gathered_on_read(p, spec_free, box_all=True), inspect(s),
                                                *example_call), abstract["params"], state)
     finally:
         _SCANNED.reset(token)
@@ -371,14 +390,25 @@ class _Apply:
     mutable when training, captured collections fresh on every call) and as users call it."""
 
     def __init__(self, module: Any, rng_streams: tuple[str, ...], collections: tuple[str, ...],
-                 capture: tuple[str, ...]):
+                 capture: tuple[str, ...], eval_streams: tuple[str, ...] = ()):
         self.module, self.rng_streams, self.collections, self.capture = module, rng_streams, collections, capture
+        self.eval_streams = eval_streams
+
+    def _rngs(self, call: Any) -> dict[str, jax.Array] | None:
+        """The step's key split into the streams; evaluation (no key) passes only ``eval_streams``,
+        from `_EVAL_SEED` with this device's index folded in (as the step folds it into its key)."""
+        if call.key is not None:
+            return _stream_keys(call.key, self.rng_streams)
+        if call.train or not self.eval_streams:
+            return None
+        device_key = jax.random.fold_in(jax.random.key(_EVAL_SEED), hooks.row_index())
+        return {name: jax.random.fold_in(device_key, self.rng_streams.index(name)) for name in self.eval_streams}
 
     def __call__(self, params: Any, call: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
         """(outputs, new model state), outputs paired with the captured collections if any."""
         from flax.core import unfreeze
 
-        rngs = _stream_keys(call.key, self.rng_streams) if call.train and call.key is not None else None
+        rngs = self._rngs(call)
         state = dict(call.state or {})
         mutable = [*(self.collections if call.train else ()), *self.capture]
         keyed = rngs is not None or not self.rng_streams  # rng_streams=(): the step passes no key at all
@@ -406,13 +436,19 @@ class _Apply:
         return self.module.apply({"params": params, **(model_state or {})}, *args, **kwargs)
 
 
+# Evaluation's fixed seed for `eval_rng_streams`: the same draws on every call, as a fixed eval_rng.
+_EVAL_SEED = 0
+
 # Why a call had no rng for a stream, by the kind of call: what the error tells the user.
 _MISSING_RNG = {
     "training": "shardlib passes the streams rng_streams={streams!r} when training: name every stream the "
                 "module draws from, e.g. from_linen(..., rng_streams=('dropout', 'noise'))",
     "training without a key": "this call had no key (model.loss without a shardlib.model.Call): call "
                               "model.run(params, batch, specs, shardlib.model.Call(key=...))",
-    "evaluation": "evaluation (train=False) passes no rngs: draw random numbers only when training",
+    "evaluation": "evaluation (train=False) passes no rngs unless named: draw only when training (dropout), or, "
+                  "for a loss that is random in evaluation too (a VAE's reparameterisation, a diffusion loss's "
+                  "noise), name the stream in from_linen(..., eval_rng_streams=('noise',)), which evaluation "
+                  "then draws from a fixed key",
 }
 
 
