@@ -129,6 +129,8 @@ def global_mean(values: jax.Array, weights: jax.Array | None = None) -> jax.Arra
     shape must lead ``values``' (a (seq,) vector against (rows, seq) values is refused). Under
     ``grad_accum=K`` it is each microbatch's global mean, and the step averages the K of them; a
     microbatch with no weight anywhere contributes 0. Computed in float32, whatever ``values`` is.
+    Each device's value is its share, not the batch's mean: a statistic used inside the loss (PPO's
+    advantage mean and std) comes from ``gather_batch(x)`` instead.
     """
     values = jnp.asarray(values).astype(jnp.float32)  # sums in float32 (a bf16 psum also aborts XLA:CPU)
     weights = jnp.ones((), jnp.float32) if weights is None else jnp.asarray(weights).astype(jnp.float32)
