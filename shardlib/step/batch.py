@@ -38,6 +38,21 @@ class PerDevice:
 
     batch: Any
 
+    def __getattr__(self, name: str) -> Any:
+        """Only the step unwraps it (`local`): a loss handed one elsewhere (``pmap_step``, a call of
+        ``model.loss`` of your own) would fail on ``graphs.nodes`` naming no cause."""
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(_WRAPPED.format(name=name))
+
+    def __getitem__(self, key: Any) -> Any:
+        raise TypeError(_WRAPPED.format(name=key))
+
+
+_WRAPPED = ("{name!r}: this is a shardlib.per_device batch, which only program.step and program.evaluate hand to "
+            "the loss as each device's own; elsewhere pass the stacked batch's entries yourself "
+            "(jax.tree.map(lambda x: x[d], stacked))")
+
 
 def per_device(batch: Any) -> PerDevice:
     """Mark ``batch`` as already split per device: every leaf leads with the data-parallel device
