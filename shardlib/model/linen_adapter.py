@@ -167,12 +167,14 @@ def from_linen(
         rngs = {"params": key, **_stream_keys(jax.random.fold_in(key, 1), rng_streams)}
         return unfreeze(module.init(rngs, *args, **kwargs))
 
-    boxed = jax.eval_shape(variables, jax.random.key(0))
+    wrapped: set[str] = set()
+    with _noting_wrapped_layers(wrapped):
+        boxed = jax.eval_shape(variables, jax.random.key(0))
     logical = _logical_axes(boxed)
     boxed = {c: tree for c, tree in boxed.items() if c not in _axes_collections(boxed)}
     collections = _state_collections(boxed, capture)
     apply_call = _Apply(module, rng_streams, collections, capture, eval_rng_streams)
-    scanned = _scanned_paths(apply_call, nn.unbox(boxed), inputs(example, False))
+    scanned = _scanned_paths(apply_call, nn.unbox(boxed), inputs(example, False), wrapped)
     logical = _with_layer_axes(_with_path_rules(logical, nn.unbox(boxed)["params"], path_rules, scanned), scanned)
     warn_unknown_names(nn.unbox(boxed)["params"], logical)
 
@@ -180,7 +182,7 @@ def from_linen(
         args, kwargs = inputs(batch, call.train)
         # under the per-layer reduction, a scanned stack's whole parameters get their twins on read too
         stacked = scanned.keys() if hooks.reduces_per_layer() else ()
-        out, state = apply_call(_gathered_on_read(params, specs, also=stacked), call, args, kwargs)
+        out, state = apply_call(_gathered_on_read(params, specs, also=stacked, whole=wrapped), call, args, kwargs)
         loss, aux = _loss_out(loss_fn(out, batch))
         return loss, aux, state
 
@@ -263,17 +265,25 @@ def _sown_paths(tree: Any) -> list[str]:
     return found
 
 
-def _gathered_on_read(params: Any, specs: Any, box_all: bool = False, also: Collection[str] = ()) -> Any:
+def _gathered_on_read(params: Any, specs: Any, box_all: bool = False, also: Collection[str] = (),
+                      whole: Collection[str] = ()) -> Any:
     """Each parameter the step stores split over the batch axes (and those at the paths ``also``),
     boxed so that linen gathers it where a layer reads it (``self.param`` unboxes): ZeRO-3 one
     layer at a time, inside ``nn.scan`` and ``nn.remat`` too; the layerwise reduction of an
-    ``nn.scan`` stack's whole parameters inside the backward loop. ``specs`` None (no step): the
-    parameters as they are."""
+    ``nn.scan`` stack's whole parameters inside the backward loop. Parameters of the layers in
+    ``whole`` (`_noting_wrapped_layers`) are gathered here instead, never boxed. ``specs`` None (no
+    step): the parameters as they are."""
     if specs is None:
         return params
-    boxed = lambda path, spec: box_all or any(spec) or rules_lib.path_str(path) in also
-    box = lambda path, value, spec: (_GatherOnRead(value, rules_lib.path_str(path), tuple(spec))
-                                     if boxed(path, spec) else value)
+
+    def box(path, value, spec):
+        name = rules_lib.path_str(path)
+        if any(name.startswith(f"{layer}/") for layer in whole):
+            return _GatherOnRead(value, name, tuple(spec)).unbox() if any(spec) else value
+        if box_all or any(spec) or name in also:
+            return _GatherOnRead(value, name, tuple(spec))
+        return value
+
     carried = lambda x: hasattr(x, "residual")  # ZeRO++'s shard with its residual (hooks._fit reads it alike)
     return jax.tree_util.tree_map_with_path(box, params, specs, is_leaf=carried)
 
@@ -332,9 +342,11 @@ def _GatherOnRead(value: Any, path: str, spec: tuple) -> Any:  # noqa: N802 (a c
 _SCANNED: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar("linen_scanned", default=None)
 
 
-def _scanned_paths(apply_call: _Apply, abstract: dict[str, Any], example_call: tuple) -> dict[str, int]:
+def _scanned_paths(apply_call: _Apply, abstract: dict[str, Any], example_call: tuple,
+                   wrapped: Collection[str] = ()) -> dict[str, int]:
     """Parameter path -> the axis a linen transform (``nn.scan``) slices it along, from one abstract
-    evaluation call with every parameter boxed (`_GatherOnRead.remove_axis` notes each)."""
+    evaluation call with every parameter boxed but those of ``wrapped`` layers (`_GatherOnRead.remove_axis`
+    notes each)."""
     from shardlib.model.adapters import Call
 
     spec_free = jax.tree.map(lambda x: (None,) * x.ndim, abstract["params"])
@@ -345,7 +357,7 @@ def _scanned_paths(apply_call: _Apply, abstract: dict[str, Any], example_call: t
     seen: dict[str, int] = {}
     token = _SCANNED.set(seen)
     try:
-        jax.eval_shape(lambda p, s: apply_call(_gathered_on_read(p, spec_free, box_all=True), inspect(s),
+        jax.eval_shape(lambda p, s: apply_call(_gathered_on_read(p, spec_free, box_all=True, whole=wrapped), inspect(s),
                                                *example_call), abstract["params"], state)
     finally:
         _SCANNED.reset(token)
@@ -495,6 +507,24 @@ def _logical_constraints() -> Iterator[None]:
     from flax import linen as nn
 
     with nn.logical_axis_rules(rules):
+        yield
+
+
+@contextlib.contextmanager
+def _noting_wrapped_layers(found: set[str]) -> Iterator[None]:
+    """Adds to ``found`` the path of every layer an ``nn.SpectralNorm`` / ``nn.WeightNorm`` wraps.
+    Those read the layer's variables through ``map_variables``, which walks the raw tree (a box's
+    fields included: Flax's ``dict_key.key`` then fails on the box) and normalises what it finds,
+    which must be the whole weight, not a shard: `_gathered_on_read` gathers them before the call."""
+    from flax import linen as nn
+
+    def note(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        if isinstance(context.module, (nn.SpectralNorm, nn.WeightNorm)) and context.method_name == "__call__":
+            found.add("/".join(context.module.layer_instance.path))
+        return out
+
+    with nn.intercept_methods(note):
         yield
 
 
