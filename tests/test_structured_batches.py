@@ -4,8 +4,9 @@ A graph network in the jraph / Flax ogbg-molpcba style: a padded ``GraphsTuple``
 nodes, edges and graphs apart, message passing with ``jax.ops.segment_sum``, a loss masked by a
 graph mask. No row split keeps such a batch whole, so the user pads one batch per device and
 passes the stack as `shardlib.per_device`, as a ``jax.pmap`` loop does; a plain ``GraphsTuple`` is
-refused. A PPO actor-critic (purejaxrl style) normalises its advantages over the whole batch,
-which each device sees a part of: `shardlib.gather_batch` makes the statistics the batch's.
+refused, and so are int64 values (hashed ids) that JAX would wrap to int32 without a word. A PPO
+actor-critic (purejaxrl style) normalises its advantages over the whole batch, which each device
+sees a part of: `shardlib.gather_batch` makes the statistics the batch's.
 
 Each is compared with a plain ``jax.jit(jax.value_and_grad)`` + optax loop on one device
 (`tests.zoo.plain_steps`) over every device's data, with no shardlib code.
@@ -106,7 +107,7 @@ def each_devices_graphs_loss(params, stacked: GraphsTuple, grad_accum: int) -> j
 
 
 @pytest.mark.parametrize("strategy, sizes, grad_accum", [("dp", {"data": DEVICES}, 2), ("zero2", {"fsdp": DEVICES}, 1)])
-def test_padded_graphs_per_device_train_like_one_device_over_each_devices_graphs(strategy, sizes, grad_accum):
+def test_padded_graphs_per_device_train_like_one_device_and_broken_batches_are_refused(strategy, sizes, grad_accum):
     model = from_functions(lambda key: GNN.init(key, padded_graphs(np.random.default_rng(9)))["params"], gnn_loss)
     program = build(model, optimizer(), make_layout(model, strategy, make_mesh(sizes)), grad_accum=grad_accum)
     state = program.init(jax.random.key(0))
@@ -129,6 +130,9 @@ def test_padded_graphs_per_device_train_like_one_device_over_each_devices_graphs
         program.step(state, padded_graphs(np.random.default_rng(0)))
     with pytest.raises(ValueError, match=rf"per_device batch 'nodes' has shape \(4, {N_NODE}, 6\).* {DEVICES * grad_accum} "):
         program.step(state, shardlib.per_device(stacked_graphs(0, 4)))
+    hashed = batches[0]._replace(n_edge=batches[0].n_edge.astype(np.int64) + 5_000_000_000)  # int64 ids, as hashed
+    with pytest.raises(ValueError, match=r"'n_edge' holds int64 values such as 5000000\d+, which JAX stores as int32"):
+        program.step(state, shardlib.per_device(hashed))
 
 
 # ---- PPO, as purejaxrl writes it -------------------------------------------------------------

@@ -172,6 +172,8 @@ def _check_leaf(name: str, x: Any) -> None:
         raise TypeError(f"batch {name!r} is a numpy array of dtype {x.dtype}, which JAX cannot hold (numbers and "
                         "bools only): drop it from the batch (a datasets column of text or ids: remove_columns, or "
                         f"with_format('numpy', columns=[...])), or encode it as numbers")
+    if isinstance(x, (np.ndarray, np.generic)):
+        _refuse_wrapping_ints(name, x)
     if isinstance(x, (np.ndarray, jax.Array, jax.ShapeDtypeStruct) + _NUMBER):
         return
     package = type(x).__module__.split(".")[0]
@@ -181,6 +183,22 @@ def _check_leaf(name: str, x: Any) -> None:
                         f"{name!r} (x.numpy() for a torch or TensorFlow tensor, return_tensors='np' from a tokenizer)")
     raise TypeError(f"batch {name!r} is a {kind}; a batch holds arrays (numpy or jax) and "
                     "scalars only: keep other values out of it (close over them in the loss)")
+
+
+def _refuse_wrapping_ints(name: str, x: np.ndarray | np.generic) -> None:
+    """Without jax_enable_x64, JAX stores int64 as int32 and wraps larger values without a word: a
+    recommender's hashed ids (``5_000_000_123 % 50_000`` is 123, wrapped it is 32827) would silently
+    look up other rows. Refuse values the 32-bit dtype cannot hold."""
+    if x.dtype.kind not in "iu" or not x.size:
+        return
+    held = np.iinfo(jax.dtypes.canonicalize_dtype(x.dtype))
+    low, high = np.min(x), np.max(x)
+    if low < held.min or high > held.max:
+        bad = high if high > held.max else low
+        raise ValueError(f"batch {name!r} holds {x.dtype} values such as {bad}, which JAX stores as {held.dtype} "
+                         f"(jax_enable_x64 is off) by wrapping them silently ({bad} becomes {bad.astype(held.dtype)}): "
+                         f"reduce them on the host first (ids % table_size for hashed ids), or turn on "
+                         "jax.config.update('jax_enable_x64', True)")
 
 
 def _first_rows(rows: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -267,16 +285,15 @@ def check(layout: Layout, batch: Any, microbatches: int = 1) -> None:
     """Refuse a batch the step cannot split: leaves that are not arrays, leaves whose row counts
     differ, rows the data-parallel devices (x microbatches) cannot split evenly, a graph batch
     split by rows, a ``per_device`` part without one entry per device (x microbatches)."""
-    leaves = _leaves(batch)
-    _check_pipelined(layout, batch, leaves)
-    for name, x in leaves:
+    _check_pipelined(layout, batch, _leaves(batch))
+    rows, devices = _parts(batch)  # per_device leaves named by their path inside the part
+    for name, x in rows + devices:
         _check_leaf(name, x)
-    rows, devices = _parts(batch)
     _refuse_split_graphs(rows, layout)
     # the divisibility message is the one the CLI's batches get
     layout.check_batch(_first_rows(rows), microbatches=microbatches)
     _check_per_device(layout, devices, microbatches)
-    _warn_keys(leaves)
+    _warn_keys(rows + devices)
 
 
 def _check_pipelined(layout: Layout, batch: Any, leaves: list[tuple[str, Any]]) -> None:
