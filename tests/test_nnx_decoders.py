@@ -138,25 +138,73 @@ def users_own_loop(model, batches):
     return [float(train_step(model, opt, batch)) for batch in batches]
 
 
+def user_module_holding(state):
+    """The user's module over the train state's initial weights (jit's draws, to the last bit)."""
+    with nnx.use_eager_sharding(False):
+        module = nnx.eval_shape(lambda: Decoder(rngs=nnx.Rngs(0)))
+    nnx.update(module, nnx.State(_host(state.params)), nnx.State(_host(state.model_state)))
+    return module
+
+
 def test_scanned_gemma_with_its_own_names_trains_under_fsdp_tp_like_its_nnx_optimizer_loop():
     """The user's names mapped by their rule table: heads and kv_heads split over `tensor`, the
     stack axis never split; the trajectory is the user's own loop's. A stack whose vmap does not
     record its axis leaves every kernel one name short: warned, per tensor, with what to write."""
-    with nnx.use_eager_sharding(False):
-        held = Decoder(rngs=nnx.Rngs(0))
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="from_nnx: these parameters have fewer logical names")
-        model = from_nnx(nnx.clone(held), loss_fn)
+        model = from_nnx(Decoder, loss_fn)
     layout = make_layout(model, get_strategy("fsdp_tp").with_logical_rules(USER_RULES),
                          make_mesh({"fsdp": 4, "tensor": 2}))
     attn = layout.param_shardings()["layers"]["attn"]
     assert attn["q_einsum"]["kernel"].spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
     assert attn["kv_einsum"]["kernel"].spec == jax.sharding.PartitionSpec(None, None, "fsdp", "tensor", None)
     program, batches = build(model, optimizer(), layout), token_batches()
-    state, losses = _train(program, program.init(jax.random.key(0)), batches)
+    state = program.init(jax.random.key(0))
+    held = user_module_holding(state)
+    state, losses = _train(program, state, batches)
     np.testing.assert_allclose(losses, users_own_loop(held, batches), rtol=1e-5)
     _assert_close(_host(state.params), nnx.to_pure_dict(nnx.state(held, nnx.Param)))
     assert int(state.model_state["steps"]) == int(held.steps[...]) == STEPS
     with pytest.warns(UserWarning, match=r"layers/attn/q_einsum/kernel \(2, 32, 4, 8\) \('embed', 'q_heads', "
                                          r"'head_dim'\).*transform_metadata=\{nnx.PARTITION_NAME: 'layers'\}"):
         from_nnx(lambda rngs: Decoder(rngs=rngs, stack_axis_named=False), loss_fn)
+
+
+class CachedAttention(Attention):
+    """Attention whose keys and values go into an ``nnx.Cache`` once ``init_cache`` made one (for
+    sampling), as NNX decoders write it."""
+
+    def init_cache(self, batch_size):
+        self.cache_k = nnx.Cache(jnp.zeros((batch_size, SEQ, KV_HEADS, HEAD_DIM)))
+        self.cache_v = nnx.Cache(jnp.zeros((batch_size, SEQ, KV_HEADS, HEAD_DIM)))
+        self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
+
+    def __call__(self, x, positions):
+        if hasattr(self, "cache_k"):
+            k, v = self.kv_einsum(x)
+            self.cache_k[...], self.cache_v[...] = k, v
+            self.cache_index[...] += x.shape[1]
+        return super().__call__(x, positions)
+
+
+class CachedLM(nnx.Module):
+    def __init__(self, *, rngs):
+        self.embedder = nnx.Embed(VOCAB, D, rngs=rngs)
+        self.attn = CachedAttention(rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.embedder.attend(self.attn(self.embedder(tokens), jnp.arange(tokens.shape[1])))
+
+
+def test_a_decoding_cache_written_in_training_is_refused_by_path():
+    """Each device would fill only its own rows of a cache sized for the whole batch, and the step
+    would average the caches over the devices: refused, naming the caches (the index, written from
+    no rows, is not)."""
+    with nnx.use_eager_sharding(False):
+        held = CachedLM(rngs=nnx.Rngs(0))
+    held.attn.init_cache(ROWS)  # the user sampled with this instance before fine-tuning it
+    model = from_nnx(held, loss_fn)
+    program = build(model, optimizer(), make_layout(model, "dp", make_mesh({"data": 8})))
+    with pytest.raises(ValueError, match=r"wrote the device's rows into nnx.Cache attn/cache_k, attn/cache_v: a "
+                                         r"decoding cache .* Train the module without it"):
+        program.step(program.init(jax.random.key(0)), token_batches(1)[0])
