@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import linen as nn
-from flax import traverse_util
+from flax import jax_utils, traverse_util
 from flax.training import common_utils, train_state
 
 from shardlib import build, from_linen, make_layout, make_mesh
@@ -76,8 +76,9 @@ def _imagenet_train_step(state, batch):
 
 
 def test_a_flax_train_state_with_batch_stats_ports_with_its_metrics_and_schedule():
-    """init_from takes the TrainState's params and bare batch_stats; the loss's accuracy and the
-    schedule's rate come back as metrics; synchronised BatchNorm under zero3 trains like the loop."""
+    """init_from takes the TrainState's params and bare batch_stats (a whole or pmap-replicated state
+    is refused with the call to write); the loss's accuracy and the schedule's rate come back as
+    metrics; synchronised BatchNorm under zero3 trains like the loop."""
     variables = jax.jit(lambda key: _CNN().init(key, jnp.ones((1, 8, 8, 1)), train=False))(jax.random.key(0))
     start = _TrainState.create(apply_fn=_CNN().apply, params=variables["params"], tx=_sgd(),
                                batch_stats=variables["batch_stats"])
@@ -95,7 +96,8 @@ def test_a_flax_train_state_with_batch_stats_ports_with_its_metrics_and_schedule
     program = build(model, _sgd(), layout, axis_name="batch", lr_schedule=_SCHEDULE)
     for whole, call in [(start, r"init_from\(state.params, model_state=\{'batch_stats': state.batch_stats\}\)"),
                         (variables, r"init_from\(variables\['params'\], model_state=\{'batch_stats': "
-                                    r"variables\['batch_stats'\]\}\)")]:
+                                    r"variables\['batch_stats'\]\}\)"),
+                        (jax_utils.replicate(start).params, r"jax_utils.unreplicate\(state\).params")]:
         with pytest.raises(ValueError, match=call):
             program.init_from(whole)
     state = program.init_from(start.params, model_state=start.batch_stats)

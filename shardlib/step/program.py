@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -75,10 +76,13 @@ class TrainProgram:
         ``jax.random.key(0)``) seeds the dropout stream."""
         key = jax.random.key(0) if key is None else key
         _refuse_whole_flax_state(params, self.model)
+        _refuse_replicated(_pure(params), self.model.abstract(), "params")
         params = like_model(_pure(params), self.model.abstract(), "parameters")
         if model_state is not None:
             expected = abstract_model_state(self.model)
-            model_state = like_model(_one_entry(_pure(model_state), expected), expected, "model_state")
+            model_state = _one_entry(_pure(model_state), expected)
+            _refuse_replicated(model_state, expected, "batch_stats")
+            model_state = like_model(model_state, expected, "model_state")
             model_state = jax.device_put(model_state, self.state_sharding.model_state)
         elif self.model.init_state is not None:
             warnings.warn("init_from without model_state=: the model's state (BatchNorm statistics, counters) starts "
@@ -133,6 +137,20 @@ def _refuse_whole_flax_state(given: Any, model: Model) -> None:
         return
     raise ValueError(f"init_from takes the parameters, and got {what}: write program.{call}; its optimizer state is "
                      "not carried over (init_from builds this program's own from the weights)")
+
+
+def _refuse_replicated(given: Any, expected: Any, field: str) -> None:
+    """Every leaf with one extra leading axis of the same size is a pmap script's
+    ``flax.jax_utils.replicate``'d state, one copy per device: name it and the fix, where matching
+    by path would call every tensor misshapen."""
+    shapes = [tuple(np.shape(leaf)) for leaf in jax.tree.leaves(given)]
+    wanted = [tuple(leaf.shape) for leaf in jax.tree.leaves(expected)]
+    copies = {shape[:1] for shape in shapes}
+    if not all(shapes) or len(copies) != 1 or [shape[1:] for shape in shapes] != wanted:
+        return
+    raise ValueError(f"init_from: every tensor given has a leading axis of {copies.pop()[0]} the model's has not: "
+                     f"a jax.pmap script's replicated state (flax.jax_utils.replicate); pass one copy, "
+                     f"flax.jax_utils.unreplicate(state).{field} (or jax.tree.map(lambda x: x[0], ...))")
 
 
 def _has_top_level(tree: Any, key: str) -> bool:
