@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import linen as nn
+from flax.core import freeze
 from flax import jax_utils, traverse_util
 from flax.training import common_utils, train_state
 
@@ -156,7 +157,8 @@ def _frozen_embeddings_adamw(params):
 
 def test_a_huggingface_style_fine_tune_with_frozen_embeddings_and_multi_steps_ports_to_from_linen():
     """from_linen on ``model.module`` + ``init_from(model.params)`` trains as the user's loop does;
-    the rate reported is the one MultiSteps' update applies (its schedule runs on updates)."""
+    the rate reported is the one MultiSteps' update applies (its schedule runs on updates); a mask
+    built over FrozenDict params is refused with the fix."""
     pretrained = _PreTrained(seed=3)
     rng = np.random.default_rng(1)
     batches = [{"input_ids": rng.integers(0, 64, size=(ROWS, 8)).astype(np.int32),
@@ -174,6 +176,10 @@ def test_a_huggingface_style_fine_tune_with_frozen_embeddings_and_multi_steps_po
                        inputs=lambda b, train: ((b["input_ids"], b["attention_mask"]), {"deterministic": not train}))
     program = build(model, _frozen_embeddings_adamw(pretrained.params),
                     make_layout(model, "zero2", make_mesh({"data": 2, "fsdp": 4})), lr_schedule=_LINEAR)
+    decay_on_kernels = jax.tree.map(lambda w: w.ndim > 1, freeze(pretrained.params))  # as older HF params are
+    with pytest.raises(ValueError, match="FrozenDict") as refused:
+        build(model, optax.adamw(1e-3, mask=decay_on_kernels), program.layout)
+    assert "flax.core.unfreeze(tree)" in refused.value.__notes__[-1]
     state, losses, rates = program.init_from(pretrained.params), [], []
     for batch in batches:
         state, metrics = program.step(state, batch)

@@ -16,10 +16,11 @@ the parts receive; the train state and its shardings are `shardlib.step.state`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -260,7 +261,8 @@ def build(
                                     schedule=schedule, stage_layers=stage_layers)
     placement = offload_lib.get_offload(offload)
     offload_lib.check_backend(placement, layout.mesh.devices.flat)
-    sharding = state_sharding(model, tx, layout, policy, reducer, placement)
+    with _optimizer_trees_noted(model):
+        sharding = state_sharding(model, tx, layout, policy, reducer, placement)
     update = update_lib.Update(tx, policy, layout.state_shardings(), layout.param_shardings(), lr_schedule,
                                offloaded=opt_state_sharding(model, tx, layout) if placement.opt_state else None,
                                gather_bucket_bytes=buckets_lib.checked_limit("gather_bucket_bytes", gather_bucket_bytes))
@@ -273,6 +275,24 @@ def build(
     return TrainProgram(model, tx, layout, staleness_lib.with_queue(init, tau, layout, reducer, queued),
                         _CheckedStep(step, layout, microbatches, queued), _eval_step(layout, provider, model), queued,
                         transient_initializer(model, layout, policy, reducer, sharding))
+
+
+@contextlib.contextmanager
+def _optimizer_trees_noted(model: Model) -> Iterator[None]:
+    """``tx.init`` over the model's parameters: a mask or label tree built over other containers
+    (a ``FrozenDict``, as older HuggingFace-Flax ``model.params`` are, where the adapters' parameters
+    are plain dicts) fails in JAX with a pytree error naming neither the optimizer nor the fix."""
+    try:
+        yield
+    except ValueError as err:
+        if "pytree structure" in str(err):
+            top = type(model.abstract()).__name__
+            err.add_note(f"shardlib: build's tx.init over the model's parameters ({top} containers) failed: a tree your "
+                         "optimizer holds (optax.masked / add_decayed_weights mask=, multi_transform labels) must have "
+                         "the parameters' containers; build it from a function of the parameters "
+                         "(mask=lambda params: ..., labels as a function), or with flax.core.unfreeze(tree) "
+                         "when it was made from a FrozenDict")
+        raise
 
 
 def _weight_gather(weight_gather: str, method: compression_lib.Compression, reducer: reduce_lib.Reducer,
