@@ -16,7 +16,7 @@ import optax
 import pytest
 from flax import nnx
 
-from shardlib import build, from_nnx, get_strategy, make_layout, make_mesh
+from shardlib import build, from_nnx, gather_layer, get_strategy, make_layout, make_mesh
 from tests.helpers import optimizer
 from tests.test_user_models import _assert_close, _host, _train
 
@@ -196,10 +196,36 @@ class CachedLM(nnx.Module):
         return self.embedder.attend(self.attn(self.embedder(tokens), jnp.arange(tokens.shape[1])))
 
 
-def test_a_decoding_cache_written_in_training_is_refused_by_path():
+class UnnamedStack(nnx.Module):
+    """An unannotated vmap stack whose only dim `fsdp` divides is the layer axis (8 layers of 12 x
+    100 kernels), scanned with each layer gathered (``gathers_params=True``)."""
+
+    def __init__(self, *, rngs):
+        @nnx.split_rngs(splits=8)
+        @nnx.vmap(in_axes=0, out_axes=0)
+        def stack(rngs):
+            return nnx.Sequential(nnx.Linear(12, 100, use_bias=False, rngs=rngs), nnx.gelu,
+                                  nnx.Linear(100, 12, use_bias=False, rngs=rngs))
+
+        self.layers = stack(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(x, layer):
+            return x + gather_layer(layer)(x)
+
+        return forward(x, self.layers)
+
+
+def regression_loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def test_a_written_decoding_cache_and_a_split_layer_axis_are_refused_by_path():
     """Each device would fill only its own rows of a cache sized for the whole batch, and the step
     would average the caches over the devices: refused, naming the caches (the index, written from
-    no rows, is not)."""
+    no rows, is not). A stack whose layer axis ZeRO's fallback split would scan each device's own
+    layers only: refused, saying how to name the axis; so named, it trains like the module itself."""
     with nnx.use_eager_sharding(False):
         held = CachedLM(rngs=nnx.Rngs(0))
     held.attn.init_cache(ROWS)  # the user sampled with this instance before fine-tuning it
@@ -208,3 +234,18 @@ def test_a_decoding_cache_written_in_training_is_refused_by_path():
     with pytest.raises(ValueError, match=r"wrote the device's rows into nnx.Cache attn/cache_k, attn/cache_v: a "
                                          r"decoding cache .* Train the module without it"):
         program.step(program.init(jax.random.key(0)), token_batches(1)[0])
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(16, 12)).astype(np.float32), "y": rng.normal(size=(16, 12)).astype(np.float32)}
+    unnamed = from_nnx(UnnamedStack, regression_loss, gathers_params=True)
+    program = build(unnamed, optax.sgd(0.1), make_layout(unnamed, "zero3", make_mesh({"fsdp": 8})))
+    with pytest.raises(ValueError, match=r"gather_layer: layers/layers/0/kernel is one layer of a stack whose layer "
+                                         r"axis \(dim 0\) is split over 'fsdp'.*path_rules"):
+        program.step(program.init(jax.random.key(0)), batch)
+    named = from_nnx(UnnamedStack, regression_loss, gathers_params=True, path_rules=[(r"^layers/", ("layers",))])
+    layout = make_layout(named, "zero3", make_mesh({"fsdp": 8}))
+    assert layout.param_shardings()["layers"]["layers"][0]["kernel"].spec[0] is None
+    program = build(named, optax.sgd(0.1), layout)
+    state = program.init(jax.random.key(0))
+    module = nnx.eval_shape(lambda: UnnamedStack(rngs=nnx.Rngs(0)))
+    nnx.update(module, nnx.State(_host(state.params)))
+    np.testing.assert_allclose(float(program.step(state, batch)[1]["loss"]), regression_loss(module, batch), rtol=1e-6)

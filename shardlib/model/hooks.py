@@ -310,6 +310,12 @@ def _fit(path: str, spec: Sequence[Any], value: jax.Array) -> tuple:
     """``spec`` for ``value``: a slice of a scanned stack drops the leading 'layers' entry."""
     spec, value = tuple(spec), (value.value if hasattr(value, "residual") else value)  # carried: the shard
     if len(spec) == value.ndim + 1:
+        if spec[0] is not None:  # each device would scan only the layers of its own shard
+            raise ValueError(
+                f"gather_layer: {path} is one layer of a stack whose layer axis (dim 0) is split over {spec[0]!r}; "
+                "name that axis 'layers', which no strategy splits: nnx.vmap(..., transform_metadata="
+                "{nnx.PARTITION_NAME: 'layers'}) for annotated layers, else from_nnx(..., path_rules=[(r'^layers/', "
+                "('layers',))]) with your stack's path")
         spec = spec[1:]
     if len(spec) != value.ndim:
         raise ValueError(f"gather_layer: {path} has spec {spec}, which does not fit a value of shape {value.shape}")

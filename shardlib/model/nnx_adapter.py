@@ -127,15 +127,19 @@ def _with_path_rules(logical: Any, abstract: Any, path_rules: rules_lib.PathRule
                         is_leaf=rules_lib.is_names)
 
 
+STACK_AXIS = "layers"  # the logical name of a scanned stack's layer axis, which no strategy splits
+
+
 def _warn_short_names(abstract: Any, logical: Any) -> None:
     """Names shorter than a parameter's rank name its leading dims (as in JAX and Flax). In NNX the
     usual cause is a layer stack built by ``nnx.vmap`` without ``transform_metadata``: each kernel
     keeps its per-layer names, so the stack axis takes the first one (``"embed"`` on the layers
-    dim, split by ZeRO or ``tp``) and every name lands one dim early. Say so, per tensor."""
+    dim, split by ZeRO or ``tp``) and every name lands one dim early. Say so, per tensor; names of
+    the stack axis alone (``path_rules`` ``("layers",)`` on an unannotated stack) are meant so."""
     short = [f"{rules_lib.path_str(path)} {tuple(leaf.shape)} {tuple(names)}"
              for (path, leaf), names in zip(jax.tree_util.tree_leaves_with_path(abstract),
                                             rules_lib.logical_leaves(abstract, logical))
-             if names is not None and 0 < len(names) < len(leaf.shape)]
+             if names is not None and 0 < len(names) < len(leaf.shape) and set(names) - {STACK_AXIS, None}]
     if short:
         warnings.warn(
             f"from_nnx: these parameters have fewer logical names than dims, so the names are placed on their "
