@@ -76,17 +76,20 @@ def _imagenet_train_step(state, batch):
     return state.apply_gradients(grads=grads, batch_stats=new_model_state["batch_stats"]), metrics
 
 
-def test_a_flax_train_state_with_batch_stats_ports_with_its_metrics_and_schedule():
-    """init_from takes the TrainState's params and bare batch_stats (a whole or pmap-replicated state
-    is refused with the call to write); the loss's accuracy and the schedule's rate come back as
-    metrics; synchronised BatchNorm under zero3 trains like the loop."""
+def test_a_flax_train_state_run_continues_with_its_statistics_optimizer_state_metrics_and_schedule():
+    """init_from takes the TrainState's fields (bare ``batch_stats``; ``opt_state`` and ``step`` to go
+    on with its momentum and schedule; a whole or pmap-replicated state is refused with the call to
+    write); accuracy and the schedule's rate come back as metrics; synchronised BatchNorm under
+    zero3 trains like the script's loop."""
     variables = jax.jit(lambda key: _CNN().init(key, jnp.ones((1, 8, 8, 1)), train=False))(jax.random.key(0))
-    start = _TrainState.create(apply_fn=_CNN().apply, params=variables["params"], tx=_sgd(),
-                               batch_stats=variables["batch_stats"])
-    batches, expected, theirs = _image_batches(), [], start
+    theirs = _TrainState.create(apply_fn=_CNN().apply, params=variables["params"], tx=_sgd(),
+                                batch_stats=variables["batch_stats"])
+    batches, expected = _image_batches(), []
     for batch in batches:
         theirs, metrics = _imagenet_train_step(theirs, batch)
         expected.append(jax.device_get(metrics))
+        if len(expected) == 1:
+            midway = theirs  # the script's state after its first step: the port goes on from there
 
     def loss_fn(logits, batch):
         return _xent(logits, batch["label"]), {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"])}
@@ -95,21 +98,24 @@ def test_a_flax_train_state_with_batch_stats_ports_with_its_metrics_and_schedule
                        inputs=lambda batch, train: ((batch["image"],), {"train": train}))
     layout = make_layout(model, "zero3", make_mesh({"data": 2, "fsdp": 4}))
     program = build(model, _sgd(), layout, axis_name="batch", lr_schedule=_SCHEDULE)
-    for whole, call in [(start, r"init_from\(state.params, model_state=\{'batch_stats': state.batch_stats\}\)"),
+    for whole, call in [(midway, r"init_from\(state.params, model_state=\{'batch_stats': state.batch_stats\}, "
+                                 r"opt_state=state.opt_state, step=state.step\)"),
                         (variables, r"init_from\(variables\['params'\], model_state=\{'batch_stats': "
                                     r"variables\['batch_stats'\]\}\)"),
-                        (jax_utils.replicate(start).params, r"jax_utils.unreplicate\(state\).params")]:
+                        (jax_utils.replicate(midway).params, r"jax_utils.unreplicate\(state\).params")]:
         with pytest.raises(ValueError, match=call):
             program.init_from(whole)
-    state = program.init_from(start.params, model_state=start.batch_stats)
-    for batch, want in zip(batches, expected):
+    state = program.init_from(midway.params, model_state=midway.batch_stats, opt_state=midway.opt_state,
+                              step=midway.step)
+    for batch, want in zip(batches[1:], expected[1:]):
         state, metrics = program.step(state, batch)
         np.testing.assert_allclose(metrics["loss"], want["loss"], rtol=1e-5)
         assert float(metrics["accuracy"]) == float(want["accuracy"])  # k / 16: exact
-        np.testing.assert_allclose(metrics["lr"], want["learning_rate"], rtol=1e-6)
+        np.testing.assert_allclose(metrics["lr"], want["learning_rate"], rtol=1e-6)  # the schedule goes on
     compare = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=PARAM_ATOL)
     jax.tree.map(compare, state.params, theirs.params)
     jax.tree.map(compare, state.model_state["batch_stats"], theirs.batch_stats)
+    jax.tree.map(compare, state.opt_state, theirs.opt_state)  # momentum and the schedule's count
 
 
 class _Encoder(nn.Module):

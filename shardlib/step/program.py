@@ -68,13 +68,17 @@ class TrainProgram:
     def mesh(self):
         return self.layout.mesh
 
-    def init_from(self, params: Any, key: jax.Array | None = None, model_state: Any = None) -> TrainState:
+    def init_from(self, params: Any, key: jax.Array | None = None, model_state: Any = None, opt_state: Any = None,
+                  step: Any = None) -> TrainState:
         """A train state that starts from weights you already have (pretrained, `load_exported`, a
         ``TrainState.create``'s params, ``nnx.state(model, nnx.Param)``) instead of the model's init:
         each placed straight into its shards and cast to the master dtype, with a fresh optimizer
         state built from them, as ``init`` builds it. ``model_state`` (BatchNorm statistics) is kept
-        when given, else the model's own init of it, with a warning. ``key`` (default
-        ``jax.random.key(0)``) seeds the dropout stream."""
+        when given (a Flax ``TrainState``'s ``batch_stats`` as it is: a tree that fits the model's
+        one state collection is that collection), else the model's own init of it, with a warning.
+        ``opt_state`` and ``step`` (a one-device run's ``state.opt_state`` and ``state.step``, of
+        the same optimizer) continue that run instead: moments, schedule counts and step number.
+        ``key`` (default ``jax.random.key(0)``) seeds the dropout stream."""
         key = jax.random.key(0) if key is None else key
         _refuse_whole_flax_state(params, self.model)
         _refuse_replicated(_pure(params), self.model.abstract(), "params")
@@ -89,7 +93,8 @@ class TrainProgram:
             warnings.warn("init_from without model_state=: the model's state (BatchNorm statistics, counters) starts "
                           "from its own init, not from the weights' run; pass model_state= to keep it", UserWarning,
                           stacklevel=2)
-        return self.init(key, jax.device_put(params, self.layout.param_shardings()), model_state)
+        state = self.init(key, jax.device_put(params, self.layout.param_shardings()), model_state)
+        return _continued(state, opt_state, step, self.state_sharding)
 
     def abstract_state(self) -> TrainState:
         """ShapeDtypeStructs (with shardings) of the train state: for planning and restoring."""
@@ -112,6 +117,20 @@ def _pure(tree: Any) -> Any:
     return tree.to_pure_dict() if callable(getattr(tree, "to_pure_dict", None)) else tree
 
 
+def _continued(state: TrainState, opt_state: Any, step: Any, sharding: TrainState) -> TrainState:
+    """``state`` with another run's optimizer state and step number, each leaf matched by path
+    (optax's state of the same chain over the same parameters), placed in its shards in its dtype."""
+    if opt_state is not None:
+        _refuse_replicated(opt_state, state.opt_state, "opt_state")
+        given = like_model(opt_state, state.opt_state, "optimizer state")
+        placed = jax.device_put(given, sharding.opt_state)
+        state = dataclasses.replace(state, opt_state=jax.tree.map(lambda x, a: x.astype(a.dtype), placed,
+                                                                     state.opt_state))
+    if step is not None:
+        state = dataclasses.replace(state, step=jax.device_put(np.asarray(step, np.int32), sharding.step))
+    return state
+
+
 def _one_entry(given: Any, expected: Any) -> Any:
     """``{"batch_stats": given}`` when the model's state has that one top-level entry and ``given`` is
     exactly its tree: a Flax ``TrainState`` holds ``state.batch_stats`` without the collection's name,
@@ -128,16 +147,17 @@ def _refuse_whole_flax_state(given: Any, model: Model) -> None:
     collections = list(abstract_model_state(model) or {})
     if hasattr(given, "params") and hasattr(given, "opt_state"):
         held = [c for c in collections if hasattr(given, c)]
-        rest = (f"{{{', '.join(f'{c!r}: state.{c}' for c in held)}}}" if held else "state.model_state")
-        call, what = "init_from(state.params" + (f", model_state={rest})" if collections else ")"), "a whole train state"
-    elif isinstance(given, Mapping) and "params" in given and not _has_top_level(model.abstract(), "params"):
-        rest = f"{{{', '.join(f'{c!r}: variables[{c!r}]' for c in collections)}}}"
-        call, what = "init_from(variables['params']" + (f", model_state={rest})" if collections else ")"), \
-            f"module.init's whole variables (collections {', '.join(map(repr, given))})"
-    else:
-        return
-    raise ValueError(f"init_from takes the parameters, and got {what}: write program.{call}; its optimizer state is "
-                     "not carried over (init_from builds this program's own from the weights)")
+        kept = f"{{{', '.join(f'{c!r}: state.{c}' for c in held)}}}" if held else "state.model_state"
+        state_arg = f", model_state={kept}" if collections else ""
+        raise ValueError(f"init_from takes the parameters, and got a whole train state: write "
+                         f"program.init_from(state.params{state_arg}, opt_state=state.opt_state, step=state.step) to "
+                         f"continue its run (the same optimizer), or program.init_from(state.params{state_arg}) to "
+                         "start a fresh optimizer state from its weights")
+    if isinstance(given, Mapping) and "params" in given and not _has_top_level(model.abstract(), "params"):
+        kept = f"{{{', '.join(f'{c!r}: variables[{c!r}]' for c in collections)}}}"
+        state_arg = f", model_state={kept}" if collections else ""
+        raise ValueError(f"init_from takes the parameters, and got module.init's whole variables (collections "
+                         f"{', '.join(map(repr, given))}): write program.init_from(variables['params']{state_arg})")
 
 
 def _refuse_replicated(given: Any, expected: Any, field: str) -> None:
