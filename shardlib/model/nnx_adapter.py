@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from shardlib import compat
 from shardlib.model.adapters import Batch, Model, Stages, _loss_out, _with_call, warn_unknown_names
 from shardlib.model import hooks
 from shardlib.model.hooks import SPEC_METADATA
@@ -157,7 +158,7 @@ def _refuse_rows_in_cache(module: Any) -> None:
     from flax import nnx
 
     written = sorted("/".join(map(str, path)) for path, variable in nnx.to_flat_state(nnx.state(module, nnx.Cache))
-                     if _varies(variable.get_value()))
+                     if compat.varying_axes(variable.get_value()))
     if written:
         raise ValueError(
             f"from_nnx: the training call wrote the device's rows into nnx.Cache {rules_lib.listed(written)}: a "
@@ -165,11 +166,6 @@ def _refuse_rows_in_cache(module: Any) -> None:
             "it (create the cache, init_cache, only on the copy that samples, after nnx.update with the trained "
             "weights), or, for a running statistic of the rows, declare it an nnx.BatchStat or your own "
             "nnx.Variable subclass (averaged over the batch axes after each step)")
-
-
-def _varies(value: Any) -> bool:
-    """Whether ``value`` differs between the step's devices (it was computed from their rows)."""
-    return bool(jax.typeof(value).manual_axis_type.varying)
 
 
 def _frozen_mask(params: Any, wrt: Any) -> Any:
