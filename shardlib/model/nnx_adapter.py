@@ -57,7 +57,8 @@ def from_nnx(
     ``out_sharding`` metadata (``nnx.with_partitioning``); rng streams are re-seeded from the step's
     key on each call; ``self.sow`` intermediates are dropped; every other variable (BatchNorm's
     ``nnx.BatchStat``, ``nnx.Cache``, ``nnx.Variable`` buffers, a counter subclass) is the model
-    state, kept in ``TrainState.model_state``. A ``Param`` declared narrower than the step's master
+    state, kept in ``TrainState.model_state`` (an ``nnx.Cache`` the training call writes from the
+    rows, a decoding cache, is refused). A ``Param`` declared narrower than the step's master
     weights (``param_dtype=jnp.bfloat16``) reaches the module cast to its declared dtype.
 
     ``loss_fn(module, batch)`` may also take an ``rngs`` argument (``loss_fn(model, rngs, batch)``,
@@ -77,7 +78,8 @@ def from_nnx(
     ``path_rules`` (regex on the parameter's path such as ``blocks/0/attn/query/kernel``, first
     match wins) name the parameters that carry no annotation of their own, so a model written
     without ``nnx.with_partitioning`` (the tutorials' ``nnx.MultiHeadAttention``) can be split by
-    ``tp`` without touching its code; an annotation wins over a rule.
+    ``tp`` without touching its code; an annotation wins over a rule. Names fewer than a parameter's
+    dims name its leading dims, with a warning (an ``nnx.vmap`` stack that does not record its axis).
 
     Set ``gathers_params=True`` when the module calls `shardlib.model.hooks.gather_layer` on all
     its parameters (as `models.gpt` does: per layer inside its scan), so ZeRO-3 gathers one layer
