@@ -97,11 +97,13 @@ def test_vae_draws_noise_per_device_and_microbatch_and_evaluates_with_eval_rng_s
     assert evaluated[0] == evaluated[1]
     np.testing.assert_allclose(evaluated[0], fixed, rtol=1e-5)
 
-    # without eval_rng_streams the evaluation's error names the option; a stream it does not know is refused
+    # without eval_rng_streams the evaluation's error names the option; a forgotten or unknown stream is named
     plain = from_linen(vae, vae_loss, batches[0], inputs=call, rng_streams=("noise",))
     plain_program = build(plain, tx, make_layout(plain, "dp", layout.mesh))
     with pytest.raises(ValueError, match=r"eval_rng_streams=\('noise',\)"):
         plain_program.evaluate(plain_program.init(jax.random.key(0)).params, batches[0])
+    with pytest.raises(ValueError, match=r"rng_streams=\('dropout',\) when training.*rng_streams=\('dropout', 'noise'\)"):
+        from_linen(vae, vae_loss, batches[0], inputs=call)  # "noise" forgotten: named for rng_streams, not eval
     with pytest.raises(ValueError, match="eval_rng_streams names \\['nosie'\\]"):
         from_linen(vae, vae_loss, batches[0], inputs=call, rng_streams=("noise",), eval_rng_streams=("nosie",))
 

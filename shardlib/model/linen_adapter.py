@@ -454,26 +454,32 @@ _EVAL_SEED = 0
 # Why a call had no rng for a stream, by the kind of call: what the error tells the user.
 _MISSING_RNG = {
     "training": "shardlib passes the streams rng_streams={streams!r} when training: name every stream the "
-                "module draws from, e.g. from_linen(..., rng_streams=('dropout', 'noise'))",
+                "module draws from, e.g. from_linen(..., rng_streams={wanted!r})",
     "training without a key": "this call had no key (model.loss without a shardlib.model.Call): call "
                               "model.run(params, batch, specs, shardlib.model.Call(key=...))",
     "evaluation": "evaluation (train=False) passes no rngs unless named: draw only when training (dropout), or, "
                   "for a loss that is random in evaluation too (a VAE's reparameterisation, a diffusion loss's "
-                  "noise), name the stream in from_linen(..., eval_rng_streams=('noise',)), which evaluation "
-                  "then draws from a fixed key",
+                  "noise), name the stream in from_linen(..., eval_rng_streams=({stream!r},)), which "
+                  "evaluation then draws from a fixed key",
 }
 
 
 @contextlib.contextmanager
 def _named_rng_errors(streams: tuple[str, ...], when: str) -> Iterator[None]:
-    """Flax's missing-stream error, with what passes the stream in shardlib."""
+    """Flax's missing-stream error, with what passes the stream in shardlib: a stream missing from
+    ``streams`` is named for ``rng_streams`` whatever the call (from_linen's own eval-mode
+    inspection included), one listed there for what ``when`` lacks."""
     from flax import errors
 
     try:
         yield
     except errors.InvalidRngError as err:
+        found = re.search(r'needs PRNG for "([^"]+)"', str(err))
+        stream = found.group(1) if found else "noise"
+        why = "training" if stream not in streams else when
+        wanted = (*streams, stream) if stream not in streams else streams
         raise ValueError(f"from_linen: the module asked for an rng stream it was not given ({err}); "
-                         + _MISSING_RNG[when].format(streams=streams)) from err
+                         + _MISSING_RNG[why].format(streams=streams, wanted=wanted, stream=stream)) from err
 
 
 @contextlib.contextmanager
