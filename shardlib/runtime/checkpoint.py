@@ -33,6 +33,7 @@ import logging
 import os
 import signal
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -305,6 +306,8 @@ class Checkpointer:
             "meta": ocp.JsonCheckpointHandler(),
         }
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        if create and async_save:
+            _finish_before_exit(self._manager, self.directory)
 
     # ---- steps ------------------------------------------------------------------------
 
@@ -560,6 +563,30 @@ class Checkpointer:
             self.state_path(step),
             args=ocp.args.PyTreeRestore(item=dict(target), restore_args=restore_args, partial_restore=True),
         )
+
+
+def _finish_before_exit(manager: ocp.CheckpointManager, directory: str) -> None:
+    """Commit the in-flight async save of ``manager`` when the program ends without ``close()``.
+
+    A loop that saves the last step and returns (or raises) would otherwise lose that save: at
+    exit, Python shuts the thread pools Orbax's background write uses down *before* ordinary
+    ``atexit`` handlers run, so the write fails ("cannot schedule new futures after shutdown")
+    and leaves only a tmp directory. ``threading``'s own exit hooks run first, newest first,
+    which is the one place a wait can still finish the write. The manager is held by a weak
+    reference, so a closed, unused one is still freed (the save thread keeps a busy one alive).
+    """
+    ref = weakref.ref(manager)
+
+    def finish() -> None:
+        alive = ref()
+        if alive is None or not alive.is_saving_in_progress():
+            return
+        log.warning("checkpoint %s: a save was still being written when the program ended; waiting for it to "
+                    "commit. Call ckpt.close() (or use `with Checkpointer(...) as ckpt:`) at the end of the "
+                    "training loop", directory)
+        alive.wait_until_finished()
+
+    threading._register_atexit(finish)
 
 
 # --------------------------------------------------------------------------------------------
