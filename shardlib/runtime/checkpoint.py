@@ -211,11 +211,38 @@ def transient_changes(saved: Mapping[str, tuple], target: Mapping[str, tuple]) -
 # --------------------------------------------------------------------------------------------
 
 
+def _json_problem(value: Any, where: str) -> str | None:
+    """Where ``value`` holds something JSON would refuse or silently change, or None.
+
+    A NumPy or JAX scalar (``np.int64`` from an index, ``state.step``) is refused by ``json``; a
+    non-string dict key would come back as a string after a restore, another key than was saved.
+    """
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"{where} has the key {key!r} ({type(key).__name__}), which JSON would give back as {str(key)!r}"
+            found = _json_problem(item, f"{where}[{key!r}]")
+            if found:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        return next(filter(None, (_json_problem(item, f"{where}[{i}]") for i, item in enumerate(value))), None)
+    if value is None or isinstance(value, (str, int, float)):
+        return None
+    return f"{where} is a {type(value).__module__}.{type(value).__qualname__}"
+
+
 def _json_bytes(value: Any, what: str) -> bytes:
-    try:
-        return json.dumps(value, sort_keys=True).encode("utf-8")
-    except (TypeError, ValueError) as err:
-        raise CheckpointError(f"checkpoint {what} must be JSON-serialisable (dicts, lists, str, numbers): {err}") from None
+    """``value`` as JSON, or an error naming the entry that JSON cannot hold and what to pass."""
+    problem = _json_problem(value, what)
+    if problem is None:
+        try:
+            return json.dumps(value, sort_keys=True).encode("utf-8")
+        except ValueError as err:  # a cycle, or NaN under allow_nan=False
+            problem = f"{what}: {err}"
+    raise CheckpointError(
+        f"checkpoint {problem}: the {what} is saved as JSON, which holds dicts with str keys, lists, str, int, "
+        "float, bool and None only. Pass plain Python values (int(x), float(x), x.tolist())")
 
 
 def gather_data_states(data_state: Mapping[str, Any]) -> dict[str, Any]:
@@ -502,6 +529,10 @@ class Checkpointer:
         ``fresh()`` (the new program's ``fresh_transient``), or are dropped, with a note.
         """
         step = self.resolve_step(step)
+        if callable(abstract_state):
+            raise CheckpointError(
+                f"restore target is the method {getattr(abstract_state, '__qualname__', abstract_state)!r}, not a "
+                "state: call it, Checkpointer.restore(program.abstract_state(), ...)")
         unsharded = [path_str(p) for p, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]
                      if getattr(leaf, "sharding", None) is None]
         if unsharded:
