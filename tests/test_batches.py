@@ -229,6 +229,7 @@ def test_path_rules_with_unknown_names_or_dims_that_do_not_divide_are_loud():
     with pytest.warns(UserWarning, match=r"no strategy has a rule for these logical names, .*: "
                                          r"Dense_1/kernel \(80, 64\) dim 0 'embd'"):  # linen: the head is Dense_0
         typo = from_functions(init, BATCHES["tuple"][1], path_rules=[(r"Dense_1/kernel$", ("embd", "mlp"))])
+        make_layout(typo, "zero3", make_mesh(FSDP8))  # where the rules are known
     # mlp=10 on a tensor=4 mesh: the tensor stays whole, warned about with its path, dim and size
     model = from_functions(init, BATCHES["tuple"][1], path_rules=[(r"kernel$", ("embed", "mlp"))])
     with pytest.warns(ReplicationWarning, match=r"Dense_0/kernel \(64, 10\) .*: dim 1 \(mlp=10\) not divisible by tensor=4"):

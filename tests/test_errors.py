@@ -159,7 +159,7 @@ def test_unwrapped_modules_and_an_nnx_optimizer_name_what_to_pass():
 
 def test_every_adapter_names_axis_names_that_no_strategy_knows():
     """The Flax guide's mesh name "model" (NNX) and a rules-context name "hidden" (linen) are placed
-    as if unnamed by every strategy: both adapters say so with the tensor and dim, as from_functions does."""
+    as if unnamed by every strategy: make_layout says so with the tensor and dim, whichever adapter."""
     from flax import linen as nn
     from flax import nnx
 
@@ -168,7 +168,7 @@ def test_every_adapter_names_axis_names_that_no_strategy_knows():
     init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("data", "model"))
     make = lambda rngs: nnx.Linear(8, 16, kernel_init=init, rngs=rngs)
     with pytest.warns(UserWarning, match=r"no strategy has a rule .*: kernel \(8, 16\) dim 1 'model'"):
-        from_nnx(make, lambda m, b: m(b["x"]).mean())
+        make_layout(from_nnx(make, lambda m, b: m(b["x"]).mean()), "zero3", make_mesh({"fsdp": 8}))
 
     class Net(nn.Module):
         @nn.compact
@@ -177,8 +177,8 @@ def test_every_adapter_names_axis_names_that_no_strategy_knows():
             return nn.Dense(16, kernel_init=kernel_init)(x)
 
     with pytest.warns(UserWarning, match=r"no strategy has a rule .*: Dense_0/kernel \(8, 16\) dim 1 'hidden'"):
-        from_linen(Net(), lambda out, b: out.mean(), {"x": np.ones((2, 8), np.float32)},
-                   inputs=lambda b, train: ((b["x"],), {}))
+        make_layout(from_linen(Net(), lambda out, b: out.mean(), {"x": np.ones((2, 8), np.float32)},
+                               inputs=lambda b, train: ((b["x"],), {})), "zero3", make_mesh({"fsdp": 8}))
 
 
 def test_a_models_own_sharding_constraint_on_a_batch_axis_is_explained():

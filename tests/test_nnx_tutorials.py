@@ -102,7 +102,7 @@ def test_tutorial_transformer_under_fsdp_tp_trains_like_its_own_nnx_optimizer_lo
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="no strategy has a rule")
         model = from_nnx(nnx.clone(held), lm_loss)
-    layout = make_layout(model, "fsdp_tp", make_mesh({"fsdp": 4, "tensor": 2}))
+        layout = make_layout(model, "fsdp_tp", make_mesh({"fsdp": 4, "tensor": 2}))
     attn = layout.param_shardings()["blocks"][0]["attn"]
     assert attn["query"]["kernel"].spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
     assert attn["out"]["kernel"].spec[0] == "tensor"

@@ -73,8 +73,9 @@ def _equal(a, b):
 def test_containers_and_odd_keys_train_checkpoint_and_export_like_one_device(tmp_path):
     with pytest.warns(UserWarning, match=r"layers/1/b \(16,\) dim 0 'embd'"):
         model = from_functions(_init, _loss, logical_axes=_LOGICAL)
+        layout = make_layout(model, "fsdp_tp", make_mesh({"fsdp": 4, "tensor": 2}))  # where the rules are known
     tx = optax.adamw(1e-2, eps=1e-5)
-    program = build(model, tx, make_layout(model, "fsdp_tp", make_mesh({"fsdp": 4, "tensor": 2})))
+    program = build(model, tx, layout)
     specs = program.layout.param_shardings()
     assert specs["a/b"].spec == jax.sharding.PartitionSpec("fsdp", None)  # its own names, not a -> b's
     assert specs["a"]["b"].spec == jax.sharding.PartitionSpec(None, "fsdp")

@@ -208,8 +208,8 @@ def from_functions(
     """A plain-pytree model; logical names given as a tree, or from regex rules on paths.
 
     ``None`` and ``{}`` entries of the parameters are kept (they hold nothing to train); a name
-    no built-in strategy has a rule for (a typo such as ``"embd"``) is warned about, since every
-    strategy would then place that dimension as if it were unnamed.
+    no rule table maps (a typo such as ``"embd"``) is warned about by `make_layout`, which knows
+    the strategy's rules (your own ``with_logical_rules`` table included).
 
     ``takes_call=True``: ``loss_fn(params, batch, call)`` receives a `Call`, whose ``key`` is this
     step's and this device's key (None under evaluate) and ``train`` False under evaluate: what a
@@ -219,7 +219,6 @@ def from_functions(
     if logical_axes is None:
         logical_axes = rules_lib.logical_from_paths(abstract, path_rules)
     logical_axes = _empty_nodes_named(abstract, logical_axes)
-    warn_unknown_names(abstract, logical_axes)
     _warn_flax_collections(abstract)
     if takes_call:
         run = lambda p, b, specs, call: (*_loss_out(loss_fn(p, b, call)), call.state)
@@ -253,25 +252,3 @@ def _empty_nodes_named(abstract: Params, logical: Params) -> Params:
     """A ``None`` in the parameters is an empty node; its names become ``{}`` (no leaves), where a
     ``None`` would read as one unnamed tensor and miscount the tree."""
     return jax.tree.map(lambda p, names: {} if p is None else names, abstract, logical, is_leaf=lambda x: x is None)
-
-
-def warn_unknown_names(abstract: Params, logical: Params) -> None:
-    """Warn, naming the tensor, its shape and the dimension, about names no strategy's table knows
-    (every adapter: a typo, a name from another codebase's rules such as the Flax guide's "model")."""
-    from shardlib.sharding.rules import AUTO_SHARD_SKIP
-    from shardlib.sharding.strategies import PIPE_RULES, STRATEGIES  # strategies' tables name these
-
-    tables = [s.param_rules + s.state_rules + s.activation_rules + s.batch_rules for s in STRATEGIES.values()]
-    known = {name for rules in tables + [PIPE_RULES] for name, _ in rules}
-    unknown = []
-    known.update(AUTO_SHARD_SKIP)  # "layers": the stack axis adapters name, never split
-    for (path, leaf), names in zip(jax.tree_util.tree_leaves_with_path(abstract),
-                                   rules_lib.logical_leaves(abstract, logical)):
-        unknown += [f"{rules_lib.path_str(path)} {tuple(leaf.shape)} dim {dim} {name!r}"
-                    for dim, name in enumerate(names or ()) if name is not None and name not in known]
-    if unknown:
-        warnings.warn(
-            f"no strategy has a rule for these logical names, so every strategy places those dims as if they "
-            f"were unnamed: {'; '.join(unknown)}; use names among {', '.join(sorted(n for n in known if isinstance(n, str)))} "
-            "(or, for names of your own codebase's rule table, build with "
-            "shardlib.get_strategy(name).with_logical_rules(your_rules))", UserWarning, stacklevel=3)

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 
 from shardlib.model import hooks
-from shardlib.model.adapters import Batch, Model, _loss_out, _with_call, warn_unknown_names
+from shardlib.model.adapters import Batch, Model, _loss_out, _with_call
 from shardlib.sharding import rules as rules_lib
 
 Inputs = Callable[[Batch, bool], tuple[tuple[Any, ...], dict[str, Any]]]
@@ -176,7 +176,6 @@ def from_linen(
     apply_call = _Apply(module, rng_streams, collections, capture, eval_rng_streams)
     scanned = _scanned_paths(apply_call, nn.unbox(boxed), inputs(example, False), wrapped)
     logical = _with_layer_axes(_with_path_rules(logical, nn.unbox(boxed)["params"], path_rules, scanned), scanned)
-    warn_unknown_names(nn.unbox(boxed)["params"], logical)
 
     def run(params, batch, specs, call):
         args, kwargs = inputs(batch, call.train)

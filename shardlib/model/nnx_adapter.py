@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from shardlib import compat
-from shardlib.model.adapters import Batch, Model, Stages, _loss_out, _with_call, warn_unknown_names
+from shardlib.model.adapters import Batch, Model, Stages, _loss_out, _with_call
 from shardlib.model import hooks
 from shardlib.model.hooks import SPEC_METADATA
 from shardlib.sharding import rules as rules_lib
@@ -93,7 +93,6 @@ def from_nnx(
     parts = _NnxParts.of(abstract)
     logical = _with_path_rules(rules_lib.logical_axes_of(nnx_pure_dict(parts.params, keep_variables=True)),
                                nnx_pure_dict(parts.params), path_rules)
-    warn_unknown_names(nnx_pure_dict(parts.params), logical)
     _warn_short_names(nnx_pure_dict(parts.params), logical)
     stateful = bool(jax.tree.leaves(parts.carried))
     call_loss, loss_takes_rngs, loss_takes_train = _loss_caller(loss_fn)

@@ -28,8 +28,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from shardlib.sharding import rules as rules_lib
 from shardlib.model import Model
 from shardlib.sharding.mesh import MESH_AXES, MeshError, describe, resolve_axis_sizes
-from shardlib.sharding.strategies import (FOREIGN_AXES, PIPE_AXIS, STRATEGIES, Strategy, get_strategy, pipelined,
-                                         unmet_requirements, warn_uncovered_names)
+from shardlib.sharding.strategies import (FOREIGN_AXES, PIPE_AXIS, PIPE_RULES, STRATEGIES, Strategy, get_strategy,
+                                         pipelined, unmet_requirements, warn_uncovered_names)
 
 # A tensor replicated under a sharding strategy is warned about above this share of the model's
 # parameter bytes (smaller ones cost little; `max_replicated_bytes` makes any size an error).
@@ -246,8 +246,7 @@ def make_layout(
     stages = mesh.shape.get(PIPE_AXIS, 1)
     if stages > 1:
         strategy = pipelined(strategy)
-    _warn_unmatched_names(model.logical_axes, strategy, mesh)
-    warn_uncovered_names(strategy, model.logical_axes)
+    names_warned = _warn_names(abstract, model.logical_axes, strategy, mesh)
     fallback = lambda axes: rules_lib.AutoShard(axes) if auto_shard and axes else None
     params = rules_lib.layout_tree(abstract, model.logical_axes, strategy.param_rules, mesh,
                                    table=f"{strategy.name}.param_rules", auto=fallback(strategy.param_fallback))
@@ -263,7 +262,8 @@ def make_layout(
     layout = Layout(mesh, strategy, params, state, batch_axes)
     _check_reducible(layout)
     _warn_replicated(layout)
-    _warn_idle_model_axes(layout)
+    if not names_warned:  # an idle model axis then follows from the names already warned about
+        _warn_idle_model_axes(layout)
     return layout
 
 
@@ -340,14 +340,54 @@ def _suggested_mesh(strategy: Strategy, mesh: Mesh) -> str:
     return "--mesh " + ",".join(f"{k}={v}" for k, v in sizes.items() if v > 1)
 
 
-def _warn_unmatched_names(logical: Any, strategy: Strategy, mesh: Mesh) -> None:
-    """A model whose axis names no rule of the strategy knows is laid out by the fallback alone: say so."""
+def _warn_names(abstract: Any, logical: Any, strategy: Strategy, mesh: Mesh) -> bool:
+    """One warning about the model's logical names against the rules that place them, given here
+    rather than by the adapters: only now is the user's own table (``with_logical_rules``,
+    ``with_rules``) known, so a name it maps is silent and one nothing maps is named with its
+    tensor and dim. Returns whether it warned."""
+    if strategy.own_rules is not None:
+        return warn_uncovered_names(strategy, logical)
+    unknown = _unknown_names(abstract, logical, strategy)
+    unmatched = _unmatched_names(logical, strategy, mesh)
+    listing = f"no strategy has a rule for these logical names, so every strategy places those dims as if they " \
+              f"were unnamed: {'; '.join(unknown)}"
+    if unmatched:
+        warnings.warn(unmatched + (f"; {listing}" if unknown else ""), ReplicationWarning, stacklevel=3)
+    elif unknown:
+        known = sorted(n for n in _known_names(strategy) if isinstance(n, str))
+        warnings.warn(f"{listing}; use names among {', '.join(known)} (or, for names of your own codebase's rule "
+                      "table, build with shardlib.get_strategy(name).with_logical_rules(your_rules))",
+                      UserWarning, stacklevel=3)
+    return bool(unmatched or unknown)
+
+
+def _known_names(strategy: Strategy) -> set:
+    """Logical names some table maps: the built-in strategies', this strategy's (``with_rules``
+    may add names) and the stack axis ("layers", which the adapters name and nothing splits)."""
+    tables = [s.param_rules + s.state_rules + s.activation_rules + s.batch_rules
+              for s in (*STRATEGIES.values(), strategy)]
+    return {name for rules in tables + [PIPE_RULES] for name, _ in rules} | set(rules_lib.AUTO_SHARD_SKIP)
+
+
+def _unknown_names(abstract: Any, logical: Any, strategy: Strategy) -> list[str]:
+    """``path shape dim i 'name'`` for each tensor dim whose name no table knows (a typo, a name
+    from another codebase's rules such as the Flax guide's "model")."""
+    known = _known_names(strategy)
+    return [f"{rules_lib.path_str(path)} {tuple(leaf.shape)} dim {dim} {name!r}"
+            for (path, leaf), names in zip(jax.tree_util.tree_leaves_with_path(abstract),
+                                           rules_lib.logical_leaves(abstract, logical))
+            for dim, name in enumerate(names or ()) if name is not None and name not in known]
+
+
+def _unmatched_names(logical: Any, strategy: Strategy, mesh: Mesh) -> str | None:
+    """A model whose axis names no rule of the strategy knows is laid out by the fallback alone:
+    the sentence that says so and what to write, or None."""
     known = lambda s: {name for name, _ in s.param_rules + s.state_rules}
     leaves = jax.tree.leaves(logical, is_leaf=rules_lib.is_names)
     # A stack's "layers" axis (named by the adapters for nn.scan stacks) is never split: not the user's name
     names = {n for leaf in leaves if leaf is not None for n in leaf if n is not None} - set(rules_lib.AUTO_SHARD_SKIP)
     if not known(strategy) or not names or names & known(strategy):
-        return
+        return None
     others = [s.name for s in STRATEGIES.values() if s.name != strategy.name and names & known(s)]
     if all(a in MESH_AXES for n in names for a in rules_lib.as_axes(n)):
         hint = "these look like mesh axes: strategy 'as_annotated' keeps the model's own placement"
@@ -359,9 +399,8 @@ def _warn_unmatched_names(logical: Any, strategy: Strategy, mesh: Mesh) -> None:
                 f"map them onto mesh axes, e.g. get_strategy({strategy.name!r}).with_rules(param_rules=({rule},) + "
                 f"get_strategy({strategy.name!r}).param_rules)")
         hint += f", or use a strategy whose rules name them ({', '.join(others)})" if others else ""
-    warnings.warn(
-        f"strategy {strategy.name!r} has no rule for any of the model's axis names "
-        f"({', '.join(sorted(map(str, names)))}); {hint}", ReplicationWarning, stacklevel=3)
+    return (f"strategy {strategy.name!r} has no rule for any of the model's axis names "
+            f"({', '.join(sorted(map(str, names)))}); {hint}")
 
 
 def _warn_idle_model_axes(layout: Layout) -> None:
@@ -380,9 +419,12 @@ def _warn_idle_model_axes(layout: Layout) -> None:
 
 
 def _warn_replicated(layout: Layout) -> None:
-    """One warning listing every tensor a sharding strategy leaves whole above 1% of the parameter bytes."""
+    """One warning listing every tensor a sharding strategy leaves whole above 1% of the parameter
+    bytes, except small unnamed ones (biases, a toy head): keeping those whole is the documented
+    fallback, not something to fix, and warning about them on a small model teaches users to
+    ignore this warning. `sharding_report` still lists them."""
     limit = WARN_REPLICATED_FRACTION * layout.param_bytes()
-    big = [leaf for leaf in layout.replicated() if leaf.bytes() > limit]
+    big = [leaf for leaf in layout.replicated() if leaf.bytes() > limit and not _small_and_unnamed(leaf)]
     if not big:
         return
     from shardlib.tools.report import format_bytes
@@ -392,6 +434,11 @@ def _warn_replicated(layout: Layout) -> None:
         f"{layout.strategy.name} on {describe(layout.mesh)} keeps {len(big)} tensor(s) whole on every device:\n"
         f"{lines}\nsee shardlib.sharding_report(layout); make_layout(..., max_replicated_bytes=N) makes this an error",
         ReplicationWarning, stacklevel=3)
+
+
+def _small_and_unnamed(leaf: rules_lib.LeafLayout) -> bool:
+    """Under the fallback's size floor and named nowhere: whole by design, whatever the strategy."""
+    return math.prod(leaf.shape) < rules_lib.AUTO_SHARD_MIN_SIZE and not any(leaf.logical or ())
 
 
 def _check_reducible(layout: Layout) -> None:

@@ -182,11 +182,12 @@ def check_logical_rules(rules: Rules) -> Rules:
     return tuple(_check_rule(entry) for entry in rules)
 
 
-def warn_uncovered_names(strategy: Strategy, logical: Any) -> None:
+def warn_uncovered_names(strategy: Strategy, logical: Any) -> bool:
     """Under the model's own rule table: warn about each tensor dim whose logical name the table
-    does not list, which every strategy would otherwise keep whole without a word."""
+    does not list, which every strategy would otherwise keep whole without a word. Returns whether
+    it warned (`make_layout` then says nothing more about names)."""
     if strategy.own_rules is None:
-        return
+        return False
     listed = {name for name, _ in strategy.own_rules} | set(AUTO_SHARD_SKIP)
     missing = [f"{path_str(path)} dim {dim} {name!r}"
                for path, names in jax.tree_util.tree_leaves_with_path(logical, is_leaf=is_names)
@@ -194,7 +195,8 @@ def warn_uncovered_names(strategy: Strategy, logical: Any) -> None:
     if missing:
         warnings.warn(f"your logical-axis rules (Strategy.with_logical_rules) have no rule for: {'; '.join(missing)}; "
                       "those dims are placed as if unnamed: add a rule for each name (None keeps the dim whole)",
-                      UserWarning, stacklevel=3)
+                      UserWarning, stacklevel=4)
+    return bool(missing)
 
 
 STRATEGIES: dict[str, Strategy] = {
