@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -372,8 +373,10 @@ def _train_step(layout: Layout, provider: grads_lib.Provider, reducer: reduce_li
 
 
 def _eval_step(layout: Layout, provider: grads_lib.Provider, model: Model):
-    """The jitted ``evaluate(params, batch, model_state=None) -> {"loss", **aux}``, summed over the
-    batch axes; the model runs in eval mode (no dropout, BatchNorm's running averages)."""
+    """The jitted ``evaluate(params, batch, model_state=None) -> {"loss", **aux}``; the model runs in
+    eval mode (no dropout, BatchNorm's running averages). Each value is every data-parallel device's
+    value over its rows, divided by the device count and summed: the global batch's mean for a mean
+    over the rows (or `global_mean`), and a sum over the rows divided by the device count."""
     axes = reduce_lib.active_axes(layout)
 
     def eval_fn(params, batch, model_state):
@@ -389,11 +392,18 @@ def _eval_step(layout: Layout, provider: grads_lib.Provider, model: Model):
 
     replicated = NamedSharding(layout.mesh, P())
     jitted = jax.jit(eval_fn, in_shardings=(layout.param_shardings(), None, replicated), out_shardings=replicated)
+    abstract_params = functools.cache(model.abstract)  # traced once, on the first evaluation
+    abstract_state_of_model = functools.cache(lambda: abstract_model_state(model))
 
     def evaluate(params, batch, model_state=None):
+        _refuse_train_state(params, model)
         if model.stateful and model_state is None:
             raise ValueError("this model carries mutable state (BatchNorm statistics): evaluate with "
                              "program.evaluate(state.params, batch, state.model_state)")
+        params = _in_model_containers(params, abstract_params, "parameters")
+        if model_state is not None:
+            model_state = _one_entry(_pure(model_state), abstract_state_of_model())
+            model_state = _in_model_containers(model_state, abstract_state_of_model, "model_state")
         batch_lib.check(layout, batch)
         batch_lib.refuse_donated({"params": params, "model_state": model_state}, "evaluate's")
         try:
@@ -403,6 +413,27 @@ def _eval_step(layout: Layout, provider: grads_lib.Provider, model: Model):
             raise
 
     return evaluate
+
+
+def _refuse_train_state(given: Any, model: Model) -> None:
+    """A whole train state passed as the parameters (``evaluate(state, batch)``): name the fields to
+    pass, where jit would fail on a pytree structure naming neither."""
+    if hasattr(given, "params") and hasattr(given, "opt_state"):
+        state_arg = ", state.model_state" if model.stateful else ""
+        raise ValueError(f"evaluate takes the parameters, and got a whole train state: write "
+                         f"program.evaluate(state.params, batch{state_arg})")
+
+
+def _in_model_containers(given: Any, expected: Callable[[], Any], what: str) -> Any:
+    """``given`` in the model's own containers: as it is when it already has them (the train
+    state's trees), else matched by path (`like_model`), so weights held elsewhere evaluate as they
+    come (a ``FrozenDict``, an NNX ``State``, ``load_exported``'s trees, a Flax ``TrainState``'s
+    ``batch_stats`` without its collection's name) and a tree of another model is named by path,
+    where jit would fail on a pytree structure. ``expected`` returns the abstract tree (cached)."""
+    abstract = expected()
+    if jax.tree.structure(given) == jax.tree.structure(abstract):
+        return given
+    return like_model(_pure(given), abstract, what)
 
 
 # What JAX, linen's apply and nnx.Rngs say when handed a None key.

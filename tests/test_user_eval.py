@@ -1,0 +1,101 @@
+"""After training: a user's evaluation loop, predictions and export, against one device.
+
+The models are written as Flax users write them (a linen CNN with BatchNorm and dropout called
+with ``train=``, an NNX text classifier); references are the modules' own ``apply`` / eval mode
+on one device over the whole dataset, and exported trees compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import shardlib
+from shardlib import Checkpointer
+from shardlib.tools.export import export_params, load_exported
+
+pytestmark = pytest.mark.filterwarnings("ignore::shardlib.ReplicationWarning")
+ROWS, DATASET = 16, 45  # the last batch holds 13 rows: not a multiple of the 8 devices
+
+
+class CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Conv(8, (3, 3))(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        x = nn.Dropout(0.2, deterministic=not train)(nn.relu(x).reshape((x.shape[0], -1)))
+        return nn.Dense(10)(x)
+
+
+def cnn_loss(logits, batch):
+    """The Flax examples' eval metrics over a padded batch: a mask, and sums to divide at the end."""
+    mask = batch["mask"]
+    correct = (logits.argmax(-1) == batch["label"]).astype(jnp.float32)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+    return shardlib.global_mean(ce, mask), {"accuracy": shardlib.global_mean(correct, mask),
+                                            "correct": jnp.sum(correct * mask), "count": jnp.sum(mask)}
+
+
+def _dataset():
+    rng = np.random.default_rng(0)
+    return {"image": rng.normal(size=(DATASET, 8, 8, 1)).astype(np.float32),
+            "label": rng.integers(0, 10, DATASET).astype(np.int32), "mask": np.ones(DATASET, np.float32)}
+
+
+def _padded_batches(data):
+    """Batches of ROWS rows; the last one padded with zero rows of mask 0, as the Flax examples pad."""
+    for start in range(0, DATASET, ROWS):
+        rows = {k: v[start:start + ROWS] for k, v in data.items()}
+        pad = ROWS - len(rows["label"])
+        yield len(rows["label"]), {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in rows.items()}
+
+
+@pytest.mark.parametrize("strategy, axes", [("dp", {"data": 8}), ("zero3", {"fsdp": 8})])
+def test_linen_eval_loop_over_a_ragged_dataset_predictions_and_export_match_one_device(strategy, axes, tmp_path):
+    data = _dataset()
+    model = shardlib.from_linen(CNN(), cnn_loss, {k: v[:ROWS] for k, v in data.items()},
+                                inputs=lambda b, train: ((b["image"],), {"train": train}))
+    program = shardlib.build(model, optax.adam(1e-2), shardlib.make_layout(model, strategy, shardlib.make_mesh(axes)))
+    state, _ = program.step(program.init(jax.random.key(0)), {k: v[:ROWS] for k, v in data.items()})
+    variables = {"params": jax.tree.map(np.asarray, state.params), **jax.tree.map(np.asarray, state.model_state)}
+    logits = CNN().apply(variables, data["image"], train=False)  # one device, the whole dataset
+    want_loss = float(optax.softmax_cross_entropy_with_integer_labels(logits, data["label"]).mean())
+    want_correct = float(np.sum(np.asarray(logits.argmax(-1)) == data["label"]))
+
+    with pytest.raises(ValueError, match=r"'image' has 13 rows, which the 8 data-parallel devices .* pad it"):
+        program.evaluate(state.params, {k: v[32:] for k, v in data.items()}, state.model_state)
+    totals = np.zeros(4)
+    for n, batch in _padded_batches(data):
+        got = program.evaluate(state.params, batch, state.model_state)
+        totals += [float(got["loss"]) * n, float(got["accuracy"]) * n, float(got["correct"]), float(got["count"])]
+    np.testing.assert_allclose(totals[:2] / DATASET, [want_loss, want_correct / DATASET], rtol=1e-6)
+    # A sum over the rows comes back divided by the 8 devices (evaluate's values are means): ratios hold.
+    np.testing.assert_allclose(totals[2:], [want_correct / 8, DATASET / 8], rtol=1e-6)
+
+    # A Flax TrainState's trees as they are: FrozenDict params, batch_stats without the collection's name.
+    flax_style = program.evaluate(flax.core.freeze(variables["params"]), batch, variables["batch_stats"])
+    assert float(flax_style["loss"]) == float(got["loss"])
+    with pytest.raises(ValueError, match=r"got a whole train state: write program.evaluate\(state.params, batch, state.model_state\)"):
+        program.evaluate(state, batch, state.model_state)
+
+    # Predictions: the module's apply over the sharded weights, each device computing its rows.
+    predict = jax.jit(lambda p, s, x: model.apply(p, x, train=False, model_state=s))
+    rows = jax.device_put(data["image"][:32], program.layout.batch_sharding(data["image"][:32]))
+    predicted = predict(state.params, state.model_state, rows)
+    assert predicted.sharding.spec[0] == program.layout.batch_spec(2)[0]
+    np.testing.assert_allclose(np.asarray(predicted), np.asarray(logits[:32]), rtol=1e-5, atol=1e-6)
+
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        ckpt.save(1, state, data_state={"step": 1}, config={"model": "cnn"}, force=True)
+    export_params(tmp_path / "ckpt", tmp_path / "cnn.npz")
+    params, model_state = load_exported(tmp_path / "cnn.npz", model_state=True)
+    exported = {"params": params, **model_state}  # what module.apply takes
+    assert jax.tree.structure(exported) == jax.tree.structure(variables)
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: a.dtype == b.dtype and np.array_equal(a, b), exported, variables)))
+    assert np.array_equal(np.asarray(CNN().apply(exported, data["image"], train=False)), np.asarray(logits))
