@@ -474,11 +474,12 @@ def _named_rng_errors(streams: tuple[str, ...], when: str) -> Iterator[None]:
         yield
     except errors.InvalidRngError as err:
         found = re.search(r'needs PRNG for "([^"]+)"', str(err))
-        stream = found.group(1) if found else "noise"
-        why = "training" if stream not in streams else when
-        wanted = (*streams, stream) if stream not in streams else streams
+        stream = found.group(1) if found else None  # Flax's wording changed: say what `when` lacks
+        unlisted = stream is not None and stream not in streams
+        wanted = (*streams, stream) if unlisted else streams
         raise ValueError(f"from_linen: the module asked for an rng stream it was not given ({err}); "
-                         + _MISSING_RNG[why].format(streams=streams, wanted=wanted, stream=stream)) from err
+                         + _MISSING_RNG["training" if unlisted else when].format(
+                             streams=streams, wanted=wanted, stream=stream or "<stream>")) from err
 
 
 @contextlib.contextmanager
