@@ -146,6 +146,7 @@ def test_nnx_classifier_evaluates_predicts_and_exports_under_fsdp_tp(tmp_path):
     export_params(tmp_path / "ckpt", tmp_path / "text.safetensors")
     params, model_state = load_exported(tmp_path / "text.safetensors", model_state=True)
     assert list(params["blocks"]) == ["0", "1"]  # nnx.List indices, as any tree Orbax restores without a target
+    assert all(str(leaf.dtype) == "float32" and leaf.dtype.byteorder == "=" for leaf in jax.tree.leaves((params, model_state)))
     # evaluate takes the exported trees as they come, and so does the module, through the documented recipe
     assert float(program.evaluate(params, batch, model_state)["loss"]) == float(evaluated["loss"])
     served = TextClassifier(rngs=nnx.Rngs(7))

@@ -186,7 +186,9 @@ def _iter_tensors(path: Path, record: dict[str, Any]) -> Iterator[tuple[dict[str
             begin, end = header[t["name"]]["data_offsets"]
             f.seek(data_start + begin)
             raw = f.read(end - begin)
-            yield t, np.frombuffer(raw, _dtype(t["dtype"]).newbyteorder("<")).reshape(t["shape"]).copy()
+            # read as the file's little-endian bytes, returned in the native byte order (a copy), so a
+            # tensor's dtype is the one the .npz file gives and the model declared (float32, not <f4)
+            yield t, np.frombuffer(raw, _dtype(t["dtype"]).newbyteorder("<")).reshape(t["shape"]).astype(_dtype(t["dtype"]))
 
 
 def load_exported(path: str | os.PathLike[str], *, model_state: bool = False) -> Any:
