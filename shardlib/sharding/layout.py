@@ -437,8 +437,10 @@ def _warn_replicated(layout: Layout) -> None:
 
 
 def _small_and_unnamed(leaf: rules_lib.LeafLayout) -> bool:
-    """Under the fallback's size floor and named nowhere: whole by design, whatever the strategy."""
-    return math.prod(leaf.shape) < rules_lib.AUTO_SHARD_MIN_SIZE and not any(leaf.logical or ())
+    """Under the fallback's size floor and named nowhere (a scanned stack's "layers" axis is the
+    adapters' name, not the user's): whole by design, whatever the strategy."""
+    names = [n for n in leaf.logical or () if n is not None and n not in rules_lib.AUTO_SHARD_SKIP]
+    return math.prod(leaf.shape) < rules_lib.AUTO_SHARD_MIN_SIZE and not names
 
 
 def _check_reducible(layout: Layout) -> None:
