@@ -39,6 +39,14 @@ class VAE(nn.Module):
         return nn.Dense(x.shape[-1], name="fc2_dec")(nn.relu(nn.Dense(32, name="fc1_dec")(z))), mean, logvar
 
 
+class Denoiser(nn.Module):
+    """A diffusion codebase's layer: dropout behind a defaulted ``train=False``."""
+
+    @nn.compact
+    def __call__(self, x, *, train=False):
+        return nn.Dense(x.shape[-1])(nn.Dropout(0.1, deterministic=not train)(x))
+
+
 def vae_loss(outputs, batch):
     recon, mean, logvar = outputs
     bce = optax.sigmoid_binary_cross_entropy(recon, batch["image"]).sum(-1).mean()
@@ -106,6 +114,9 @@ def test_vae_draws_noise_per_device_and_microbatch_and_evaluates_with_eval_rng_s
         from_linen(vae, vae_loss, batches[0], inputs=call)  # "noise" forgotten: named for rng_streams, not eval
     with pytest.raises(ValueError, match="eval_rng_streams names \\['nosie'\\]"):
         from_linen(vae, vae_loss, batches[0], inputs=call, rng_streams=("noise",), eval_rng_streams=("nosie",))
+    # an inputs= that never passes a defaulted train flag would train with dropout off: warned
+    with pytest.warns(UserWarning, match=r"inputs\(batch, train=True\) does not pass Denoiser's 'train'.*'train': train"):
+        from_linen(Denoiser(), lambda out, b: jnp.mean(out ** 2), batches[0], inputs=call)
 
 
 def test_spectral_and_weight_norm_train_sharded_like_one_device_and_restore_onto_dp():

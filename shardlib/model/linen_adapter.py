@@ -53,27 +53,52 @@ def _single_input(batch: Batch, train: bool) -> tuple[tuple[Any, ...], dict[str,
 _MODE_FLAGS = ("train", "training", "is_training", "deterministic", "use_running_average")
 
 
+def _mode_flag(module: Any) -> inspect.Parameter | None:
+    """The first argument of the module's ``__call__`` that switches it between training and evaluation."""
+    try:
+        parameters = inspect.signature(module.__call__).parameters.values()
+    except (TypeError, ValueError):  # a callable inspect cannot read: nothing to say
+        return None
+    return next((p for p in parameters if p.name in _MODE_FLAGS), None)
+
+
+def _flag_value(flag: inspect.Parameter) -> str:
+    """What ``inputs`` should pass for ``flag``, written in terms of its ``train`` argument."""
+    return "not train" if flag.name in ("deterministic", "use_running_average") else "train"
+
+
 def _check_mode_flags(module: Any) -> None:
     """Without ``inputs=`` the module is called as ``module(batch["inputs"])``: a train / deterministic
     flag is never passed, so a required one fails at init and a defaulted one (big_vision's
     ``train=False``) stays at its default when training too, dropout off, with no error."""
-    try:
-        parameters = inspect.signature(module.__call__).parameters.values()
-    except (TypeError, ValueError):  # a callable inspect cannot read: nothing to say
+    flag = _mode_flag(module)
+    if flag is None:
         return
-    flags = [p for p in parameters if p.name in _MODE_FLAGS]
-    if not flags:
-        return
-    flag = flags[0]
-    value = "not train" if flag.name in ("deterministic", "use_running_average") else "train"
-    recipe = (f"pass inputs=lambda batch, train: ((batch['inputs'],), {{{flag.name!r}: {value}}}), which training "
-              "calls with train=True and evaluation with train=False")
+    recipe = (f"pass inputs=lambda batch, train: ((batch['inputs'],), {{{flag.name!r}: {_flag_value(flag)}}}), "
+              "which training calls with train=True and evaluation with train=False")
     if flag.default is inspect.Parameter.empty:
         raise ValueError(f"from_linen without inputs= calls module(batch['inputs']), which does not pass the "
                          f"module's required {flag.name!r} argument: {recipe}")
     warnings.warn(f"from_linen without inputs= calls module(batch['inputs']), so {type(module).__name__}'s "
                   f"{flag.name!r} keeps its default ({flag.default!r}) in training as in evaluation: {recipe}",
                   UserWarning, stacklevel=3)
+
+
+def _check_flag_passed(module: Any, args: tuple, kwargs: dict) -> None:
+    """With ``inputs=``, a defaulted train / deterministic flag that the training call
+    ``inputs(batch, True)`` leaves out keeps its default in training (a UNet's or scenic model's
+    ``train=False``: dropout never on, BatchNorm never updated), silently: warned, with the fix."""
+    flag = _mode_flag(module)
+    if flag is None or flag.default is inspect.Parameter.empty:
+        return
+    try:
+        bound = inspect.signature(module.__call__).bind(*args, **kwargs)
+    except TypeError:  # `_check_call_arguments` says what is wrong
+        return
+    if flag.name not in bound.arguments:
+        warnings.warn(f"from_linen: inputs(batch, train=True) does not pass {type(module).__name__}'s {flag.name!r}, "
+                      f"so it keeps its default ({flag.default!r}) in training as in evaluation: return it in "
+                      f"inputs' kwargs, e.g. {{{flag.name!r}: {_flag_value(flag)}}}", UserWarning, stacklevel=3)
 
 
 def _checked_inputs(inputs: Inputs) -> Inputs:
@@ -157,6 +182,8 @@ def from_linen(
     if inputs is None:
         _check_mode_flags(module)
         inputs, example = _single_input, {"inputs": example}
+    else:
+        _check_flag_passed(module, *_checked_inputs(inputs)(example, True))
     inputs = _checked_inputs(inputs)
     capture, eval_rng_streams = tuple(capture), _checked_eval_streams(eval_rng_streams, rng_streams)
 
