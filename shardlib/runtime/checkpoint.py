@@ -385,8 +385,8 @@ class Checkpointer:
         step = int(step)
         if not force and self.every and not self.should_save(step):
             return False
-        if step in self._manager.all_steps():  # Orbax's list: the same on every process
-            log.warning("checkpoint %s step %d already exists; not overwriting it", self.directory, step)
+        if step in self._manager.all_steps():  # Orbax's list (in-flight saves too): the same on every process
+            log.warning("checkpoint %s step %d is already saved or being saved; not overwriting it", self.directory, step)
             return False
         reason = _metrics_nonfinite(metrics)
         if reason is not None:
