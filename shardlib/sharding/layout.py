@@ -11,7 +11,8 @@ device (the layer stack is split over it and the pipeline schedule moves activat
 
 Mismatches are loud: a strategy on a mesh where its axes have one device is an error naming a
 mesh to use, and a tensor left on every device under a sharding strategy (above 1% of the
-model's parameter bytes) is a `ReplicationWarning` naming it and the reason.
+model's parameter bytes, and not an unnamed one under the fallback's 1024-element floor) is a
+`ReplicationWarning` naming it and the reason.
 """
 
 from __future__ import annotations
