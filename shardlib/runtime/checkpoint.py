@@ -293,7 +293,8 @@ class Checkpointer:
     ``keep``: how many complete checkpoints to keep (None: all); older ones are deleted only
     after a newer one committed. ``async_save``: `save` returns once the arrays are copied to
     host memory; writing continues in the background while training goes on (donating the
-    state to the next step is safe). ``create=False`` opens an existing directory read-only
+    state to the next step is safe); a save still in flight when the program ends is waited for
+    at exit, with a warning to call `close`. ``create=False`` opens an existing directory read-only
     (for export and inspection) and fails if it does not exist.
     """
 
