@@ -9,7 +9,7 @@ from shardlib.sharding.rules import LeafLayout, RuleError, check_replication, la
 from shardlib.sharding.strategies import STRATEGIES, Strategy, get_strategy
 from shardlib.sharding.layout import Layout, ReplicationWarning, make_layout, sharding_report
 from shardlib.model import Call, Model, Stages, from_functions, from_linen, from_nnx
-from shardlib.model.hooks import batch_varying, constrain, gather_batch, gather_layer, global_mean
+from shardlib.model.hooks import batch_varying, constrain, gather_batch, gather_layer, global_mean, global_sum
 from shardlib.step import TrainProgram, TrainState, build
 from shardlib.step.batch import per_device
 from shardlib.step.compute import batch_axis_names
@@ -39,7 +39,7 @@ __all__ = [
     "Call", "Checkpointer", "POLICIES", "batch_axis_names", "PreemptionGuard", "Precision", "build_local_sgd", "load_exported",
     "MESH_AXES", "SCHEDULES", "STRATEGIES", "Stages", "bubble_fraction", "LeafLayout", "Layout", "MeshError", "Model", "ReplicationWarning", "RuleError", "Strategy",
     "TrainProgram", "TrainState", "batch_varying", "build", "check_replication", "constrain", "from_functions",
-    "from_linen", "from_nnx", "gather_batch", "gather_layer", "get_strategy", "global_mean", "layout_tree", "make_layout",
+    "from_linen", "from_nnx", "gather_batch", "gather_layer", "get_strategy", "global_mean", "global_sum", "layout_tree", "make_layout",
     "make_mesh", "parse_mesh", "per_device", "set_gpu_overlap_flags", "sharding_report", "simulate_cpu_devices",
 ]
 __version__ = "0.1.0"

@@ -345,6 +345,28 @@ def test_global_mean_under_grad_accum_is_the_mean_of_the_microbatch_means():
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
 
+def test_global_sum_is_the_batchs_sum_in_the_step_under_grad_accum_and_in_evaluate():
+    """A loss summed over the valid tokens and a token count, both with global_sum, on data=8 with
+    grad_accum=2: losses and parameters are plain jit's of the summed loss over the whole batch, and
+    the count is the batch's (a plain jnp.sum comes back as a device's share of a microbatch's)."""
+    def loss(params, batch):
+        return shardlib.global_sum(_token_ce(params, batch), batch["mask"]), {
+            "tokens": shardlib.global_sum(batch["mask"]), "share": batch["mask"].sum()}
+
+    program, params0, batches, state, losses = _trained(_token_params, loss, _token_batch, "dp", DATA8, grad_accum=2)
+    summed = lambda p, b: (_token_ce(p, b) * b["mask"]).sum()
+    ref_params, ref_losses = zoo.plain_steps(summed, params0, optimizer(), batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), state.params, ref_params)
+    tokens = float(batches[0]["mask"].sum())
+    _, metrics = program.step(program.init(jax.random.key(0)), batches[0])
+    evaluation = program.evaluate(state.params, batches[0])
+    assert (float(metrics["tokens"]), float(evaluation["tokens"])) == (tokens, tokens)
+    np.testing.assert_allclose(float(metrics["share"]), tokens / 16, rtol=1e-6)  # 8 devices x 2 microbatches
+    np.testing.assert_allclose(float(evaluation["loss"]), float(summed(ref_params, batches[0])), rtol=1e-5)
+    np.testing.assert_allclose(shardlib.global_sum(batches[0]["mask"]), tokens)  # outside a step: the sum
+
+
 def test_global_mean_outside_a_step_is_numpys_weighted_average():
     """One weight per row weighs all of that row's elements, as jnp.average with the weights broadcast."""
     values = np.random.default_rng(0).normal(size=(4, 3, 2)).astype(np.float32)

@@ -34,12 +34,14 @@ class CNN(nn.Module):
 
 
 def cnn_loss(logits, batch):
-    """The Flax examples' eval metrics over a padded batch: a mask, and sums to divide at the end."""
+    """The Flax examples' eval metrics over a padded batch: a mask, and sums to divide at the end
+    (global_sum: the batch's sum; a plain jnp.sum would be a device's share)."""
     mask = batch["mask"]
     correct = (logits.argmax(-1) == batch["label"]).astype(jnp.float32)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
     return shardlib.global_mean(ce, mask), {"accuracy": shardlib.global_mean(correct, mask),
-                                            "correct": jnp.sum(correct * mask), "count": jnp.sum(mask)}
+                                            "correct": shardlib.global_sum(correct, mask),
+                                            "count": shardlib.global_sum(mask), "share": jnp.sum(mask)}
 
 
 def _dataset():
@@ -70,13 +72,15 @@ def test_linen_eval_loop_over_a_ragged_dataset_predictions_and_export_match_one_
 
     with pytest.raises(ValueError, match=r"'image' has 13 rows, which the 8 data-parallel devices .* pad it"):
         program.evaluate(state.params, {k: v[32:] for k, v in data.items()}, state.model_state)
-    totals = np.zeros(4)
+    totals = np.zeros(5)
     for n, batch in _padded_batches(data):
         got = program.evaluate(state.params, batch, state.model_state)
-        totals += [float(got["loss"]) * n, float(got["accuracy"]) * n, float(got["correct"]), float(got["count"])]
+        totals += [float(got["loss"]) * n, float(got["accuracy"]) * n, float(got["correct"]), float(got["count"]),
+                   float(got["share"])]
     np.testing.assert_allclose(totals[:2] / DATASET, [want_loss, want_correct / DATASET], rtol=1e-6)
-    # A sum over the rows comes back divided by the 8 devices (evaluate's values are means): ratios hold.
-    np.testing.assert_allclose(totals[2:], [want_correct / 8, DATASET / 8], rtol=1e-6)
+    np.testing.assert_allclose(totals[2:4], [want_correct, DATASET], rtol=1e-6)
+    # A plain sum over the rows comes back divided by the 8 devices (evaluate averages them).
+    np.testing.assert_allclose(totals[4], DATASET / 8, rtol=1e-6)
 
     # A Flax TrainState's trees as they are: FrozenDict params, batch_stats without the collection's name.
     flax_style = program.evaluate(flax.core.freeze(variables["params"]), batch, variables["batch_stats"])

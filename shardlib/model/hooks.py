@@ -53,6 +53,8 @@ class ComputeContext:
     # (`global_mean`); empty outside a traced step body
     mean_axes: tuple[str, ...] = ()
     rows_split: int = 1
+    # The microbatches the step averages over (grad_accum): with ``rows_split``, what `global_sum` undoes
+    microbatches: int = 1
     # The batch axes this device's rows vary over inside the step (`batch_varying`)
     row_axes: tuple[str, ...] = ()
 
@@ -132,17 +134,31 @@ def global_mean(values: jax.Array, weights: jax.Array | None = None) -> jax.Arra
     Each device's value is its share, not the batch's mean: a statistic used inside the loss (PPO's
     advantage mean and std) comes from ``gather_batch(x)`` instead.
     """
-    values = jnp.asarray(values).astype(jnp.float32)  # sums in float32 (a bf16 psum also aborts XLA:CPU)
-    weights = jnp.ones((), jnp.float32) if weights is None else jnp.asarray(weights).astype(jnp.float32)
-    _check_weights(values.shape, weights.shape)
-    weights = weights.reshape(weights.shape + (1,) * (values.ndim - weights.ndim))  # per row: over its elements
-    weights = jnp.broadcast_to(weights, values.shape)
+    values, weights = _weighed(values, weights)
     total = jax.lax.stop_gradient(weights.sum())
     ctx = _CONTEXT.get()
     if ctx is not None and ctx.mean_axes:
         total = jax.lax.psum(total, ctx.mean_axes) / ctx.rows_split
     # No weight at all (a microbatch of padding only): the sum is 0 too, so it adds 0 rather than 0/0 = NaN.
     return (values * weights).sum() / jnp.where(total > 0, total, 1.0)
+
+
+def global_sum(values: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """The sum of ``values`` (times ``weights``) over the whole batch: a count (correct predictions,
+    real tokens) or a summed loss, returned from the loss as the step and ``program.evaluate``
+    report it.
+
+    Both average what the loss returns over the data-parallel devices and the ``grad_accum``
+    microbatches, which makes a mean the batch's mean but a plain ``jnp.sum`` a device's share
+    (45 rows on 8 devices reported as 5.625). This one scales this device's sum by what that
+    average divides by, so the reported value is the sum over every row of the step (and, as a
+    loss, its gradients are the sum's). Outside a shardlib step it is the plain sum. Computed in
+    float32; ``weights`` as in `global_mean`.
+    """
+    values, weights = _weighed(values, weights)
+    total = (values * weights).sum()
+    ctx = _CONTEXT.get()
+    return total if ctx is None else total * (ctx.rows_split * ctx.microbatches)
 
 
 def row_index() -> Any:
@@ -185,6 +201,16 @@ def vary_nnx_carries(module: Any) -> None:
 def _vary(leaf: Any, axes: tuple[str, ...]) -> jax.Array:
     missing = tuple(a for a in axes if a not in compat.varying_axes(leaf))
     return jax.lax.pcast(leaf, missing, to="varying") if missing else leaf
+
+
+def _weighed(values: jax.Array, weights: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """``values`` and ``weights`` in float32 (a bf16 psum also aborts XLA:CPU), the weights checked and
+    broadcast to the values (one weight per row weighs each of its elements)."""
+    values = jnp.asarray(values).astype(jnp.float32)
+    weights = jnp.ones((), jnp.float32) if weights is None else jnp.asarray(weights).astype(jnp.float32)
+    _check_weights(values.shape, weights.shape)
+    weights = weights.reshape(weights.shape + (1,) * (values.ndim - weights.ndim))
+    return values, jnp.broadcast_to(weights, values.shape)
 
 
 def _check_weights(values: tuple[int, ...], weights: tuple[int, ...]) -> None:

@@ -43,6 +43,8 @@ class StepContext:
     key: Any = None  # this step's key (from the run's seed and the step); ModelCall folds in the device
     model_state: Any = None  # the mutable model state (BatchNorm statistics), replicated
     train: bool = dataclasses.field(default=True, metadata=dict(static=True))  # False: evaluation
+    # how many microbatches the step averages this call's loss over (grad_accum; `global_sum` undoes it)
+    microbatches: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     def for_microbatch(self, index: jax.Array) -> StepContext:
         """The context of one microbatch of an accumulated step: its own key."""
@@ -200,13 +202,13 @@ class ModelCall:
         unsharded = lambda p, spec: p if spec_axes(spec) else self._compute(p)
         return params if self.cast_first else jax.tree.map(unsharded, params, self.specs, is_leaf=zeropp.is_carried)
 
-    def _context(self, in_step: bool = True) -> hooks.ComputeContext:
+    def _context(self, in_step: bool = True, microbatches: int = 1) -> hooks.ComputeContext:
         """``in_step`` False: for an abstract trace (`probe`, inside the shard_map) that must not sum
         over the batch axes; the rows still vary over them (``row_axes``)."""
         return hooks.ComputeContext(self.activation_spec, cast_to=None if self.cast_first else self.compute_dtype,
                                     auto_specs=self.auto_by_path, gather=self.gather, gather_tree=self.gather_tree,
                                     logical_rules=self.logical_rules, mean_axes=self.mean_axes if in_step else (),
-                                    rows_split=self.rows_split, row_axes=self.key_axes)
+                                    rows_split=self.rows_split, row_axes=self.key_axes, microbatches=microbatches)
 
     def probe(self, params: Any, rows: Any, ctx: StepContext) -> hooks.ComputeContext:
         """The compute context an abstract trace of the loss leaves: which parameters the model
@@ -226,9 +228,9 @@ class ModelCall:
                 raise
         return seen
 
-    def traced(self, fn: Callable[[], Any]) -> Any:
+    def traced(self, fn: Callable[[], Any], microbatches: int = 1) -> Any:
         """Run ``fn()`` in a compute context; name any sharded parameter the model never gathered."""
-        ctx = self._context()
+        ctx = self._context(microbatches=microbatches)
         with hooks.compute_context(ctx), axis_names_lib.bound_axis_name(self.axis_alias, self.key_axes):
             try:
                 out = fn()
@@ -274,7 +276,8 @@ class ModelCall:
         model state after this call (in the dtypes it came in, so a skipped step can keep either)."""
         call = Call(key=self.device_key(ctx), state=ctx.model_state, train=ctx.train)
         rows = batch_lib.local(rows)  # a per_device batch: this device's own
-        loss, aux, state = self.traced(lambda: self.model.run(self.view(params), rows, self._model_specs(), call))
+        loss, aux, state = self.traced(lambda: self.model.run(self.view(params), rows, self._model_specs(), call),
+                                       ctx.microbatches)
         if ctx.model_state is not None:
             state = jax.tree.map(lambda new, old: new.astype(old.dtype), state, ctx.model_state)
         # Summed over the devices in float32: a bf16 metric's psum aborts XLA:CPU (AllReducePromotion,

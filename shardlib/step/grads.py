@@ -94,7 +94,7 @@ class Accumulated(Plain):
         k = self.microbatches
         split = lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]) if x.ndim else jnp.broadcast_to(x, (k,))
         micro = jax.tree.map(split, batch)
-        context = lambda i, state: dataclasses.replace(ctx.for_microbatch(i), model_state=state)
+        context = lambda i, state: dataclasses.replace(ctx.for_microbatch(i), model_state=state, microbatches=k)
         twins = self.twins(params, jax.tree.map(lambda x: x[0], micro), ctx)
         first = self._one(params, jax.tree.map(lambda x: x[0], micro), context(0, ctx.model_state), residuals, twins)
 
