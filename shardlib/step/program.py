@@ -375,8 +375,8 @@ def _train_step(layout: Layout, provider: grads_lib.Provider, reducer: reduce_li
 def _eval_step(layout: Layout, provider: grads_lib.Provider, model: Model):
     """The jitted ``evaluate(params, batch, model_state=None) -> {"loss", **aux}``; the model runs in
     eval mode (no dropout, BatchNorm's running averages). Each value is every data-parallel device's
-    value over its rows, divided by the device count and summed: the global batch's mean for a mean
-    over the rows (or `global_mean`), and a sum over the rows divided by the device count."""
+    value over its rows, averaged over the devices: the global batch's mean for a mean over the rows
+    (or `global_mean`), a device's share for a plain sum over the rows (`global_sum` gives the sum)."""
     axes = reduce_lib.active_axes(layout)
 
     def eval_fn(params, batch, model_state):
@@ -400,12 +400,12 @@ def _eval_step(layout: Layout, provider: grads_lib.Provider, model: Model):
         if model.stateful and model_state is None:
             raise ValueError("this model carries mutable state (BatchNorm statistics): evaluate with "
                              "program.evaluate(state.params, batch, state.model_state)")
+        batch_lib.check(layout, batch)
+        batch_lib.refuse_donated({"params": params, "model_state": model_state}, "evaluate's")
         params = _in_model_containers(params, abstract_params, "parameters")
         if model_state is not None:
             model_state = _one_entry(_pure(model_state), abstract_state_of_model())
             model_state = _in_model_containers(model_state, abstract_state_of_model, "model_state")
-        batch_lib.check(layout, batch)
-        batch_lib.refuse_donated({"params": params, "model_state": model_state}, "evaluate's")
         try:
             return jitted(params, batch_lib.place(layout, batch), model_state)
         except (TypeError, ValueError) as err:
