@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -35,6 +34,7 @@ from shardlib.sharding.layout import Layout, check_model_argument
 from shardlib.step import batch as batch_lib
 from shardlib.step import buckets as buckets_lib
 from shardlib.step import compression as compression_lib
+from shardlib.step import given
 from shardlib.step import grads as grads_lib
 from shardlib.step import layerwise as layerwise_lib
 from shardlib.step import offload as offload_lib
@@ -81,13 +81,13 @@ class TrainProgram:
         the same optimizer) continue that run instead: moments, schedule counts and step number.
         ``key`` (default ``jax.random.key(0)``) seeds the dropout stream."""
         key = jax.random.key(0) if key is None else key
-        _refuse_whole_flax_state(params, self.model)
-        _refuse_replicated(_pure(params), self.model.abstract(), "params")
-        params = like_model(_pure(params), self.model.abstract(), "parameters")
+        given.refuse_init_mistakes(params, self.model)
+        given.refuse_replicated(given.pure(params), self.model.abstract(), "params")
+        params = like_model(given.pure(params), self.model.abstract(), "parameters")
         if model_state is not None:
             expected = abstract_model_state(self.model)
-            model_state = _one_entry(_pure(model_state), expected)
-            _refuse_replicated(model_state, expected, "batch_stats")
+            model_state = given.one_entry(given.pure(model_state), expected)
+            given.refuse_replicated(model_state, expected, "batch_stats")
             model_state = like_model(model_state, expected, "model_state")
             model_state = jax.device_put(model_state, self.state_sharding.model_state)
         elif self.model.init_state is not None:
@@ -95,7 +95,7 @@ class TrainProgram:
                           "from its own init, not from the weights' run; pass model_state= to keep it", UserWarning,
                           stacklevel=2)
         state = self.init(key, jax.device_put(params, self.layout.param_shardings()), model_state)
-        return _continued(state, opt_state, step, self.state_sharding)
+        return given.continued(state, opt_state, step, self.state_sharding)
 
     def abstract_state(self) -> TrainState:
         """ShapeDtypeStructs (with shardings) of the train state: for planning and restoring."""
@@ -107,76 +107,6 @@ class TrainProgram:
     def compile_step(self, state: Any, batch: Any):
         """The compiled step for (abstract or concrete) arguments: memory_analysis, as_text, cost_analysis."""
         return self.step.lower(state, batch).compile()
-
-
-def _leaf_paths(tree: Any) -> set[str]:
-    return {rules_lib.path_str(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)}
-
-
-def _pure(tree: Any) -> Any:
-    """An NNX ``State`` as the plain nested dict its paths spell; any other tree as it is."""
-    return tree.to_pure_dict() if callable(getattr(tree, "to_pure_dict", None)) else tree
-
-
-def _continued(state: TrainState, opt_state: Any, step: Any, sharding: TrainState) -> TrainState:
-    """``state`` with another run's optimizer state and step number, each leaf matched by path
-    (optax's state of the same chain over the same parameters), placed in its shards in its dtype."""
-    if opt_state is not None:
-        _refuse_replicated(opt_state, state.opt_state, "opt_state")
-        given = like_model(opt_state, state.opt_state, "optimizer state")
-        placed = jax.device_put(given, sharding.opt_state)
-        state = dataclasses.replace(state, opt_state=jax.tree.map(lambda x, a: x.astype(a.dtype), placed,
-                                                                     state.opt_state))
-    if step is not None:
-        state = dataclasses.replace(state, step=jax.device_put(np.asarray(step, np.int32), sharding.step))
-    return state
-
-
-def _one_entry(given: Any, expected: Any) -> Any:
-    """``{"batch_stats": given}`` when the model's state has that one top-level entry and ``given`` is
-    exactly its tree: a Flax ``TrainState`` holds ``state.batch_stats`` without the collection's name,
-    and nothing else could be meant. Any other tree is returned as it is, to be matched by path."""
-    if not isinstance(expected, Mapping) or len(expected) != 1:
-        return given
-    (name, tree), = expected.items()
-    return {name: given} if _leaf_paths(given) == _leaf_paths(tree) else given
-
-
-def _refuse_whole_flax_state(given: Any, model: Model) -> None:
-    """A whole Flax ``TrainState`` (or shardlib's) or ``module.init``'s variables passed as the
-    parameters: say which fields to pass, where matching by path would list every tensor as missing."""
-    collections = list(abstract_model_state(model) or {})
-    if hasattr(given, "params") and hasattr(given, "opt_state"):
-        held = [c for c in collections if hasattr(given, c)]
-        kept = f"{{{', '.join(f'{c!r}: state.{c}' for c in held)}}}" if held else "state.model_state"
-        state_arg = f", model_state={kept}" if collections else ""
-        raise ValueError(f"init_from takes the parameters, and got a whole train state: write "
-                         f"program.init_from(state.params{state_arg}, opt_state=state.opt_state, step=state.step) to "
-                         f"continue its run (the same optimizer), or program.init_from(state.params{state_arg}) to "
-                         "start a fresh optimizer state from its weights")
-    if isinstance(given, Mapping) and "params" in given and not _has_top_level(model.abstract(), "params"):
-        kept = f"{{{', '.join(f'{c!r}: variables[{c!r}]' for c in collections)}}}"
-        state_arg = f", model_state={kept}" if collections else ""
-        raise ValueError(f"init_from takes the parameters, and got module.init's whole variables (collections "
-                         f"{', '.join(map(repr, given))}): write program.init_from(variables['params']{state_arg})")
-
-
-def _refuse_replicated(given: Any, expected: Any, field: str) -> None:
-    """Every leaf with one extra leading axis of the same size is a pmap script's
-    ``flax.jax_utils.replicate``'d state, one copy per device: name it and the fix, where matching
-    by path would call every tensor misshapen."""
-    shapes = [tuple(np.shape(leaf)) for leaf in jax.tree.leaves(given)]
-    wanted = [tuple(leaf.shape) for leaf in jax.tree.leaves(expected)]
-    copies = {shape[:1] for shape in shapes}
-    if not all(shapes) or len(copies) != 1 or [shape[1:] for shape in shapes] != wanted:
-        return
-    raise ValueError(f"init_from: every tensor given has a leading axis of {copies.pop()[0]} the model's has not: "
-                     f"a jax.pmap script's replicated state (flax.jax_utils.replicate); pass one copy, "
-                     f"flax.jax_utils.unreplicate(state).{field} (or jax.tree.map(lambda x: x[0], ...))")
-
-
-def _has_top_level(tree: Any, key: str) -> bool:
-    return isinstance(tree, Mapping) and key in tree
 
 
 def _check_arguments(model: Any, tx: Any, layout: Any) -> None:
@@ -396,16 +326,16 @@ def _eval_step(layout: Layout, provider: grads_lib.Provider, model: Model):
     abstract_state_of_model = functools.cache(lambda: abstract_model_state(model))
 
     def evaluate(params, batch, model_state=None):
-        _refuse_train_state(params, model)
+        given.refuse_train_state(params, model)
         if model.stateful and model_state is None:
             raise ValueError("this model carries mutable state (BatchNorm statistics): evaluate with "
                              "program.evaluate(state.params, batch, state.model_state)")
         batch_lib.check(layout, batch)
         batch_lib.refuse_donated({"params": params, "model_state": model_state}, "evaluate's")
-        params = _in_model_containers(params, abstract_params, "parameters")
+        params = given.in_model_containers(params, abstract_params, "parameters")
         if model_state is not None:
-            model_state = _one_entry(_pure(model_state), abstract_state_of_model())
-            model_state = _in_model_containers(model_state, abstract_state_of_model, "model_state")
+            model_state = given.one_entry(given.pure(model_state), abstract_state_of_model())
+            model_state = given.in_model_containers(model_state, abstract_state_of_model, "model_state")
         try:
             return jitted(params, batch_lib.place(layout, batch), model_state)
         except (TypeError, ValueError) as err:
@@ -413,27 +343,6 @@ def _eval_step(layout: Layout, provider: grads_lib.Provider, model: Model):
             raise
 
     return evaluate
-
-
-def _refuse_train_state(given: Any, model: Model) -> None:
-    """A whole train state passed as the parameters (``evaluate(state, batch)``): name the fields to
-    pass, where jit would fail on a pytree structure naming neither."""
-    if hasattr(given, "params") and hasattr(given, "opt_state"):
-        state_arg = ", state.model_state" if model.stateful else ""
-        raise ValueError(f"evaluate takes the parameters, and got a whole train state: write "
-                         f"program.evaluate(state.params, batch{state_arg})")
-
-
-def _in_model_containers(given: Any, expected: Callable[[], Any], what: str) -> Any:
-    """``given`` in the model's own containers: as it is when it already has them (the train
-    state's trees), else matched by path (`like_model`), so weights held elsewhere evaluate as they
-    come (a ``FrozenDict``, an NNX ``State``, ``load_exported``'s trees, a Flax ``TrainState``'s
-    ``batch_stats`` without its collection's name) and a tree of another model is named by path,
-    where jit would fail on a pytree structure. ``expected`` returns the abstract tree (cached)."""
-    abstract = expected()
-    if jax.tree.structure(given) == jax.tree.structure(abstract):
-        return given
-    return like_model(_pure(given), abstract, what)
 
 
 # What JAX, linen's apply and nnx.Rngs say when handed a None key.
@@ -465,7 +374,7 @@ class _CheckedStep:
     def __init__(self, jitted, layout: Layout, microbatches: int, state_sharding: Any):
         self._jitted, self._layout, self.microbatches = jitted, layout, microbatches
         self._structure = jax.tree.structure(state_sharding)
-        self._paths = _leaf_paths(state_sharding)
+        self._paths = given.leaf_paths(state_sharding)
         self._in_flight = None
 
     def _check_state(self, state) -> None:
@@ -476,9 +385,9 @@ class _CheckedStep:
         if not isinstance(state, TrainState):
             raise TypeError(f"step takes the TrainState this program's init (or a restore) made, got "
                             f"{type(state).__name__}: state = program.init(key), then state, metrics = program.step(state, batch)")
-        given = _leaf_paths(state)
-        differ = [f"{p}: in the state given, not in this program's" for p in sorted(given - self._paths)]
-        differ += [f"{p}: in this program's state, not in the one given" for p in sorted(self._paths - given)]
+        held = given.leaf_paths(state)
+        differ = [f"{p}: in the state given, not in this program's" for p in sorted(held - self._paths)]
+        differ += [f"{p}: in this program's state, not in the one given" for p in sorted(self._paths - held)]
         shown = rules_lib.describe_mismatches(differ) if differ else "the same paths in other containers"
         raise ValueError("the state given was not made by this program (another optimizer, precision, staleness or "
                          f"model) {shown}; make it with this program's "
