@@ -355,14 +355,14 @@ def _warn_names(abstract: Any, logical: Any, strategy: Strategy, mesh: Mesh) -> 
     if unmatched:
         warnings.warn(unmatched + (f"; {listing}" if unknown else ""), ReplicationWarning, stacklevel=3)
     elif unknown:
-        known = sorted(n for n in _known_names(strategy) if isinstance(n, str))
+        known = sorted(n for n in known_names(strategy) if isinstance(n, str))
         warnings.warn(f"{listing}; use names among {', '.join(known)} (or, for names of your own codebase's rule "
                       "table, build with shardlib.get_strategy(name).with_logical_rules(your_rules))",
                       UserWarning, stacklevel=3)
     return bool(unmatched or unknown)
 
 
-def _known_names(strategy: Strategy) -> set:
+def known_names(strategy: Strategy) -> set:
     """Logical names some table maps: the built-in strategies', this strategy's (``with_rules``
     may add names) and the stack axis ("layers", which the adapters name and nothing splits)."""
     tables = [s.param_rules + s.state_rules + s.activation_rules + s.batch_rules
@@ -373,7 +373,7 @@ def _known_names(strategy: Strategy) -> set:
 def _unknown_names(abstract: Any, logical: Any, strategy: Strategy) -> list[str]:
     """``path shape dim i 'name'`` for each tensor dim whose name no table knows (a typo, a name
     from another codebase's rules such as the Flax guide's "model")."""
-    known = _known_names(strategy)
+    known = known_names(strategy)
     return [f"{rules_lib.path_str(path)} {tuple(leaf.shape)} dim {dim} {name!r}"
             for (path, leaf), names in zip(jax.tree_util.tree_leaves_with_path(abstract),
                                            rules_lib.logical_leaves(abstract, logical))
