@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -57,6 +59,9 @@ class ComputeContext:
     microbatches: int = 1
     # The batch axes this device's rows vary over inside the step (`batch_varying`)
     row_axes: tuple[str, ...] = ()
+    # Told the logical names of every activation constraint (`constrain`, linen's
+    # nn.with_logical_constraint): the step warns about names its activation rules do not know
+    note_names: Callable[[Sequence[Any]], None] | None = None
 
 
 _CONTEXT: contextvars.ContextVar[ComputeContext | None] = contextvars.ContextVar(
@@ -169,6 +174,18 @@ def row_index() -> Any:
     return jax.lax.axis_index(axes) if axes else 0
 
 
+# Evaluation's fixed seed (`eval_key`): the same draws on every call, as the Flax VAE example's eval_rng.
+EVAL_SEED = 0
+
+
+def eval_key() -> jax.Array:
+    """The key a model that is random in evaluation too (a VAE's reparameterisation, a diffusion
+    loss's noise) draws from where ``program.evaluate`` passes none: fixed, so evaluation repeats,
+    with this device's index folded in as the step folds it into its key, so the devices' rows draw
+    independent numbers. The adapters' ``eval_rng_streams`` / ``eval_key`` options read it."""
+    return jax.random.fold_in(jax.random.key(EVAL_SEED), row_index())
+
+
 def batch_varying(x: Any) -> Any:
     """``x`` (an array or pytree built from constants, such as an RNN's zero initial carry) typed as
     varying with this device's rows. Inside the step the rows vary over the batch axes, so a
@@ -279,6 +296,8 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
         return x
     if len(logical_axes) != x.ndim:
         raise ValueError(f"constrain: {len(logical_axes)} logical axes {tuple(logical_axes)} for an array of shape {x.shape}")
+    if ctx.note_names is not None:
+        ctx.note_names(logical_axes)
     spec = ctx.activation_spec(logical_axes, x.shape)
     if all(entry is None for entry in spec):
         return x
@@ -367,3 +386,48 @@ def gather_layer(state: Any) -> Any:
     if ctx.gather_tree is not None:
         state = ctx.gather_tree(state)
     return jax.tree.map(lambda v: _gather_variable(v, ctx), state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+# Where Flax exposes its logical constraint: `noting_flax_constraints` wraps each for a linen call.
+_FLAX_CONSTRAINTS = (("flax.linen", "with_logical_constraint"), ("flax.linen.spmd", "with_logical_constraint"),
+                     ("flax.linen.partitioning", "with_sharding_constraint"))
+_flax_lock = threading.Lock()
+_flax_users = 0  # calls inside `noting_flax_constraints`: the wrapper stays while any is running
+
+
+@contextlib.contextmanager
+def noting_flax_constraints() -> Iterator[None]:
+    """While a linen module runs: ``nn.with_logical_constraint`` tells the step its names
+    (``ComputeContext.note_names``). Flax resolves them out of sight, and returns before reading
+    them when no rule applies (a mesh without a model axis), so its function is wrapped for the
+    call; the wrapper passes everything through unchanged, and outside a step notes nothing."""
+    import importlib
+
+    global _flax_users
+    targets = [(importlib.import_module(module), name) for module, name in _FLAX_CONSTRAINTS]
+    with _flax_lock:
+        if _flax_users == 0:
+            original = getattr(*targets[0])
+            for module, name in targets:
+                setattr(module, name, _noting(original))
+        _flax_users += 1
+    try:
+        yield
+    finally:
+        with _flax_lock:
+            _flax_users -= 1
+            if _flax_users == 0:
+                for module, name in targets:
+                    setattr(module, name, getattr(module, name).__wrapped__)
+
+
+def _noting(constraint: Callable[..., Any]) -> Callable[..., Any]:
+    """``constraint`` (Flax's), reporting the names it is given to the step's ``note_names``."""
+    @functools.wraps(constraint)
+    def with_logical_constraint(x, logical_axis_resources, *args, **kwargs):
+        ctx = _CONTEXT.get()
+        if ctx is not None and ctx.note_names is not None:
+            ctx.note_names([n for n in jax.tree.leaves(logical_axis_resources) if isinstance(n, str)])
+        return constraint(x, logical_axis_resources, *args, **kwargs)
+
+    return with_logical_constraint

@@ -152,7 +152,8 @@ def from_linen(
     ``inputs(batch, train) -> (args, kwargs)`` maps a batch to the module's call, e.g.
     ``lambda b, train: ((b["tokens"], b["positions"]), {"train": train})``; ``example`` is then
     an example batch. Without ``inputs``, ``example`` is an example of ``batch["inputs"]``, the
-    module's single positional argument. ``loss_fn(outputs, batch)`` gives the loss.
+    module's single positional argument. ``loss_fn(outputs, batch)`` gives the loss;
+    ``loss_fn(outputs, batch, step)`` also gets the train state's step (None in evaluation).
 
     Training calls pass ``rngs`` for each of ``rng_streams`` (from the step's key; ``()``: the
     model draws nothing) and update every variable collection besides ``params`` (linen
@@ -204,12 +205,14 @@ def from_linen(
     scanned = _scanned_paths(apply_call, nn.unbox(boxed), inputs(example, False), wrapped)
     logical = _with_layer_axes(_with_path_rules(logical, nn.unbox(boxed)["params"], path_rules, scanned), scanned)
 
+    call_loss = _loss_caller(loss_fn)
+
     def run(params, batch, specs, call):
         args, kwargs = inputs(batch, call.train)
         # under the per-layer reduction, a scanned stack's whole parameters get their twins on read too
         stacked = scanned.keys() if hooks.reduces_per_layer() else ()
         out, state = apply_call(_gathered_on_read(params, specs, also=stacked, whole=wrapped), call, args, kwargs)
-        loss, aux = _loss_out(loss_fn(out, batch))
+        loss, aux = _loss_out(call_loss(out, batch, call.step))
         return loss, aux, state
 
     def init_state(key):
@@ -218,6 +221,19 @@ def from_linen(
     return Model(init=lambda key: nn.unbox(variables(key)["params"]), loss=_with_call(run, bool(collections)),
                  logical_axes=logical, apply=apply_call.outputs, gathers_params=True, gathers_on_read=True,
                  takes_call=True, uses_key=bool(rng_streams), init_state=init_state if collections else None)
+
+
+def _loss_caller(loss_fn: Callable) -> Callable[[Any, Batch, Any], Any]:
+    """``(outputs, batch, step) -> loss_fn(...)``: a loss with a ``step`` parameter gets the train
+    state's step by keyword (None in evaluation), for loss weights on a schedule, which a
+    ``TrainState`` loop reads from ``state.step``; any other loss gets ``(outputs, batch)``."""
+    try:
+        takes_step = "step" in inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        takes_step = False
+    if takes_step:
+        return lambda out, batch, step: loss_fn(out, batch, step=step)
+    return lambda out, batch, step: loss_fn(out, batch)
 
 
 def _checked_eval_streams(eval_streams: tuple[str, ...], streams: tuple[str, ...]) -> tuple[str, ...]:
@@ -532,14 +548,15 @@ def _named_read_only_errors(collections: tuple[str, ...]) -> Iterator[None]:
 @contextlib.contextmanager
 def _logical_constraints() -> Iterator[None]:
     """Inside a shardlib step, ``nn.with_logical_constraint`` resolves through the strategy's
-    activation rules (as `shardlib.constrain` does); outside one, the user's own rules apply."""
+    activation rules (as `shardlib.constrain` does), and its names are checked against them;
+    outside one, the user's own rules apply."""
     rules = hooks.logical_rules()
     if rules is None:
         yield
         return
     from flax import linen as nn
 
-    with nn.logical_axis_rules(rules):
+    with nn.logical_axis_rules(rules), hooks.noting_flax_constraints():
         yield
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -19,8 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 from shardlib.model import Call, Model, Stages, hooks
 from shardlib.sharding import rules as rules_lib
-from shardlib.sharding.layout import Layout, restrict, spec_axes
-from shardlib.sharding.strategies import BATCH_RULES
+from shardlib.sharding.layout import Layout, known_names, restrict, spec_axes
+from shardlib.sharding.strategies import BATCH_RULES, Strategy
 from shardlib.step import axis_names as axis_names_lib
 from shardlib.step import batch as batch_lib
 from shardlib.step import manual_axes as manual_axes_lib
@@ -42,6 +43,7 @@ class StepContext:
     scale: Any = None  # the loss scale the gradients are taken of (fp16's, else 1); None: unscaled
     key: Any = None  # this step's key (from the run's seed and the step); ModelCall folds in the device
     model_state: Any = None  # the mutable model state (BatchNorm statistics), replicated
+    step: Any = None  # the train state's step (`Call.step`, for a loss on a schedule); None in evaluation
     train: bool = dataclasses.field(default=True, metadata=dict(static=True))  # False: evaluation
     # how many microbatches the step averages this call's loss over (grad_accum; `global_sum` undoes it)
     microbatches: int = dataclasses.field(default=1, metadata=dict(static=True))
@@ -125,6 +127,53 @@ def activation_spec(layout: Layout) -> Callable[[Any, tuple[int, ...]], P]:
     return lambda logical, shape: resolve(tuple(logical), tuple(shape))
 
 
+# Activation dims every strategy keeps whole: shardlib's models name the sequence "seq", t5x's "length".
+WHOLE_ACTIVATION_NAMES = ("seq", "length")
+
+
+class ActivationNames:
+    """The names of the activation constraints a model makes in the step (`shardlib.constrain`,
+    linen's ``nn.with_logical_constraint``) against the strategy's rules: a name they do not know
+    gets no constraint, silently, as in Flax. Noted while the model is traced, warned about in one
+    message after the trace, once per program (the step's trace and evaluate's add only new names)."""
+
+    def __init__(self, strategy: Strategy):
+        self.strategy, self.known = strategy, _activation_names(strategy)
+        self.unknown: set[str] = set()
+        self.warned: set[str] = set()
+
+    def note(self, names: Sequence[Any]) -> None:
+        self.unknown.update(n for n in names if isinstance(n, str) and n not in self.known)
+
+    def warn(self) -> None:
+        new = sorted(self.unknown - self.warned)
+        if new:
+            self.warned.update(new)
+            warnings.warn(_unknown_activations(self.strategy, new), UserWarning, stacklevel=2)
+
+
+def _activation_names(strategy: Strategy) -> set[str]:
+    """Names an activation constraint may use under ``strategy``: its own table's (``with_logical_rules``)
+    or any built-in table's, the batch, and the dims activations keep whole."""
+    table = known_names(strategy) if strategy.own_rules is None else {name for name, _ in strategy.own_rules}
+    batch = {name for name, _ in strategy.batch_rules}
+    return {n for n in table if isinstance(n, str)} | batch | set(WHOLE_ACTIVATION_NAMES) | set(rules_lib.AUTO_SHARD_SKIP)
+
+
+def _unknown_activations(strategy: Strategy, names: list[str]) -> str:
+    listed = ", ".join(map(repr, names))
+    if strategy.own_rules is not None:
+        return (f"your logical-axis rules (Strategy.with_logical_rules) have no rule for the activation names {listed} "
+                "(shardlib.constrain / nn.with_logical_constraint), so those dims get no sharding constraint: add a "
+                "rule for each name (None keeps the dim whole)")
+    split = ", ".join(name for name, axes in strategy.activation_rules if axes)
+    return (f"the activation names {listed} (shardlib.constrain / nn.with_logical_constraint) are in none of strategy "
+            f"{strategy.name!r}'s rules, so those dims get no sharding constraint at all: use shardlib's names "
+            f"({split} split over 'tensor'; batch; {', '.join(WHOLE_ACTIVATION_NAMES)}, embed kept whole), or hand "
+            f"your own rule table, with a rule for each of these names, to the strategy: "
+            f"shardlib.get_strategy({strategy.name!r}).with_logical_rules(rules)")
+
+
 def auto_axes(layout: Layout) -> tuple[str, ...]:
     """The mesh axes left to GSPMD inside the step (``tensor``)."""
     return tuple(a for a in layout.mesh.axis_names if a not in layout.manual_axes)
@@ -158,6 +207,7 @@ class ModelCall:
     logical_rules: tuple = ()  # the activation rules for Flax's nn.with_logical_constraint (`logical_rules`)
     mean_axes: tuple[str, ...] = ()  # the batch axes the loss is a mean over (`hooks.global_mean`)
     axis_alias: str | None = None  # a linen module's own collective axis_name, bound to key_axes (`axis_names`)
+    activation_names: ActivationNames | None = None  # the names of the model's activation constraints
 
     @classmethod
     def for_layout(cls, model: Model, layout: Layout, policy: precision_lib.Precision,
@@ -172,7 +222,7 @@ class ModelCall:
         return cls(model, specs, auto, by_path, sharded_paths(layout), activation_spec(layout),
                    policy.compute_dtype, cast_first, rows_split, active_axes(layout, exclude), secondary,
                    logical_rules=logical_rules(layout), mean_axes=active_axes(layout, exclude + mean_exclude),
-                   axis_alias=check_axis_alias(axis_alias, layout))
+                   axis_alias=check_axis_alias(axis_alias, layout), activation_names=ActivationNames(layout.strategy))
 
     def _compute(self, tree: Any) -> Any:
         """``tree`` in the compute dtype; a layerwise state shard keeps the master dtype, so its
@@ -208,7 +258,8 @@ class ModelCall:
         return hooks.ComputeContext(self.activation_spec, cast_to=None if self.cast_first else self.compute_dtype,
                                     auto_specs=self.auto_by_path, gather=self.gather, gather_tree=self.gather_tree,
                                     logical_rules=self.logical_rules, mean_axes=self.mean_axes if in_step else (),
-                                    rows_split=self.rows_split, row_axes=self.key_axes, microbatches=microbatches)
+                                    rows_split=self.rows_split, row_axes=self.key_axes, microbatches=microbatches,
+                                    note_names=self.activation_names and self.activation_names.note)
 
     def probe(self, params: Any, rows: Any, ctx: StepContext) -> hooks.ComputeContext:
         """The compute context an abstract trace of the loss leaves: which parameters the model
@@ -217,7 +268,7 @@ class ModelCall:
 
         def run(p, b):
             with hooks.compute_context(seen):
-                call = Call(key=self.device_key(ctx), state=ctx.model_state, train=ctx.train)
+                call = Call(key=self.device_key(ctx), state=ctx.model_state, train=ctx.train, step=ctx.step)
                 return self.model.run(self.view(p), batch_lib.local(b), self._model_specs(), call)
 
         with axis_names_lib.bound_axis_name(self.axis_alias, self.key_axes):
@@ -226,6 +277,7 @@ class ModelCall:
             except Exception as err:
                 self._explain(err)
                 raise
+        self._warn_unknown_activations()
         return seen
 
     def traced(self, fn: Callable[[], Any], microbatches: int = 1) -> Any:
@@ -239,7 +291,12 @@ class ModelCall:
                 self._check_gathered(ctx, err)
                 raise
         self._check_gathered(ctx)
+        self._warn_unknown_activations()
         return out
+
+    def _warn_unknown_activations(self) -> None:
+        if self.activation_names is not None:
+            self.activation_names.warn()
 
     def _explain(self, err: Exception) -> None:
         """JAX's errors about the step's manual batch axes, or a pmap-era axis name, with what to write."""
@@ -274,7 +331,7 @@ class ModelCall:
     def loss(self, params: Any, rows: Any, ctx: StepContext) -> tuple[jax.Array, dict[str, jax.Array], Any]:
         """This device's share of the mean loss over all rows (and of the aux metrics), and the
         model state after this call (in the dtypes it came in, so a skipped step can keep either)."""
-        call = Call(key=self.device_key(ctx), state=ctx.model_state, train=ctx.train)
+        call = Call(key=self.device_key(ctx), state=ctx.model_state, train=ctx.train, step=ctx.step)
         rows = batch_lib.local(rows)  # a per_device batch: this device's own
         loss, aux, state = self.traced(lambda: self.model.run(self.view(params), rows, self._model_specs(), call),
                                        ctx.microbatches)
