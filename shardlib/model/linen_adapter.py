@@ -450,12 +450,12 @@ class _Apply:
 
     def _rngs(self, call: Any) -> dict[str, jax.Array] | None:
         """The step's key split into the streams; evaluation (no key) passes only ``eval_streams``,
-        from `_EVAL_SEED` with this device's index folded in (as the step folds it into its key)."""
+        from `hooks.eval_key` (a fixed key with this device's index folded in)."""
         if call.key is not None:
             return _stream_keys(call.key, self.rng_streams)
         if call.train or not self.eval_streams:
             return None
-        device_key = jax.random.fold_in(jax.random.key(_EVAL_SEED), hooks.row_index())
+        device_key = hooks.eval_key()
         return {name: jax.random.fold_in(device_key, self.rng_streams.index(name)) for name in self.eval_streams}
 
     def __call__(self, params: Any, call: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
@@ -489,9 +489,6 @@ class _Apply:
                 "model_state=state.model_state, **kwargs), with the module's own eval flag (train=False)")
         return self.module.apply({"params": params, **(model_state or {})}, *args, **kwargs)
 
-
-# Evaluation's fixed seed for `eval_rng_streams`: the same draws on every call, as a fixed eval_rng.
-_EVAL_SEED = 0
 
 # Why a call had no rng for a stream, by the kind of call: what the error tells the user.
 _MISSING_RNG = {
