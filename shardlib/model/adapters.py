@@ -52,12 +52,15 @@ class Call:
 
     ``key``: this step's and this data-parallel device's random key (None in eval and for models
     that draw none); ``state``: the mutable model state (BatchNorm statistics) or None;
-    ``train``: False under `TrainProgram.evaluate` (dropout off, running averages used).
+    ``train``: False under `TrainProgram.evaluate` (dropout off, running averages used);
+    ``step``: the train state's step (an int32 scalar, the updates applied so far), for a loss
+    whose weights follow a schedule; None where no train state is at hand (evaluate, pmap_step).
     """
 
     key: jax.Array | None = None
     state: Any = None
     train: bool = True
+    step: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

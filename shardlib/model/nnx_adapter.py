@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from shardlib import compat
-from shardlib.model.adapters import Batch, Model, Stages, _loss_out, _with_call
+from shardlib.model.adapters import Batch, Call, Model, Stages, _loss_out, _with_call
 from shardlib.model import hooks
 from shardlib.model.hooks import SPEC_METADATA
 from shardlib.sharding import rules as rules_lib
@@ -64,7 +64,8 @@ def from_nnx(
     ``loss_fn(module, batch)`` may also take an ``rngs`` argument (``loss_fn(model, rngs, batch)``,
     for modules whose ``__call__`` takes the rngs): it receives an ``nnx.Rngs`` seeded from the
     step's key. A ``train`` argument (``loss_fn(model, batch, train)``, for modules whose train/eval
-    switch is a call argument) receives True in the step and False in evaluation. It returns the
+    switch is a call argument) receives True in the step and False in evaluation, and a ``step``
+    argument the train state's step (None in evaluation), for loss weights on a schedule. It returns the
     loss, or ``(loss, aux)``: aux's scalar entries (a dict) become metrics; anything else (the
     tutorial's ``(loss, logits)``) is dropped, with a warning. Evaluation runs the module after
     ``module.eval()`` (dropout off, BatchNorm on running averages); training runs it as given, so
@@ -95,7 +96,7 @@ def from_nnx(
                                nnx_pure_dict(parts.params), path_rules)
     _warn_short_names(nnx_pure_dict(parts.params), logical)
     stateful = bool(jax.tree.leaves(parts.carried))
-    call_loss, loss_takes_rngs, loss_takes_train = _loss_caller(loss_fn)
+    call_loss, loss_extras = _loss_caller(loss_fn)
     frozen = _frozen_mask(parts.params, wrt)
 
     def run(params, batch, specs, call):
@@ -108,15 +109,15 @@ def from_nnx(
             _train_undecided(module)
         else:
             module.eval()
-        loss, aux = _loss_out(call_loss(module, batch, call.key, call.train))
+        loss, aux = _loss_out(call_loss(module, batch, call))
         if call.train and stateful:
             _refuse_rows_in_cache(module)
         return loss, aux, parts.carried_of(module) if stateful else None
 
-    uses_key = bool(jax.tree.leaves(parts.rngs)) or loss_takes_rngs
+    uses_key = bool(jax.tree.leaves(parts.rngs)) or "rngs" in loss_extras
     return Model(init=source.params, loss=_with_call(run, uses_key or stateful), logical_axes=logical,
                  gathers_params=gathers_params, apply=parts.apply,
-                 pipeline=_stages(pipeline, parts), takes_call=uses_key or stateful or loss_takes_train,
+                 pipeline=_stages(pipeline, parts), takes_call=uses_key or stateful or bool(loss_extras),
                  uses_key=uses_key, init_state=source.carried if stateful else None, frozen=frozen)
 
 
@@ -352,33 +353,34 @@ def _required_besides_rngs(make: Callable) -> list[str]:
 
 
 # Parameters of the user's loss that shardlib fills in itself, by name.
-LOSS_EXTRAS = ("rngs", "train")
+LOSS_EXTRAS = ("rngs", "train", "step")
 
 
-def _loss_caller(loss_fn: Callable) -> tuple[Callable[[Any, Batch, Any, bool], Any], bool, bool]:
-    """``(module, batch, key, train) -> loss_fn(...)``, whether it draws and whether it takes
-    ``train``: a loss with an ``rngs`` parameter (``loss_fn(model, rngs, batch)``, for modules whose
-    ``__call__`` takes the rngs) gets an ``nnx.Rngs`` seeded from this step's and device's key; one
-    with a ``train`` parameter (for modules whose train/eval switch is a call argument) gets
-    True in the step and False in evaluation, since ``module.eval()`` cannot reach a call argument."""
+def _loss_caller(loss_fn: Callable) -> tuple[Callable[[Any, Batch, Call], Any], frozenset[str]]:
+    """``(module, batch, call) -> loss_fn(...)`` and the `LOSS_EXTRAS` the loss names: ``rngs``
+    (``loss_fn(model, rngs, batch)``, for modules whose ``__call__`` takes the rngs) gets an
+    ``nnx.Rngs`` seeded from this step's and device's key; ``train`` (for modules whose train/eval
+    switch is a call argument) True in the step and False in evaluation, since ``module.eval()``
+    cannot reach a call argument; ``step`` the train state's step (None in evaluation), for loss
+    weights on a schedule, which a loop over ``nnx.Optimizer`` reads from ``optimizer.step``."""
     from flax import nnx
 
     params = _parameters(loss_fn)
-    names = {p.name for p in params}
+    taken = frozenset(p.name for p in params) & frozenset(LOSS_EXTRAS)
     _refuse_unfilled(loss_fn, params)
-    if not names & set(LOSS_EXTRAS):
-        return (lambda module, batch, key, train: loss_fn(module, batch)), False, False
+    if not taken:
+        return (lambda module, batch, call: loss_fn(module, batch)), taken
     positional, keyword = _loss_slots(params)
 
-    def call(module, batch, key, train):
+    def run(module, batch, call):
         given = iter((module, batch))
-        extras = {"train": train}
-        if "rngs" in names:  # eval: key None, module.eval() draws nothing
-            extras["rngs"] = nnx.Rngs(jax.random.key(0) if key is None else key)
+        extras = {"train": call.train, "step": call.step}
+        if "rngs" in taken:  # eval: key None, module.eval() draws nothing
+            extras["rngs"] = nnx.Rngs(jax.random.key(0) if call.key is None else call.key)
         args = [extras[slot] if slot in extras else next(given) for slot in positional]
         return loss_fn(*args, **{name: extras[name] for name in keyword})
 
-    return call, "rngs" in names, "train" in names
+    return run, taken
 
 
 def _refuse_unfilled(loss_fn: Callable, params: list[inspect.Parameter]) -> None:
@@ -389,7 +391,8 @@ def _refuse_unfilled(loss_fn: Callable, params: list[inspect.Parameter]) -> None
         raise TypeError(
             f"from_nnx: the loss {getattr(loss_fn, '__name__', loss_fn)!r} requires {', '.join(required[2:])} besides "
             f"(module, batch) ({', '.join(required[:2])}); shardlib fills in only parameters named "
-            f"{' or '.join(LOSS_EXTRAS)} (train: True in the step, False in evaluate): rename it, or give it a default")
+            "rngs or train (train: True in the step, False in evaluate) or step (the train state's step): rename it, "
+            "or give it a default")
 
 
 def _loss_slots(params: list[inspect.Parameter]) -> tuple[list[str | None], list[str]]:

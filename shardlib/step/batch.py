@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -274,11 +275,25 @@ def _key_advice(name: str) -> str:
             "or rngs={'dropout': ...} from from_linen / from_nnx")
 
 
-def _warn_keys(leaves: list[tuple[str, Any]]) -> None:
-    """A typed key (``jax.random.key``) is a scalar leaf, so it passes as one: warn that every device gets it."""
+def _warn_keys(layout: Layout, leaves: list[tuple[str, Any]]) -> None:
+    """A typed key (``jax.random.key``) is a scalar leaf, so it passes as one: warn that every device
+    gets it, once per program and leaf (under ``simplefilter("always")`` it would repeat every step)."""
+    warned = _warned_keys(layout)
     for name, x in leaves:
-        if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        if name not in warned and hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            warned.add(name)
             warnings.warn(_key_advice(name), UserWarning, stacklevel=5)  # the caller of program.step
+
+
+# The batch leaves warned about as keys, by id of the program's layout (dropped with the layout).
+_WARNED_KEYS: dict[int, set[str]] = {}
+
+
+def _warned_keys(layout: Layout) -> set[str]:
+    if id(layout) not in _WARNED_KEYS:
+        _WARNED_KEYS[id(layout)] = set()
+        weakref.finalize(layout, _WARNED_KEYS.pop, id(layout), None)
+    return _WARNED_KEYS[id(layout)]
 
 
 def check(layout: Layout, batch: Any, microbatches: int = 1) -> None:
@@ -293,7 +308,7 @@ def check(layout: Layout, batch: Any, microbatches: int = 1) -> None:
     # the divisibility message is the one the CLI's batches get
     layout.check_batch(_first_rows(rows), microbatches=microbatches)
     _check_per_device(layout, devices, microbatches)
-    _warn_keys(rows + devices)
+    _warn_keys(layout, rows + devices)
 
 
 def _check_pipelined(layout: Layout, batch: Any, leaves: list[tuple[str, Any]]) -> None:

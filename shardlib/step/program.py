@@ -292,7 +292,7 @@ def _train_step(layout: Layout, provider: grads_lib.Provider, reducer: reduce_li
 
     def step_fn(state: TrainState, batch):
         scale = update_lib.loss_scale(state)
-        ctx = StepContext(scale=scale, key=step_key(state), model_state=state.model_state)
+        ctx = StepContext(scale=scale, key=step_key(state), model_state=state.model_state, step=state.step)
         loss, aux, grads, residuals, model_state = grads_fn(state.params, batch, ctx, state.grad_residual)
         produced = {"grad_residual": residuals, "model_state": model_state}
         new_state, grad_norm, finite = update(state, grads, loss, scale, produced)

@@ -173,7 +173,8 @@ def train_step(layout: Any, provider: Any, reducer: Any, update: Any, sharding: 
         # state.step counts applied updates; with the queued ones it counts the steps taken, so the
         # first tau steps draw their own dropout masks instead of repeating step 0's.
         taken = state.step + sum(entry["ready"].astype(jnp.int32) for entry in state.pending)
-        ctx = StepContext(scale=one, key=step_key(dataclasses.replace(state, step=taken)), model_state=state.model_state)
+        ctx = StepContext(scale=one, key=step_key(dataclasses.replace(state, step=taken)), model_state=state.model_state,
+                          step=taken)
         loss, aux, reduced, residuals, model_state, grads = mapped(state.params, batch, ctx, state.grad_residual,
                                                                    oldest["grads"])
         gate_loss = jnp.where(oldest["ready"], oldest["loss"], jnp.nan)  # nothing queued yet: apply nothing
