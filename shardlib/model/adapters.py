@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardlib.model import hooks
 from shardlib.sharding import rules as rules_lib
 
 Params = Any
@@ -73,7 +74,8 @@ class Model:
     ``gathers_params`` says it does: then ``loss`` receives the local shards, and the step checks
     that every sharded parameter went through ``gather_layer``. Otherwise the step gathers the
     whole model before the forward pass (correct for any model, but all weights are alive at once).
-    ``apply(params, inputs)`` gives the model's outputs (used for sampling); optional.
+    ``apply(params, inputs)`` gives the model's outputs (used for sampling); optional: None, or
+    `NO_APPLY` for a `from_functions` model given none (falsy, and calling it says what to pass).
     ``pipeline`` (`Stages`) lets the step split the layer stack over the ``pipe`` mesh axis.
 
     ``takes_call``: ``loss(params, batch, specs, call)`` receives a `Call` and returns
@@ -119,6 +121,27 @@ class Model:
         except _USER_ERRORS as error:
             _note_batch(error, batch)
             raise
+
+
+class _NoApply:
+    """`Model.apply` of a `from_functions` model built without ``apply=``: ``model.apply(...)``
+    would otherwise fail with "'NoneType' object is not callable". Falsy, so ``if model.apply:``
+    still reads "has no apply function"."""
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("model.apply: this model was built by from_functions(init, loss_fn) without an apply "
+                        "function, so shardlib cannot compute its outputs; pass one, from_functions(init, loss_fn, "
+                        "apply=fn) with fn(params, *inputs) -> outputs (e.g. lambda p, x: module.apply({'params': p}, "
+                        "x)), or call your own function on state.params")
+
+    def __repr__(self) -> str:
+        return "NO_APPLY"
+
+
+NO_APPLY = _NoApply()
 
 
 # What a loss raises when a batch leaf is not what the model reads (a shape, a dtype, a key).
@@ -207,6 +230,7 @@ def from_functions(
     path_rules: rules_lib.PathRules = (),
     apply: Callable[[Params, Any], Any] | None = None,
     takes_call: bool = False,
+    eval_key: bool = False,
 ) -> Model:
     """A plain-pytree model; logical names given as a tree, or from regex rules on paths.
 
@@ -217,18 +241,35 @@ def from_functions(
     ``takes_call=True``: ``loss_fn(params, batch, call)`` receives a `Call`, whose ``key`` is this
     step's and this device's key (None under evaluate) and ``train`` False under evaluate: what a
     ``TrainState`` loop hands ``module.apply`` as ``rngs={"dropout": key}`` and ``train=``.
+    ``eval_key=True`` gives a loss that is random in evaluation too (a VAE's reparameterisation, a
+    diffusion loss's noise) ``call.key`` under evaluate as well: `hooks.eval_key`, fixed (evaluation
+    repeats) with the device's index folded in, as ``from_linen(eval_rng_streams=...)`` draws.
+
+    ``apply(params, *inputs)`` computes the outputs ``model.apply`` returns; without it
+    ``model.apply`` is `NO_APPLY`, which says so when called.
     """
+    if eval_key and not takes_call:
+        raise ValueError("from_functions(eval_key=True) gives the loss call.key in evaluate: it needs "
+                         "takes_call=True, loss_fn(params, batch, call)")
     abstract = jax.eval_shape(init, jax.random.key(0))
     if logical_axes is None:
         logical_axes = rules_lib.logical_from_paths(abstract, path_rules)
     logical_axes = _empty_nodes_named(abstract, logical_axes)
     _warn_flax_collections(abstract)
     if takes_call:
-        run = lambda p, b, specs, call: (*_loss_out(loss_fn(p, b, call)), call.state)
-        return Model(init=init, loss=_with_call(run, needs_call=True), logical_axes=logical_axes, apply=apply,
-                     takes_call=True, uses_key=True)
+        keyed = _with_eval_key if eval_key else (lambda call: call)
+        run = lambda p, b, specs, call: (*_loss_out(loss_fn(p, b, keyed(call))), call.state)
+        return Model(init=init, loss=_with_call(run, needs_call=True), logical_axes=logical_axes,
+                     apply=NO_APPLY if apply is None else apply, takes_call=True, uses_key=True)
     return Model(init=init, loss=lambda p, b, specs=None: _loss_out(loss_fn(p, b)),
-                 logical_axes=logical_axes, apply=apply)
+                 logical_axes=logical_axes, apply=NO_APPLY if apply is None else apply)
+
+
+def _with_eval_key(call: Call) -> Call:
+    """``call`` with evaluation's fixed per-device key where evaluate passes none."""
+    if call.key is not None or call.train:
+        return call
+    return dataclasses.replace(call, key=hooks.eval_key())
 
 
 # Top-level keys of ``module.init``'s variables that hold Flax collections, not parameters.

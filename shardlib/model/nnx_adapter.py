@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from shardlib import compat
-from shardlib.model.adapters import Batch, Call, Model, Stages, _loss_out, _with_call
+from shardlib.model.adapters import Batch, Call, Model, Stages, _loss_out, _with_call, _with_eval_key
 from shardlib.model import hooks
 from shardlib.model.hooks import SPEC_METADATA
 from shardlib.sharding import rules as rules_lib
@@ -44,6 +44,7 @@ def from_nnx(
     pipeline: Stages | None = None,
     wrt: Any = None,
     path_rules: rules_lib.PathRules = (),
+    eval_rng_streams: tuple[str, ...] = (),
 ) -> Model:
     """Adapt ``make(rngs) -> nnx.Module`` (or a module already built) and ``loss_fn(module, batch)``.
 
@@ -69,7 +70,10 @@ def from_nnx(
     loss, or ``(loss, aux)``: aux's scalar entries (a dict) become metrics; anything else (the
     tutorial's ``(loss, logits)``) is dropped, with a warning. Evaluation runs the module after
     ``module.eval()`` (dropout off, BatchNorm on running averages); training runs it as given, so
-    an instance left in eval mode is warned about.
+    an instance left in eval mode is warned about. ``eval_rng_streams`` names the streams a module
+    draws from in evaluation too (a VAE's ``self.rngs.noise()``): evaluation then seeds the rngs
+    (and a loss's ``rngs``) from `hooks.eval_key`, fixed with the device's index folded in, as
+    ``from_linen(eval_rng_streams=...)`` does; otherwise every device would draw the same numbers.
 
     ``wrt`` (an NNX filter, as ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``) trains only the
     matching parameters: the others are frozen (no gradient flows into them; `build` masks the
@@ -98,8 +102,10 @@ def from_nnx(
     stateful = bool(jax.tree.leaves(parts.carried))
     call_loss, loss_extras = _loss_caller(loss_fn)
     frozen = _frozen_mask(parts.params, wrt)
+    keyed = _with_eval_key if _checked_eval_streams(eval_rng_streams, parts.rngs, loss_extras) else (lambda c: c)
 
     def run(params, batch, specs, call):
+        call = keyed(call)
         if frozen is not None:
             params = jax.tree.map(lambda p, f: jax.lax.stop_gradient(p) if f else p, params, frozen)
         module = parts.bind(params, specs, call.state, call.key)
@@ -119,6 +125,17 @@ def from_nnx(
                  gathers_params=gathers_params, apply=parts.apply,
                  pipeline=_stages(pipeline, parts), takes_call=uses_key or stateful or bool(loss_extras),
                  uses_key=uses_key, init_state=source.carried if stateful else None, frozen=frozen)
+
+
+def _checked_eval_streams(streams: tuple[str, ...], rngs: Any, loss_extras: frozenset[str]) -> tuple[str, ...]:
+    """``eval_rng_streams`` must name streams the module holds, unless it has a ``default`` one (which
+    NNX draws from for a stream it lacks) or the loss takes ``rngs``: a typo would draw nothing."""
+    tags = {getattr(v, "tag", None) for v in _variables(rngs)}
+    unknown = [s for s in streams if s not in tags]
+    if unknown and "default" not in tags and "rngs" not in loss_extras:
+        raise ValueError(f"from_nnx: eval_rng_streams names {unknown!r}, which the module's nnx.Rngs do not hold "
+                         f"(its streams: {sorted(t for t in tags if t)!r}); name the streams it draws from in evaluation")
+    return tuple(streams)
 
 
 def _with_path_rules(logical: Any, abstract: Any, path_rules: rules_lib.PathRules) -> Any:

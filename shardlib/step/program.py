@@ -357,8 +357,9 @@ def _note_evaluation_key(err: Exception, model: Model) -> None:
         err.add_note("shardlib: program.evaluate runs the model in eval mode, where call.key is None and call.train "
                      "False, so the loss got no key to draw from; draw only in training, e.g. "
                      "rngs={'dropout': call.key} if call.train else None (Flax modules with "
-                     "deterministic=not call.train then draw nothing), or evaluate with a one-device loop of your own "
-                     "when evaluation itself must be random")
+                     "deterministic=not call.train then draw nothing); when evaluation itself must be random (a VAE's "
+                     "noise), from_functions(..., eval_key=True) gives call.key in evaluate too, from a fixed key "
+                     "per device (from_linen / from_nnx: eval_rng_streams=('noise',))")
 
 
 class _CheckedStep:
