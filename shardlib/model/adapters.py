@@ -12,9 +12,10 @@ whether it trains or evaluates.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -161,6 +162,19 @@ def _note_batch(error: Exception, batch: Any) -> None:
 
 
 _BATCH_NOTE, _NOTE_LEAVES = "shardlib: raised by the loss on the batch", 20
+
+
+@contextlib.contextmanager
+def noting_no_step(step: Any) -> Iterator[None]:
+    """A loss that reads its ``step`` fails in evaluate, which has no train state and passes None,
+    with Python's "unsupported operand type(s) ... 'NoneType'", which names neither."""
+    try:
+        yield
+    except TypeError as err:
+        if step is None and "NoneType" in str(err):
+            err.add_note("shardlib: program.evaluate passes the loss step=None (evaluation has no train state); "
+                         "use the step only when it is given, e.g. w = schedule(step) if step is not None else 1.0")
+        raise
 
 
 def _dtype_shape(x: Any) -> str:

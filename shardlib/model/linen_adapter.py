@@ -26,7 +26,7 @@ from typing import Any
 import jax
 
 from shardlib.model import hooks
-from shardlib.model.adapters import Batch, Model, _loss_out, _with_call
+from shardlib.model.adapters import Batch, Model, _loss_out, _with_call, noting_no_step
 from shardlib.sharding import rules as rules_lib
 
 Inputs = Callable[[Batch, bool], tuple[tuple[Any, ...], dict[str, Any]]]
@@ -180,6 +180,7 @@ def from_linen(
     from flax import linen as nn
     from flax.core import unfreeze
 
+    as_input = example if inputs is None else None
     if inputs is None:
         _check_mode_flags(module)
         inputs, example = _single_input, {"inputs": example}
@@ -196,7 +197,7 @@ def from_linen(
         return unfreeze(module.init(rngs, *args, **kwargs))
 
     wrapped: set[str] = set()
-    with _noting_wrapped_layers(wrapped):
+    with _noting_wrapped_layers(wrapped), _noting_batch_as_input(as_input):
         boxed = jax.eval_shape(variables, jax.random.key(0))
     logical = _logical_axes(boxed)
     boxed = {c: tree for c, tree in boxed.items() if c not in _axes_collections(boxed)}
@@ -231,9 +232,14 @@ def _loss_caller(loss_fn: Callable) -> Callable[[Any, Batch, Any], Any]:
         takes_step = "step" in inspect.signature(loss_fn).parameters
     except (TypeError, ValueError):  # a builtin or C callable: no signature to read
         takes_step = False
-    if takes_step:
-        return lambda out, batch, step: loss_fn(out, batch, step=step)
-    return lambda out, batch, step: loss_fn(out, batch)
+    if not takes_step:
+        return lambda out, batch, step: loss_fn(out, batch)
+
+    def call(out, batch, step):
+        with noting_no_step(step):
+            return loss_fn(out, batch, step=step)
+
+    return call
 
 
 def _checked_eval_streams(eval_streams: tuple[str, ...], streams: tuple[str, ...]) -> tuple[str, ...]:
@@ -555,6 +561,22 @@ def _logical_constraints() -> Iterator[None]:
 
     with nn.logical_axis_rules(rules), hooks.noting_flax_constraints():
         yield
+
+
+@contextlib.contextmanager
+def _noting_batch_as_input(example: Any) -> Iterator[None]:
+    """Without ``inputs=``, ``example`` is the module's one input; a whole batch passed there (a
+    dict or tuple, as the ``inputs=`` form takes) fails inside the module's first layer with an
+    error (``IndexError: tuple index out of range``) that names neither."""
+    try:
+        yield
+    except Exception as err:
+        if isinstance(example, (Mapping, tuple, list)):
+            first = repr(next(iter(example))) if isinstance(example, Mapping) and example else "0"
+            err.add_note(f"shardlib: from_linen without inputs= calls the module on example as its one input, and "
+                         f"example is a {type(example).__name__}; if it is a batch, say which entries the module "
+                         f"takes: from_linen(module, loss_fn, batch, inputs=lambda batch, train: ((batch[{first}],), {{}}))")
+        raise
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from shardlib import compat
-from shardlib.model.adapters import Batch, Call, Model, Stages, _loss_out, _with_call, _with_eval_key
+from shardlib.model.adapters import Batch, Call, Model, Stages, _loss_out, _with_call, noting_no_step, _with_eval_key
 from shardlib.model import hooks
 from shardlib.model.hooks import SPEC_METADATA
 from shardlib.sharding import rules as rules_lib
@@ -395,7 +395,8 @@ def _loss_caller(loss_fn: Callable) -> tuple[Callable[[Any, Batch, Call], Any], 
         if "rngs" in taken:  # eval: key None, module.eval() draws nothing
             extras["rngs"] = nnx.Rngs(jax.random.key(0) if call.key is None else call.key)
         args = [extras[slot] if slot in extras else next(given) for slot in positional]
-        return loss_fn(*args, **{name: extras[name] for name in keyword})
+        with noting_no_step(call.step if "step" in taken else 0):
+            return loss_fn(*args, **{name: extras[name] for name in keyword})
 
     return run, taken
 
