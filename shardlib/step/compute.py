@@ -259,7 +259,7 @@ class ModelCall:
                                     auto_specs=self.auto_by_path, gather=self.gather, gather_tree=self.gather_tree,
                                     logical_rules=self.logical_rules, mean_axes=self.mean_axes if in_step else (),
                                     rows_split=self.rows_split, row_axes=self.key_axes, microbatches=microbatches,
-                                    note_names=self.activation_names and self.activation_names.note)
+                                    note_names=None if self.activation_names is None else self.activation_names.note)
 
     def probe(self, params: Any, rows: Any, ctx: StepContext) -> hooks.ComputeContext:
         """The compute context an abstract trace of the loss leaves: which parameters the model
