@@ -306,6 +306,9 @@ class _Source:
 
         if isinstance(make, nnx.Module):
             return cls(lambda key: make)
+        if isinstance(make, nnx.Optimizer):  # the NNX tutorials' loop holds both: from_nnx takes the model
+            raise TypeError("from_nnx takes the module, got an nnx.Optimizer: pass the model you built it over, "
+                            "from_nnx(model, loss_fn), and the optax transformation to build (optimizer.tx)")
         if not callable(make):
             raise TypeError(f"from_nnx takes a module or make(rngs) -> nnx.Module, got {type(make).__name__}")
         missing = _required_besides_rngs(make)
