@@ -66,6 +66,9 @@ def test_linen_and_functions_losses_read_the_step(adapter):
         state, metrics = program.step(state, batch)
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(losses, _linen_reference(module, params, tx, batches), rtol=1e-5)
+    # the step by hand in the batch is the donated state's own array: XLA:CPU would end the process
+    with pytest.raises(ValueError, match=r"batch 'step' is the state's own 'step', which program.step donates"):
+        program.step(state, {**batches[0], "step": state.step})
 
 
 class _NnxNet(nnx.Module):

@@ -224,7 +224,7 @@ def build(
     step = (staleness_lib.train_step if tau else _train_step)(layout, provider, reducer, update, queued, donate)
     init = initializer(model, tx, layout, policy, reducer, sharding)
     return TrainProgram(model, tx, layout, staleness_lib.with_queue(init, tau, layout, reducer, queued),
-                        _CheckedStep(step, layout, microbatches, queued), _eval_step(layout, provider, model), queued,
+                        _CheckedStep(step, layout, microbatches, queued, donate), _eval_step(layout, provider, model), queued,
                         transient_initializer(model, layout, policy, reducer, sharding))
 
 
@@ -362,6 +362,20 @@ def _note_evaluation_key(err: Exception, model: Model) -> None:
                      "per device (from_linen / from_nnx: eval_rng_streams=('noise',))")
 
 
+def _refuse_state_in_batch(state: Any, batch: Any) -> None:
+    """A batch leaf that is one of the state's own arrays (``{**batch, "step": state.step}``) reaches
+    the step twice, once donated, and XLA:CPU then ends the process ("Attempt to use a buffer that
+    was previously donated"), raising nothing: name the leaf instead."""
+    held = {id(x): path for path, x in jax.tree_util.tree_leaves_with_path(state) if isinstance(x, jax.Array)}
+    for path, x in jax.tree_util.tree_leaves_with_path(batch):
+        if id(x) in held:
+            raise ValueError(
+                f"batch {rules_lib.path_str(path)!r} is the state's own {rules_lib.path_str(held[id(x)])!r}, which "
+                "program.step donates: a loss that reads the step takes a step argument (loss_fn(..., step); "
+                "from_functions(takes_call=True): call.step); for another value pass a copy (jnp.copy(...)), "
+                "or build(..., donate=False)")
+
+
 class _CheckedStep:
     """The jitted step, with a readable error for a batch the data axes (and microbatches) cannot
     split (`shardlib.step.batch`: any pytree of arrays), and at most one step in flight.
@@ -372,8 +386,8 @@ class _CheckedStep:
     step is queued while the current one runs) and bounds the queue.
     """
 
-    def __init__(self, jitted, layout: Layout, microbatches: int, state_sharding: Any):
-        self._jitted, self._layout, self.microbatches = jitted, layout, microbatches
+    def __init__(self, jitted, layout: Layout, microbatches: int, state_sharding: Any, donate: bool = True):
+        self._jitted, self._layout, self.microbatches, self._donate = jitted, layout, microbatches, donate
         self._structure = jax.tree.structure(state_sharding)
         self._paths = given.leaf_paths(state_sharding)
         self._in_flight = None
@@ -401,6 +415,8 @@ class _CheckedStep:
         self._check(batch)
         self._check_state(state)
         batch_lib.refuse_donated(state, "state")
+        if self._donate:
+            _refuse_state_in_batch(state, batch)
         if self._in_flight is not None:
             jax.block_until_ready(self._in_flight)
         state, metrics = self._jitted(state, batch_lib.place(self._layout, batch))
