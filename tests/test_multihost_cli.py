@@ -8,7 +8,8 @@ What is proved, and by which run (all zero3, tiny GPT, 10 steps, global batch 16
    offsets) are disjoint, and together, in process order, they are the 1-process run's ids.
 3. The checkpoint each run saves at step 10 (``--ckpt-every 10``) restores, through
    ``train --resume-from``, on another process count with every value identical: saved by
-   2 x 4, restored by 1 x 8 and 1 x 4; saved by 1 x 8, restored by 2 x 4.
+   2 x 4, restored by 1 x 4 (another process count and device count at once); saved by 1 x 8,
+   restored by 2 x 4 (the same device count on other processes).
 4. A killed process makes the launcher exit non-zero within the documented bound, naming it:
    covered by ``tests/test_multihost.py::test_sigkilled_process_stops_the_others_within_heartbeat_bound``
    (launcher exit 128+9, "process 1 (pid N) failed first: killed by SIGKILL", the survivor's
@@ -18,8 +19,8 @@ What is proved, and by which run (all zero3, tiny GPT, 10 steps, global batch 16
 Every run goes through ``tests/multihost_worker.py cli RECORD_DIR train ...``, which calls
 ``shardlib.cli.main`` (what ``python -m shardlib.cli`` runs) with read-only taps that record the
 loaded ids and a digest of the final state (see `run_cli_recorded` there); train.py has no
-recording option of its own. Cost: 5 runs in two concurrent waves (train 2x4 beside 1x8, then
-three resumes), all with ``--xla_backend_optimization_level=0`` (halves compile time; both sides
+recording option of its own. Cost: 4 runs in two concurrent waves (train 2x4 beside 1x8, then
+two resumes), all with ``--xla_backend_optimization_level=0`` (halves compile time; both sides
 of each comparison use it).
 """
 
@@ -105,7 +106,7 @@ def trained(tmp_path_factory):
 def resumed(trained):
     """Wave 2: each run's step-10 checkpoint resumed (no further steps) on other process counts."""
     base = trained["base"]
-    resumes = {"2x4->1x8": ("2x4", 1, 8), "2x4->1x4": ("2x4", 1, 4), "1x8->2x4": ("1x8", 2, 4)}
+    resumes = {"2x4->1x4": ("2x4", 1, 4), "1x8->2x4": ("1x8", 2, 4)}
     _run_concurrently({
         name: _command(p, d, base / f"rec-{name}", "--resume-from", str(trained[src]["dir"]),
                        "--out", str(base / f"run-{name}"))
@@ -154,17 +155,16 @@ def _assert_same_state(restored: dict, saved: dict, what: str) -> None:
     assert not differ, f"{what}: {len(differ)} leaves differ, e.g. {differ[0]}: {restored[differ[0]]} vs {saved[differ[0]]}"
 
 
-def test_checkpoint_of_two_processes_restores_on_one_process_of_8_and_of_4(trained, resumed):
+def test_checkpoint_of_two_processes_restores_on_one_process_of_4(trained, resumed):
     saved = trained["2x4"]["records"]
     assert saved[0]["digest"] == saved[1]["digest"], "the two saving processes gathered different states"
     digest = saved[0]["digest"]
     assert any(path.startswith("opt_state/") for path in digest) and any(path.startswith("params/") for path in digest)
     assert any(leaf["sum"] != 0 for path, leaf in digest.items() if path.startswith("opt_state/")), "Adam moments are all zero"
-    for name, devices in (("2x4->1x8", 8), ("2x4->1x4", 4)):
-        (record,) = resumed[name]
-        assert (record["processes"], record["devices"]) == (1, devices)
-        assert record["steps"] == STEPS and record["ids"] == {}, f"{name}: the resumed run trained or loaded data"
-        _assert_same_state(record["digest"], digest, name)
+    (record,) = resumed["2x4->1x4"]
+    assert (record["processes"], record["devices"]) == (1, 4)
+    assert record["steps"] == STEPS and record["ids"] == {}, "2x4->1x4: the resumed run trained or loaded data"
+    _assert_same_state(record["digest"], digest, "2x4->1x4")
 
 
 def test_checkpoint_of_one_process_restores_on_two_processes(trained, resumed):
