@@ -25,6 +25,7 @@ from flax import nnx
 
 import shardlib
 from shardlib import build, from_linen, make_layout, make_mesh
+from tests import zoo
 
 STEPS, ROWS, CLASSES = 3, 16, 10
 pytestmark = pytest.mark.filterwarnings("ignore::shardlib.ReplicationWarning")
@@ -116,6 +117,9 @@ def pmap_reference(params, batch_stats, batches, devices=8):
     return first(params), first(batch_stats), losses
 
 
+PMAP_RUNS: dict = {}  # the pmap loop is the same for every strategy: run once (tests.zoo.shared_run)
+
+
 @pytest.mark.parametrize("strategy,sizes", [("dp", {"data": 8}), ("zero3", {"data": 2, "fsdp": 4})])
 def test_imagenet_resnet_with_its_pmap_axis_name_trains_like_its_pmap_loop(strategy, sizes):
     model = resnet_model()
@@ -125,7 +129,8 @@ def test_imagenet_resnet_with_its_pmap_axis_name_trains_like_its_pmap_loop(strat
     for batch in imagenet_batches():
         state, metrics = program.step(state, batch)
         losses.append(float(metrics["loss"]))
-    ref_params, ref_stats, ref_losses = pmap_reference(params0, stats0, imagenet_batches())
+    ref_params, ref_stats, ref_losses = zoo.shared_run(PMAP_RUNS, "resnet", (params0, stats0),
+                                                       lambda: pmap_reference(params0, stats0, imagenet_batches()))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-5),
                  jax.tree.map(np.asarray, (state.params, state.model_state["batch_stats"])), (ref_params, ref_stats))

@@ -233,6 +233,19 @@ def plain_steps_with_state(loss_fn, params, model_state, tx, batches):
     return params, model_state, losses
 
 
+def shared_run(memo: dict, key, start, run):
+    """``run()`` once per ``key`` of ``memo``, its result reused by later calls with that key.
+
+    For parametrized cases that train one model on several meshes: their one-device reference
+    is the same computation, so it is compiled and run once per file. Each call's ``start`` (its
+    initial values and batches) must equal the first call's bit for bit, or it fails."""
+    if key not in memo:
+        memo[key] = (start, run())
+    first, result = memo[key]
+    jax.tree.map(np.testing.assert_array_equal, start, first)
+    return result
+
+
 def nnx_functional(make, loss_fn, seed: int = 0):
     """``(params, batch_stats, loss(params, batch_stats, batch) -> (loss, batch_stats))`` of an NNX
     module, as pure dicts, written with nnx.split / nnx.merge: the module trained the NNX way.
