@@ -123,17 +123,22 @@ def _assert_close(got, want):
                                    err_msg=jax.tree_util.keystr(path))
 
 
+REFERENCE_RUNS: dict = {}  # one reference run per model, shared by its strategies (tests.zoo.shared_run)
+
+
 @pytest.mark.parametrize("name, strategy, sizes", CASES)
 def test_matches_one_device_jit_and_optax(name, strategy, sizes):
     mesh = make_mesh(sizes)
     model, reference, make_batch = MODELS[name](mesh)
-    reference = reference() if name.startswith("nnx") else reference
     program = build(model, optimizer(), make_layout(model, strategy, mesh))
     state = program.init(jax.random.key(0))
     params0, stats0 = _host(state.params), _host(state.model_state)
     batches = [make_batch(i, ROWS) for i in range(STEPS)]
     state, losses = _train(program, state, batches)
-    ref_params, ref_stats, ref_losses = zoo.plain_steps_with_state(reference, params0, stats0, optimizer(), batches)
+    loss = lambda: reference() if name.startswith("nnx") else reference
+    ref_params, ref_stats, ref_losses = zoo.shared_run(
+        REFERENCE_RUNS, name, (params0, stats0, batches),
+        lambda: zoo.plain_steps_with_state(loss(), params0, stats0, optimizer(), batches))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     _assert_close(state.params, ref_params)
     if stats0 is not None:
