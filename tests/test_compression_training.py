@@ -9,7 +9,9 @@ from shardlib import build, make_layout, make_mesh
 from shardlib.tools.report import collective_stats
 from tests.helpers import batches, optimizer, tiny_model
 
-STEPS = 100
+# By step 40 the loss has fallen by 3.4 nats from 5.5 (of 3.7 by step 100), and the compressed runs'
+# last-10 means are as close to the uncompressed one as at step 100 (measured: within 0.08%).
+STEPS = 40
 
 
 def _program(method, strategy="dp"):
