@@ -225,11 +225,11 @@ _PREEMPTED_LOOP = """
         for step in range(1, 1000):
             state, metrics = program.step(state, vec_batch(step - 1))
             if ckpt.should_save(step):
-                ckpt.save(step, state, data_state={"next_batch": step}, config={}, metrics=metrics)
+                ckpt.save(step, state, data_state={"next_batch": step}, metrics=metrics)  # no config: optional
             if step == 3:
                 os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice, half-way through an accumulation
             if guard.should_stop(step):
-                ckpt.save(step, state, data_state={"next_batch": step}, config={}, force=True)
+                ckpt.save(step, state, data_state={"next_batch": step}, force=True)
                 sys.exit(0)  # no ckpt.wait(): the save still in flight must commit all the same
 """
 

@@ -371,11 +371,15 @@ class Checkpointer:
         state: Any,
         *,
         data_state: Mapping[str, Any],
-        config: Mapping[str, Any],
+        config: Mapping[str, Any] | None = None,
         metrics: Mapping[str, Any] | None = None,
         force: bool = False,
     ) -> bool:
         """Start saving ``state`` as checkpoint ``step``; returns whether a save was started.
+
+        ``data_state`` (required; ``{}`` when there is none) is your data position, JSON: a resumed
+        run that skips it reads its batches again from the start, so the call has to say so.
+        ``config`` (optional) is the run's configuration, JSON, read back by ``saved_config``.
 
         Call on every process. With ``every > 0`` only steps on the schedule save; ``force``
         saves off it (preemption, end of run). With ``every=0`` every call saves. Never overwrites:
@@ -401,7 +405,7 @@ class Checkpointer:
                 f"the last good checkpoint (step {self.latest_step()}) is kept. Lower the learning rate, enable "
                 "gradient clipping or loss scaling, and resume from it"
             )
-        config_json = json.loads(_json_bytes(dict(config), "config"))
+        config_json = json.loads(_json_bytes(dict(config or {}), "config"))
         meta = {
             "format": FORMAT,
             "step": step,
