@@ -27,6 +27,7 @@ other shapes or none, they start afresh (``fresh=program.fresh_transient``) or a
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
@@ -622,7 +623,9 @@ def _finish_before_exit(manager: ocp.CheckpointManager, directory: str) -> None:
                     "training loop", directory)
         alive.wait_until_finished()
 
-    threading._register_atexit(finish)
+    # CPython's hook for this (what concurrent.futures itself uses); where it is missing, plain
+    # atexit at least logs the lost save instead of nothing
+    getattr(threading, "_register_atexit", atexit.register)(finish)
 
 
 # --------------------------------------------------------------------------------------------
