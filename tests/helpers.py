@@ -65,3 +65,20 @@ def reference(steps: int = STEPS, config=TINY, seed: int = 0):
                                          seed=jax.random.key(seed))
     params, losses = zoo.plain_steps(lambda p, b: loss(p, None, b)[0], params, optimizer(), batches(steps))
     return np.array(losses), jax.tree.map(np.asarray, params)
+
+
+def host_copy(tree):
+    """NumPy copies of ``tree``'s arrays (a CPU array's host view would alias its buffer and
+    block donation of the state it belongs to)."""
+    return jax.tree.map(lambda x: np.array(jax.device_get(x), copy=True), tree)
+
+
+def assert_bitwise(a, b) -> None:
+    """The same paths, and every array equal bit for bit in dtype, shape and value; names each
+    tensor that differs."""
+    a_flat, _ = jax.tree_util.tree_flatten_with_path(host_copy(a))
+    b_flat, _ = jax.tree_util.tree_flatten_with_path(host_copy(b))
+    assert [jax.tree_util.keystr(p) for p, _ in a_flat] == [jax.tree_util.keystr(p) for p, _ in b_flat]
+    differ = [jax.tree_util.keystr(p) for (p, x), (_, y) in zip(a_flat, b_flat)
+              if x.dtype != y.dtype or x.shape != y.shape or not np.array_equal(x, y)]
+    assert not differ, f"differ: {differ}"

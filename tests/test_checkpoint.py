@@ -33,6 +33,7 @@ from shardlib.runtime.checkpoint import (
 )
 from shardlib.runtime.data import ByteBatches, load_text
 from shardlib.tools.export import export_params, load_exported, read_export_metadata
+from tests.helpers import assert_bitwise, host_copy
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH, SEQ = 8, 32
@@ -44,18 +45,6 @@ def _program(model, strategy: str, sizes: dict, n_devices: int = 8, tx=None):
     return build(model, tx or optax.adamw(1e-2), make_layout(model, strategy, mesh))
 
 
-def _host(tree):
-    """NumPy copies (a CPU array's host view would alias its buffer and block donation)."""
-    return jax.tree.map(lambda x: np.array(jax.device_get(x), copy=True), tree)
-
-
-def _assert_bitwise(a, b) -> None:
-    a_flat, a_def = jax.tree_util.tree_flatten_with_path(_host(a))
-    b_flat, b_def = jax.tree_util.tree_flatten_with_path(_host(b))
-    assert [jax.tree_util.keystr(p) for p, _ in a_flat] == [jax.tree_util.keystr(p) for p, _ in b_flat]
-    for (path, x), (_, y) in zip(a_flat, b_flat):
-        assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
-        assert np.array_equal(x, y), f"{jax.tree_util.keystr(path)} differs"
 
 
 def _random_host_state(program, seed: int):
@@ -126,7 +115,7 @@ def test_restore_onto_another_layout_is_bitwise(tiny, tmp_path, source, target) 
         assert ckpt.save(5, state, data_state=_data_state(5), config=CONFIG, force=True)
         ckpt.wait()
         restored, data_state, config = ckpt.restore(dst.abstract_state())
-    _assert_bitwise(state, restored)  # params and optimizer state (Adam mu, nu, count), and step
+    assert_bitwise(state, restored)  # params and optimizer state (Adam mu, nu, count), and step
     assert data_state == _data_state(5) and config == CONFIG
     expected = jax.tree.leaves(dst.state_sharding)
     for leaf, sharding in zip(jax.tree.leaves(restored), expected):
@@ -165,7 +154,7 @@ def test_resume_equals_straight_run_bitwise(zero3, corpus, tmp_path) -> None:
         resumed_losses.append(float(m["loss"]))
     assert config == CONFIG and data_state == {"step": 3, "seed": 5}
     assert resumed_losses == straight_losses[3:]
-    _assert_bitwise(straight, state)
+    assert_bitwise(straight, state)
 
 
 # ---------------------------------------------------------------- async save, retention
@@ -173,7 +162,7 @@ def test_resume_equals_straight_run_bitwise(zero3, corpus, tmp_path) -> None:
 
 def test_async_save_survives_donation_and_commits_on_wait(zero3, corpus, tmp_path) -> None:
     state = zero3.init(jax.random.key(2))
-    expected = _host(state)
+    expected = host_copy(state)
     with Checkpointer(tmp_path / "ckpt", async_save=True) as ckpt:
         assert ckpt.save(1, state, data_state=_data_state(1), config=CONFIG, force=True)
         # Training goes on while the save is written, and the step donates the saved state. (On
@@ -186,7 +175,7 @@ def test_async_save_survives_donation_and_commits_on_wait(zero3, corpus, tmp_pat
         files = [p for p in (tmp_path / "ckpt" / "1" / "state").rglob("*") if p.is_file()]
         assert files and not list((tmp_path / "ckpt").glob("*tmp*"))
         restored, _, _ = ckpt.restore(zero3.abstract_state())
-    _assert_bitwise(expected, restored)
+    assert_bitwise(expected, restored)
 
 
 def test_every_and_keep_retain_the_newest(trained, tmp_path) -> None:
@@ -223,7 +212,7 @@ def _built(model, sizes: dict, n_devices: int, **options):
 
 def _assert_learned_fields_bitwise(saved, restored) -> None:
     for name in ("step", "params", "opt_state", "rng", "model_state"):
-        _assert_bitwise(getattr(saved, name), getattr(restored, name))
+        assert_bitwise(getattr(saved, name), getattr(restored, name))
 
 
 @pytest.mark.parametrize(
@@ -248,10 +237,10 @@ def test_transient_fields_start_afresh_where_the_layout_differs(tmp_path, caplog
             restored, data_state, config = ckpt.restore(dst.abstract_state(), fresh=dst.fresh_transient)
         again, _, _ = ckpt.restore(src.abstract_state())  # the checkpoint itself is unchanged
     _assert_learned_fields_bitwise(state, restored)
-    _assert_bitwise(state, again)
+    assert_bitwise(state, again)
     assert data_state == _data_state(5) and config == CONFIG
-    fresh = _host(dst.fresh_transient()[field])
-    _assert_bitwise(fresh, getattr(restored, field))  # zeros / the initial scale, or None
+    fresh = host_copy(dst.fresh_transient()[field])
+    assert_bitwise(fresh, getattr(restored, field))  # zeros / the initial scale, or None
     if expected == "re-initialised":
         assert jax.tree.leaves(getattr(restored, field))
     for leaf, sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(dst.state_sharding)):
@@ -441,8 +430,8 @@ def test_export_round_trip_matches_model_outputs(tiny, trained, tmp_path, suffix
     assert cli.main(["export", "--ckpt", str(ckpt_dir), "--out", str(out)]) == 0
     assert "of step 2 (model tiny)" in capsys.readouterr().out
     loaded = load_exported(out)
-    original = _host(trained.params)
-    _assert_bitwise(original, loaded)
+    original = host_copy(trained.params)
+    assert_bitwise(original, loaded)
     record = read_export_metadata(out)
     assert record["step"] == 2 and record["config"] == CONFIG
     tokens = ByteBatches(load_text(None), 2, SEQ).batch(0)["inputs"]
@@ -464,7 +453,7 @@ def test_export_library_call_picks_step_and_checks_model(trained, tmp_path) -> N
     with Checkpointer(ckpt_dir) as ckpt:  # a config naming no reference model: the saved tree is used
         ckpt.save(3, trained, data_state=_data_state(3), config={"model": "my-own"}, force=True)
     assert export_params(ckpt_dir, tmp_path / "w3.npz").model == "my-own"
-    _assert_bitwise(_host(trained.params), load_exported(tmp_path / "w3.npz"))
+    assert_bitwise(host_copy(trained.params), load_exported(tmp_path / "w3.npz"))
 
 
 def test_export_takes_a_run_folder_without_orbax_read_only_warning(trained, tmp_path, capsys, caplog) -> None:
@@ -475,7 +464,7 @@ def test_export_takes_a_run_folder_without_orbax_read_only_warning(trained, tmp_
         assert cli.main(["export", "--ckpt", str(run_dir), "--out", str(tmp_path / "w.npz")]) == 0
     assert "of step 2 (model tiny)" in capsys.readouterr().out
     assert not [r for r in caplog.records if "read only" in r.getMessage()]
-    _assert_bitwise(_host(trained.params), load_exported(tmp_path / "w.npz"))
+    assert_bitwise(host_copy(trained.params), load_exported(tmp_path / "w.npz"))
 
 
 def test_safetensors_file_reads_with_the_reference_library(trained, tmp_path) -> None:
@@ -485,7 +474,7 @@ def test_safetensors_file_reads_with_the_reference_library(trained, tmp_path) ->
         ckpt.save(2, trained, data_state=_data_state(2), config=CONFIG, force=True)
     export_params(tmp_path / "ckpt", tmp_path / "w.safetensors")
     flat = st.load_file(str(tmp_path / "w.safetensors"))
-    for path, leaf in jax.tree_util.tree_flatten_with_path(_host(trained.params))[0]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(host_copy(trained.params))[0]:
         name = "/".join(str(k.key) for k in path)
         assert np.array_equal(flat[name], leaf), name
 
@@ -585,10 +574,10 @@ def test_two_processes_save_restore_export_and_agree_on_preemption(zero3, tmp_pa
     with Checkpointer(ckpt_dir, create=False) as ckpt:
         restored, data_state, _ = ckpt.restore(zero3.abstract_state(), step=4)  # one process, 8 devices
         assert data_state == {"step": 4, "seed": 0}
-        _assert_bitwise(host, restored)
+        assert_bitwise(host, restored)
         with pytest.raises(ValueError, match="the 2 processes that saved it had different data iterator states"):
             ckpt.restore(zero3.abstract_state(), step=3)
-    _assert_bitwise(host.params, load_exported(tmp_path / "weights.npz"))
+    assert_bitwise(host.params, load_exported(tmp_path / "weights.npz"))
 
 
 # ---------------------------------------------------------------- optimizer chain, staleness, export of model state
@@ -618,7 +607,7 @@ def test_another_optimizer_chain_with_the_same_arrays_is_refused_by_name(mlp, tm
                                                           r"checkpoint.*optimizer chain .* differs"):
             ckpt.restore(_mlp_program(mlp, optax.adamw(1e-2)).abstract_state())
         restored, _, _ = ckpt.restore(_mlp_program(mlp, optax.adam(1e-2), n_devices=4).abstract_state())
-    _assert_bitwise(state, restored)  # the same chain on another mesh still restores
+    assert_bitwise(state, restored)  # the same chain on another mesh still restores
 
 
 def test_another_staleness_is_refused_naming_the_option(mlp, tmp_path) -> None:
@@ -657,8 +646,8 @@ def test_export_writes_the_model_state_and_load_exported_returns_it(tmp_path, su
     assert cli.main(["export", "--ckpt", str(tmp_path / "ckpt"), "--out", str(out)]) == 0
     assert "4 of them are the model state" in capsys.readouterr().out  # mean and var of 2 BatchNorms
     params, model_state = load_exported(out, model_state=True)
-    _assert_bitwise(state.params, params)
-    _assert_bitwise(state.model_state, model_state)
-    _assert_bitwise(state.params, load_exported(out))  # without the flag: the parameter tree, as before
+    assert_bitwise(state.params, params)
+    assert_bitwise(state.model_state, model_state)
+    assert_bitwise(state.params, load_exported(out))  # without the flag: the parameter tree, as before
     names = {t["name"] for t in read_export_metadata(out)["tensors"]}
     assert {"model_state/bn1/mean", "model_state/bn2/var", "bn1/scale"} <= names

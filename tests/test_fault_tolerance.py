@@ -29,7 +29,7 @@ from shardlib.runtime.data import ByteBatches, load_text, split_train_val
 from shardlib.run.examples import read_examples
 from shardlib.run.metrics_io import read_metrics
 from shardlib.run.nonfinite import EXIT_DIVERGED
-from tests.helpers import batches, optimizer, tiny_model
+from tests.helpers import batches, host_copy, optimizer, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model", "tiny", "--batch-size", "16", "--seq-len", "32", "--no-progress", "--no-tensorboard",
@@ -190,9 +190,6 @@ def _layout_program(model, strategy: str, n: int):
     return build(model, optimizer(), make_layout(model, strategy, mesh))
 
 
-def _host(tree):
-    return jax.tree.map(lambda x: np.array(jax.device_get(x), copy=True), tree)
-
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
@@ -207,7 +204,7 @@ def saved(tmp_path_factory):
     with Checkpointer(directory) as ckpt:
         assert ckpt.save(2, state, data_state={"step": 2, "seed": 0}, config={"model": "tiny"}, force=True)
         ckpt.wait()
-    host = _host(state)
+    host = host_copy(state)
     _, metrics = program.step(state, data[2])  # its loss is computed before the update
     return model, directory, host, float(metrics["loss"]), data[2]
 
@@ -219,7 +216,7 @@ def test_restore_matrix(saved, target) -> None:
     with Checkpointer(directory) as ckpt:
         state, data_state, _ = ckpt.restore(program.abstract_state())
     assert data_state == {"step": 2, "seed": 0}
-    restored = _host(state)
+    restored = host_copy(state)
     for (path, want), got in zip(jax.tree_util.tree_flatten_with_path(host)[0], jax.tree.leaves(restored)):
         assert np.array_equal(want, got), jax.tree_util.keystr(path)  # params, Adam mu/nu/count, step
     for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(program.state_sharding)):

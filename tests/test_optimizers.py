@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from shardlib import (Checkpointer, ReplicationWarning, build, from_functions, from_linen, make_layout, make_mesh,
                       sharding_report)
 from tests import zoo
+from tests.helpers import host_copy
 
 STEPS, ROWS = 4, 16
 FSDP8, DATA2_FSDP4, DATA8 = {"fsdp": 8}, {"data": 2, "fsdp": 4}, {"data": 8}
@@ -73,9 +74,6 @@ def _batches(n=STEPS):
     return [zoo.regression_batch(i, ROWS) for i in range(n)]
 
 
-def _host(tree):
-    return jax.tree.map(lambda x: np.array(jax.device_get(x), copy=True), tree)
-
 
 def _train(program, state, batches):
     losses, metrics = [], []
@@ -118,14 +116,14 @@ def test_matches_one_device_jit_and_optax(name, strategy, sizes):
     model, mesh = _model(), make_mesh(sizes)
     program = build(model, OPTIMIZERS[name](), make_layout(model, strategy, mesh))
     state = program.init(jax.random.key(0))
-    params0 = _host(state.params)
+    params0 = host_copy(state.params)
     state, losses, metrics = _train(program, state, _batches())
     ref_params, ref_losses = zoo.plain_steps(zoo.mlp_loss, params0, OPTIMIZERS[name](), _batches())
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     _assert_params_close(state.params, ref_params)
     _assert_state_sharded(state.opt_state, mesh, strategy)
     if name == "frozen_lion":
-        jax.tree.map(np.testing.assert_array_equal, _host(state.params["encoder"]), params0["encoder"])
+        jax.tree.map(np.testing.assert_array_equal, host_copy(state.params["encoder"]), params0["encoder"])
 
 
 def _token_inputs(batch, train):
@@ -148,7 +146,7 @@ def test_tensor_parallel_state_of_a_linen_model_with_factored_moments():
     layout = make_layout(model, "fsdp_tp", make_mesh({"fsdp": 4, "tensor": 2}))
     program = build(model, _frozen_embeddings_adafactor(), layout)
     state = program.init(jax.random.key(0))
-    params0 = _host(state.params)
+    params0 = host_copy(state.params)
     state, losses, _ = _train(program, state, batches)
     apply = lambda p, b: module.apply({"params": p}, *_token_inputs(b, True)[0], train=True)
     loss = lambda p, b: zoo.linen_transformer_loss(apply(p, b), b)
@@ -182,7 +180,7 @@ def test_injected_rates_are_replicated_reported_and_a_change_takes_effect():
     model = _model()
     program = build(model, _two_rates(), make_layout(model, "zero1", make_mesh(FSDP8)))
     state = program.init(jax.random.key(0))
-    params, reference = _host(state.params), _jitted_reference(_two_rates)
+    params, reference = host_copy(state.params), _jitted_reference(_two_rates)
     ref_state, losses, ref_losses, rates = _two_rates().init(params), [], [], []
     for i, batch in enumerate(_batches()):
         if i == 2:  # as a user's loop would: a new rate between two steps, on both sides
@@ -211,7 +209,7 @@ def test_multi_steps_and_grad_accum_compose_with_clipping():
     model = _model()
     program = build(model, make(), make_layout(model, "zero2", make_mesh(DATA2_FSDP4)), grad_accum=2)
     state = program.init(jax.random.key(0))
-    params = _host(state.params)
+    params = host_copy(state.params)
     state, losses, metrics = _train(program, state, _batches())
     ref_state, reference = make().init(params), _jitted_reference(make)
     for batch, loss, m in zip(_batches(), losses, metrics):
@@ -229,13 +227,13 @@ def test_apply_if_finite_is_reported_inert_and_the_step_skips_instead():
     with pytest.warns(UserWarning, match="optax.apply_if_finite: .*counters stay 0; drop it"):
         program = build(model, optax.apply_if_finite(optax.adam(1e-3), 3), make_layout(model, "dp", make_mesh(DATA8)))
     state = program.init(jax.random.key(0))
-    before = _host(state.params)
+    before = host_copy(state.params)
     bad = _batches(1)[0]
     bad["x"][0, 0] = np.nan
     state, metrics = program.step(state, bad)
     assert int(metrics["skipped"]) == 1 and int(state.step) == 0
     assert int(state.opt_state.notfinite_count) == 0 and int(state.opt_state.total_notfinite) == 0
-    jax.tree.map(np.testing.assert_array_equal, _host(state.params), before)
+    jax.tree.map(np.testing.assert_array_equal, host_copy(state.params), before)
 
 
 def test_nested_optimizer_state_restores_bitwise_onto_another_mesh(tmp_path):
@@ -249,7 +247,7 @@ def test_nested_optimizer_state_restores_bitwise_onto_another_mesh(tmp_path):
     state, _, _ = _train(source, source.init(jax.random.key(0)), _batches(3))
     target = build(model, make(), make_layout(model, "zero2", make_mesh({"data": 2, "fsdp": 2},
                                                                          devices=jax.devices()[:4])))
-    saved = _host(state)
+    saved = host_copy(state)
     with Checkpointer(tmp_path / "ckpt") as ckpt:
         assert ckpt.save(3, state, data_state={}, config={}, force=True)
         ckpt.wait()

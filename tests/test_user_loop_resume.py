@@ -24,6 +24,7 @@ import pytest
 from flax import nnx
 
 import shardlib
+from tests.helpers import assert_bitwise
 from shardlib import Checkpointer, build, make_layout, make_mesh
 from shardlib.runtime.checkpoint import CheckpointError, CheckpointMismatchError, NonFiniteStateError
 
@@ -119,16 +120,6 @@ def linen_program(strategy: str, sizes: dict, devices=None, **module):
 # ---- helpers
 
 
-def _host(tree):
-    return jax.tree.map(lambda x: np.array(jax.device_get(x), copy=True), tree)
-
-
-def _assert_bitwise(a, b) -> None:
-    a_flat, _ = jax.tree_util.tree_flatten_with_path(_host(a))
-    b_flat, _ = jax.tree_util.tree_flatten_with_path(_host(b))
-    assert [jax.tree_util.keystr(p) for p, _ in a_flat] == [jax.tree_util.keystr(p) for p, _ in b_flat]
-    differ = [jax.tree_util.keystr(p) for (p, x), (_, y) in zip(a_flat, b_flat) if not np.array_equal(x, y)]
-    assert not differ, f"differ: {differ}"
 
 
 def _steps(program, state, batch, first: int, last: int):
@@ -205,7 +196,7 @@ def test_a_user_loop_killed_mid_save_resumes_bitwise_under_another_strategy(tmp_
             if ckpt.should_save(step):
                 ckpt.save(step, state, data_state={"next_batch": step}, config=config, metrics=metrics)
     assert ckpt.all_steps() == [6, 8] and not list((tmp_path / "ckpt").glob("*tmp*"))
-    _assert_bitwise(expected, state)  # params, BatchNorm statistics, counter, Adam state, step, rng
+    assert_bitwise(expected, state)  # params, BatchNorm statistics, counter, Adam state, step, rng
 
 
 # ---------------------------------------------------------------- SIGTERM, exit 0, resume
@@ -252,7 +243,7 @@ def test_a_preempted_user_loop_saves_its_step_exits_0_and_resumes_bitwise(tmp_pa
     assert data_state == {"next_batch": 3} and int(state.opt_state.mini_step) == 1  # one gradient held
     state, losses = _steps(program, state, vec_batch, data_state["next_batch"], 6)
     assert losses == expected_losses[3:]
-    _assert_bitwise(expected, state)
+    assert_bitwise(expected, state)
 
 
 # ---------------------------------------------------------------- mistakes, another device count
@@ -270,7 +261,7 @@ def test_user_checkpoint_mistakes_are_refused_by_name_and_nothing_saved_is_repla
         ckpt.wait()
         four = linen_program("dp", {"data": -1}, devices=jax.devices()[:4])
         restored, data_state, _ = ckpt.restore(four.abstract_state())
-        _assert_bitwise(state, restored)
+        assert_bitwise(state, restored)
         assert data_state == {"epoch": 0, "index": 2}
         assert restored.model_state["batch_stats"]["BatchNorm_0"]["mean"].sharding.mesh.size == 4
 
