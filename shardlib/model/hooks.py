@@ -407,9 +407,8 @@ def noting_flax_constraints() -> Iterator[None]:
     targets = [(importlib.import_module(module), name) for module, name in _FLAX_CONSTRAINTS]
     with _flax_lock:
         if _flax_users == 0:
-            original = getattr(*targets[0])
-            for module, name in targets:
-                setattr(module, name, _noting(original))
+            for module, name in targets:  # each its own function, restored as it was
+                setattr(module, name, _noting(getattr(module, name)))
         _flax_users += 1
     try:
         yield

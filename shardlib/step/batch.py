@@ -190,9 +190,10 @@ def _refuse_wrapping_ints(name: str, x: np.ndarray | np.generic) -> None:
     """Without jax_enable_x64, JAX stores int64 as int32 and wraps larger values without a word: a
     recommender's hashed ids (``5_000_000_123 % 50_000`` is 123, wrapped it is 32827) would silently
     look up other rows. Refuse values the 32-bit dtype cannot hold."""
-    if x.dtype.kind not in "iu" or not x.size:
+    stored = jax.dtypes.canonicalize_dtype(x.dtype)
+    if x.dtype.kind not in "iu" or not x.size or stored == x.dtype:  # no pass over the values unless narrowed
         return
-    held = np.iinfo(jax.dtypes.canonicalize_dtype(x.dtype))
+    held = np.iinfo(stored)
     low, high = np.min(x), np.max(x)
     if low < held.min or high > held.max:
         bad = high if high > held.max else low

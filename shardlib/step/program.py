@@ -366,11 +366,12 @@ def _refuse_state_in_batch(state: Any, batch: Any) -> None:
     """A batch leaf that is one of the state's own arrays (``{**batch, "step": state.step}``) reaches
     the step twice, once donated, and XLA:CPU then ends the process ("Attempt to use a buffer that
     was previously donated"), raising nothing: name the leaf instead."""
-    held = {id(x): path for path, x in jax.tree_util.tree_leaves_with_path(state) if isinstance(x, jax.Array)}
+    held = {id(x) for x in jax.tree.leaves(state) if isinstance(x, jax.Array)}  # paths only for a hit: every step
     for path, x in jax.tree_util.tree_leaves_with_path(batch):
         if id(x) in held:
+            owner = next(rules_lib.path_str(p) for p, y in jax.tree_util.tree_leaves_with_path(state) if y is x)
             raise ValueError(
-                f"batch {rules_lib.path_str(path)!r} is the state's own {rules_lib.path_str(held[id(x)])!r}, which "
+                f"batch {rules_lib.path_str(path)!r} is the state's own {owner!r}, which "
                 "program.step donates: a loss that reads the step takes a step argument (loss_fn(..., step); "
                 "from_functions(takes_call=True): call.step); for another value pass a copy (jnp.copy(...)), "
                 "or build(..., donate=False)")
