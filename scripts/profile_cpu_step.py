@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import resource
 import statistics
 import sys
@@ -70,18 +69,6 @@ def shard_map_step(model: Any, tx: Any, program: Any, batch_sharding: Any) -> An
                    out_shardings=(program.state_sharding, None), donate_argnums=(0,))
 
 
-def unfused_dots(hlo_text: str) -> int:
-    """Dot instructions run per step outside a fusion (XLA:CPU hands those to Eigen)."""
-    from shardlib.tools.hlo import computation_multiplicities, parse_hlo_module
-
-    module = parse_hlo_module(hlo_text)
-    fused = {name for instrs in module.computations.values() for instr in instrs if instr.opcode == "fusion"
-             for name in re.findall(r"calls=%?([\w.\-]+)", instr.attrs)}
-    runs = computation_multiplicities(module)
-    return sum(runs[name].count for name, instrs in module.computations.items() if name not in fused
-               for instr in instrs if instr.opcode == "dot")
-
-
 def cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -120,6 +107,7 @@ def pool_tasks_per_step(programs: dict[str, Any], states: dict[str, Any], batch:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    from shardlib.tools.hlo import unfused_dots
     from shardlib.tools.plan import setup_devices
 
     setup_devices(args.devices)

@@ -165,7 +165,9 @@ class Layout:
         fallback, with a note; scalars (counts, injected hyperparameters) are replicated.
         """
         by_path = {_components(l.path): l for l in jax.tree.leaves(self.state, is_leaf=rules_lib.is_layout)}
-        auto = rules_lib.AutoShard(self.strategy.state_fallback) if self.strategy.state_fallback else None
+        strategy = self.strategy
+        auto = rules_lib.AutoShard(strategy.state_fallback, from_last=strategy.state_from_last) \
+            if strategy.state_fallback else None
 
         def place(path, leaf):
             name, shape = rules_lib.path_str(path), tuple(leaf.shape)
@@ -248,11 +250,12 @@ def make_layout(
     if stages > 1:
         strategy = pipelined(strategy)
     names_warned = _warn_names(abstract, model.logical_axes, strategy, mesh)
-    fallback = lambda axes: rules_lib.AutoShard(axes) if auto_shard and axes else None
+    fallback = lambda axes, last=False: rules_lib.AutoShard(axes, from_last=last) if auto_shard and axes else None
     params = rules_lib.layout_tree(abstract, model.logical_axes, strategy.param_rules, mesh,
                                    table=f"{strategy.name}.param_rules", auto=fallback(strategy.param_fallback))
     state = rules_lib.layout_tree(abstract, model.logical_axes, strategy.state_rules, mesh,
-                                  table=f"{strategy.name}.state_rules", auto=fallback(strategy.state_fallback))
+                                  table=f"{strategy.name}.state_rules", from_last=strategy.state_from_last,
+                                  auto=fallback(strategy.state_fallback, strategy.state_from_last))
     if stages > 1:
         _check_stages(params, stages)
     rules_lib.validate_rules(strategy.batch_rules, mesh, table=f"{strategy.name}.batch_rules")

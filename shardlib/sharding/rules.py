@@ -11,7 +11,8 @@ Names follow JAX and Flax: a tuple shorter than the tensor's rank leaves the tra
 unnamed; a longer one is an error naming the tensor. Trees without annotations (someone else's
 model) get their logical names from regex path rules, also first match wins; and a strategy's
 ZeRO fallback (`AutoShard`) shards whatever its rules leave whole along the largest dimension its
-axes divide, so an unannotated model still gets ZeRO's memory.
+axes divide (zero1/zero2's optimizer state: the last, `Strategy.state_from_last`), so an
+unannotated model still gets ZeRO's memory.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ AUTO_SHARD_SKIP: tuple[str, ...] = ("layers",)
 
 @dataclasses.dataclass(frozen=True)
 class AutoShard:
-    """The ZeRO fallback: a tensor no rule shards over ``axes`` is split along its largest dim they divide.
+    """The ZeRO fallback: a tensor no rule shards over ``axes`` is split along its largest dim they
+    divide (``from_last``: the last).
 
     Unannotated models (and dims whose rules could not apply) then still get ZeRO's memory, as with
     PyTorch FSDP2 or DeepSpeed ZeRO-3, which shard every parameter without annotations.
@@ -95,6 +97,7 @@ class AutoShard:
     axes: tuple[str, ...]
     min_size: int = AUTO_SHARD_MIN_SIZE
     skip: tuple[str | None, ...] = AUTO_SHARD_SKIP
+    from_last: bool = False  # `Strategy.state_from_last`
 
     def apply(self, entries: list[MeshAxes], names: Logical, shape: Sequence[int], mesh: Mesh) -> str | None:
         """Shard one free dim of ``entries`` in place; the note saying what happened, or None if not needed."""
@@ -110,7 +113,7 @@ class AutoShard:
                 if entries[d] is None and names[d] not in self.skip and size % n == 0]
         if not free:
             return f"auto-shard: no free dimension of {tuple(shape)} divisible by {target}"
-        dim = max(free, key=lambda d: (shape[d], -d))  # the largest; the first of equals
+        dim = free[-1] if self.from_last else max(free, key=lambda d: (shape[d], -d))  # the largest; the first of equals
         entries[dim] = axes[0] if len(axes) == 1 else axes
         return f"auto-sharded dim {dim} ({shape[dim]}) over {target}: no rule shards it there"
 
@@ -129,14 +132,15 @@ def names_for_rank(logical: Logical | None, shape: Sequence[int], path: str = "?
 
 def spec_for(
     logical: Logical | None, shape: Sequence[int], rules: Rules, mesh: Mesh, *, path: str = "?",
-    auto: AutoShard | None = None,
+    auto: AutoShard | None = None, from_last: bool = False,
 ) -> tuple[P, tuple[str, ...]]:
     """Resolve one tensor's logical names to a PartitionSpec, with notes on every fallback.
 
     ``auto`` (the strategy's ZeRO fallback) then shards a tensor the rules left off its axes.
+    ``from_last``: where rules for several dims name the same mesh axes, the last dim gets them.
     """
     names = names_for_rank(logical, shape, path)
-    entries, notes = _apply_rules(names, shape, rules, mesh)
+    entries, notes = _apply_rules(names, shape, rules, mesh, from_last)
     if logical is None:
         notes.insert(0, "no logical axis names (unannotated; add path rules)")
     if auto is not None:
@@ -146,12 +150,15 @@ def spec_for(
     return P(*entries), tuple(notes)
 
 
-def _apply_rules(names: Logical, shape: Sequence[int], rules: Rules, mesh: Mesh) -> tuple[list[MeshAxes], list[str]]:
-    """Per dim, the first rule for its name that can apply; a note for every rule that could not."""
+def _apply_rules(names: Logical, shape: Sequence[int], rules: Rules, mesh: Mesh,
+                 from_last: bool = False) -> tuple[list[MeshAxes], list[str]]:
+    """Per dim (in order, or from the last), the first rule for its name that can apply; a note
+    for every rule that could not."""
     used: set[str] = set()
-    entries: list[MeshAxes] = []
+    entries: list[MeshAxes] = [None] * len(names)
     notes: list[str] = []
-    for dim, (name, size) in enumerate(zip(names, shape)):
+    dims = list(enumerate(zip(names, shape)))
+    for dim, (name, size) in reversed(dims) if from_last else dims:
         chosen: tuple[str, ...] = ()
         for rule_name, axes in rules:
             if name is None or rule_name != name:
@@ -169,7 +176,7 @@ def _apply_rules(names: Logical, shape: Sequence[int], rules: Rules, mesh: Mesh)
                 chosen = axes
                 break
         used.update(chosen)
-        entries.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+        entries[dim] = None if not chosen else chosen[0] if len(chosen) == 1 else chosen
     return entries, notes
 
 
@@ -241,18 +248,20 @@ def logical_from_paths(tree: Any, path_rules: PathRules) -> Any:
 
 
 def layout_tree(
-    abstract: Any, logical: Any, rules: Rules, mesh: Mesh, *, table: str = "rules", auto: AutoShard | None = None
+    abstract: Any, logical: Any, rules: Rules, mesh: Mesh, *, table: str = "rules", auto: AutoShard | None = None,
+    from_last: bool = False,
 ) -> Any:
     """A pytree of `LeafLayout` for ``abstract`` (arrays or ShapeDtypeStructs) under ``rules``.
 
-    ``auto`` is the ZeRO fallback for tensors the rules leave off its axes (see `AutoShard`).
+    ``auto`` is the ZeRO fallback for tensors the rules leave off its axes (see `AutoShard`);
+    ``from_last`` as in `spec_for`.
     """
     validate_rules(rules, mesh, table=table)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     layouts = []
     for (path, leaf), names in zip(flat, logical_leaves(abstract, logical)):
         name = path_str(path)
-        spec, notes = spec_for(names, leaf.shape, rules, mesh, path=name, auto=auto)
+        spec, notes = spec_for(names, leaf.shape, rules, mesh, path=name, auto=auto, from_last=from_last)
         full = None if names is None else names_for_rank(names, leaf.shape, name)
         layouts.append(LeafLayout(name, tuple(leaf.shape), np.dtype(leaf.dtype), full, spec, notes))
     return jax.tree.unflatten(treedef, layouts)

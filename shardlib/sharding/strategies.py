@@ -121,6 +121,12 @@ class Strategy:
     # hpZ: the inter-host batch axis the step gathers the weights over once per step (a secondary
     # partition within each host), so that the per-layer gathers cross intra-host links only.
     secondary_axis: str | None = None
+    # ZeRO-1/2: the optimizer state (and so the gradient's reduce-scatter) splits the last dim a rule
+    # or the fallback can split. A Dense kernel's last dim is its output dim, the major dim of the
+    # weight-gradient matmul's result (the backward computes dy^T x, then transposes), so the
+    # reduce-scatter takes that result as it is; split on the input dim, XLA:CPU computes the
+    # gradient as a matmul of two transposed operands, which runs unfused.
+    state_from_last: bool = False
 
     @property
     def shards_params(self) -> bool:
@@ -149,7 +155,8 @@ class Strategy:
         shardlib's meshes lack are refused here, and `make_layout` warns about a name the model
         uses that the table does not list (such a dim would otherwise stay whole silently)."""
         table = check_logical_rules(rules)
-        return dataclasses.replace(self, param_rules=table, state_rules=table, activation_rules=table, own_rules=table)
+        return dataclasses.replace(self, param_rules=table, state_rules=table, activation_rules=table, own_rules=table,
+                                   state_from_last=False)  # Flax resolves a table's dims in order
 
 
 # Mesh axes of other codebases' rule tables and the shardlib axis that does their job.
@@ -205,9 +212,9 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("dp", param_rules=(), state_rules=(), default_mesh={"data": -1},
                  summary="replicate everything, all-reduce gradients"),
         Strategy("zero1", param_rules=(), state_rules=ZERO_RULES, default_mesh={"data": -1},
-                 state_fallback=ZERO_AXES, requires=(ZERO_AXES,), summary="shard optimizer state"),
+                 state_fallback=ZERO_AXES, state_from_last=True, requires=(ZERO_AXES,), summary="shard optimizer state"),
         Strategy("zero2", param_rules=(), state_rules=ZERO_RULES, default_mesh={"data": -1},
-                 state_fallback=ZERO_AXES, requires=(ZERO_AXES,), shard_grad_buffer=True,
+                 state_fallback=ZERO_AXES, state_from_last=True, requires=(ZERO_AXES,), shard_grad_buffer=True,
                  summary="shard optimizer state and gradients"),
         Strategy("zero3", param_rules=ZERO_RULES, state_rules=ZERO_RULES, default_mesh={"fsdp": -1},
                  param_fallback=ZERO_AXES, state_fallback=ZERO_AXES, requires=(ZERO_AXES,), shard_grad_buffer=True,

@@ -43,7 +43,7 @@ from shardlib.step import buckets as buckets_lib
 from shardlib.step import compression as compression_lib
 from shardlib.step import zeropp
 from shardlib.step.compute import ModelCall, StepContext
-from shardlib.step.reduce import Reducer, rest_axes, scatter_dims
+from shardlib.step.reduce import Reducer, reduced_transposed, rest_axes, scatter_dims
 
 __all__ = ["Layerwise", "Scatter", "Twins", "attach", "gather_tree", "no_twins"]
 
@@ -136,17 +136,18 @@ def gather_tree(tree: Any, bucket_bytes: int = 0) -> Any:
     """Every twin in one gather_layer call's ``tree`` -> its weight, through one `_twin_identity`
     (the call's reductions share buckets); anything else as it is."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=zeropp.is_carried)
-    twins = [i for i, x in enumerate(leaves) if _is_twin(x)]
+    twins = [leaves[i] for i, x in enumerate(leaves) if _is_twin(x)]
     if not twins:
         return tree
-    reductions = tuple((_local_dim(leaves[i].scatter, leaves[i].value.ndim), leaves[i].scatter.axes,
-                        leaves[i].scatter.sums) for i in twins)
-    dtypes = tuple(leaves[i].rider.dtype for i in twins)
-    weights = _twin_identity(reductions, dtypes, bucket_bytes)([leaves[i].value for i in twins],
-                                                               [leaves[i].rider for i in twins])
-    for i, weight in zip(twins, weights):
-        leaves[i] = weight
-    return treedef.unflatten(leaves)
+    flips = [reduced_transposed(t.value.ndim, _local_dim(t.scatter, t.value.ndim)) for t in twins]
+    order = lambda x, flip: x.T if flip else x
+    reductions = tuple((0 if flip and t.scatter.dim is not None else _local_dim(t.scatter, t.value.ndim),
+                        t.scatter.axes, t.scatter.sums) for t, flip in zip(twins, flips))
+    dtypes = tuple(t.rider.dtype for t in twins)
+    weights = _twin_identity(reductions, dtypes, bucket_bytes)([order(t.value, f) for t, f in zip(twins, flips)],
+                                                               [order(t.rider, f) for t, f in zip(twins, flips)])
+    weights = iter(order(w, f) for w, f in zip(weights, flips))
+    return treedef.unflatten([next(weights) if _is_twin(x) else x for x in leaves])
 
 
 @dataclasses.dataclass(frozen=True)

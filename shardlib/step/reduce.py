@@ -52,6 +52,20 @@ def rest_axes(param_spec: P, state_spec: P, batch_axes: tuple[str, ...]) -> tupl
     return tuple(a for a in batch_axes if a not in spec_axes(param_spec) | spec_axes(state_spec))
 
 
+def reduced_transposed(ndim: int, scatter_dim: int | None) -> bool:
+    """Whether a gradient is reduced transposed. A Dense kernel ``[in, out]``'s gradient is JAX's
+    transpose of the matmul ``dy^T x``, whose result is ``[out, in]``: reduced in that order (all of
+    it, or split on ``out``, where `Strategy.state_from_last` places ZeRO-1/2's state), the
+    reduction takes the matmul's result as it is and the two transposes cancel. Reduced as
+    ``[in, out]``, XLA:CPU computes the matmul from two transposed operands, unfused. Only
+    matrices: for more dims the matmul's order depends on which dims it contracts."""
+    return ndim == 2 and scatter_dim in (None, 1)
+
+
+def _transposed_spec(spec: P) -> P:
+    return P(*reversed(tuple(spec) + (None,) * (2 - len(spec))))
+
+
 def _scatter_grad(grad: jax.Array, dims, method: compression_lib.Compression, residual: jax.Array | None):
     """Reduce-scatter every dim in ``dims``, one after the other -> (grad, residual).
 
@@ -183,14 +197,39 @@ class Reducer:
         storage = treedef.flatten_up_to(self.param_specs if self.storage_specs is None else self.storage_specs)
         return [spec_axes(full) <= spec_axes(ps) for full, ps in zip(storage, treedef.flatten_up_to(self.param_specs))]
 
+    def _in_matmul_order(self, phase, grads: Any, residuals: Any) -> tuple[Any, Any]:
+        """``phase(reducer, grads, residuals)`` with every matrix that `reduced_transposed` picks
+        transposed, its specs with it (uncompressed only: a residual keeps its tensor's shape)."""
+        flat, treedef = jax.tree.flatten(grads)
+        specs, rests = self._specs_of(treedef), self._rest(treedef)
+        flips = [self.method.name == "none" and local and bool(scatter or rest)
+                 and reduced_transposed(g.ndim, scatter[0][0] if len(scatter) == 1 else -1 if scatter else None)
+                 for g, local, scatter, rest in zip(flat, self._whole_locally(treedef),
+                                                     [scatter_dims(ps, ss) for ps, ss in specs], rests)]
+        if not any(flips):
+            return phase(self, grads, residuals)
+        order = lambda xs: treedef.unflatten([x.T if f else x for x, f in zip(xs, flips)])
+        swap = lambda tree: treedef.unflatten([_transposed_spec(s) if f else s
+                                               for s, f in zip(treedef.flatten_up_to(tree), flips)])
+        view = dataclasses.replace(self, param_specs=swap(self.param_specs), state_specs=swap(self.state_specs),
+                                   storage_specs=None if self.storage_specs is None else swap(self.storage_specs))
+        out, residuals = phase(view, order(flat), residuals)
+        return order(treedef.flatten_up_to(out)), residuals
+
     def scatter(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
         """Reduce-scatter every dim only the state shards: gradients become their state shards."""
+        return self._in_matmul_order(Reducer._scatter, grads, residuals)
+
+    def finish(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
+        """Sum `scatter`'s output over the batch axes neither layout shards."""
+        return self._in_matmul_order(Reducer._finish, grads, residuals)
+
+    def _scatter(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
         if self.bucketed:
             return self._scatter_buckets(grads), residuals
         return self._map(lambda g, ps, ss, r: _scatter_grad(g, scatter_dims(ps, ss), self.method, r), grads, residuals)
 
-    def finish(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
-        """Sum `scatter`'s output over the batch axes neither layout shards."""
+    def _finish(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
         if self.bucketed:
             return self._finish_buckets(grads), residuals
 

@@ -382,6 +382,18 @@ def computation_multiplicities(module: HloModule) -> dict[str, Multiplicity]:
     return {name: visit(name, frozenset()) for name in module.computations}
 
 
+def unfused_dots(hlo: str | Any) -> int:
+    """Dot instructions run per execution outside any fusion (loop trips counted). On XLA:CPU a
+    fused dot is one YNNPACK kernel; an unfused one runs as an Eigen contraction split into tasks
+    on the intra-op thread pool, which costs more on a few cores shared by many simulated devices."""
+    module = parse_hlo_module(hlo_text(hlo))
+    fused = {name for instrs in module.computations.values() for instr in instrs if instr.opcode == "fusion"
+             for name in re.findall(r"calls=%?([\w.\-]+)", instr.attrs)}
+    runs = computation_multiplicities(module)
+    return sum(runs[name].count for name, instrs in module.computations.items() if name not in fused
+               for instr in instrs if instr.opcode == "dot")
+
+
 # ----------------------------------------------------------------------------------------------
 # Replica groups: which devices a collective joins
 # ----------------------------------------------------------------------------------------------
@@ -770,4 +782,5 @@ __all__ = [
     "replica_group_size",
     "replica_groups",
     "shape_leaves",
+    "unfused_dots",
 ]
