@@ -304,10 +304,39 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+def matmul_ordered(cotangent: jax.Array, dim: int) -> jax.Array:
+    """A weight's cotangent about to be reduce-scattered over ``dim``, on XLA:CPU: a matrix split
+    on its first dim first materialises the matmul result it is JAX's transpose of (a Dense
+    kernel's ``dy^T x``, ``[out, in]``) in that result's own order, then transposes it (a copy).
+    Without the barrier XLA:CPU folds the transpose into the matmul and computes it from two
+    transposed operands, which its fused (YNNPACK) dot refuses: an unfused Eigen contraction on
+    the thread pool, slower than the copy. Other backends take transposed operands as they are."""
+    if cotangent.ndim != 2 or dim != 0 or jax.default_backend() != "cpu":
+        return cotangent
+    return jax.lax.optimization_barrier(cotangent.T).T
+
+
+@functools.lru_cache(maxsize=None)
+def _gather_first_dim(axes: Any):
+    """``all_gather(x, axes, axis=0, tiled=True)`` whose backward reduce-scatters `matmul_ordered`."""
+
+    @jax.custom_vjp
+    def gather(x):
+        return jax.lax.all_gather(x, axes, axis=0, tiled=True)
+
+    def bwd(_, cotangent):
+        return (jax.lax.psum_scatter(matmul_ordered(cotangent, 0), axes, scatter_dimension=0, tiled=True),)
+
+    gather.defvjp(lambda x: (gather(x), None), bwd)
+    return gather
+
+
 def all_gather_spec(x: jax.Array, spec: Sequence[Any]) -> jax.Array:
     """All-gather ``x`` along every dimension whose spec entry names mesh axes."""
     for dim, axes in enumerate(spec):
-        if axes:
+        if axes and x.ndim == 2 and dim == 0:
+            x = _gather_first_dim(axes)(x)
+        elif axes:
             x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
     return x
 

@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from shardlib.model import hooks
 from shardlib.registry import lookup
 from shardlib.sharding import rules as rules_lib
 from shardlib.step import compression as compression_lib  # its int8 blocks, scales and reductions
@@ -154,6 +155,7 @@ def _make_gather(axes: tuple[str, ...], dim: int, policy: GatherPolicy, with_res
         return gather(x, residual), residual
 
     def bwd(residual, cotangent):
+        cotangent = hooks.matmul_ordered(cotangent, dim)
         grad, new = compression_lib.compressed_psum_scatter(cotangent, axes, dim, policy.grads, residual)
         return grad, (new if with_residual else None)
 
