@@ -25,8 +25,10 @@ class GPTConfig:
     compute_dtype: Any = "float32"  # anything jnp.dtype accepts; params stay float32
     remat: bool = True
     norm_eps: float = 1e-5
-    # "einsum": scores written out in float32 (any backend); "cudnn": jax.nn.dot_product_attention's
-    # fused kernel (GPU only; never materialises the T x T scores); "xla": that function's XLA path.
+    # "einsum": scores written out in float32 (any backend); "blocked": the same, 32 queries at a time,
+    # each block recomputed in the backward pass (a 32 x T slice of the scores live, not T x T);
+    # "cudnn": jax.nn.dot_product_attention's fused kernel (GPU only; never materialises the T x T
+    # scores); "xla": that function's XLA path.
     attention: str = "einsum"
 
     def __post_init__(self) -> None:
@@ -46,7 +48,7 @@ class GPTConfig:
         return self.d_model // self.n_heads
 
 
-ATTENTION = ("einsum", "xla", "cudnn")
+ATTENTION = ("einsum", "blocked", "xla", "cudnn")
 
 CONFIGS: dict[str, GPTConfig] = {
     # For tests: every dimension is small and divisible by 4 or 8.

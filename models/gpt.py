@@ -91,6 +91,8 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         if self.implementation == "einsum":
             out = causal_attention(q, k, v)
+        elif self.implementation == "blocked":
+            out = blocked_causal_attention(q, k, v)
         else:
             out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))
@@ -108,6 +110,28 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     return jnp.einsum("bngts,bsnk->btngk", probs, v).reshape(batch, seq, heads, head_dim)
+
+
+def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 32) -> jax.Array:
+    """`causal_attention` for ``block`` queries at a time (a divisor of the sequence length), each
+    block's scores recomputed in the backward pass: one ``[block, seq]`` slice of the scores is live
+    at a time instead of the whole ``[seq, seq]`` (what PyTorch's CPU ``scaled_dot_product_attention``
+    also avoids), for the same result."""
+    batch, seq, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    block = math.gcd(seq, block)
+    blocks = q.reshape(batch, seq // block, block, heads, head_dim).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(start: jax.Array, qb: jax.Array) -> jax.Array:
+        qb = qb.reshape(batch, block, kv_heads, heads // kv_heads, head_dim)
+        scores = jnp.einsum("btngk,bsnk->bngts", qb, k, preferred_element_type=jnp.float32) / math.sqrt(head_dim)
+        causal = jnp.arange(seq)[None, :] <= start + jnp.arange(block)[:, None]
+        probs = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(jnp.float32).min), axis=-1).astype(q.dtype)
+        return jnp.einsum("bngts,bsnk->btngk", probs, v).reshape(batch, block, heads, head_dim)
+
+    out = jax.lax.map(lambda args: one(*args), (jnp.arange(0, seq, block), blocks))
+    return out.swapaxes(0, 1).reshape(batch, seq, heads, head_dim)
 
 
 class SwiGLU(nnx.Module):

@@ -20,8 +20,10 @@ over rounds of (median shardlib step time / median torch step time): below 1, sh
 PyTorch is an optional extra used only by this script: `pip install -e ".[bench]"`.
 
 Differences that remain (same shapes and parameter count): PyTorch attention is
-`F.scaled_dot_product_attention(is_causal=True)` (what a PyTorch user writes) where shardlib's
-model materialises the masked score matrix; the PyTorch initialisation is its modules' defaults
+`F.scaled_dot_product_attention(is_causal=True)` (what a PyTorch user writes), whose CPU kernel
+never holds the whole score matrix; shardlib's model runs its "blocked" attention here for the
+same reason (32 queries' scores at a time; `--attention einsum` writes out the whole masked
+matrix, the config's default); the PyTorch initialisation is its modules' defaults
 (not shardlib's fan-in scaling); with remat on (the config's default) both sides recompute each
 block and the head in the backward pass (`torch.utils.checkpoint`, non-reentrant); shardlib's step
 also computes the gradient norm and skips non-finite updates, which PyTorch's loop does not.
@@ -72,6 +74,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help=f"any of {', '.join(PAIRS)} (default: all)")
     parser.add_argument("--no-remat", action="store_true",
                         help="turn off rematerialisation on both sides (default: the config's, on)")
+    parser.add_argument("--attention", default="blocked",
+                        help="shardlib's attention (models/configs.py ATTENTION; default: blocked, which like "
+                             "PyTorch's CPU scaled_dot_product_attention never holds the whole score matrix)")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table (for BENCHMARKS.md)")
     return parser.parse_args(argv)
 
@@ -456,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from shardlib.models import get_config, param_count
 
-    config = get_config(args.model)
+    config = dataclasses.replace(get_config(args.model), attention=args.attention)
     if args.no_remat:
         config = dataclasses.replace(config, remat=False)
     seq_len = args.seq_len or config.max_seq_len
@@ -465,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (args.batch_size, seq_len + 1), dtype=np.int32)
     print(f"# {args.model} GPT: shardlib {param_count(config):,} parameters, torch "
           f"{torch_param_count(dataclasses.asdict(config)):,}; global batch {args.batch_size} x {seq_len} tokens, "
-          f"AdamW, remat {'on' if config.remat else 'off'}; {args.rounds} rounds of {args.warmup} warm-up + "
+          f"AdamW, remat {'on' if config.remat else 'off'}, shardlib attention {config.attention}; {args.rounds} rounds of {args.warmup} warm-up + "
           f"{args.steps} timed steps per side; {machine()}", flush=True)
     rows = []
     for strategy in args.strategies:

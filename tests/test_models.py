@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardlib.models import CONFIGS, MLP, build, flops_per_token, generate, get_config, next_token_loss, param_count
-from shardlib.models.gpt import rope_tables
+from shardlib.models.gpt import blocked_causal_attention, causal_attention, rope_tables
 from shardlib.models.mlp import regression_loss
 from shardlib.model import hooks
 
@@ -144,18 +144,31 @@ def test_grouped_query_attention_equals_repeated_kv_heads():
     np.testing.assert_allclose(gqa(inputs), nnx.merge(graphdef, merged)(inputs), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2])
-def test_dot_product_attention_path_equals_the_einsum_path(kv_heads):
-    """attention="xla" (jax.nn.dot_product_attention, whose "cudnn" kernel GPUs run) computes the
-    same logits and gradients as the written-out float32 scores, GQA included."""
+@pytest.mark.parametrize("attention, kv_heads", [("xla", 4), ("xla", 2), ("blocked", 2)])
+def test_other_attention_paths_equal_the_einsum_path(attention, kv_heads):
+    """attention="xla" (jax.nn.dot_product_attention, whose "cudnn" kernel GPUs run) and "blocked"
+    (query blocks recomputed in the backward pass) compute the same logits and gradients as the
+    written-out float32 scores, GQA included."""
     batch = {"inputs": tokens(), "targets": tokens(seed=1)}
     results = []
-    for attention in ("einsum", "xla"):
+    for attention in ("einsum", attention):
         model = make(dataclasses.replace(TINY, n_kv_heads=kv_heads, attention=attention))
         results.append(nnx.value_and_grad(next_token_loss, has_aux=True)(model, batch))
     ((loss_a, _), grads_a), ((loss_b, _), grads_b) = results
     np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads_a, grads_b)
+
+
+def test_blocked_attention_takes_several_blocks_and_the_causal_mask_across_them():
+    """Against the written-out scores with 4 blocks of 4 queries and 2 kv heads: values and the
+    gradients of q, k and v."""
+    q, k, v = (jax.random.normal(key, (2, 16, 4, 8)) for key in jax.random.split(jax.random.key(0), 3))
+    k, v = k[:, :, :2], v[:, :, :2]
+    probe = jax.random.normal(jax.random.key(1), q.shape)
+    expected, expected_vjp = jax.vjp(causal_attention, q, k, v)
+    out, vjp = jax.vjp(lambda *qkv: blocked_causal_attention(*qkv, block=4), q, k, v)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), vjp(probe), expected_vjp(probe))
 
 
 def test_unknown_attention_is_refused():

@@ -62,6 +62,11 @@ def reduced_transposed(ndim: int, scatter_dim: int | None) -> bool:
     return ndim == 2 and scatter_dim in (None, 1)
 
 
+def _one_dim(dims: tuple[tuple[int, tuple[str, ...]], ...]) -> int | None:
+    """The dim `scatter_dims` scatters: None for none, -1 for several (no order suits them all)."""
+    return None if not dims else dims[0][0] if len(dims) == 1 else -1
+
+
 def _transposed_spec(spec: P) -> P:
     return P(*reversed(tuple(spec) + (None,) * (2 - len(spec))))
 
@@ -203,7 +208,7 @@ class Reducer:
         flat, treedef = jax.tree.flatten(grads)
         specs, rests = self._specs_of(treedef), self._rest(treedef)
         flips = [self.method.name == "none" and local and bool(scatter or rest)
-                 and reduced_transposed(g.ndim, scatter[0][0] if len(scatter) == 1 else -1 if scatter else None)
+                 and reduced_transposed(g.ndim, _one_dim(scatter))
                  for g, local, scatter, rest in zip(flat, self._whole_locally(treedef),
                                                      [scatter_dims(ps, ss) for ps, ss in specs], rests)]
         if not any(flips):
