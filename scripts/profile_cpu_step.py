@@ -2,8 +2,9 @@
 ``jax.jit`` step of scripts/benchmark.py and against a user's own ``jax.shard_map`` step of the
 same model (no shardlib code: value_and_grad per device, pmean, the same optax update).
 
-On a 2-core machine with 8 simulated devices the dp/zero1/zero2 steps measure a few % over the jit
-step (BENCHMARKS.md). This prints, per program:
+On a 2-core machine with 8 simulated devices the dp/zero1/zero2 steps measured a few % over the jit
+step until their reductions read each weight gradient in the order its matmul writes it (BENCHMARKS.md,
+docs/design.md); the user's ``shard_map`` step still does. This prints, per program:
 
 - CPU time per step (user + system, all threads: what 2 shared cores actually spend), as the
   median ratio over the jit step, interleaved in one process;
