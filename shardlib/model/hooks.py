@@ -332,9 +332,11 @@ def _gather_first_dim(axes: Any):
 
 
 def all_gather_spec(x: jax.Array, spec: Sequence[Any]) -> jax.Array:
-    """All-gather ``x`` along every dimension whose spec entry names mesh axes."""
+    """All-gather ``x`` along every dimension whose spec entry names mesh axes (a matrix's first dim
+    on XLA:CPU through `_gather_first_dim`; elsewhere autodiff's own pair, forward-mode included)."""
+    cpu = jax.default_backend() == "cpu"
     for dim, axes in enumerate(spec):
-        if axes and x.ndim == 2 and dim == 0:
+        if axes and x.ndim == 2 and dim == 0 and cpu:
             x = _gather_first_dim(axes)(x)
         elif axes:
             x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
