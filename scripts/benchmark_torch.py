@@ -470,7 +470,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (args.batch_size, seq_len + 1), dtype=np.int32)
     print(f"# {args.model} GPT: shardlib {param_count(config):,} parameters, torch "
           f"{torch_param_count(dataclasses.asdict(config)):,}; global batch {args.batch_size} x {seq_len} tokens, "
-          f"AdamW, remat {'on' if config.remat else 'off'}, shardlib attention {config.attention}; {args.rounds} rounds of {args.warmup} warm-up + "
+          f"AdamW, remat {'on' if config.remat else 'off'}, shardlib attention {config.attention}; "
+          f"{args.rounds} rounds of {args.warmup} warm-up + "
           f"{args.steps} timed steps per side; {machine()}", flush=True)
     rows = []
     for strategy in args.strategies:

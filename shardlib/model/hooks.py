@@ -306,11 +306,10 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
 
 def matmul_ordered(cotangent: jax.Array, dim: int) -> jax.Array:
     """A weight's cotangent about to be reduce-scattered over ``dim``, on XLA:CPU: a matrix split
-    on its first dim first materialises the matmul result it is JAX's transpose of (a Dense
-    kernel's ``dy^T x``, ``[out, in]``) in that result's own order, then transposes it (a copy).
-    Without the barrier XLA:CPU folds the transpose into the matmul and computes it from two
-    transposed operands, which its fused (YNNPACK) dot refuses: an unfused Eigen contraction on
-    the thread pool, slower than the copy. Other backends take transposed operands as they are."""
+    on its first dim first materialises the matmul result it is JAX's transpose of (``[out, in]``,
+    see `shardlib.step.reduce.reduced_transposed`) behind a barrier, then transposes it (a copy):
+    without the barrier XLA:CPU folds the transpose into the matmul, which then runs unfused and
+    costs more than the copy. Other backends take transposed operands as they are."""
     if cotangent.ndim != 2 or dim != 0 or jax.default_backend() != "cpu":
         return cotangent
     return jax.lax.optimization_barrier(cotangent.T).T

@@ -122,10 +122,8 @@ class Strategy:
     # partition within each host), so that the per-layer gathers cross intra-host links only.
     secondary_axis: str | None = None
     # ZeRO-1/2: the optimizer state (and so the gradient's reduce-scatter) splits the last dim a rule
-    # or the fallback can split. A Dense kernel's last dim is its output dim, the major dim of the
-    # weight-gradient matmul's result (the backward computes dy^T x, then transposes), so the
-    # reduce-scatter takes that result as it is; split on the input dim, XLA:CPU computes the
-    # gradient as a matmul of two transposed operands, which runs unfused.
+    # or the fallback can split: a Dense kernel's output dim, the major dim of its weight-gradient
+    # matmul's result (`shardlib.step.reduce.reduced_transposed`, docs/design.md).
     state_from_last: bool = False
 
     @property

@@ -139,10 +139,11 @@ def gather_tree(tree: Any, bucket_bytes: int = 0) -> Any:
     twins = [leaves[i] for i, x in enumerate(leaves) if _is_twin(x)]
     if not twins:
         return tree
-    flips = [reduced_transposed(t.value.ndim, _local_dim(t.scatter, t.value.ndim)) for t in twins]
+    dims = [_local_dim(t.scatter, t.value.ndim) for t in twins]
+    flips = [reduced_transposed(t.value.ndim, dim) for t, dim in zip(twins, dims)]
     order = lambda x, flip: x.T if flip else x
-    reductions = tuple((0 if flip and t.scatter.dim is not None else _local_dim(t.scatter, t.value.ndim),
-                        t.scatter.axes, t.scatter.sums) for t, flip in zip(twins, flips))
+    reductions = tuple((0 if flip and dim is not None else dim, t.scatter.axes, t.scatter.sums)
+                       for t, dim, flip in zip(twins, dims, flips))
     dtypes = tuple(t.rider.dtype for t in twins)
     weights = _twin_identity(reductions, dtypes, bucket_bytes)([order(t.value, f) for t, f in zip(twins, flips)],
                                                                [order(t.rider, f) for t, f in zip(twins, flips)])

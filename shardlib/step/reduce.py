@@ -202,12 +202,13 @@ class Reducer:
         storage = treedef.flatten_up_to(self.param_specs if self.storage_specs is None else self.storage_specs)
         return [spec_axes(full) <= spec_axes(ps) for full, ps in zip(storage, treedef.flatten_up_to(self.param_specs))]
 
-    def _in_matmul_order(self, phase, grads: Any, residuals: Any) -> tuple[Any, Any]:
-        """``phase(reducer, grads, residuals)`` with every matrix that `reduced_transposed` picks
-        transposed, its specs with it (uncompressed only: a residual keeps its tensor's shape)."""
+    def _in_matmul_order(self, phase, reduces, grads: Any, residuals: Any) -> tuple[Any, Any]:
+        """``phase(reducer, grads, residuals)`` with every matrix it reduces (``reduces(scatter dims,
+        sum axes)``) that `reduced_transposed` picks transposed, its specs with it (uncompressed
+        only: a residual keeps its tensor's shape)."""
         flat, treedef = jax.tree.flatten(grads)
         specs, rests = self._specs_of(treedef), self._rest(treedef)
-        flips = [self.method.name == "none" and local and bool(scatter or rest)
+        flips = [self.method.name == "none" and local and bool(reduces(scatter, rest))
                  and reduced_transposed(g.ndim, _one_dim(scatter))
                  for g, local, scatter, rest in zip(flat, self._whole_locally(treedef),
                                                      [scatter_dims(ps, ss) for ps, ss in specs], rests)]
@@ -223,11 +224,11 @@ class Reducer:
 
     def scatter(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
         """Reduce-scatter every dim only the state shards: gradients become their state shards."""
-        return self._in_matmul_order(Reducer._scatter, grads, residuals)
+        return self._in_matmul_order(Reducer._scatter, lambda scatter, rest: scatter, grads, residuals)
 
     def finish(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
         """Sum `scatter`'s output over the batch axes neither layout shards."""
-        return self._in_matmul_order(Reducer._finish, grads, residuals)
+        return self._in_matmul_order(Reducer._finish, lambda scatter, rest: rest, grads, residuals)
 
     def _scatter(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
         if self.bucketed:
