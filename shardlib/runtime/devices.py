@@ -48,3 +48,40 @@ def simulate_cpu_devices(n: int) -> int:
             f"call shardlib.simulate_cpu_devices({n}) before any JAX computation, or restart the process"
         )
     return have
+
+
+class TopologyError(ValueError):
+    """A TPU topology that cannot be compiled for here (shown as one line by the CLI)."""
+
+    user_facing = True
+
+
+def topology_devices(name: str, slices: int = 1) -> list:
+    """The chips of a TPU topology (JAX's names: ``v5e:2x4``, ``v5p:4x4x4``, ``v6e:8x8``), for compiling
+    a real TPU program on a host without TPUs (`jax.experimental.topologies`; nothing runs on them).
+
+    ``slices`` > 1 gives a multi-slice topology: that many copies joined by DCN, slice-major.
+    It needs the TPU compiler (libtpu, ``pip install "jax[tpu]==<the installed jax>"``). libtpu
+    guards the chips of a TPU VM with a lockfile that one process holds; compiling for an
+    abstract topology touches no chip, so this process does not take the lock (the test
+    workers and a plan beside a training job would otherwise refuse each other).
+    """
+    import importlib.util
+
+    import jax
+
+    if slices < 1:
+        raise TopologyError(f"--slices must be at least 1, got {slices}")
+    if importlib.util.find_spec("libtpu") is None:
+        raise TopologyError(f"compiling for the TPU topology {name!r} needs the TPU compiler (libtpu): "
+                            f'pip install "jax[tpu]=={jax.__version__}"')
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    try:
+        description = topologies.get_topology_desc(topology_name=name, platform="tpu", num_slices=slices)
+    except Exception as err:  # libtpu's error for an unknown name is a bare RuntimeError / JaxRuntimeError
+        raise TopologyError(f"TPU topology {name!r} (--topology) is not one libtpu knows: "
+                            f"{' '.join(str(err).split())[:200]}; write GENERATION:SHAPE, e.g. v5e:2x4, "
+                            "v5p:4x4x4, v6e:8x8") from None
+    return list(description.devices)

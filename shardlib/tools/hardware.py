@@ -161,6 +161,20 @@ _DEVICE_KINDS: tuple[tuple[str, str], ...] = (
 )
 
 
+# JAX's TPU topology names start with the generation: v5e:2x4, v5p:4x4x4, v6e:8x8, v4:2x2x2.
+_TOPOLOGY_GENERATIONS = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5litepod": "tpu-v5e", "v5p": "tpu-v5p",
+                         "v6e": "tpu-v6e"}
+
+
+def profile_for_topology(name: str) -> HardwareProfile:
+    """The profile of a TPU topology name's generation (``v5p:4x4x4`` -> tpu-v5p)."""
+    generation = name.split(":", 1)[0].lower()
+    if generation not in _TOPOLOGY_GENERATIONS:
+        raise HardwareError(f"no hardware profile for the TPU generation {generation!r} of --topology {name}; "
+                            f"known: {', '.join(_TOPOLOGY_GENERATIONS)}")
+    return HARDWARE[_TOPOLOGY_GENERATIONS[generation]]
+
+
 def profile_for_device(device: Any) -> HardwareProfile | None:
     """The profile of a ``jax.Device`` (or a ``device_kind`` string); None for CPU or an unknown kind."""
     if not isinstance(device, str) and getattr(device, "platform", None) == "cpu":
@@ -285,6 +299,7 @@ __all__ = [
     "link_bytes",
     "parse_bytes",
     "profile_for_device",
+    "profile_for_topology",
     "replica_groups",  # from shardlib.tools.hlo: the one replica-group parser
     "step_time",
 ]

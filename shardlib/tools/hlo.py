@@ -52,10 +52,13 @@ def dtype_bits(dtype: str) -> int:
 
 
 class ArrayShape(NamedTuple):
-    """One HLO array shape: element type and dimensions (dynamic dims at their bound)."""
+    """One HLO array shape: element type, dimensions (dynamic dims at their bound) and the memory
+    space its layout names (``S(n)`` in ``{1,0:T(8,128)S(5)}``; 0 when none: device memory).
+    XLA numbers host memory 5 (`HOST_MEMORY_SPACE`); TPU layouts also name on-chip spaces."""
 
     dtype: str
     dims: tuple[int, ...]
+    memory_space: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -67,8 +70,9 @@ class ArrayShape(NamedTuple):
 
 Shape = Union[ArrayShape, tuple]  # a tuple holds nested Shapes
 
-_ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
-_LAYOUT_RE = re.compile(r"\{[^{}]*\}")
+_ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\](\{[^{}]*\})?")
+_MEMORY_SPACE_RE = re.compile(r"S\((\d+)\)")
+HOST_MEMORY_SPACE = 5  # XLA's memory space of host memory (pinned_host) in a layout
 _COMMENT_RE = re.compile(r"/\*.*?\*/")
 
 
@@ -100,12 +104,14 @@ def _parse_shape_at(text: str, i: int) -> tuple[Shape, int]:
     m = _ARRAY_RE.match(text, i)
     if m is None:
         raise ValueError(f"cannot parse HLO shape at {text[i:i + 40]!r}")
-    return ArrayShape(m.group(1), _parse_dims(m.group(2))), m.end()
+    space = _MEMORY_SPACE_RE.search(m.group(3) or "")
+    return ArrayShape(m.group(1), _parse_dims(m.group(2)), int(space.group(1)) if space else 0), m.end()
 
 
 def parse_shape(text: str) -> Shape:
-    """Parse an HLO shape such as ``f32[8,16]{1,0}`` or ``(f32[4], (bf16[2]))`` (layouts dropped)."""
-    clean = _LAYOUT_RE.sub("", _COMMENT_RE.sub("", text)).strip()
+    """Parse an HLO shape such as ``f32[8,16]{1,0}``, ``bf16[64,128]{1,0:T(8,128)(2,1)S(1)}`` (a TPU
+    tiled layout in memory space 1) or ``(f32[4], (bf16[2]))``; of a layout only the memory space is kept."""
+    clean = _COMMENT_RE.sub("", text).strip()
     try:
         shape, _ = _parse_shape_at(clean, 0)
     except IndexError as err:
@@ -141,6 +147,7 @@ class Instruction:
     operands: str  # the text between the opcode's parentheses (a constant's literal value)
     attrs: str  # everything after the operand list
     computation: str
+    root: bool = False  # the computation's ROOT (its result)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +173,7 @@ def _matching(text: str, start: int, open_ch: str, close_ch: str) -> int:
     raise ValueError(f"unbalanced {open_ch}{close_ch} in {text[start:start + 80]!r}")
 
 
-_INSTR_RE = re.compile(r"^\s+(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<rest>.*)$")
+_INSTR_RE = re.compile(r"^\s+(?P<root>ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<rest>.*)$")
 _OPCODE_RE = re.compile(r"\s*(?P<op>[a-z][a-z0-9\-]*)\(")
 
 
@@ -198,6 +205,7 @@ def _parse_instruction(line: str, computation: str) -> Instruction | None:
         operands=rest[op.end():operands_end - 1],
         attrs=rest[operands_end:],
         computation=computation,
+        root=m.group("root") is not None,
     )
 
 
@@ -579,6 +587,10 @@ class CollectiveRecord:
     trip_count_unknown: bool = False
     trip_count_inferred: bool = False
     in_conditional: bool = False
+    # An all-reduce whose result every device only slices its 1/N of: the program reduces the
+    # full buffer (what is counted), where a reduce-scatter would send half (XLA:TPU decomposes
+    # some bf16 reduce-scatters so; docs/backends.md).
+    scattered: bool = False
     replica_groups: tuple[tuple[int, ...], ...] | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
@@ -753,13 +765,111 @@ def collective_stats(hlo: str | Any, num_devices: int | None = None) -> Collecti
     """
     module = parse_hlo_module(hlo_text(hlo))
     mults = computation_multiplicities(module)
+    counted = _chain_copies_counted(module)
+    users = _Users(module)
     records = []
     for name, instrs in module.computations.items():
         for instr in instrs:
+            if counted.get(_chain_key(instr), instr) is not instr:
+                continue  # another copy of the same async collective is counted
             record = _collective_record(module, instr, mults[name], num_devices)
             if record is not None and record.multiplicity > 0:
+                if record.kind == "all-reduce" and users.only_sliced(instr, record.group_size):
+                    record = dataclasses.replace(record, scattered=True)
                 records.append(record)
     return CollectiveStats(tuple(records))
+
+
+# ----------------------------------------------------------------------------------------------
+# Accelerator HLO: async chains and all-reduces that are sliced
+# ----------------------------------------------------------------------------------------------
+
+_CHAIN_RE = re.compile(r'\bchain_id="?([\w.\-]+)"?')
+_CHANNEL_RE = re.compile(r"\bchannel_id=(\d+)")
+_START_TARGET = 'custom_call_target="AsyncCollectiveStart"'
+
+
+def _chain_key(instr: Instruction) -> tuple[str, str] | None:
+    """(chain_id, channel_id) of a collective XLA:TPU split over an async chain, else None."""
+    chain = _CHAIN_RE.search(instr.attrs)
+    if chain is None or instr.opcode.removesuffix("-start") not in COLLECTIVE_KINDS:
+        return None
+    channel = _CHANNEL_RE.search(instr.attrs)
+    return chain.group(1), channel.group(1) if channel else ""
+
+
+def _chain_copies_counted(module: HloModule) -> dict[tuple[str, str], Instruction]:
+    """The one copy counted of each async chain.
+
+    XLA:TPU runs a collective as a chain of fusions: one whose ROOT is the ``AsyncCollectiveStart``
+    custom call, continuation fusions that overlap it with compute, and one ending in
+    ``AsyncCollectiveDone``. Each holds a copy of the collective instruction with the same
+    ``chain_id``; the collective runs once per run of the start. A chain with no start counts its
+    first copy.
+    """
+    chosen: dict[tuple[str, str], Instruction] = {}
+    for name, instrs in module.computations.items():
+        starts = any(i.root and _START_TARGET in i.attrs for i in instrs)
+        for instr in instrs:
+            key = _chain_key(instr)
+            if key is not None and (key not in chosen or starts):
+                if starts or key not in chosen:
+                    chosen[key] = instr
+    return chosen
+
+
+class _Users:
+    """Who reads each instruction's result, per computation, built on first use."""
+
+    _PASS = {"get-tuple-element", "bitcast", "copy", "reshape"}  # keep the elements as they are
+    _NAME_RE = re.compile(r"%([\w.\-]+)")
+
+    def __init__(self, module: HloModule) -> None:
+        self.module = module
+        self._by_computation: dict[str, dict[str, list[Instruction]]] = {}
+
+    def of(self, instr: Instruction) -> list[Instruction]:
+        table = self._by_computation.get(instr.computation)
+        if table is None:
+            table = {}
+            for user in self.module.computations[instr.computation]:
+                for operand in set(self._NAME_RE.findall(user.operands)):
+                    table.setdefault(operand, []).append(user)
+            self._by_computation[instr.computation] = table
+        return table.get(instr.name, [])
+
+    def only_sliced(self, instr: Instruction, group: int | None, depth: int = 0) -> bool:
+        """Whether every use of ``instr`` (through tuple elements, bitcasts and fusions) is a
+        dynamic-slice keeping at most 1/``group`` of it: a reduce-scatter run as all-reduce + slice."""
+        if not group or group <= 1 or depth > 6:
+            return False
+        users = self.of(instr)
+        return bool(users) and all(self._slices(instr, user, group, depth) for user in users)
+
+    def _slices(self, value: Instruction, user: Instruction, group: int, depth: int) -> bool:
+        if user.opcode == "dynamic-slice":
+            whole = sum(math.prod(s.dims) for s in shape_leaves(value.shape))
+            part = sum(math.prod(s.dims) for s in shape_leaves(user.shape))
+            return part * group <= whole
+        if user.opcode in self._PASS:
+            return self.only_sliced(user, group, depth + 1)
+        if user.opcode == "fusion":
+            callee = re.search(r"calls=%?([\w.\-]+)", user.attrs)
+            positions = [k for k, name in enumerate(self._NAME_RE.findall(user.operands)) if name == value.name]
+            if callee is None or callee.group(1) not in self.module.computations or not positions:
+                return False
+            params = {int(m.group(1)): i for i in self.module.computations[callee.group(1)]
+                      if i.opcode == "parameter" and (m := re.fullmatch(r"\s*(\d+)\s*", i.operands))}
+            return all(p in params and self._param_sliced(params[p], value, group, depth) for p in positions)
+        return False
+
+    def _param_sliced(self, param: Instruction, value: Instruction, group: int, depth: int) -> bool:
+        """A fusion parameter standing for ``value``: sliced to 1/group by every use inside."""
+        users = self.of(param)
+        if not users:
+            return False
+        stand_in = dataclasses.replace(param, shape=value.shape)
+        return all(self._slices(stand_in, user, group, depth + 1) for user in users)
 
 
 __all__ = [
@@ -767,6 +877,7 @@ __all__ = [
     "ArrayShape",
     "CollectiveRecord",
     "CollectiveStats",
+    "HOST_MEMORY_SPACE",
     "HloModule",
     "Instruction",
     "Multiplicity",

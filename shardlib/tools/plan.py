@@ -166,6 +166,30 @@ def select_devices(n: int) -> list[Any]:
     return list(available[:n])
 
 
+def select_topology(name: str, slices: int, devices: int | None) -> list[Any]:
+    """The chips of a TPU topology (``--topology``, ``--slices``), checked against ``--devices`` if given."""
+    from shardlib.runtime.devices import TopologyError, topology_devices
+
+    try:
+        chips = topology_devices(name, slices)
+    except TopologyError as err:
+        raise PlanError(str(err)) from None
+    if devices is not None and devices != len(chips):
+        raise PlanError(f"--devices {devices} does not match --topology {name} x {slices} slice(s), which has "
+                        f"{len(chips)} chips; leave --devices out")
+    return chips
+
+
+def topology_profile(name: str, slices: int, chips: int, hardware: Any) -> hw.HardwareProfile:
+    """The generation's profile, its fast-link domain set to one slice: collectives within a slice
+    use ICI, across slices DCN."""
+    try:
+        profile = hw.get_hardware(hardware) if hardware else hw.profile_for_topology(name)
+    except hw.HardwareError as err:
+        raise PlanError(str(err)) from None
+    return dataclasses.replace(profile, domain_size=chips // slices)
+
+
 def _largest_divisor(n: int, limit: int, *also: int) -> int:
     """Largest t <= limit dividing n and every number in ``also`` (1 if none larger)."""
     for t in range(max(1, limit), 0, -1):
@@ -249,11 +273,11 @@ class _Compiled:
 class Planner:
     """Compiles candidates for one model, device count, batch and hardware; see `plan`."""
 
-    def __init__(self, model: Any, devices: int, *, batch_size: int | None = None, seq_len: int | None = None,
-                 precision: str = "f32", hardware: str | hw.HardwareProfile = "h100",
+    def __init__(self, model: Any, devices: int | None = None, *, batch_size: int | None = None,
+                 seq_len: int | None = None, precision: str = "f32", hardware: str | hw.HardwareProfile | None = None,
                  hbm: str | int | None = None, remat: bool | None = None,
                  pipeline_stages: int = 1, microbatches: int | None = None, schedule: str = "1f1b",
-                 offload: str = "none", stage_layers: Any = None):
+                 offload: str = "none", stage_layers: Any = None, topology: str | None = None, slices: int = 1):
         from shardlib.models import param_count, trainable
         from shardlib.step.offload import get_offload
         from shardlib.step.pipeline import get_schedule
@@ -266,19 +290,26 @@ class Planner:
         self.precision = precision
         self.config = resolve_config(model, precision, remat)
         self.model_name = model if isinstance(model, str) else "custom"
-        self.profile = hw.get_hardware(hardware)
+        self.topology, self.slices = topology, slices
+        if topology is not None:
+            self.devices = select_topology(topology, slices, devices)
+            self.profile = topology_profile(topology, slices, len(self.devices), hardware)
+        else:
+            if devices is None:
+                raise PlanError("give --devices N (simulated CPU devices) or --topology NAME (a TPU slice)")
+            self.devices = select_devices(devices)
+            self.profile = hw.get_hardware(hardware or "h100")
         self.hbm_bytes = hw.parse_bytes(hbm) if hbm is not None else self.profile.hbm_bytes
-        self.n = devices
-        self.devices = select_devices(devices)
+        self.n = len(self.devices)
         self.seq_len = seq_len or self.config.max_seq_len
-        if pipeline_stages < 1 or devices % pipeline_stages:
-            raise PlanError(f"--pipeline-stages {pipeline_stages} must be positive and divide --devices {devices}")
+        if pipeline_stages < 1 or self.n % pipeline_stages:
+            raise PlanError(f"--pipeline-stages {pipeline_stages} must be positive and divide the {self.n} devices")
         self.pipeline_stages = pipeline_stages
         self.microbatches = microbatches or 2 * pipeline_stages
         self.schedule = get_schedule(schedule).name
         self.stage_layers = stage_layers  # None, "auto" or layers per stage
         self._batch_given = batch_size is not None
-        self.batch_size = batch_size or devices
+        self.batch_size = batch_size or self.n
         if self.seq_len < 1 or self.batch_size < 1:
             raise PlanError(f"--batch-size and --seq-len must be positive, got {self.batch_size} and {self.seq_len}")
         self.params = param_count(self.config)
@@ -317,7 +348,7 @@ class Planner:
         shape = ((batch_size, self.seq_len), jnp.int32)
         batch = program.abstract_batch({"inputs": shape, "targets": shape})
         lowered = program.step.lower(program.abstract_state(), batch)  # checks the batch divides
-        if self.precision != "bf16":
+        if self.precision != "bf16" or self.devices[0].platform != "cpu":  # only XLA:CPU upcasts bf16 collectives
             return _Compiled(program, lowered.compile(), None)
         with tempfile.TemporaryDirectory(prefix="shardlib-plan-") as dump:
             compiled = lowered.compile(compiler_options={
@@ -416,9 +447,14 @@ class Planner:
                                  links.unknown_groups)
             row.notes.append(f"{len(narrow)} bf16 collective(s) counted at 2 bytes/element "
                              "(XLA:CPU runs them in f32)")
-        elif self.precision == "bf16":
+        elif self.precision == "bf16" and self.devices[0].platform == "cpu":
             row.notes.append("XLA's partitioned HLO was not found: bf16 collectives are counted as XLA:CPU "
                              "runs them (f32), an upper bound")
+        scattered = [r for r in stats.records if r.scattered]
+        if scattered:
+            row.notes.append(f"{len(scattered)} all-reduce(s) of {_gib(sum(r.bytes_per_step for r in scattered))} "
+                             "per step are reduce-scatters the compiler runs as a full all-reduce, each device "
+                             "keeping its slice (counted as the all-reduce they are)")
         if links.unknown_groups:
             row.notes.append(f"{links.unknown_groups} collective(s) with replica groups not understood: "
                              "placed by group size")
@@ -534,7 +570,8 @@ class Planner:
         if not self.config.remat:
             remat_row = Planner(dataclasses.replace(self.config, remat=True), self.n, batch_size=self.batch_size,
                                 seq_len=self.seq_len, precision=self.precision, hardware=self.profile,
-                                hbm=hbm).candidate(smallest.strategy, smallest.mesh)
+                                hbm=hbm, topology=self.topology, slices=self.slices,
+                                ).candidate(smallest.strategy, smallest.mesh)
             if remat_row.error is None:
                 out.append({"kind": "remat", "strategy": smallest.strategy, "peak_bytes": remat_row.peak_bytes,
                             "fits": remat_row.fits,
@@ -678,6 +715,12 @@ def plan_document(planner: Planner, rows: Sequence[PlanRow], advice: Sequence[Ma
         "precision": planner.precision,
         "hbm_bytes": planner.hbm_bytes,
         "hardware": planner.profile.to_dict(),
+        "topology": planner.topology,
+        "slices": planner.slices,
+        "compiler": compiler_versions(planner.devices[0].platform),
+        # which link each domain figure is: one slice's chips share ICI, slices talk over DCN
+        "links": ({"intra_domain_bytes": "ICI", "inter_domain_bytes": "DCN"} if planner.topology else
+                  {"intra_domain_bytes": "fast domain (NVLink node / ICI slice)", "inter_domain_bytes": "across domains"}),
         "candidates": [r.to_dict() for r in rows],
         "best": None if best is None else {"strategy": best.strategy, "mesh": best.mesh},
         "suggestions": list(advice),
@@ -685,12 +728,26 @@ def plan_document(planner: Planner, rows: Sequence[PlanRow], advice: Sequence[Ma
     }
 
 
+def compiler_versions(platform: str) -> dict[str, str | None]:
+    """The compiler that produced the plan's programs: the platform, jax and (for TPU) libtpu."""
+    import importlib.metadata
+
+    import jax
+
+    try:
+        libtpu = importlib.metadata.version("libtpu") if platform == "tpu" else None
+    except importlib.metadata.PackageNotFoundError:
+        libtpu = None
+    return {"platform": platform, "jax": jax.__version__, "libtpu": libtpu}
+
+
 MODEL_NOTES: dict[str, str] = {
     "persistent_bytes": "params + optimizer state per device in device memory, from the train state's shardings",
     "host_bytes": "state per device in host memory (--offload), from the compiled step's parameter layouts; "
                   "not counted in persistent, args or peak",
     "peak_bytes": "XLA buffer assignment of the compiled step: arguments + outputs - donated + temporaries "
-                  "(compiled by XLA:CPU; an estimate for GPU/TPU)",
+                  "(with --topology: the TPU compiler's own, tiled layouts included; else XLA:CPU's, an estimate "
+                  "for GPU/TPU)",
     "collective_bytes": "bytes one device sends per step, ring volumes (all-reduce 2(N-1)/N S, all-gather and "
                         "reduce-scatter (N-1)/N S), from the optimised HLO; bf16 collectives counted at 2 bytes",
     "flops": "model_flops = models.flops_per_token x tokens; flops_per_device adds remat's extra forward (x4/3) / N",
@@ -707,7 +764,15 @@ MODEL_NOTES: dict[str, str] = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model config name (models.CONFIGS), e.g. llama-7b")
-    parser.add_argument("--devices", type=int, required=True, help="number of devices to plan for (simulated)")
+    parser.add_argument("--devices", type=int, help="number of devices to plan for (simulated CPU devices)")
+    parser.add_argument("--topology", nargs="+", metavar="NAME",
+                        help="plan with the real TPU compiler for a TPU slice, JAX's names: v5e:2x4, v5p:4x4x4, "
+                             "v6e:8x8 (needs jax[tpu]); several names plan each (with --plot: against chip count)")
+    parser.add_argument("--slices", type=int, default=1, help="--topology: that many slices joined by DCN")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw per-chip memory and estimated step time against "
+                                                           "chip count (one point per --topology or --devices run)")
+    parser.add_argument("--cache-dir", help="JAX's persistent compilation cache, so a rerun plan skips compiling "
+                                            "(default ~/.cache/shardlib/jax; 'none' turns it off)")
     parser.add_argument("--strategy", nargs="+", action="extend", metavar="S",
                         help=f"strategies to compare ({', '.join(ALL_STRATEGIES)}); default: all")
     parser.add_argument("--all", action="store_true", help="every strategy on its default mesh for N devices")
@@ -725,7 +790,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep the optimizer state in host memory (ZeRO-Offload, docs/offload.md)")
     parser.add_argument("--hbm", type=_hbm_flag, help="memory per device with its unit, e.g. 80GB or 16GiB "
                                                       "(default: the hardware's)")
-    parser.add_argument("--hardware", default="h100", help=f"profile for the time estimate: {', '.join(hw.HARDWARE)}")
+    parser.add_argument("--hardware", help=f"profile for the time estimate: {', '.join(hw.HARDWARE)} (default: "
+                                           "the --topology's generation, else h100)")
     parser.add_argument("--no-remat", action="store_true", help="plan without rematerialisation")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
 
@@ -754,21 +820,47 @@ def setup_devices(n: int) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.all and args.strategy:
         raise PlanError("give --strategy or --all, not both")
-    hw.get_hardware(args.hardware)  # unknown hardware: fail before JAX starts
-    setup_devices(args.devices)
-    planner = Planner(args.model, args.devices, batch_size=args.batch_size, seq_len=args.seq_len,
-                      precision=args.precision, hardware=args.hardware, hbm=args.hbm,
-                      remat=False if args.no_remat else None, pipeline_stages=args.pipeline_stages,
-                      microbatches=args.microbatches, schedule=args.schedule, offload=args.offload,
-                      stage_layers=_stage_layers_flag(args.stage_layers))
-    rows = planner.run(None if args.all else args.strategy, args.mesh)
-    advice = planner.advise(rows)
+    if args.devices is None and not args.topology:
+        raise PlanError("give --devices N (simulated CPU devices) or --topology NAME (a TPU slice, e.g. v5e:2x4)")
+    if args.hardware is not None:
+        hw.get_hardware(args.hardware)  # unknown hardware: fail before JAX starts
+    setup_devices(1 if args.topology else args.devices)
+    use_compilation_cache(args.cache_dir)
+    documents = []
+    for topology in args.topology or [None]:
+        planner = Planner(args.model, args.devices, batch_size=args.batch_size, seq_len=args.seq_len,
+                          precision=args.precision, hardware=args.hardware, hbm=args.hbm,
+                          remat=False if args.no_remat else None, pipeline_stages=args.pipeline_stages,
+                          microbatches=args.microbatches, schedule=args.schedule, offload=args.offload,
+                          stage_layers=_stage_layers_flag(args.stage_layers), topology=topology, slices=args.slices)
+        rows = planner.run(None if args.all else args.strategy, args.mesh)
+        advice = planner.advise(rows)
+        documents.append(plan_document(planner, rows, advice))
+        if not args.json:
+            print(render(planner, rows, advice))
     if args.json:
-        json.dump(plan_document(planner, rows, advice), sys.stdout, indent=1)
+        json.dump(documents[0] if len(documents) == 1 else {"plans": documents}, sys.stdout, indent=1)
         print()
-    else:
-        print(render(planner, rows, advice))
-    return 0 if any(r.error is None for r in rows) else 1
+    if args.plot:
+        from shardlib.tools.plan_plot import plot_plans
+
+        print(f"plot: {plot_plans(documents, args.plot)}", file=sys.stderr if args.json else sys.stdout)
+    ok = [c for d in documents for c in d["candidates"] if c["error"] is None]
+    return 0 if ok else 1
+
+
+def use_compilation_cache(cache_dir: str | None) -> str | None:
+    """JAX's persistent compilation cache for the plan's compiles (minutes each for a large model on
+    a large topology), so planning the same candidates again reads them back. Returns the folder."""
+    import jax
+
+    if cache_dir == "none":
+        return None
+    folder = cache_dir or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+                                       "shardlib", "jax")
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    return folder
 
 
 def _stage_layers_flag(text: str | None) -> Any:

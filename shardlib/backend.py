@@ -1,0 +1,133 @@
+"""Every choice that depends on the backend a step runs on, in one table, each with its reason.
+
+The backend is read from the devices the program is built for (a mesh's, or a TPU topology's
+from `jax.experimental.topologies`), never from ``jax.default_backend()``: a TPU program compiled
+on a CPU host, as `shardlib plan --topology` and the TPU-compilation tests do, gets the TPU
+policy. On GPU and TPU the step is plain JAX unless a measurement says otherwise; the XLA:CPU
+entries exist to make simulated devices on a few cores fast and stable, and stay there.
+
+`policy_for(devices)` answers; `forced(platform)` makes every step built inside it take that
+backend's policy (tests use it to run the accelerator branches on CPU devices).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendPolicy:
+    """What the step does differently on one backend. The reasons and measurements are in
+    docs/backends.md; the TPU-compilation tests (tests/test_tpu_compile.py) check the accelerator
+    entries in the compiled TPU program, the CPU tests the CPU entries."""
+
+    platform: str
+    # XLA:CPU: a weight gradient is reduced in its matmul's order ([out, in]) behind an
+    # optimization barrier, so XLA:CPU keeps the weight-gradient matmul fused (13 unfused dots a
+    # step otherwise; tests/test_matmul_order.py). Other backends take transposed operands as
+    # they are: no barrier, no copy.
+    matmul_order: bool
+    # XLA:CPU: the ZeRO-3 gather of a matrix's first dim is a custom_vjp whose backward
+    # reduce-scatters the matmul-ordered cotangent; elsewhere autodiff's own all-gather /
+    # reduce-scatter pair (which also keeps forward-mode differentiation).
+    custom_vjp_gather: bool
+    # Cast weight shards to the compute dtype before the ZeRO-3 gather (half the bytes on the
+    # wire). Not on XLA:CPU: it aborts compiling some low-precision reduce-scatters
+    # (ChangeOpDataType, jaxlib 0.10.2) and upcasts bf16 collectives to f32 anyway.
+    cast_before_gather: bool
+    # zero1/zero2: split the optimizer state on a kernel's last (output) dim, the major dim of the
+    # weight-gradient matmul's result, so XLA:CPU's reduce-scatter reads it as it is. Elsewhere the
+    # largest dim the axes divide, as for every other strategy.
+    state_from_last: bool
+    # Steps dispatched before the loop waits for one: XLA:CPU's simulated collectives deadlock
+    # with many queued steps (seen after ~50 on jaxlib 0.10.2), so one; on an accelerator the
+    # next step is queued while one runs and its batch is placed a step ahead.
+    steps_in_flight: int
+    # The attention a `shardlib train` model uses (models.GPTConfig.attention).
+    attention: str
+    # The memory kind `offload="opt_state"` keeps the optimizer state in.
+    host_memory: str = "pinned_host"
+    # XLA options a train step compiles with when it reduces gradients in a dtype narrower than
+    # float32 (`Precision.reduce_dtype=bf16`). XLA:CPU: its AllReducePromotion pass, which widens
+    # bf16 all-reduces and reduce-scatters to f32, aborts the process on a train step's bf16
+    # reduce-scatter (`Invalid binary instruction opcode copy`, jaxlib 0.10.2; docs/design.md);
+    # without the pass the step compiles, and the optimised program still reduces in f32.
+    narrow_reduce_options: tuple[tuple[str, str], ...] = ()
+    # Metrics (loss, aux) are summed over devices in float32 on every backend: a bf16 psum of a
+    # metric aborts XLA:CPU (AllReducePromotion) and loses digits everywhere.
+    f32_metric_sums: bool = True
+
+
+POLICIES: dict[str, BackendPolicy] = {
+    "cpu": BackendPolicy("cpu", matmul_order=True, custom_vjp_gather=True, cast_before_gather=False,
+                         state_from_last=True, steps_in_flight=1, attention="einsum",
+                         narrow_reduce_options=(("xla_disable_hlo_passes", "all-reduce-promotion"),)),
+    "gpu": BackendPolicy("gpu", matmul_order=False, custom_vjp_gather=False, cast_before_gather=True,
+                         state_from_last=False, steps_in_flight=2, attention="cudnn"),
+    "tpu": BackendPolicy("tpu", matmul_order=False, custom_vjp_gather=False, cast_before_gather=True,
+                         state_from_last=False, steps_in_flight=2, attention="einsum"),
+}
+# JAX's platform names for the same backends.
+_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
+
+_FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("shardlib_backend", default=None)
+
+
+def platform_of(devices: Any) -> str:
+    """The platform of a mesh's devices, a list of devices, or one device ("cpu", "gpu", "tpu")."""
+    if hasattr(devices, "devices"):  # a Mesh: its ndarray of devices
+        devices = devices.devices
+    if hasattr(devices, "flat"):
+        devices = list(devices.flat)
+    if not isinstance(devices, (list, tuple)):
+        devices = [devices]
+    if not devices:
+        raise ValueError("platform_of: no devices")
+    platforms = {_ALIASES.get(d.platform, d.platform) for d in devices}
+    if len(platforms) != 1:
+        raise ValueError(f"a mesh spans devices of several platforms {sorted(platforms)}; use one")
+    return platforms.pop()
+
+
+def get_policy(platform: str) -> BackendPolicy:
+    """The policy of a platform name ("cpu", "gpu", "tpu"; JAX's "cuda" / "rocm" are "gpu")."""
+    name = _ALIASES.get(platform, platform)
+    if name not in POLICIES:
+        raise ValueError(f"no backend policy for platform {platform!r}; known: {', '.join(POLICIES)}")
+    return POLICIES[name]
+
+
+def policy_for(devices: Any) -> BackendPolicy:
+    """The policy for a mesh's devices (or a device list); `forced` wins over the devices."""
+    return get_policy(_FORCED.get() or platform_of(devices))
+
+
+def step_compiler_options(devices: Any, reduce_dtype: Any) -> dict[str, str] | None:
+    """The XLA options of a train step on ``devices`` that reduces its gradients in ``reduce_dtype``
+    (None: no options). Read from the devices' own policy, never a `forced` one: they are for the
+    compiler that really compiles the step."""
+    import numpy as np
+
+    if reduce_dtype is None or np.dtype(reduce_dtype).itemsize >= 4:
+        return None
+    return dict(get_policy(platform_of(devices)).narrow_reduce_options) or None
+
+
+@contextlib.contextmanager
+def forced(platform: str) -> Iterator[BackendPolicy]:
+    """Make and build layouts and steps inside this block with ``platform``'s policy, whatever the
+    devices are (`shardlib.make_layout` and `shardlib.build` resolve it; a step keeps the policy
+    it was built with, wherever it is later traced or run)."""
+    policy = get_policy(platform)
+    token = _FORCED.set(policy.platform)
+    try:
+        yield policy
+    finally:
+        _FORCED.reset(token)
+
+
+__all__ = ["POLICIES", "BackendPolicy", "forced", "get_policy", "platform_of", "policy_for", "step_compiler_options"]
