@@ -41,11 +41,11 @@ def main() -> None:
     from shardlib.tools.plan import Planner, compiler_versions, use_compilation_cache
     from shardlib.tools.tables import format_bytes
 
-    use_compilation_cache(args.cache_dir)
+    cache_dir = use_compilation_cache(args.cache_dir, jax_cache=False)
     lines = []
     for row in args.rows:
         model, topology = row.split("@")
-        planner = Planner(model, topology=topology, precision="bf16")
+        planner = Planner(model, topology=topology, precision="bf16", cache_dir=cache_dir)
         for strategy in args.strategies:
             start = time.perf_counter()
             r = planner.candidate(strategy)

@@ -35,10 +35,11 @@ class Every:
 class StepClock:
     """The time between consecutive steps' metrics, less the time spent validating.
 
-    With one step in flight, host work on a record (logs, files) overlaps the next step on
-    the device, so it is part of that step's time; a validation is not. ``last_wait`` is the
-    part of the last lap spent blocked on the device (`waiting`), which straggler detection
-    (`shardlib.run.stragglers`) tells apart from the process's own work.
+    The loop records a step only after later ones are dispatched (`shardlib.run.loop`), so host
+    work on a record (logs, files) overlaps the steps queued on the device and is part of their
+    time; a validation is not. ``last_wait`` is the part of the last lap spent blocked on the
+    device (`waiting`), which straggler detection (`shardlib.run.stragglers`) tells apart from
+    the process's own work.
     """
 
     def __init__(self) -> None:
@@ -70,7 +71,8 @@ class StepClock:
 class Evaluate:
     """Action: the validation loss of the step's state, as ``val_loss``, when ``due``.
 
-    It reads the state, so the loop records a due step at once instead of one step later.
+    It reads the state, so the loop records a due step at once (after the steps it still holds)
+    instead of ``steps_in_flight`` steps later.
     """
 
     def __init__(self, evaluate: Callable[[Any], float], due: Callable[[int], bool], clock: StepClock) -> None:

@@ -1,12 +1,20 @@
-"""The step loop: dispatch a step, record the one before it, run the actions.
+"""The step loop: dispatch a step, place the next batch, record the oldest step held, run the actions.
 
-One step stays in flight while the previous one is recorded, which keeps the device busy: a
-step's metrics are read (blocking) only after the next step has been dispatched. A step whose
-record reads the state (a validation) is recorded at once instead.
+Reading a step's metrics blocks until the step is done, so the loop reads them only after later
+steps are dispatched: step k is recorded after step ``k + steps_in_flight`` is dispatched, and the
+device always has the next step queued while the host reads, logs and saves. The next batch is
+loaded onto the devices right after a step is dispatched, so its host-to-device copy overlaps
+that step. ``steps_in_flight`` is the backend policy's (`shardlib.backend`), as the program's
+step read it when it was built: 1 on XLA:CPU, whose simulated collectives deadlock with long
+queues (one step held while the next runs, two on the devices at most); 2 on GPU and TPU,
+where a record (and a host that falls behind for a step) never leaves the device idle. A step
+whose record reads the state (a validation) is recorded at once instead, after the steps held
+before it: records reach the actions in step order.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,36 +44,42 @@ class Recorder:
 
 def run_steps(state: Any, first: int, last: int, step: Callable, load: Callable[[int], Any], *,
               record: Recorder, after_step: Sequence[Callable[[int, Any, Any], None]] = (),
-              preemption: Any | None = None) -> Any:
+              preemption: Any | None = None, steps_in_flight: int = 1) -> Any:
     """Steps ``first + 1`` .. ``last`` (1-based); returns the final state.
 
-    ``step(k, state, batch)`` runs step k; ``load(i)`` is the 0-based batch i. ``after_step``
-    actions (checkpoint saves) see each dispatched step's state and metrics. ``preemption``
-    (or None) is asked after every step whether to stop; on a stop the steps still held are
-    recorded first, then it saves the step.
+    ``step(k, state, batch)`` runs step k; ``load(i)`` is the 0-based batch i, on the devices
+    (it is called right after the step before it is dispatched, so its copy overlaps that step).
+    Step k is recorded after step ``k + steps_in_flight`` is dispatched (at once when
+    ``record.at_once(k)``, after the steps held before it), so records reach the actions in
+    step order. ``after_step`` actions (checkpoint saves) see each dispatched step's state and
+    metrics. ``preemption`` (or None) is asked after every step whether to stop; on a stop the
+    steps still held are recorded first, then it saves the step.
     """
+    if steps_in_flight < 1:
+        raise ValueError(f"steps_in_flight must be at least 1, got {steps_in_flight}")
     batch = load(first) if first < last else None
-    pending: tuple[int, Any] | None = None
+    pending: collections.deque[tuple[int, Any]] = collections.deque()  # dispatched, not yet recorded, oldest first
     record.clock.restart()
     for k in range(first + 1, last + 1):
         with record.clock.waiting():  # dispatch may block until the peers reach this step (CPU collectives)
             state, metrics = step(k, state, batch)
         batch = load(k) if k < last else None
-        if pending is not None:
-            record(*pending, state)
-            pending = None
+        while len(pending) >= steps_in_flight:
+            record(*pending.popleft(), state)
         if record.at_once(k):
+            while pending:
+                record(*pending.popleft(), state)
             record(k, metrics, state)
         else:
-            pending = (k, metrics)
+            pending.append((k, metrics))
         with record.clock.waiting():  # a save waits for the step, and so for its slowest process
             for action in after_step:
                 action(k, state, metrics)
         if preemption is not None and preemption.should_stop(k):
-            if pending is not None:
-                record(*pending, state)
+            while pending:
+                record(*pending.popleft(), state)
             preemption(k, state, metrics)
             return state
-    if pending is not None:
-        record(*pending, state)
+    while pending:
+        record(*pending.popleft(), state)
     return state

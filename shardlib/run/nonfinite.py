@@ -47,7 +47,9 @@ class NonFiniteGuard:
 
     The last action of a step's record, so that step is logged first. ``ckpt`` (or None) names
     the last good checkpoint in the error; a save still in flight is waited for, as it is the
-    one to name. The step after it is already in flight and is never saved.
+    one to name. The steps after it already in flight (`BackendPolicy.steps_in_flight`) may be
+    saved before this record is read; a save refuses a state whose step's loss was not finite
+    (`shardlib.runtime.checkpoint`), so none of them can replace the good checkpoint.
     """
 
     def __init__(self, max_skips: int, ckpt: Any | None) -> None:

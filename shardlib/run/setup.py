@@ -50,8 +50,15 @@ class Prepared:
     def tokens_per_step(self) -> int:
         return self.config.batch_size * self.config.seq_len
 
+    @property
+    def steps_in_flight(self) -> int:
+        """Steps the loop dispatches ahead of the one it records: the backend policy's, as the
+        program's step read it when it was built (`shardlib.backend`)."""
+        return self.program.step.steps_in_flight
+
     def load(self, index: int) -> dict[str, Any]:
-        """Training batch ``index`` (0-based) as global arrays."""
+        """Training batch ``index`` (0-based) as global arrays, placed on the devices in the step's
+        batch sharding (the loop loads it while the step before it runs, so the copy overlaps it)."""
         from shardlib.runtime.data import to_global
 
         return to_global(self.loader.batch(index), self.abstract_batch["inputs"].sharding, rows=self.loader.rows)
@@ -232,7 +239,7 @@ def build_program(config: TrainConfig, model, layout, schedule):
         raise TrainConfigError("bucket_mb", f"--bucket-mb must be >= 0 (0: one collective per tensor), got {config.bucket_mb}")
     try:
         return build(model, optimizer(config, model, schedule), layout, lr_schedule=schedule,
-                     precision=config.precision, grad_accum=config.grad_accum,
+                     precision=_precision(config), grad_accum=config.grad_accum,
                      grad_compression=config.grad_compression, microbatches=config.microbatches,
                      schedule=config.pipeline_schedule, bucket_bytes=int(config.bucket_mb * 2**20),
                      offload=config.offload, weight_gather=config.weight_gather, staleness=config.staleness,
@@ -245,6 +252,13 @@ def build_program(config: TrainConfig, model, layout, schedule):
                  "pipeline_stages" if layout.pipeline_stages > 1 else
                  "grad_compression" if config.grad_compression != "none" else "grad_accum")
         raise TrainConfigError(field, str(err)) from None
+
+
+def _precision(config: TrainConfig):
+    """``--precision`` with ``--reduce-dtype``: the dtype its gradients are reduced in."""
+    from shardlib.step.precision import get_precision
+
+    return dataclasses.replace(get_precision(config.precision), reduce_dtype=config.reduce_dtype)
 
 
 def _loaders(config: TrainConfig, layout, train_bytes, val_bytes):

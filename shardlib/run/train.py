@@ -244,7 +244,8 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate, poison
     try:
         with preemption(saver, config.steps, resume_hint(config, run.out_dir)) as stop:
             state = run_steps(state, first, config.steps, step, run.load, record=record,
-                              after_step=[examples, *([saver] if saver is not None else [])], preemption=stop)
+                              after_step=[examples, *([saver] if saver is not None else [])], preemption=stop,
+                              steps_in_flight=run.steps_in_flight)
     finally:
         for action in (saver, progress, examples):
             if action is not None:

@@ -59,16 +59,45 @@ def get_offload(spec: str | Offload | None) -> Offload:
     return OFFLOADS[name]
 
 
-def check_backend(offload: Offload, devices: Any) -> None:
-    """Refuse offload on devices without a ``pinned_host`` memory (it would silently do nothing)."""
-    if not offload.active:
-        return
-    for device in devices:
+def _listed_kinds(device: Any) -> set[str] | None:
+    """The memory kinds ``device`` lists; None when it cannot tell. A device of another process
+    lists none (``addressable_memories()`` is empty): every device of a multi-host mesh but the
+    local ones, and so half of a ``v5e:2x4`` topology's (2 hosts) when a TPU step is compiled on
+    a CPU machine (``jax.experimental.topologies``, jax 0.10.2); some devices raise instead."""
+    try:
         kinds = {memory.kind for memory in device.addressable_memories()}
-        if HOST_MEMORY not in kinds:
+    except (jax.errors.JaxRuntimeError, AttributeError, NotImplementedError):
+        return None
+    return kinds or None
+
+
+def check_backend(offload: Offload, devices: Any) -> str | None:
+    """The memory kind the offloaded state lives in (None without offload); refuses devices
+    without it (offload would silently do nothing).
+
+    A device that lists its memories must list the kind. One that cannot tell (another process's
+    device, see `_listed_kinds`) is taken at its backend's word: ``policy_for(devices).host_memory``
+    (``pinned_host`` on GPU and TPU, shardlib/backend.py). Devices of a platform without a policy
+    that list nothing are refused, as are devices that list other kinds only."""
+    if not offload.active:
+        return None
+    from shardlib.backend import policy_for
+
+    devices = list(devices)
+    try:
+        policy = policy_for(devices)
+    except ValueError:  # a platform shardlib has no policy for (or a mix of platforms)
+        policy = None
+    kind = policy.host_memory if policy is not None else HOST_MEMORY
+    for device in devices:
+        kinds = _listed_kinds(device)
+        if kinds is None and policy is not None:
+            continue  # the backend's policy says it has `kind`; its local devices were checked
+        if kind not in (kinds or set()):
             raise ValueError(
-                f"offload={offload.name!r} (--offload) needs '{HOST_MEMORY}' memory, but device {device} "
-                f"({device.platform}) offers only {sorted(kinds)}; use offload='none' on this backend")
+                f"offload={offload.name!r} (--offload) needs '{kind}' memory, but device {device} "
+                f"({device.platform}) offers only {sorted(kinds or ())}; use offload='none' on this backend")
+    return kind
 
 
 def with_memory(shardings: Any, kind: str) -> Any:

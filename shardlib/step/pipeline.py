@@ -158,6 +158,22 @@ def _add(total: Any, value: Any) -> Any:
     return jax.tree.map(jnp.add, total, value)
 
 
+def _tick_gradient(value: Any) -> Any:
+    """A tick's gradient, behind an optimization barrier before it joins the carried sum.
+
+    Under ZeRO-3 a gradient leaves the tick as autodiff's reduce-scatter of the gathered weight's
+    cotangent. When the weights are cast to a lower compute dtype before the gather (bf16 on
+    TPU / GPU), that is reduce-scatter(bf16) -> convert(f32) -> select(keep, ., 0) -> add into
+    the float32 carry. XLA's WhileLoopAllReduceCodeMotion accepts that chain as movable but, when
+    it rewrites the loop, expects the reduce-scatter's user to be the select or the add, not the
+    convert: XLA:TPU stops with ``RET_CHECK ... user->opcode() == HloOpcode::kAdd``
+    (while_loop_all_reduce_code_motion.cc; jaxlib 0.10.2 / libtpu 0.0.42). The barrier is a user
+    the pass does not look through, so each tick's reduce-scatter stays in the tick (as
+    docs/pipeline.md describes ZeRO-3's per-microbatch reduce-scatter) and the values, an
+    identity, are unchanged."""
+    return jax.lax.optimization_barrier(value)
+
+
 def _masked_add(total: Any, value: Any, keep: jax.Array) -> Any:
     return jax.tree.map(lambda t, v: t + jnp.where(keep, v, jnp.zeros_like(v)), total, value)
 
@@ -212,7 +228,7 @@ class _Ticks:
             c, fwd_in=_shift(y, S, +1),
             inputs=_store(c["inputs"], f, x, valid),
             cotangents=_store(c["cotangents"], f, dy.astype(x.dtype), at_loss),
-            grad_rest=_add(c["grad_rest"], g_rest),  # zeros off the last stage's real microbatches
+            grad_rest=_add(c["grad_rest"], _tick_gradient(g_rest)),  # zeros off the last stage's real microbatches
             loss=c["loss"] + loss * self.loss_weight,
             aux=_add(c["aux"], jax.tree.map(lambda a: a * self.loss_weight, aux)),
         )
@@ -236,8 +252,8 @@ class _Ticks:
         g_embed = _when(valid & self.first, embed_grads, lambda: jax.tree.map(jnp.zeros_like, rest), self.branch)
         return dict(
             c, bwd_in=_shift(dx, S, -1),
-            grad_stack=_masked_add(c["grad_stack"], g_stack, valid),
-            grad_rest=_add(c["grad_rest"], g_embed),  # zeros off the first stage's real microbatches
+            grad_stack=_masked_add(c["grad_stack"], _tick_gradient(g_stack), valid),
+            grad_rest=_add(c["grad_rest"], _tick_gradient(g_embed)),  # zeros off the first stage's real microbatches
         )
 
     def tick(self, phase: Phase, c: dict[str, Any], t: jax.Array) -> tuple[dict[str, Any], None]:

@@ -390,6 +390,19 @@ def computation_multiplicities(module: HloModule) -> dict[str, Multiplicity]:
     return {name: visit(name, frozenset()) for name in module.computations}
 
 
+def parameter_bytes_by_memory_space(hlo: str | Any) -> dict[int, int]:
+    """Bytes of the entry computation's parameters (one device's arguments) by the memory space
+    their layouts name: 0 device memory, `HOST_MEMORY_SPACE` pinned host memory (offloaded state).
+    Logical bytes: a TPU layout's tile padding is not counted."""
+    module = parse_hlo_module(hlo_text(hlo))
+    out: dict[int, int] = {}
+    for instr in module.computations.get(module.entry, []):
+        if instr.opcode == "parameter":
+            for leaf in shape_leaves(instr.shape):
+                out[leaf.memory_space] = out.get(leaf.memory_space, 0) + leaf.nbytes
+    return out
+
+
 def unfused_dots(hlo: str | Any) -> int:
     """Dot instructions run per execution outside any fusion (loop trips counted). On XLA:CPU a
     fused dot is one YNNPACK kernel; an unfused one runs as an Eigen contraction split into tasks
@@ -767,22 +780,49 @@ def collective_stats(hlo: str | Any, num_devices: int | None = None) -> Collecti
     mults = computation_multiplicities(module)
     counted = _chain_copies_counted(module)
     users = _Users(module)
+    fused_scatters = _reduce_scatter_fusions(module)
     records = []
     for name, instrs in module.computations.items():
         for instr in instrs:
             if counted.get(_chain_key(instr), instr) is not instr:
                 continue  # another copy of the same async collective is counted
             record = _collective_record(module, instr, mults[name], num_devices)
-            if record is not None and record.multiplicity > 0:
-                if record.kind == "all-reduce" and users.only_sliced(instr, record.group_size):
-                    record = dataclasses.replace(record, scattered=True)
-                records.append(record)
+            if record is None or record.multiplicity == 0:
+                continue
+            if record.kind == "all-reduce" and name in fused_scatters:
+                record = _as_reduce_scatter(record)
+            elif record.kind == "all-reduce" and users.only_sliced(instr, record.group_size):
+                record = dataclasses.replace(record, scattered=True)
+            records.append(record)
     return CollectiveStats(tuple(records))
 
 
 # ----------------------------------------------------------------------------------------------
 # Accelerator HLO: async chains and all-reduces that are sliced
 # ----------------------------------------------------------------------------------------------
+
+_SCATTER_FUSION_RE = re.compile(r'"emitter"\s*:\s*"[^"]*AllReduceScatter')
+
+
+def _reduce_scatter_fusions(module: HloModule) -> set[str]:
+    """Computations XLA:TPU emits as one reduce-scatter: a fusion whose body is an all-reduce and
+    the slice each device keeps (``calls=%all-reduce-scatter.N``, emitter ``...AllReduceScatterFusion``).
+    The all-reduce inside is how the fusion is written, not what runs."""
+    out = set()
+    for instrs in module.computations.values():
+        for instr in instrs:
+            if instr.opcode == "fusion" and _SCATTER_FUSION_RE.search(instr.attrs):
+                out.update(c for _, c in _callees(instr))
+    return out
+
+
+def _as_reduce_scatter(record: CollectiveRecord) -> CollectiveRecord:
+    """An all-reduce of a reduce-scatter fusion as the reduce-scatter it runs as: the same full
+    buffer S (padded to whole tiles where XLA padded it), (N-1)/N S sent."""
+    per_call = _bytes_per_call("reduce-scatter", record.buffer_bytes, record.group_size)
+    return dataclasses.replace(record, kind="reduce-scatter", bytes_per_call=per_call,
+                               bytes_per_step=per_call * record.multiplicity)
+
 
 _CHAIN_RE = re.compile(r'\bchain_id="?([\w.\-]+)"?')
 _CHANNEL_RE = re.compile(r"\bchannel_id=(\d+)")
@@ -886,6 +926,7 @@ __all__ = [
     "computation_multiplicities",
     "dtype_bits",
     "hlo_text",
+    "parameter_bytes_by_memory_space",
     "parse_hlo_module",
     "parse_replica_groups",
     "parse_shape",

@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shardlib.tools import hardware as hw
+from shardlib.tools.compiled_cache import compile_cached
 from shardlib.tools.hlo import collective_stats
 from shardlib.tools.memory import memory_stats, peak_bytes
 from shardlib.tools.tables import format_bytes, format_table
@@ -277,7 +278,8 @@ class Planner:
                  seq_len: int | None = None, precision: str = "f32", hardware: str | hw.HardwareProfile | None = None,
                  hbm: str | int | None = None, remat: bool | None = None,
                  pipeline_stages: int = 1, microbatches: int | None = None, schedule: str = "1f1b",
-                 offload: str = "none", stage_layers: Any = None, topology: str | None = None, slices: int = 1):
+                 offload: str = "none", stage_layers: Any = None, topology: str | None = None, slices: int = 1,
+                 cache_dir: str | None = None):
         from shardlib.models import param_count, trainable
         from shardlib.step.offload import get_offload
         from shardlib.step.pipeline import get_schedule
@@ -301,6 +303,10 @@ class Planner:
             self.profile = hw.get_hardware(hardware or "h100")
         self.hbm_bytes = hw.parse_bytes(hbm) if hbm is not None else self.profile.hbm_bytes
         self.n = len(self.devices)
+        # Topology compiles are cached by the planner itself (`shardlib.tools.compiled_cache`);
+        # those of this machine's devices by JAX's persistent cache (`use_compilation_cache`).
+        self.cache_dir = cache_dir if topology is not None else None
+        self._compiler = json.dumps([topology, slices, compiler_versions(self.devices[0].platform)])
         self.seq_len = seq_len or self.config.max_seq_len
         if pipeline_stages < 1 or self.n % pipeline_stages:
             raise PlanError(f"--pipeline-stages {pipeline_stages} must be positive and divide the {self.n} devices")
@@ -349,7 +355,7 @@ class Planner:
         batch = program.abstract_batch({"inputs": shape, "targets": shape})
         lowered = program.step.lower(program.abstract_state(), batch)  # checks the batch divides
         if self.precision != "bf16" or self.devices[0].platform != "cpu":  # only XLA:CPU upcasts bf16 collectives
-            return _Compiled(program, lowered.compile(), None)
+            return _Compiled(program, compile_cached(lowered, self.cache_dir, self._compiler), None)
         with tempfile.TemporaryDirectory(prefix="shardlib-plan-") as dump:
             compiled = lowered.compile(compiler_options={
                 "xla_dump_to": dump, "xla_dump_hlo_pass_re": _PARTITIONED_DUMP_PASS})
@@ -825,14 +831,15 @@ def run(args: argparse.Namespace) -> int:
     if args.hardware is not None:
         hw.get_hardware(args.hardware)  # unknown hardware: fail before JAX starts
     setup_devices(1 if args.topology else args.devices)
-    use_compilation_cache(args.cache_dir)
+    cache_dir = use_compilation_cache(args.cache_dir, jax_cache=not args.topology)
     documents = []
     for topology in args.topology or [None]:
         planner = Planner(args.model, args.devices, batch_size=args.batch_size, seq_len=args.seq_len,
                           precision=args.precision, hardware=args.hardware, hbm=args.hbm,
                           remat=False if args.no_remat else None, pipeline_stages=args.pipeline_stages,
                           microbatches=args.microbatches, schedule=args.schedule, offload=args.offload,
-                          stage_layers=_stage_layers_flag(args.stage_layers), topology=topology, slices=args.slices)
+                          stage_layers=_stage_layers_flag(args.stage_layers), topology=topology, slices=args.slices,
+                          cache_dir=cache_dir)
         rows = planner.run(None if args.all else args.strategy, args.mesh)
         advice = planner.advise(rows)
         documents.append(plan_document(planner, rows, advice))
@@ -849,17 +856,20 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def use_compilation_cache(cache_dir: str | None) -> str | None:
-    """JAX's persistent compilation cache for the plan's compiles (minutes each for a large model on
-    a large topology), so planning the same candidates again reads them back. Returns the folder."""
+def use_compilation_cache(cache_dir: str | None, jax_cache: bool = True) -> str | None:
+    """The folder that keeps the plan's compiles (minutes each for a large model on a large
+    topology), so planning the same candidates again reads them back; None when turned off.
+    ``jax_cache``: also JAX's persistent compilation cache, which serves programs of this machine's
+    devices (a TPU topology's it writes but cannot load: `shardlib.tools.compiled_cache`)."""
     import jax
 
     if cache_dir == "none":
         return None
     folder = cache_dir or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
                                        "shardlib", "jax")
-    jax.config.update("jax_compilation_cache_dir", folder)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    if jax_cache:
+        jax.config.update("jax_compilation_cache_dir", folder)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     return folder
 
 

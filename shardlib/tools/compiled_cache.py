@@ -1,0 +1,76 @@
+"""What `shardlib plan` reads of a compiled program, kept on disk so a rerun plan skips the compile.
+
+The planner reads two things of a compiled step: ``memory_analysis()`` and the optimised HLO
+(``as_text()``). For programs of this machine's devices JAX's persistent compilation cache
+already makes a rerun quick. For a TPU topology compiled on a CPU host it cannot: jax 0.10.2
+writes the executable but fails to load it back ("PjRtCompiler must be constructed with a
+Client to call DeserializeLoadedExecutable") and compiles again, minutes for a large model. So
+topology plans keep those two facts here instead, keyed by the lowered program's text and the
+compiler (platform, topology, jax and libtpu versions): the same candidate planned again reads
+them back; any change to the step, the model or the compiler misses.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import types
+from typing import Any
+
+_FIELDS = ("generated_code_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+           "temp_size_in_bytes", "host_generated_code_size_in_bytes", "host_argument_size_in_bytes",
+           "host_output_size_in_bytes", "host_alias_size_in_bytes", "host_temp_size_in_bytes",
+           "peak_memory_in_bytes")
+
+
+class CompiledFacts:
+    """A compiled program's memory analysis and optimised HLO, read back from the cache; stands in
+    for a ``jax.stages.Compiled`` where only those are read (`shardlib.tools.memory.memory_stats`,
+    `shardlib.tools.hlo.collective_stats`)."""
+
+    input_shardings = None
+
+    def __init__(self, memory: dict[str, int | None], text: str) -> None:
+        self._memory, self._text = memory, text
+
+    def memory_analysis(self) -> Any:
+        return types.SimpleNamespace(**self._memory)
+
+    def as_text(self) -> str:
+        return self._text
+
+
+def cache_key(lowered: Any, compiler: str) -> str:
+    """The lowered program's text and the compiler's description, hashed."""
+    digest = hashlib.sha256(compiler.encode())
+    digest.update(lowered.as_text().encode())
+    return digest.hexdigest()[:40]
+
+
+def compile_cached(lowered: Any, folder: str | None, compiler: str) -> Any:
+    """``lowered.compile()``, or its facts from ``folder`` when this program was compiled before
+    by the same compiler (None: no cache)."""
+    if folder is None:
+        return lowered.compile()
+    path = os.path.join(folder, f"plan-{cache_key(lowered, compiler)}.json.gz")
+    if os.path.exists(path):
+        try:
+            with gzip.open(path, "rt") as f:
+                saved = json.load(f)
+            return CompiledFacts(saved["memory"], saved["text"])
+        except (OSError, ValueError, KeyError):  # a damaged entry is compiled again, and rewritten
+            pass
+    compiled = lowered.compile()
+    analysis = compiled.memory_analysis()
+    memory = {field: getattr(analysis, field, None) for field in _FIELDS}
+    os.makedirs(folder, exist_ok=True)
+    partial = f"{path}.{os.getpid()}.tmp"
+    with gzip.open(partial, "wt") as f:
+        json.dump({"memory": memory, "text": compiled.as_text()}, f)
+    os.replace(partial, path)  # whole or absent: a killed plan leaves no half entry
+    return compiled
+
+
+__all__ = ["CompiledFacts", "cache_key", "compile_cached"]
