@@ -340,3 +340,16 @@ def test_plan_reads_zero3_traffic_as_gathers_and_reduce_scatters(chips):
 
 def _psi() -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainable(CONFIG).abstract()))
+
+
+def test_plan_puts_hsdp_replica_all_reduce_on_dcn(chips):
+    """Two v5e 2x2 slices: hsdp's fsdp axis stays in a slice (ICI); its data axis crosses slices,
+    where XLA:TPU hands the all-reduce of the shards to the Megascale runtime (send/recv over DCN).
+    The reader counts that transfer as the all-reduce it is, on the inter-slice link: 2 (K-1)/K of
+    one chip's f32 gradient shard (4 Psi / F bytes), K = 2 slices."""
+    from shardlib.tools.plan import Planner
+
+    planner = Planner(CONFIG, topology="v5e:2x2", slices=2, precision="bf16", batch_size=ROWS)
+    row = planner.candidate("hsdp", {"data": 2, "fsdp": 4})
+    assert row.inter_domain_bytes == pytest.approx(2 * ring(4 * _psi() / 4, 2), rel=0.01)
+    assert row.intra_domain_bytes > 0

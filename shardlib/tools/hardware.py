@@ -243,7 +243,8 @@ def link_bytes(records: Sequence[CollectiveRecord], n_devices: int, domain_size:
         if nbytes <= 0:
             continue
         unknown += r.replica_groups is None
-        if n_devices > domain_size and crosses_domains(r.replica_groups, r.group_size, domain_size):
+        if getattr(r, "dcn", False) or (n_devices > domain_size
+                                         and crosses_domains(r.replica_groups, r.group_size, domain_size)):
             inter += nbytes
         else:
             intra += nbytes

@@ -604,6 +604,9 @@ class CollectiveRecord:
     # full buffer (what is counted), where a reduce-scatter would send half (XLA:TPU decomposes
     # some bf16 reduce-scatters so; docs/backends.md).
     scattered: bool = False
+    # A multi-slice TPU transfer over DCN (`send` to the Megascale runtime): between slices, over
+    # ``group_size`` slices; `hardware.link_bytes` puts it on the inter-domain link.
+    dcn: bool = False
     replica_groups: tuple[tuple[int, ...], ...] | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
@@ -794,7 +797,49 @@ def collective_stats(hlo: str | Any, num_devices: int | None = None) -> Collecti
             elif record.kind == "all-reduce" and users.only_sliced(instr, record.group_size):
                 record = dataclasses.replace(record, scattered=True)
             records.append(record)
+    records += _dcn_transfers(module, mults)
     return CollectiveStats(tuple(records))
+
+
+_MEGASCALE_TYPE_RE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+_RENDEZVOUS_RE = re.compile(r'_xla_host_transfer_rendezvous="([^"]+)"')
+_MEGASCALE_KINDS = {"ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter", "ALL_REDUCE": "all-reduce",
+                    "ALL_TO_ALL": "all-to-all"}
+
+
+def _dcn_transfers(module: HloModule, mults: dict[str, Multiplicity]) -> list[CollectiveRecord]:
+    """A multi-slice TPU program's collectives across slices: XLA:TPU compiles each slice's part of
+    a collective over ICI and hands the part between slices to the Megascale runtime over DCN, as
+    a ``send`` / ``recv`` pair named by ``_xla_megascale_transfer_type``. Each send is counted as
+    that collective over the slices (the group), with the ring volume of its buffer: an all-gather's
+    buffer is K sends, a reduce-scatter's and an all-reduce's the send itself."""
+    sends, recvs = [], {}
+    for name, instrs in module.computations.items():
+        for instr in instrs:
+            kind = _MEGASCALE_TYPE_RE.search(instr.attrs)
+            key = _RENDEZVOUS_RE.search(instr.attrs)
+            if kind is None or key is None or instr.opcode not in ("send", "recv"):
+                continue
+            data = shape_leaves(instr.shape)[0]
+            if instr.opcode == "recv":
+                recvs[key.group(1)] = data
+            else:
+                sends.append((name, instr, kind.group(1), key.group(1), data))
+    ratios = [round(max(a, b) / min(a, b)) for _, _, _, k, d in sends if k in recvs
+              for a, b in [(math.prod(d.dims), math.prod(recvs[k].dims))] if min(a, b) > 0 and a != b]
+    slices = max(ratios, default=2)  # every transfer of one program spans the same slices
+    out = []
+    for name, instr, transfer, _, data in sends:
+        kind = _MEGASCALE_KINDS.get(transfer, "collective-permute")
+        buffer = data.nbytes * slices if kind == "all-gather" else data.nbytes
+        per_call = _bytes_per_call(kind, buffer, slices)
+        mult = mults[name]
+        out.append(CollectiveRecord(
+            name=instr.name, kind=kind, dtype=data.dtype, shape=str(data), buffer_bytes=buffer, group_size=slices,
+            multiplicity=mult.count, bytes_per_call=per_call, bytes_per_step=per_call * mult.count,
+            computation=name, is_async=True, trip_count_unknown=mult.trip_unknown,
+            trip_count_inferred=mult.trip_inferred, in_conditional=mult.conditional, dcn=True))
+    return [r for r in out if r.multiplicity > 0]
 
 
 # ----------------------------------------------------------------------------------------------
