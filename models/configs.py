@@ -28,8 +28,10 @@ class GPTConfig:
     # "einsum": scores written out in float32 (any backend); "blocked": the same, 32 queries at a time,
     # each block recomputed in the backward pass (a 32 x T slice of the scores live, not T x T);
     # "cudnn": jax.nn.dot_product_attention's fused kernel (GPU only; never materialises the T x T
-    # scores); "xla": that function's XLA path.
-    attention: str = "einsum"
+    # scores); "xla": that function's XLA path. "auto": the step's backend policy's
+    # (`shardlib.backend.BackendPolicy.attention`, docs/backends.md: cudnn on GPU where the activations
+    # are bf16 / fp16, the kernel's dtypes; einsum elsewhere and outside a shardlib step).
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
@@ -48,7 +50,7 @@ class GPTConfig:
         return self.d_model // self.n_heads
 
 
-ATTENTION = ("einsum", "blocked", "xla", "cudnn")
+ATTENTION = ("auto", "einsum", "blocked", "xla", "cudnn")
 
 CONFIGS: dict[str, GPTConfig] = {
     # For tests: every dimension is small and divisible by 4 or 8.
@@ -69,6 +71,11 @@ CONFIGS: dict[str, GPTConfig] = {
     ),
     "13b": GPTConfig(
         vocab_size=32000, d_model=5120, n_layers=40, n_heads=40, d_ff=13824, max_seq_len=2048, norm_eps=1e-6
+    ),
+    # Llama-2-70B shapes (Touvron et al., 2023): grouped-query attention with 8 kv heads.
+    "70b": GPTConfig(
+        vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672, max_seq_len=4096,
+        norm_eps=1e-5,
     ),
 }
 

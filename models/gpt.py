@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 
 from .configs import GPTConfig
-from shardlib.model.hooks import constrain, gather_layer
+from shardlib.model.hooks import backend_policy, constrain, gather_layer
 from shardlib.model import Stages
 
 RESIDUAL = ("batch", "seq", "embed")
@@ -89,14 +89,33 @@ class Attention(nnx.Module):
         q = constrain(apply_rope(q, sin, cos), ("batch", "seq", "heads", "head_dim"))
         k = constrain(apply_rope(k, sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-        if self.implementation == "einsum":
+        implementation = resolve_attention(self.implementation, q.dtype)
+        if implementation == "einsum":
             out = causal_attention(q, k, v)
-        elif self.implementation == "blocked":
+        elif implementation == "blocked":
             out = blocked_causal_attention(q, k, v)
         else:
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))
         return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dtype))
+
+
+# The dtypes cuDNN's fused attention kernel takes.
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def resolve_attention(attention: str, dtype: Any) -> str:
+    """``GPTConfig.attention`` as the implementation to run: "auto" is the backend policy of the
+    step being traced (`shardlib.model.hooks.backend_policy`, decided by the step's devices), but
+    einsum for activations cuDNN's kernel does not take (float32) and outside a shardlib step."""
+    return attention if attention != "auto" else attention_for(backend_policy(), dtype)
+
+
+def attention_for(policy: Any, dtype: Any) -> str:
+    """The attention a `shardlib.backend.BackendPolicy` (None: none, einsum) runs for activations
+    of ``dtype``: its own, but einsum where that is cuDNN's and the dtype is not one it takes."""
+    chosen = "einsum" if policy is None else policy.attention
+    return "einsum" if chosen == "cudnn" and jnp.dtype(dtype) not in CUDNN_DTYPES else chosen
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:

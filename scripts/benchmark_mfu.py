@@ -46,7 +46,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--xla-gpu-overlap", action="store_true",
                         help="set XLA's GPU overlap flags first (shardlib.set_gpu_overlap_flags)")
     parser.add_argument("--attention", choices=list(ATTENTION),
-                        help="models.GPTConfig.attention (default: cudnn, the fused kernel, on a GPU; else einsum)")
+                        help="models.GPTConfig.attention (default: the backend policy's, docs/backends.md: cudnn, "
+                             "the fused kernel, on a GPU in bf16/fp16; else einsum)")
     parser.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True,
                         help="recompute each layer's forward in the backward pass (default: on)")
     parser.add_argument("--vs-jit", action="store_true",
@@ -150,12 +151,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax
     import numpy as np
 
+    from shardlib.backend import policy_for
     from shardlib.models import get_config
+    from shardlib.models.gpt import attention_for
     from shardlib.run.config import PRECISIONS
 
-    on_cpu = jax.default_backend() == "cpu"
+    policy = policy_for(jax.devices())  # the devices' backend policy (docs/backends.md)
+    on_cpu = policy.platform == "cpu"
     args.model = args.model or ("tiny" if on_cpu else "1b")
-    args.attention = args.attention or ("cudnn" if jax.default_backend() == "gpu" else "einsum")
+    args.attention = args.attention or attention_for(policy, PRECISIONS[args.precision])
     model_config = dataclasses.replace(get_config(args.model), compute_dtype=PRECISIONS[args.precision],
                                        attention=args.attention, remat=args.remat)
     args.seq_len = args.seq_len or model_config.max_seq_len

@@ -49,6 +49,11 @@ class BackendPolicy:
     steps_in_flight: int
     # The attention a `shardlib train` model uses (models.GPTConfig.attention).
     attention: str
+    # Pack reduce-scatters into buckets (`build(bucket_bytes=)`: one collective per bucket of
+    # concatenated gradients). XLA:TPU rewrites a bucket's reduce-scatter as an all-reduce of the
+    # whole bucket (twice the bytes; v5e:2x4, zero1, jaxlib 0.10.2), so there each tensor is
+    # reduce-scattered on its own; all-reduce buckets (dp, hsdp's data axis) stay.
+    bucket_scatters: bool = True
     # The memory kind `offload="opt_state"` keeps the optimizer state in.
     host_memory: str = "pinned_host"
     # XLA options a train step compiles with when it reduces gradients in a dtype narrower than
@@ -57,6 +62,10 @@ class BackendPolicy:
     # reduce-scatter (`Invalid binary instruction opcode copy`, jaxlib 0.10.2; docs/design.md);
     # without the pass the step compiles, and the optimised program still reduces in f32.
     narrow_reduce_options: tuple[tuple[str, str], ...] = ()
+    # The optimised program runs bf16 collectives in float32 (XLA:CPU's AllReducePromotion), so
+    # `shardlib plan` counts bf16 collectives from the module right after SPMD partitioning.
+    # XLA:TPU and XLA:GPU keep bf16 on the wire: their optimised program is read as it is.
+    widens_bf16_collectives: bool = False
     # Metrics (loss, aux) are summed over devices in float32 on every backend: a bf16 psum of a
     # metric aborts XLA:CPU (AllReducePromotion) and loses digits everywhere.
     f32_metric_sums: bool = True
@@ -64,12 +73,12 @@ class BackendPolicy:
 
 POLICIES: dict[str, BackendPolicy] = {
     "cpu": BackendPolicy("cpu", matmul_order=True, custom_vjp_gather=True, cast_before_gather=False,
-                         state_from_last=True, steps_in_flight=1, attention="einsum",
+                         state_from_last=True, steps_in_flight=1, attention="einsum", widens_bf16_collectives=True,
                          narrow_reduce_options=(("xla_disable_hlo_passes", "all-reduce-promotion"),)),
     "gpu": BackendPolicy("gpu", matmul_order=False, custom_vjp_gather=False, cast_before_gather=True,
                          state_from_last=False, steps_in_flight=2, attention="cudnn"),
     "tpu": BackendPolicy("tpu", matmul_order=False, custom_vjp_gather=False, cast_before_gather=True,
-                         state_from_last=False, steps_in_flight=2, attention="einsum"),
+                         state_from_last=False, steps_in_flight=2, bucket_scatters=False, attention="einsum"),
 }
 # JAX's platform names for the same backends.
 _ALIASES = {"cuda": "gpu", "rocm": "gpu"}

@@ -56,7 +56,7 @@ def test_param_count_matches_built_model(name):
     assert param_count(CONFIGS[name]) == n_params(make(CONFIGS[name]))
 
 
-@pytest.mark.parametrize("name", ["gpt2-small", "1b", "llama-7b", "13b"])
+@pytest.mark.parametrize("name", ["gpt2-small", "1b", "llama-7b", "13b", "70b"])
 def test_param_count_matches_abstract_model(name):
     model = abstract(CONFIGS[name])  # shapes only: nothing is allocated
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -66,6 +66,7 @@ def test_param_count_matches_abstract_model(name):
 def test_param_counts_of_known_shapes():
     assert param_count(CONFIGS["llama-7b"]) == 6_738_415_616  # LLaMA-7B as published
     assert param_count(CONFIGS["13b"]) == 13_015_864_320  # LLaMA-13B as published
+    assert param_count(CONFIGS["70b"]) == 68_976_648_192  # Llama-2-70B (GQA, 8 kv heads) as published
     assert 1.0e9 < param_count(CONFIGS["1b"]) < 1.2e9
 
 

@@ -136,11 +136,13 @@ def test_bf16_tracks_float32_and_keeps_float32_master_state():
 
 def test_cast_before_gather_gathers_bf16_and_trains_on_cpu():
     """The GPU/TPU path, forced on CPU: zero3 gathers the bf16 shards (half the bytes) and
-    reduce-scatters bf16 gradients; on CPU the default keeps the gathers float32."""
+    reduce-scatters f32 gradients (reduce_dtype), bf16 ones when asked; on CPU the default keeps
+    the gathers float32."""
     assert not Precision("bf16").casts_before_gather("cpu") and Precision("bf16").casts_before_gather("gpu")
     kinds = lambda policy, kind: {r.dtype for r in collective_stats(_lowered(_zero3(policy))).of_kind(kind)}
     assert kinds(CAST_BEFORE_GATHER, "all-gather") == {"bf16"} and kinds("bf16", "all-gather") == {"f32"}
-    assert kinds(CAST_BEFORE_GATHER, "reduce-scatter") == {"bf16"}
+    assert kinds(CAST_BEFORE_GATHER, "reduce-scatter") == {"f32"}
+    assert kinds(dataclasses.replace(CAST_BEFORE_GATHER, reduce_dtype="bf16"), "reduce-scatter") == {"bf16"}
 
     f32, _ = _zero3_losses("f32")
     cast_first, state = _zero3_losses(CAST_BEFORE_GATHER, tuple(CPU_BF16_REDUCTIONS.items()))

@@ -62,6 +62,15 @@ class ComputeContext:
     # Told the logical names of every activation constraint (`constrain`, linen's
     # nn.with_logical_constraint): the step warns about names its activation rules do not know
     note_names: Callable[[Sequence[Any]], None] | None = None
+    # The backend policy the step was built with (`shardlib.backend.policy_for` its mesh, resolved
+    # once by build): what `all_gather_spec` and `backend_policy` read while the model is traced.
+    # None outside a step: plain JAX (no barrier, no custom gather).
+    backend: Any = None
+    # The ZeRO-3 gathers' dtypes: a shard is cast to ``gather_dtype`` before its all-gather (None:
+    # sent as it is, cast afterwards to ``cast_to``), and the gather's backward reduce-scatters the
+    # cotangent in ``reduce_dtype`` (`shardlib.step.precision.Precision.reduce_dtype`; None: in its own)
+    gather_dtype: Any = None
+    reduce_dtype: Any = None
 
 
 _CONTEXT: contextvars.ContextVar[ComputeContext | None] = contextvars.ContextVar(
@@ -304,41 +313,79 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
-def matmul_ordered(cotangent: jax.Array, dim: int) -> jax.Array:
-    """A weight's cotangent about to be reduce-scattered over ``dim``, on XLA:CPU: a matrix split
-    on its first dim first materialises the matmul result it is JAX's transpose of (``[out, in]``,
-    see `shardlib.step.reduce.reduced_transposed`) behind a barrier, then transposes it (a copy):
-    without the barrier XLA:CPU folds the transpose into the matmul, which then runs unfused and
-    costs more than the copy. Other backends take transposed operands as they are."""
-    if cotangent.ndim != 2 or dim != 0 or jax.default_backend() != "cpu":
+def backend_policy() -> Any:
+    """The `shardlib.backend.BackendPolicy` of the step being traced (None outside a shardlib
+    step): what a model reads for a backend-dependent choice of its own (`models.gpt`'s
+    ``attention="auto"``), decided by the step's devices rather than JAX's default backend."""
+    ctx = _CONTEXT.get()
+    return None if ctx is None else ctx.backend
+
+
+def matmul_ordered(cotangent: jax.Array, dim: int, backend: Any) -> jax.Array:
+    """A weight's cotangent about to be reduce-scattered over ``dim``, where ``backend`` (a
+    `shardlib.backend.BackendPolicy`; None: plain JAX) has ``matmul_order`` (XLA:CPU): a matrix
+    split on its first dim first materialises the matmul result it is JAX's transpose of (``[out,
+    in]``, see `shardlib.step.reduce.reduced_transposed`) behind a barrier, then transposes it (a
+    copy): without the barrier XLA:CPU folds the transpose into the matmul, which then runs unfused
+    and costs more than the copy. Other backends take transposed operands as they are."""
+    if cotangent.ndim != 2 or dim != 0 or backend is None or not backend.matmul_order:
         return cotangent
     return jax.lax.optimization_barrier(cotangent.T).T
 
 
+def _floating(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
 @functools.lru_cache(maxsize=None)
-def _gather_first_dim(axes: Any):
-    """``all_gather(x, axes, axis=0, tiled=True)`` whose backward reduce-scatters `matmul_ordered`."""
+def _gather_dim(axes: Any, dim: int, in_dtype: Any, wire_dtype: Any, reduce_dtype: Any, backend: Any):
+    """``all_gather(x.astype(wire_dtype), axes, axis=dim, tiled=True)`` whose backward casts the
+    cotangent to ``reduce_dtype``, reduce-scatters it (`matmul_ordered` first) and returns it in
+    the shard's ``in_dtype``: the gradient is reduced in ``reduce_dtype`` whatever dtype the weight
+    was gathered in."""
 
     @jax.custom_vjp
     def gather(x):
-        return jax.lax.all_gather(x, axes, axis=0, tiled=True)
+        return jax.lax.all_gather(_cast(x, wire_dtype), axes, axis=dim, tiled=True)
 
     def bwd(_, cotangent):
-        return (jax.lax.psum_scatter(matmul_ordered(cotangent, 0), axes, scatter_dimension=0, tiled=True),)
+        cotangent = matmul_ordered(_cast(cotangent, reduce_dtype), dim, backend)
+        return (_cast(jax.lax.psum_scatter(cotangent, axes, scatter_dimension=dim, tiled=True), in_dtype),)
 
     gather.defvjp(lambda x: (gather(x), None), bwd)
     return gather
 
 
+def _cast(x: jax.Array, dtype: Any) -> jax.Array:
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def gather_dim(x: jax.Array, axes: Any, dim: int, *, backend: Any = None, wire_dtype: Any = None,
+               reduce_dtype: Any = None) -> jax.Array:
+    """All-gather ``x`` along ``dim`` over ``axes``, cast to ``wire_dtype`` first (None: as it is),
+    its backward reduce-scattering in ``reduce_dtype`` (None: the gathered dtype). Where nothing
+    asks otherwise it is autodiff's own all_gather / reduce-scatter pair (forward-mode included);
+    else `_gather_dim`: a dtype change between the wire and the reduction, or ``backend``'s
+    ``custom_vjp_gather`` for a matrix's first dim (XLA:CPU's matmul-ordered reduce-scatter)."""
+    if not _floating(x.dtype):
+        return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+    wire = jnp.dtype(x.dtype if wire_dtype is None else wire_dtype)
+    reduce = wire if reduce_dtype is None else jnp.dtype(reduce_dtype)
+    custom = backend is not None and backend.custom_vjp_gather and x.ndim == 2 and dim == 0
+    if not custom and reduce == wire:
+        return jax.lax.all_gather(_cast(x, wire), axes, axis=dim, tiled=True)
+    return _gather_dim(axes, dim, jnp.dtype(x.dtype), wire, reduce, backend)(x)
+
+
 def all_gather_spec(x: jax.Array, spec: Sequence[Any]) -> jax.Array:
-    """All-gather ``x`` along every dimension whose spec entry names mesh axes (a matrix's first dim
-    on XLA:CPU through `_gather_first_dim`; elsewhere autodiff's own pair, forward-mode included)."""
-    cpu = jax.default_backend() == "cpu"
+    """All-gather ``x`` along every dimension whose spec entry names mesh axes (`gather_dim`), with
+    the step's backend policy and gather dtypes (`ComputeContext`; outside a step: plain). The cast
+    to the wire dtype rides the first gather."""
+    ctx = _CONTEXT.get()
+    backend, wire, reduce = (None, None, None) if ctx is None else (ctx.backend, ctx.gather_dtype, ctx.reduce_dtype)
     for dim, axes in enumerate(spec):
-        if axes and x.ndim == 2 and dim == 0 and cpu:
-            x = _gather_first_dim(axes)(x)
-        elif axes:
-            x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+        if axes:
+            x = gather_dim(x, axes, dim, backend=backend, wire_dtype=wire, reduce_dtype=reduce)
     return x
 
 

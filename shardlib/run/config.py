@@ -135,6 +135,8 @@ class TrainConfig:
     seed: int = flag(0, "seed for init and data order", metavar="S")
     precision: str = flag("f32", "compute dtype; parameters and optimizer state stay f32 (fp16 adds dynamic loss "
                                  "scaling)", choices=list(PRECISIONS))
+    reduce_dtype: str = flag("f32", "dtype the gradients are reduced in over the batch axes (reduce-scatter / "
+                                    "all-reduce; default f32; bf16 halves those bytes)", choices=["f32", "bf16"])
     grad_accum: int = flag(1, "split each step's batch into K microbatches, one optimizer update (default 1)",
                            metavar="K")
     grad_compression: str = flag("none", "compress the gradient reduction (int8: per-block scales + error "

@@ -26,6 +26,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from shardlib import backend as backend_lib
+from shardlib.backend import BackendPolicy
 from shardlib.sharding import rules as rules_lib
 from shardlib.model import Model
 from shardlib.sharding.mesh import MESH_AXES, MeshError, describe, resolve_axis_sizes
@@ -64,6 +66,15 @@ class Layout:
     params: Any  # tree of LeafLayout: storage layout
     state: Any  # tree of LeafLayout: optimizer-state / reduced-gradient layout
     batch_axes: tuple[str, ...]  # mesh axes the batch is split over (manual in the step)
+    # The backend policy of the mesh's devices (`shardlib.backend.policy_for`, or the one `forced`
+    # when the layout was made): resolved once here, and again by `build` for the step it builds.
+    backend: BackendPolicy = backend_lib.POLICIES["cpu"]
+
+    @property
+    def state_from_last(self) -> bool:
+        """zero1/zero2's optimizer state splits a tensor's last dim a rule or the fallback can split
+        (`Strategy.state_from_last`) where the backend wants it (XLA:CPU; elsewhere the largest)."""
+        return self.strategy.state_from_last and self.backend.state_from_last
 
     @property
     def batch_size_multiple(self) -> int:
@@ -166,7 +177,7 @@ class Layout:
         """
         by_path = {_components(l.path): l for l in jax.tree.leaves(self.state, is_leaf=rules_lib.is_layout)}
         strategy = self.strategy
-        auto = rules_lib.AutoShard(strategy.state_fallback, from_last=strategy.state_from_last) \
+        auto = rules_lib.AutoShard(strategy.state_fallback, from_last=self.state_from_last) \
             if strategy.state_fallback else None
 
         def place(path, leaf):
@@ -250,12 +261,14 @@ def make_layout(
     if stages > 1:
         strategy = pipelined(strategy)
     names_warned = _warn_names(abstract, model.logical_axes, strategy, mesh)
+    backend = backend_lib.policy_for(mesh)
+    from_last = strategy.state_from_last and backend.state_from_last
     fallback = lambda axes, last=False: rules_lib.AutoShard(axes, from_last=last) if auto_shard and axes else None
     params = rules_lib.layout_tree(abstract, model.logical_axes, strategy.param_rules, mesh,
                                    table=f"{strategy.name}.param_rules", auto=fallback(strategy.param_fallback))
     state = rules_lib.layout_tree(abstract, model.logical_axes, strategy.state_rules, mesh,
-                                  table=f"{strategy.name}.state_rules", from_last=strategy.state_from_last,
-                                  auto=fallback(strategy.state_fallback, strategy.state_from_last))
+                                  table=f"{strategy.name}.state_rules", from_last=from_last,
+                                  auto=fallback(strategy.state_fallback, from_last))
     if stages > 1:
         _check_stages(params, stages)
     rules_lib.validate_rules(strategy.batch_rules, mesh, table=f"{strategy.name}.batch_rules")
@@ -263,7 +276,7 @@ def make_layout(
     batch_axes = tuple(a for name, axes in strategy.batch_rules if name == "batch" for a in rules_lib.as_axes(axes))
     if max_replicated_bytes is not None:
         rules_lib.check_replication(params if strategy.shards_params else state, mesh, max_replicated_bytes)
-    layout = Layout(mesh, strategy, params, state, batch_axes)
+    layout = Layout(mesh, strategy, params, state, batch_axes, backend)
     _check_reducible(layout)
     _warn_replicated(layout)
     if not names_warned:  # an idle model axis then follows from the names already warned about

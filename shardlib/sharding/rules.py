@@ -11,7 +11,7 @@ Names follow JAX and Flax: a tuple shorter than the tensor's rank leaves the tra
 unnamed; a longer one is an error naming the tensor. Trees without annotations (someone else's
 model) get their logical names from regex path rules, also first match wins; and a strategy's
 ZeRO fallback (`AutoShard`) shards whatever its rules leave whole along the largest dimension its
-axes divide (zero1/zero2's optimizer state: the last, `Strategy.state_from_last`), so an
+axes divide (zero1/zero2's optimizer state on XLA:CPU: the last, `Layout.state_from_last`), so an
 unannotated model still gets ZeRO's memory.
 """
 

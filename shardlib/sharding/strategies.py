@@ -123,7 +123,8 @@ class Strategy:
     secondary_axis: str | None = None
     # ZeRO-1/2: the optimizer state (and so the gradient's reduce-scatter) splits the last dim a rule
     # or the fallback can split: a Dense kernel's output dim, the major dim of its weight-gradient
-    # matmul's result (`shardlib.step.reduce.reduced_transposed`, docs/design.md).
+    # matmul's result (`shardlib.step.reduce.reduced_transposed`, docs/design.md). Only where the
+    # backend policy wants it too (`BackendPolicy.state_from_last`: XLA:CPU): `Layout.state_from_last`.
     state_from_last: bool = False
 
     @property

@@ -197,7 +197,7 @@ class ModelCall:
     must_gather: tuple[str, ...]
     activation_spec: Callable[[Any, tuple[int, ...]], P]
     compute_dtype: Any
-    cast_first: bool  # cast the shards before the gather (half the bytes on GPU / TPU)
+    cast_first: bool  # cast the shards to compute_dtype in their gather, before it (half the bytes on GPU / TPU)
     rows_split: int  # devices the rows are split over: the loss is a mean over all of them
     key_axes: tuple[str, ...] = ()  # the batch axes whose device index is folded into the key
     # hpZ: gathered over the inter-host axis once per call, before the layers (then specs are intra-host)
@@ -208,12 +208,16 @@ class ModelCall:
     mean_axes: tuple[str, ...] = ()  # the batch axes the loss is a mean over (`hooks.global_mean`)
     axis_alias: str | None = None  # a linen module's own collective axis_name, bound to key_axes (`axis_names`)
     activation_names: ActivationNames | None = None  # the names of the model's activation constraints
+    backend: Any = None  # the `shardlib.backend.BackendPolicy` build resolved from the mesh (None: plain JAX)
+    reduce_dtype: Any = None  # the dtype the ZeRO-3 gathers' backward reduce-scatters in (`Precision.reduce_dtype`)
+    stored: Any = None  # per parameter: stored over a batch axis (a gather casts it when cast_first); None: specs'
 
     @classmethod
     def for_layout(cls, model: Model, layout: Layout, policy: precision_lib.Precision,
                    rows_split: int, exclude: tuple[str, ...] = (), mean_exclude: tuple[str, ...] = (),
                    axis_alias: str | None = None) -> ModelCall:
-        cast_first = policy.casts_before_gather(layout.mesh.devices.flat[0].platform)
+        backend = layout.backend
+        cast_first = policy.casts_before_gather(backend)
         auto = layout.manual(layout.params, auto_axes(layout))
         by_path = {l.path: spec for l, spec in zip(jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout),
                                                    jax.tree.leaves(auto))}
@@ -222,7 +226,9 @@ class ModelCall:
         return cls(model, specs, auto, by_path, sharded_paths(layout), activation_spec(layout),
                    policy.compute_dtype, cast_first, rows_split, active_axes(layout, exclude), secondary,
                    logical_rules=logical_rules(layout), mean_axes=active_axes(layout, exclude + mean_exclude),
-                   axis_alias=check_axis_alias(axis_alias, layout), activation_names=ActivationNames(layout.strategy))
+                   axis_alias=check_axis_alias(axis_alias, layout), activation_names=ActivationNames(layout.strategy),
+                   backend=backend, reduce_dtype=policy.reduce_dtype,
+                   stored=jax.tree.map(lambda spec: bool(spec_axes(spec)), layout.manual(layout.params)))
 
     def _compute(self, tree: Any) -> Any:
         """``tree`` in the compute dtype; a layerwise state shard keeps the master dtype, so its
@@ -240,9 +246,11 @@ class ModelCall:
     def view(self, params: Any) -> Any:
         """Parameters as the model computes with them: in the compute dtype, and fully gathered
         up front for a model that does not gather its own (sharded weights of one that does are
-        cast by gather_layer, after their gather, unless the cast comes first)."""
-        if self.cast_first:
-            params = self._compute(params)
+        cast by gather_layer, after their gather, or by the gather itself when the cast comes first:
+        its backward then reduces the gradient in ``reduce_dtype``, `hooks.gather_dim`)."""
+        if self.cast_first:  # the weights no gather casts
+            stored = self.stored if self.stored is not None else jax.tree.map(lambda s: bool(spec_axes(s)), self.specs)
+            params = jax.tree.map(lambda p, s: p if s else self._compute(p), params, stored, is_leaf=zeropp.is_carried)
         if self.secondary is not None:
             params = self.secondary.gather(params, self.auto_specs)
         if not self.model.gathers_params:
@@ -256,6 +264,8 @@ class ModelCall:
         """``in_step`` False: for an abstract trace (`probe`, inside the shard_map) that must not sum
         over the batch axes; the rows still vary over them (``row_axes``)."""
         return hooks.ComputeContext(self.activation_spec, cast_to=None if self.cast_first else self.compute_dtype,
+                                    backend=self.backend, gather_dtype=self.compute_dtype if self.cast_first else None,
+                                    reduce_dtype=self.reduce_dtype,
                                     auto_specs=self.auto_by_path, gather=self.gather, gather_tree=self.gather_tree,
                                     logical_rules=self.logical_rules, mean_axes=self.mean_axes if in_step else (),
                                     rows_split=self.rows_split, row_axes=self.key_axes, microbatches=microbatches,

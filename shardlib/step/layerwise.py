@@ -97,12 +97,15 @@ def _bucketed(xs: list[jax.Array], keys: list, bucket_bytes: int, collective, on
     return [o if o is not None else one(i) for i, o in enumerate(out)]
 
 
-def _reduce(cotangents: list[jax.Array], reductions: tuple[Reduction, ...], bucket_bytes: int) -> list[jax.Array]:
+def _reduce(cotangents: list[jax.Array], reductions: tuple[Reduction, ...], bucket_bytes: int,
+            bucket_scatters: bool = True) -> list[jax.Array]:
     """The twins' cotangents of one gather_layer call, reduced: reduce-scattered where a dim is
     scattered, then summed over the axes left; in buckets of at most ``bucket_bytes`` per (axes,
-    dtype) as `shardlib.step.reduce.Reducer`'s, 0: per tensor."""
+    dtype) as `shardlib.step.reduce.Reducer`'s, 0: per tensor (the reduce-scatters too where
+    ``bucket_scatters`` is off: the backend policy's)."""
     xs, on = list(cotangents), bool(bucket_bytes)
-    keys = [(axes, x.dtype) if on and dim is not None else None for x, (dim, axes, _) in zip(xs, reductions)]
+    keys = [(axes, x.dtype) if on and bucket_scatters and dim is not None else None
+            for x, (dim, axes, _) in zip(xs, reductions)]
     xs = _bucketed(xs, keys, bucket_bytes, lambda key, ids: buckets_lib.psum_scatter(
         [xs[i] for i in ids], [reductions[i][0] for i in ids], key[0]),
         lambda i: xs[i] if reductions[i][0] is None else jax.lax.psum_scatter(
@@ -113,9 +116,11 @@ def _reduce(cotangents: list[jax.Array], reductions: tuple[Reduction, ...], buck
 
 
 @functools.lru_cache(maxsize=None)
-def _twin_identity(reductions: tuple[Reduction, ...], dtypes: tuple[Any, ...], bucket_bytes: int):
+def _twin_identity(reductions: tuple[Reduction, ...], dtypes: tuple[Any, ...], bucket_bytes: int,
+                   reduce_dtype: Any = None, bucket_scatters: bool = True):
     """``(weights, shards) -> weights``, whose backward reduces the weights' cotangents (cast to
-    the shards' ``dtypes``) into the shards' cotangents; the weights' own cotangents are zero."""
+    ``reduce_dtype``, None: to the shards' ``dtypes``) into the shards' cotangents (in ``dtypes``);
+    the weights' own cotangents are zero."""
 
     @jax.custom_vjp
     def twin(weights, shards):
@@ -125,27 +130,31 @@ def _twin_identity(reductions: tuple[Reduction, ...], dtypes: tuple[Any, ...], b
         return weights, None
 
     def bwd(_, cotangents):
-        cast = [c.astype(dtype) for c, dtype in zip(cotangents, dtypes)]
-        return [jnp.zeros_like(c) for c in cotangents], _reduce(cast, reductions, bucket_bytes)
+        cast = [c.astype(dtype if reduce_dtype is None else reduce_dtype) for c, dtype in zip(cotangents, dtypes)]
+        reduced = _reduce(cast, reductions, bucket_bytes, bucket_scatters)
+        return [jnp.zeros_like(c) for c in cotangents], [r if r.dtype == dtype else r.astype(dtype) for r, dtype in zip(reduced, dtypes)]
 
     twin.defvjp(fwd, bwd)
     return twin
 
 
-def gather_tree(tree: Any, bucket_bytes: int = 0) -> Any:
+def gather_tree(tree: Any, bucket_bytes: int = 0, matmul_order: bool = False, reduce_dtype: Any = None,
+                bucket_scatters: bool = True) -> Any:
     """Every twin in one gather_layer call's ``tree`` -> its weight, through one `_twin_identity`
-    (the call's reductions share buckets); anything else as it is."""
+    (the call's reductions share buckets, in ``reduce_dtype``; None: the master dtype); anything
+    else as it is. ``matmul_order`` (the backend policy's, XLA:CPU): matrices reduce in their
+    matmul's order (`reduced_transposed`)."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=zeropp.is_carried)
     twins = [leaves[i] for i, x in enumerate(leaves) if _is_twin(x)]
     if not twins:
         return tree
     dims = [_local_dim(t.scatter, t.value.ndim) for t in twins]
-    flips = [reduced_transposed(t.value.ndim, dim) for t, dim in zip(twins, dims)]
+    flips = [matmul_order and reduced_transposed(t.value.ndim, dim) for t, dim in zip(twins, dims)]
     order = lambda x, flip: x.T if flip else x
     reductions = tuple((0 if flip and dim is not None else dim, t.scatter.axes, t.scatter.sums)
                        for t, dim, flip in zip(twins, dims, flips))
     dtypes = tuple(t.rider.dtype for t in twins)
-    weights = _twin_identity(reductions, dtypes, bucket_bytes)([order(t.value, f) for t, f in zip(twins, flips)],
+    weights = _twin_identity(reductions, dtypes, bucket_bytes, reduce_dtype, bucket_scatters)([order(t.value, f) for t, f in zip(twins, flips)],
                                                                [order(t.rider, f) for t, f in zip(twins, flips)])
     weights = iter(order(w, f) for w, f in zip(weights, flips))
     return treedef.unflatten([next(weights) if _is_twin(x) else x for x in leaves])
@@ -254,5 +263,7 @@ def attach(provider: Any, layout: Layout, model: Model, method: compression_lib.
                              f"{'; '.join(reasons)}; use layerwise=None (where it applies) or False")
         return provider
     bucket_bytes = provider.reducer.bucket_bytes if provider.reducer.bucketed else 0
-    call = dataclasses.replace(provider.call, gather_tree=functools.partial(gather_tree, bucket_bytes=bucket_bytes))
+    call = dataclasses.replace(provider.call, gather_tree=functools.partial(
+        gather_tree, bucket_bytes=bucket_bytes, matmul_order=layout.backend.matmul_order,
+        reduce_dtype=provider.reducer.reduce_dtype, bucket_scatters=layout.backend.bucket_scatters))
     return dataclasses.replace(provider, call=call, layerwise=Layerwise(scatters, paths))

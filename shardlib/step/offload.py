@@ -96,7 +96,7 @@ def check_backend(offload: Offload, devices: Any) -> str | None:
         if kind not in (kinds or set()):
             raise ValueError(
                 f"offload={offload.name!r} (--offload) needs '{kind}' memory, but device {device} "
-                f"({device.platform}) offers only {sorted(kinds or ())}; use offload='none' on this backend")
+                f"offers only {sorted(kinds or ())}; use offload='none' on this backend")
     return kind
 
 

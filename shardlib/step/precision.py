@@ -1,10 +1,14 @@
 """Mixed precision: which dtype the weights are stored, computed and reduced in, and fp16 loss scaling.
 
 Master weights and optimizer state stay in ``param_dtype`` (float32). Before the forward pass
-the step casts the (local shards of the) weights to ``compute_dtype``; under ZeRO-3 the cast
-happens before the all-gather, so the gathers and the gradient reduce-scatters move half the
-bytes, as in FSDP's mixed precision. Models keep their own numerically sensitive parts in
-float32 (norm statistics, softmax, logits, loss).
+the step casts the (local shards of the) weights to ``compute_dtype``; under ZeRO-3 on GPU/TPU
+the cast happens before the all-gather (`shardlib.backend.BackendPolicy.cast_before_gather`), so
+the gathers move half the bytes, as in FSDP's mixed precision. Gradients are reduced (the
+reduce-scatter / all-reduce over the batch axes) in ``reduce_dtype``, float32 by default, as
+PyTorch FSDP's ``MixedPrecision(reduce_dtype=torch.float32)``: the ZeRO-3 gather's backward casts
+the bf16 cotangent to float32 before its reduce-scatter (`shardlib.model.hooks.gather_dim`).
+``reduce_dtype=jnp.bfloat16`` (or "bf16") halves those bytes and sums in bf16. Models keep their
+own numerically sensitive parts in float32 (norm statistics, softmax, logits, loss).
 
 float16 has too little range for raw gradients, so ``fp16`` scales the loss: the scale doubles
 after ``growth_interval`` finite steps and halves on a step whose gradients overflow, which is
@@ -19,7 +23,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from shardlib import backend as backend_lib
 from shardlib.registry import lookup
+
+
+# The names ``reduce_dtype`` (and `shardlib train --reduce-dtype`) accept beside a dtype.
+REDUCE_DTYPES: dict[str, Any] = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,16 +39,40 @@ class Precision:
     dynamic_loss_scale: bool = False
     initial_scale: float = 2.0**15
     growth_interval: int = 200
-    # Cast the weight shards before the ZeRO-3 all-gather (half the bytes on the wire). None:
-    # yes, except on XLA:CPU, which aborts compiling some low-precision reduce-scatters (a
-    # ChangeOpDataType check failure seen on jaxlib 0.10.2) and upcasts those collectives to
-    # float32 anyway, so casting after the gather costs nothing there.
+    # Cast the weight shards before the ZeRO-3 all-gather (half the bytes on the wire). None: as
+    # the backend policy says (`shardlib.backend.BackendPolicy.cast_before_gather`: yes on GPU/TPU,
+    # no on XLA:CPU, which aborts compiling some low-precision reduce-scatters and upcasts bf16
+    # collectives to float32 anyway, so casting after the gather costs nothing there).
     cast_before_gather: bool | None = None
+    # The dtype gradients are reduced in over the batch axes (ZeRO-3's reduce-scatter in the
+    # gather's backward, the Reducer's psum / psum_scatter): float32, or bf16 for half the bytes.
+    # A dtype or one of REDUCE_DTYPES' names ("f32", "bf16").
+    reduce_dtype: Any = jnp.float32
 
-    def casts_before_gather(self, platform: str) -> bool:
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reduce_dtype", parse_reduce_dtype(self.reduce_dtype))
+
+    def casts_before_gather(self, backend: Any) -> bool:
+        """Whether ZeRO-3 casts the shards before their gather on ``backend`` (a
+        `shardlib.backend.BackendPolicy`, or a platform name: "cpu", "gpu", "tpu")."""
         if self.cast_before_gather is not None:
             return self.cast_before_gather
-        return platform != "cpu"
+        if isinstance(backend, str):
+            backend = backend_lib.get_policy(backend)
+        return backend.cast_before_gather
+
+
+def parse_reduce_dtype(value: Any) -> Any:
+    """``reduce_dtype`` as a numpy dtype: "f32" / "bf16" (or any floating dtype jnp.dtype accepts)."""
+    dtype = REDUCE_DTYPES.get(value, value) if isinstance(value, str) else value
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"reduce_dtype={value!r} is not a floating dtype; use one of {', '.join(REDUCE_DTYPES)} "
+                         "(or a floating dtype such as jnp.float32)")
+    return dtype
 
 
 POLICIES: dict[str, Precision] = {

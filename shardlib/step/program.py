@@ -28,6 +28,7 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from shardlib import backend as backend_lib
 from shardlib.model import Model
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout, check_model_argument
@@ -199,12 +200,14 @@ def build(
     if model.frozen is not None:  # from_nnx(wrt=...): the optimizer sees the trained parameters only,
         trained = jax.tree.map(lambda frozen: not frozen, model.frozen)  # and the frozen ones get no update
         tx = optax.chain(optax.masked(tx, trained), optax.masked(optax.set_to_zero(), model.frozen))
+    layout = _with_backend(layout)
     policy = precision_lib.get_precision(precision)
     method = compression_lib.get_compression(grad_compression)
+    compression_lib.check_reduce_dtype(method, policy.reduce_dtype)
     grads_lib.check_params(model, policy)
     microbatches, schedule = grads_lib.check_options(model, layout, grad_accum, method, microbatches, schedule)
     stage_layers = grads_lib.check_stage_layers(model, layout, stage_layers)
-    reducer = reduce_lib.Reducer.for_layout(layout, method, bucket_bytes=bucket_bytes)
+    reducer = reduce_lib.Reducer.for_layout(layout, method, bucket_bytes=bucket_bytes, reduce_dtype=policy.reduce_dtype)
     rows_split = math.prod(layout.mesh.shape[a] for a in layout.batch_axes)
     call = ModelCall.for_layout(model, layout, policy, rows_split, axis_alias=axis_name)
     call = dataclasses.replace(call, gather=_weight_gather(weight_gather, method, reducer, layout, call, grad_accum))
@@ -226,6 +229,15 @@ def build(
     return TrainProgram(model, tx, layout, staleness_lib.with_queue(init, tau, layout, reducer, queued),
                         _CheckedStep(step, layout, microbatches, queued, donate), _eval_step(layout, provider, model), queued,
                         transient_initializer(model, layout, policy, reducer, sharding))
+
+
+def _with_backend(layout: Layout) -> Layout:
+    """``layout`` with the backend policy of its mesh's devices, resolved once for the step built
+    from it (`shardlib.backend.forced` wins): every backend-dependent choice of the step reads it
+    from here, not from JAX's default backend, so a TPU topology's program compiled on a CPU
+    host takes the TPU policy."""
+    backend = backend_lib.policy_for(layout.mesh)
+    return layout if backend == layout.backend else dataclasses.replace(layout, backend=backend)
 
 
 @contextlib.contextmanager
@@ -253,7 +265,9 @@ def _weight_gather(weight_gather: str, method: compression_lib.Compression, redu
     backward = method if reducer.compresses_gathers else compression_lib.METHODS["none"]
     return zeropp.step_gather(weight_gather, backward, strategy=layout.strategy.name, gathers=bool(call.must_gather),
                               grad_accum=grad_accum, pipelined=layout.pipeline_stages > 1,
-                              tensor_parallel=layout.mesh.shape.get("tensor", 1) > 1)
+                              tensor_parallel=layout.mesh.shape.get("tensor", 1) > 1, backend=layout.backend,
+                              wire_dtype=call.compute_dtype if call.cast_first else None,
+                              reduce_dtype=call.reduce_dtype)
 
 
 def _mapped_grads(layout: Layout, provider: grads_lib.Provider, reducer: reduce_lib.Reducer):
@@ -299,7 +313,8 @@ def _train_step(layout: Layout, provider: grads_lib.Provider, reducer: reduce_li
         return new_state, update.metrics(state, loss, aux, grad_norm, finite)
 
     return jax.jit(step_fn, in_shardings=(sharding, None), out_shardings=(sharding, NamedSharding(layout.mesh, P())),
-                   donate_argnums=(0,) if donate else ())
+                   donate_argnums=(0,) if donate else (),
+                   compiler_options=backend_lib.step_compiler_options(layout.mesh, reducer.reduce_dtype))
 
 
 def _eval_step(layout: Layout, provider: grads_lib.Provider, model: Model):
@@ -379,19 +394,33 @@ def _refuse_state_in_batch(state: Any, batch: Any) -> None:
 
 class _CheckedStep:
     """The jitted step, with a readable error for a batch the data axes (and microbatches) cannot
-    split (`shardlib.step.batch`: any pytree of arrays), and at most one step in flight.
+    split (`shardlib.step.batch`: any pytree of arrays), and a bounded queue of steps in flight.
 
-    Queuing many steps without waiting deadlocks XLA:CPU's collectives on simulated devices (seen
-    after ~50 queued dp steps on jaxlib 0.10.2: every device thread waits in a rendezvous).
-    Waiting for the previous step before dispatching the next keeps the device busy (the next
-    step is queued while the current one runs) and bounds the queue.
+    Up to ``steps_in_flight`` dispatched steps are held; dispatching one more first waits for the
+    oldest. The bound is the backend policy's (`shardlib.backend.BackendPolicy.steps_in_flight`)
+    for the layout's mesh, read once here, when `build` makes the step (so a step built inside
+    ``shardlib.backend.forced("tpu")`` takes the accelerator's bound on CPU devices too).
+
+    XLA:CPU: one. Queuing many steps without waiting deadlocks XLA:CPU's collectives on simulated
+    devices (seen after ~50 queued dp steps on jaxlib 0.10.2: every device thread waits in a
+    rendezvous), so the previous step is waited for before the next is dispatched.
+    GPU and TPU: two. The next step is queued while one runs, so the device never idles while the
+    host dispatches, and the batch is put on the devices before the wait, so its host-to-device
+    copy overlaps the steps still running. The bound keeps the queue (and the batches and states
+    it holds alive) short.
     """
 
-    def __init__(self, jitted, layout: Layout, microbatches: int, state_sharding: Any, donate: bool = True):
+    def __init__(self, jitted, layout: Layout, microbatches: int, state_sharding: Any, donate: bool = True,
+                 steps_in_flight: int | None = None):
+        from shardlib.backend import policy_for
+
         self._jitted, self._layout, self.microbatches, self._donate = jitted, layout, microbatches, donate
         self._structure = jax.tree.structure(state_sharding)
         self._paths = given.leaf_paths(state_sharding)
-        self._in_flight = None
+        self.steps_in_flight = policy_for(layout.mesh).steps_in_flight if steps_in_flight is None else steps_in_flight
+        if self.steps_in_flight < 1:
+            raise ValueError(f"steps_in_flight must be at least 1, got {self.steps_in_flight}")
+        self._in_flight: list[Any] = []  # the losses of the dispatched steps not yet waited for, oldest first
 
     def _check_state(self, state) -> None:
         """A state of another program (another optimizer, precision or model) is named by the
@@ -418,10 +447,11 @@ class _CheckedStep:
         batch_lib.refuse_donated(state, "state")
         if self._donate:
             _refuse_state_in_batch(state, batch)
-        if self._in_flight is not None:
-            jax.block_until_ready(self._in_flight)
-        state, metrics = self._jitted(state, batch_lib.place(self._layout, batch))
-        self._in_flight = metrics["loss"]
+        placed = batch_lib.place(self._layout, batch)  # before the wait: the copy overlaps the steps running
+        while len(self._in_flight) >= self.steps_in_flight:
+            jax.block_until_ready(self._in_flight.pop(0))
+        state, metrics = self._jitted(state, placed)
+        self._in_flight.append(metrics["loss"])
         return state, metrics
 
     def lower(self, state, batch):

@@ -4,7 +4,10 @@ batch axes, and the specs of what crosses into the step's ``shard_map``.
 Dims the storage shards were gathered in the forward pass, so autodiff already reduce-scattered
 their gradients (ZeRO-3); dims only the state shards are reduce-scattered here (ZeRO-1/2); the
 remaining batch axes are summed (dp). Writing these collectives by hand is what makes the volume
-the ZeRO paper's on every backend. ``compression`` is the policy for how the bytes travel.
+the ZeRO paper's on every backend. ``compression`` is the policy for how the bytes travel, and
+the precision's ``reduce_dtype`` the dtype an exact reduction runs in (float32 by default; bf16
+halves the bytes). Matrices are reduced in their matmul's order where the backend policy says so
+(``matmul_order``: XLA:CPU, `reduced_transposed`).
 """
 
 from __future__ import annotations
@@ -133,14 +136,23 @@ class Reducer:
     # and a gathered parameter's residual travels with it to its gather (`carry`)
     compresses_gathers: bool = False
     reduced: Any = None  # per tensor: True where layerwise twins reduced it in the backward loop
+    # The dtype the exact reductions run in (`Precision.reduce_dtype`): each gradient is cast to it
+    # before its collective and back after; None: the gradient's own. Compressed methods sum in float32.
+    reduce_dtype: Any = None
+    # Reduce matrices in their matmul's order (`reduced_transposed`): the backend policy's
+    # ``matmul_order`` (XLA:CPU), read from the layout
+    matmul_order: bool = False
+    # Bucket the reduce-scatters too (the backend policy's ``bucket_scatters``; not on TPU)
+    bucket_scatters: bool = True
 
     @classmethod
     def for_layout(cls, layout: Layout, method: compression_lib.Compression, exclude: tuple[str, ...] = (),
-                   bucket_bytes: int | None = 0) -> Reducer:
+                   bucket_bytes: int | None = 0, reduce_dtype: Any = None) -> Reducer:
         """Over the layout's batch axes but ``exclude``; refuses compression where a parameter's
         whole reduction is the autodiff reduce-scatter (hsdp's data-axis sum is compressible).
         ``bucket_bytes`` (0 or None: off) buckets the uncompressed reductions only: a compressed
-        one keeps its per-tensor chunks, scales and residual."""
+        one keeps its per-tensor chunks, scales and residual. ``reduce_dtype``: the dtype the exact
+        reductions run in (None: the gradients'); the matmul order is the layout's backend policy's."""
         axes = active_axes(layout, exclude)
         untouched = _autodiff_only(layout, axes) if method.name != "none" else []
         if untouched and layout.pipeline_stages > 1:
@@ -152,7 +164,9 @@ class Reducer:
             )
         storage = jax.tree.map(lambda l: l.spec, layout.params, is_leaf=rules_lib.is_layout)
         return cls(layout.manual(layout.params), layout.manual(layout.state), axes, method, storage,
-                   buckets_lib.checked_limit("bucket_bytes", bucket_bytes), compresses_gathers=bool(untouched))
+                   buckets_lib.checked_limit("bucket_bytes", bucket_bytes), compresses_gathers=bool(untouched),
+                   reduce_dtype=None if reduce_dtype is None else jnp.dtype(reduce_dtype),
+                   matmul_order=layout.backend.matmul_order, bucket_scatters=layout.backend.bucket_scatters)
 
     def _carries(self, param_spec: P) -> bool:
         """Whether this parameter's reduce-scatter is its gather's compressed backward (qgZ)."""
@@ -203,24 +217,33 @@ class Reducer:
         return [spec_axes(full) <= spec_axes(ps) for full, ps in zip(storage, treedef.flatten_up_to(self.param_specs))]
 
     def _in_matmul_order(self, phase, reduces, grads: Any, residuals: Any) -> tuple[Any, Any]:
-        """``phase(reducer, grads, residuals)`` with every matrix it reduces (``reduces(scatter dims,
-        sum axes)``) that `reduced_transposed` picks transposed, its specs with it (uncompressed
-        only: a residual keeps its tensor's shape)."""
+        """``phase(reducer, grads, residuals)`` with every gradient it reduces (``reduces(scatter
+        dims, sum axes)``) in ``reduce_dtype`` (exact reductions only: compressed ones sum in
+        float32), and every matrix among them that `reduced_transposed` picks transposed, its specs
+        with it (on a backend with ``matmul_order``; uncompressed only: a residual keeps its
+        tensor's shape). Each returns in its own dtype and order."""
         flat, treedef = jax.tree.flatten(grads)
         specs, rests = self._specs_of(treedef), self._rest(treedef)
-        flips = [self.method.name == "none" and local and bool(reduces(scatter, rest))
-                 and reduced_transposed(g.ndim, _one_dim(scatter))
-                 for g, local, scatter, rest in zip(flat, self._whole_locally(treedef),
-                                                     [scatter_dims(ps, ss) for ps, ss in specs], rests)]
-        if not any(flips):
+        scatters = [scatter_dims(ps, ss) for ps, ss in specs]
+        reduced = [bool(reduces(scatter, rest)) for scatter, rest in zip(scatters, rests)]
+        exact = self.method.name == "none"
+        flips = [self.matmul_order and exact and local and r and reduced_transposed(g.ndim, _one_dim(scatter))
+                 for g, local, scatter, r in zip(flat, self._whole_locally(treedef), scatters, reduced)]
+        dtypes = [g.dtype for g in flat]
+        wide = [exact and r and self.reduce_dtype is not None and jnp.issubdtype(g.dtype, jnp.floating)
+                and g.dtype != self.reduce_dtype for g, r in zip(flat, reduced)]
+        if not any(flips) and not any(wide):
             return phase(self, grads, residuals)
-        order = lambda xs: treedef.unflatten([x.T if f else x for x, f in zip(xs, flips)])
+        flat = [g.astype(self.reduce_dtype) if w else g for g, w in zip(flat, wide)]
+        order = lambda xs: [x.T if f else x for x, f in zip(xs, flips)]
         swap = lambda tree: treedef.unflatten([_transposed_spec(s) if f else s
                                                for s, f in zip(treedef.flatten_up_to(tree), flips)])
-        view = dataclasses.replace(self, param_specs=swap(self.param_specs), state_specs=swap(self.state_specs),
-                                   storage_specs=None if self.storage_specs is None else swap(self.storage_specs))
-        out, residuals = phase(view, order(flat), residuals)
-        return order(treedef.flatten_up_to(out)), residuals
+        view = self if not any(flips) else dataclasses.replace(
+            self, param_specs=swap(self.param_specs), state_specs=swap(self.state_specs),
+            storage_specs=None if self.storage_specs is None else swap(self.storage_specs))
+        out, residuals = phase(view, treedef.unflatten(order(flat)), residuals)
+        out = order(treedef.flatten_up_to(out))
+        return treedef.unflatten([o.astype(d) if w else o for o, d, w in zip(out, dtypes, wide)]), residuals
 
     def scatter(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
         """Reduce-scatter every dim only the state shards: gradients become their state shards."""
@@ -231,7 +254,7 @@ class Reducer:
         return self._in_matmul_order(Reducer._finish, lambda scatter, rest: rest, grads, residuals)
 
     def _scatter(self, grads: Any, residuals: Any = None) -> tuple[Any, Any]:
-        if self.bucketed:
+        if self.bucketed and self.bucket_scatters:
             return self._scatter_buckets(grads), residuals
         return self._map(lambda g, ps, ss, r: _scatter_grad(g, scatter_dims(ps, ss), self.method, r), grads, residuals)
 

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from shardlib import backend as backend_lib
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import restrict, spec_axes
 from shardlib.step import batch as batch_lib
@@ -189,7 +190,8 @@ def train_step(layout: Any, provider: Any, reducer: Any, update: Any, sharding: 
         return new_state, metrics
 
     return jax.jit(step_fn, in_shardings=(sharding, None), out_shardings=(sharding, NamedSharding(layout.mesh, P())),
-                   donate_argnums=(0,) if donate else ())
+                   donate_argnums=(0,) if donate else (),
+                   compiler_options=backend_lib.step_compiler_options(layout.mesh, reducer.reduce_dtype))
 
 
 _NAME_RE = re.compile(r"%([\w.\-]+)")

@@ -7,11 +7,13 @@ itself:
 
 * forward: the local shard, flattened, in blocks of at most ``block_size`` elements (a block never
   straddles two devices' shards: each device quantises only its own) -> int8 codes and one
-  float32 scale per block -> ``all_gather`` of codes and scales -> dequantised into the shard's
-  dtype (bf16 under ``precision="bf16"`` when the cast comes first). Master weights stay float32.
+  float32 scale per block -> ``all_gather`` of codes and scales -> dequantised into the compute
+  dtype where the cast comes first (GPU/TPU: bf16 under ``precision="bf16"``), else the shard's
+  dtype. Master weights stay float32.
   Under remat the backward pass recomputes the gather, so it is int8 there too (ZeRO++'s default).
-* backward: the reduce-scatter of the full local gradient, plain (``grads="none"``) or through
-  `shardlib.step.compression.compressed_psum_scatter` (``"bf16"``, ``"int8"``).
+* backward: the reduce-scatter of the full local gradient, plain (``grads="none"``, in the
+  precision's ``reduce_dtype``) or through `shardlib.step.compression.compressed_psum_scatter`
+  (``"bf16"``, ``"int8"``, which sum in float32); the gradient returns in the master dtype.
 
 Error feedback under qgZ (int8): the residual is an extra primal input of the gather, and its
 cotangent *is* the new residual. The step hands the model each gathered parameter as a `Carried`
@@ -64,6 +66,11 @@ class GatherPolicy:
 
     weights: WeightGather = WEIGHT_GATHERS["none"]
     grads: compression_lib.Compression = compression_lib.METHODS["none"]
+    # The gathered weight's dtype (None: the shard's): the compute dtype where the cast comes first
+    dtype: Any = None
+    # The dtype the backward's exact reduce-scatter ("none") runs in (None: the cotangent's)
+    reduce_dtype: Any = None
+    backend: Any = None  # the step's `shardlib.backend.BackendPolicy`: its matmul order (None: plain)
 
     @property
     def plain(self) -> bool:
@@ -130,34 +137,44 @@ def _quantised_all_gather(x: jax.Array, axes: tuple[str, ...], dim: int, block_s
     return stacked.reshape(*x.shape[:dim], n * x.shape[dim], *x.shape[dim + 1:]).astype(x.dtype)
 
 
-def _forward_gather(x: jax.Array, axes: tuple[str, ...], dim: int, weights: WeightGather) -> jax.Array:
+def _forward_gather(x: jax.Array, axes: tuple[str, ...], dim: int, weights: WeightGather, dtype: Any) -> jax.Array:
+    """The gathered weight in ``dtype`` (None: the shard's): cast before a plain gather, quantised
+    from the master shard and dequantised into it under qwZ."""
     if weights.block_size is None:
-        return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
-    return _quantised_all_gather(x, axes, dim, weights.block_size)
+        return jax.lax.all_gather(_cast(x, dtype), axes, axis=dim, tiled=True)
+    return _cast(_quantised_all_gather(x, axes, dim, weights.block_size), dtype)
+
+
+def _cast(x: jax.Array, dtype: Any) -> jax.Array:
+    return x if dtype is None or x.dtype == dtype else x.astype(dtype)
 
 
 def gather_dim(x: jax.Array, residual: jax.Array | None, axes: tuple[str, ...], dim: int,
                policy: GatherPolicy) -> jax.Array:
     """One dim's gather under ``policy``; ``residual`` (float32, the gathered shape) feeds qgZ."""
-    return _make_gather(axes, dim, policy, residual is not None)(x, residual)
+    return _make_gather(axes, dim, policy, residual is not None, jnp.dtype(x.dtype))(x, residual)
 
 
 @functools.lru_cache(maxsize=None)
-def _make_gather(axes: tuple[str, ...], dim: int, policy: GatherPolicy, with_residual: bool):
-    """The custom_vjp gather for one (axes, dim, policy); its residual argument's cotangent is
-    the new residual."""
+def _make_gather(axes: tuple[str, ...], dim: int, policy: GatherPolicy, with_residual: bool, in_dtype: Any):
+    """The custom_vjp gather for one (axes, dim, policy) of an ``in_dtype`` shard; its residual
+    argument's cotangent is the new residual."""
+    floating = jnp.issubdtype(in_dtype, jnp.floating)
+    dtype = policy.dtype if floating else None
+    # exact: in the reduce dtype; compressed: from the shard's dtype (its methods sum in float32)
+    reduce = (policy.reduce_dtype if policy.grads.name == "none" else in_dtype) if floating else None
 
     @jax.custom_vjp
     def gather(x, residual):
-        return _forward_gather(x, axes, dim, policy.weights)
+        return _forward_gather(x, axes, dim, policy.weights, dtype)
 
     def fwd(x, residual):
         return gather(x, residual), residual
 
     def bwd(residual, cotangent):
-        cotangent = hooks.matmul_ordered(cotangent, dim)
+        cotangent = hooks.matmul_ordered(_cast(cotangent, reduce), dim, policy.backend)
         grad, new = compression_lib.compressed_psum_scatter(cotangent, axes, dim, policy.grads, residual)
-        return grad, (new if with_residual else None)
+        return _cast(grad, in_dtype), (new if with_residual else None)
 
     gather.defvjp(fwd, bwd)
     return gather
@@ -176,11 +193,13 @@ def gather_spec(x: Any, spec: Sequence[Any], policy: GatherPolicy) -> jax.Array:
 
 
 def step_gather(weight_gather: str | WeightGather, grads: compression_lib.Compression, *, strategy: str,
-                gathers: bool, grad_accum: int, pipelined: bool, tensor_parallel: bool = False):
-    """The ``gather(shard, spec)`` a step's `ModelCall` uses (None: autodiff's plain pair), or a
-    clear refusal where ZeRO++ cannot apply. ``grads``: the method of the gathers' backward (qgZ),
-    "none" where the `Reducer` compresses elsewhere."""
-    policy = GatherPolicy(get_weight_gather(weight_gather), grads)
+                gathers: bool, grad_accum: int, pipelined: bool, tensor_parallel: bool = False, backend: Any = None,
+                wire_dtype: Any = None, reduce_dtype: Any = None):
+    """The ``gather(shard, spec)`` a step's `ModelCall` uses (None: `hooks.all_gather_spec`, with the
+    same ``backend``, ``wire_dtype`` and ``reduce_dtype`` from the compute context), or a clear
+    refusal where ZeRO++ cannot apply. ``grads``: the method of the gathers' backward (qgZ), "none"
+    where the `Reducer` compresses elsewhere."""
+    policy = GatherPolicy(get_weight_gather(weight_gather), grads, wire_dtype, reduce_dtype, backend)
     if policy.plain:
         return None
     if not gathers:

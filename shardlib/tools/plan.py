@@ -34,6 +34,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from shardlib.backend import platform_of, policy_for
 from shardlib.tools import hardware as hw
 from shardlib.tools.compiled_cache import compile_cached
 from shardlib.tools.hlo import collective_stats
@@ -306,7 +307,7 @@ class Planner:
         # Topology compiles are cached by the planner itself (`shardlib.tools.compiled_cache`);
         # those of this machine's devices by JAX's persistent cache (`use_compilation_cache`).
         self.cache_dir = cache_dir if topology is not None else None
-        self._compiler = json.dumps([topology, slices, compiler_versions(self.devices[0].platform)])
+        self._compiler = json.dumps([topology, slices, compiler_versions(platform_of(self.devices))])
         self.seq_len = seq_len or self.config.max_seq_len
         if pipeline_stages < 1 or self.n % pipeline_stages:
             raise PlanError(f"--pipeline-stages {pipeline_stages} must be positive and divide the {self.n} devices")
@@ -354,7 +355,7 @@ class Planner:
         shape = ((batch_size, self.seq_len), jnp.int32)
         batch = program.abstract_batch({"inputs": shape, "targets": shape})
         lowered = program.step.lower(program.abstract_state(), batch)  # checks the batch divides
-        if self.precision != "bf16" or self.devices[0].platform != "cpu":  # only XLA:CPU upcasts bf16 collectives
+        if self.precision != "bf16" or not policy_for(self.devices).widens_bf16_collectives:
             return _Compiled(program, compile_cached(lowered, self.cache_dir, self._compiler), None)
         with tempfile.TemporaryDirectory(prefix="shardlib-plan-") as dump:
             compiled = lowered.compile(compiler_options={
@@ -453,7 +454,7 @@ class Planner:
                                  links.unknown_groups)
             row.notes.append(f"{len(narrow)} bf16 collective(s) counted at 2 bytes/element "
                              "(XLA:CPU runs them in f32)")
-        elif self.precision == "bf16" and self.devices[0].platform == "cpu":
+        elif self.precision == "bf16" and policy_for(self.devices).widens_bf16_collectives:
             row.notes.append("XLA's partitioned HLO was not found: bf16 collectives are counted as XLA:CPU "
                              "runs them (f32), an upper bound")
         scattered = [r for r in stats.records if r.scattered]
@@ -723,7 +724,7 @@ def plan_document(planner: Planner, rows: Sequence[PlanRow], advice: Sequence[Ma
         "hardware": planner.profile.to_dict(),
         "topology": planner.topology,
         "slices": planner.slices,
-        "compiler": compiler_versions(planner.devices[0].platform),
+        "compiler": compiler_versions(platform_of(planner.devices)),
         # which link each domain figure is: one slice's chips share ICI, slices talk over DCN
         "links": ({"intra_domain_bytes": "ICI", "inter_domain_bytes": "DCN"} if planner.topology else
                   {"intra_domain_bytes": "fast domain (NVLink node / ICI slice)", "inter_domain_bytes": "across domains"}),
