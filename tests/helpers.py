@@ -82,3 +82,20 @@ def assert_bitwise(a, b) -> None:
     differ = [jax.tree_util.keystr(p) for (p, x), (_, y) in zip(a_flat, b_flat)
               if x.dtype != y.dtype or x.shape != y.shape or not np.array_equal(x, y)]
     assert not differ, f"differ: {differ}"
+
+
+def tpu_chips(topology: str = "v5e:2x4") -> list:
+    """The chips of a TPU topology, which libtpu compiles for on this host (nothing runs), or a
+    skip naming the install; under CI (CI=true) a missing libtpu fails instead of skipping."""
+    import os
+
+    import pytest
+
+    from shardlib.runtime.devices import TopologyError, topology_devices
+
+    try:
+        return topology_devices(topology)
+    except TopologyError as err:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must compile for TPU: {err}")
+        pytest.skip(str(err))

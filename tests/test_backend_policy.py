@@ -18,22 +18,13 @@ import jax.numpy as jnp
 import pytest
 
 from shardlib import backend, build, make_layout, make_mesh
-from tests.helpers import optimizer, tiny_model
+from tests.helpers import optimizer, tiny_model, tpu_chips
 
 TPU_TOPOLOGY = "v5e:2x4"
 
 
 def tpu_devices():
-    """The chips of a v5e 2x4 topology (libtpu compiles for them on this host), or a skip naming
-    the install; on CI (CI=true) a missing libtpu fails instead."""
-    from shardlib.runtime.devices import TopologyError, topology_devices
-
-    try:
-        return topology_devices(TPU_TOPOLOGY)
-    except TopologyError as err:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI must compile for TPU: {err}")
-        pytest.skip(str(err))
+    return tpu_chips(TPU_TOPOLOGY)
 
 
 def test_cpu_devices_get_the_cpu_policy():

@@ -468,7 +468,7 @@ def test_export_takes_a_run_folder_without_orbax_read_only_warning(trained, tmp_
 
 
 def test_safetensors_file_reads_with_the_reference_library(trained, tmp_path) -> None:
-    import safetensors.numpy as st  # in the dev extra: this test always runs
+    import safetensors.numpy as st  # a runtime dependency (the loader reads with it): this test always runs
 
     with Checkpointer(tmp_path / "ckpt") as ckpt:
         ckpt.save(2, trained, data_state=_data_state(2), config=CONFIG, force=True)

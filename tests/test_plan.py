@@ -22,7 +22,8 @@ from shardlib.tools.plan import PlanError, PlanRow, Planner, mark_best, plan
 
 ROW_KEYS = set(PlanRow.__dataclass_fields__) | {"mesh_text"}
 DOC_KEYS = {"schema_version", "model", "config", "params", "devices", "batch_size", "seq_len", "precision",
-            "hbm_bytes", "hardware", "candidates", "best", "suggestions", "model_notes"}
+            "hbm_bytes", "hardware", "candidates", "best", "suggestions", "model_notes",
+            "topology", "slices", "compiler", "links"}  # the last four since plan --topology (additive)
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -53,6 +54,7 @@ def test_plan_json_is_one_document_with_stable_keys(capsys):
     assert row["peak_bytes"] == row["persistent_bytes"] + row["transient_bytes"]
     assert doc["best"] == {"strategy": "zero3", "mesh": {"fsdp": 8}} and doc["suggestions"] == []
     assert doc["hardware"]["name"] == "h100" and doc["hbm_bytes"] == doc["hardware"]["hbm_bytes"]
+    assert doc["topology"] is None and doc["compiler"]["platform"] == "cpu"
 
 
 # ---------------------------------------------------------------- fit / no fit
@@ -166,6 +168,7 @@ def test_hsdp_data_axis_traffic_crosses_nodes_of_four():
     (["--model", "tiny", "--devices", "8", "--strategy", "zero4"], ["unknown strategy 'zero4'", "--strategy"]),
     (["--model", "tiny", "--devices", "8", "--hbm", "lots"], ["cannot read 'lots'", "--hbm"]),
     (["--model", "tiny", "--devices", "8", "--hbm", "80"], ["'80' has no unit", "--hbm 80GB"]),  # not 80 bytes
+    (["--model", "tiny"], ["--devices N", "--topology NAME"]),
 ])
 def test_plan_errors_are_one_line_naming_the_flag(capsys, argv, words):
     code, out, err = run_cli(capsys, "plan", *argv)
@@ -178,6 +181,21 @@ def test_plan_errors_are_one_line_naming_the_flag(capsys, argv, words):
 def test_more_devices_than_the_process_has_says_how_to_get_them():
     with pytest.raises(PlanError, match=r"planning for 16 devices .* has 8.*jax_num_cpu_devices"):
         plan("tiny", 16, ["dp"])
+
+
+def test_plot_draws_memory_and_step_time_against_chips(tmp_path):
+    """`plan --plot`: one line per strategy over the plans' chip counts (plans of two device counts)."""
+    from shardlib.tools.plan import plan_document
+    from shardlib.tools.plan_plot import plot_plans
+
+    documents = []
+    for devices in (4, 8):
+        planner = Planner("tiny", devices, batch_size=8)
+        rows = planner.run(["dp", "zero3"])
+        documents.append(plan_document(planner, rows, []))
+    path = plot_plans(documents, str(tmp_path / "chips.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 # ---------------------------------------------------------------- inspect

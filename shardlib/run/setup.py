@@ -6,10 +6,17 @@ flag behind a setting that does not work (`TrainConfigError`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import fcntl
+import json
 import math
+import os
+import socket
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +88,12 @@ class Prepared:
         return evaluate
 
 
-def prepare(config: TrainConfig) -> Prepared:
-    """Build the run of ``config``; the step is compiled once (memory figures come from it)."""
+def prepare(config: TrainConfig, out_dir: Path | None = None) -> Prepared:
+    """Build the run of ``config``; the step is compiled once (memory figures come from it).
+
+    ``out_dir``: the run directory when the caller already chose (and claimed) it; else
+    `run_directory`'s choice.
+    """
     import numpy as np
 
     from shardlib import make_layout
@@ -96,10 +107,8 @@ def prepare(config: TrainConfig) -> Prepared:
     _check_pipeline_flags(config, mesh)
     model = trainable(model_config)
     layout = make_layout(model, strategy, mesh)
-    if config.resume_from is not None and config.out is None:  # keep writing into the resumed run
-        out_dir = checkpoint_dir(config.resume_from).parent
-    else:
-        out_dir = _out_dir(config)
+    if out_dir is None:
+        out_dir = run_directory(config)
     _record_restart(out_dir, mesh)
     loader, val_local = _loaders(config, layout, train_bytes, val_bytes)
     schedule = lr_schedule(config)
@@ -278,6 +287,116 @@ def _loaders(config: TrainConfig, layout, train_bytes, val_bytes):
         field = "batch_size" if "batch size" in str(err) else "seq_len" if "seq_len" in str(err) else "data"
         raise TrainConfigError(field, str(err)) from None
     return loader, val_local
+
+
+def run_directory(config: TrainConfig) -> Path:
+    """Where the run writes: ``--out``; a resumed run without ``--out`` keeps writing into the run it resumes."""
+    if config.resume_from is not None and config.out is None:
+        return checkpoint_dir(config.resume_from).parent
+    return _out_dir(config)
+
+
+# --------------------------------------------------------------------------------------------
+# One run per directory, and a directory that can be written, before anything compiles
+# --------------------------------------------------------------------------------------------
+
+LOCK_NAME = ".lock"
+
+
+def _out_field(config: TrainConfig) -> str:
+    return "resume_from" if config.out is None and config.resume_from is not None else "out"
+
+
+def _blocking_file(path: Path) -> Path | None:
+    """The first part of ``path`` that exists but is not a directory (so nothing can be created below it)."""
+    for part in reversed([path, *path.parents]):
+        if part.exists() and not part.is_dir():
+            return part
+    return None
+
+
+def _unusable(config: TrainConfig, out_dir: Path, err: OSError) -> TrainConfigError:
+    blocker = _blocking_file(out_dir)
+    if blocker is not None:
+        why = f"{blocker} is a file, not a directory"
+    elif err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        why = "it is not writable (" + ("read-only file system" if err.errno == errno.EROFS else "permission denied") + ")"
+    else:
+        why = err.strerror or str(err)
+    hint = "pick another --out" if config.out is not None or config.resume_from is None else "pass --out DIR"
+    return TrainConfigError(_out_field(config), f"cannot write the run directory {out_dir}: {why}; {hint}")
+
+
+def _holder(text: str) -> dict:
+    try:
+        found = json.loads(text)
+        return found if isinstance(found, dict) else {}
+    except ValueError:
+        return {}
+
+
+def _describe_holder(holder: dict) -> str:
+    started = holder.get("started")
+    since = f", since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(started))}" if isinstance(started, (int, float)) else ""
+    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{since}"
+
+
+@contextlib.contextmanager
+def claim_run_directory(config: TrainConfig, out_dir: Path, *, main: bool) -> Iterator[None]:
+    """Create ``out_dir`` and, on process 0, hold ``OUT/.lock`` for the whole run.
+
+    Two runs writing one directory interleave ``metrics.jsonl`` and delete each other's
+    checkpoints, so a second run stops at once, naming the holder's host and PID (a
+    `TrainConfigError`: one line, exit 2). ``flock`` is released by the kernel when its
+    process dies, so a lock file that still names a holder but is not locked was left by a
+    dead run: it is taken over with a note. A directory that cannot be created or written is
+    reported here too, before anything compiles. Other processes only create the directory
+    when they write into it (``--record-examples``).
+    """
+    if not main and not config.record_examples:
+        yield
+        return
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if not main and not os.access(out_dir, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "permission denied", str(out_dir))
+        fd = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644) if main else None
+    except OSError as err:
+        raise _unusable(config, out_dir, err) from None
+    if fd is None:  # another process: checked, nothing to hold
+        yield
+        return
+    lock, ours = out_dir / LOCK_NAME, False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
+            raise TrainConfigError(
+                _out_field(config),
+                f"{out_dir} is in use by another run ({_describe_holder(holder)}): two runs in one directory mix their "
+                "metrics and delete each other's checkpoints; wait for that run to finish, stop it, or pick another --out",
+            ) from None
+        except OSError as err:  # a file system without locks (some network mounts): run unguarded, say so
+            print(f"shardlib: note: cannot lock {lock} ({err.strerror}); nothing stops a second run from writing "
+                  f"{out_dir} at the same time", file=sys.stderr, flush=True)
+        ours = True
+        left = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
+        if left:
+            print(f"shardlib: note: took over {lock}, left by a run that is no longer running "
+                  f"({_describe_holder(left)})", file=sys.stderr, flush=True)
+        me = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": round(time.time(), 3)})
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (me + "\n").encode(), 0)
+        except OSError as err:
+            raise _unusable(config, out_dir, err) from None
+        yield
+    finally:
+        if ours:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # an empty lock file: released cleanly (a named holder means it died)
+        os.close(fd)  # releases the flock
 
 
 def _out_dir(config: TrainConfig) -> Path:

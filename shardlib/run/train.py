@@ -150,15 +150,29 @@ def _device_count_error(n: int) -> TrainConfigError:
 
 
 def train(config: TrainConfig) -> TrainResult:
-    """Train ``config.model`` under ``config.strategy``; write metrics, plots and a sample."""
-    from shardlib.run.metrics_io import MetricsLog
-    from shardlib.run.setup import prepare
+    """Train ``config.model`` under ``config.strategy``; write metrics, plots and a sample.
+
+    Before anything compiles, process 0 claims the run directory (``OUT/.lock``, held until this
+    returns): a directory that cannot be written, or that another run is using, stops here.
+    """
+    import jax
+
+    from shardlib.run.setup import claim_run_directory, run_directory
 
     t_begin = time.perf_counter()
     xla_note = _set_xla_flags(config.xla_gpu_overlap)
     note = "; ".join(filter(None, (xla_note, setup_devices(config.cpu_devices)))) or None
     check_numbers(config)
-    run = prepare(config)
+    out_dir = run_directory(config)
+    with claim_run_directory(config, out_dir, main=jax.process_index() == 0):
+        return _train(config, out_dir, note, t_begin)
+
+
+def _train(config: TrainConfig, out_dir: Path, note: str | None, t_begin: float) -> TrainResult:
+    from shardlib.run.metrics_io import MetricsLog
+    from shardlib.run.setup import prepare
+
+    run = prepare(config, out_dir)
     if run.is_main and config.verbose:
         print(console.banner(run, note), flush=True)
     ckpt, state, start, resume_step = _initial_state(run)
@@ -328,11 +342,13 @@ def run(args) -> int:
     except DivergedError as err:  # not a usage error (exit 2): one line, its own status
         print(f"shardlib train: error: {err}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
-    except KeyboardInterrupt:  # a checkpointing run's loop turns Ctrl-C into a save and a clean stop instead
+    except KeyboardInterrupt as err:  # a checkpointing run's loop turns Ctrl-C into a save and a clean stop instead
         if config.ckpt_every == 0 and config.resume_from is None:
+            from shardlib.cli import exit_interrupted
+
             print("shardlib train: interrupted; nothing saved (checkpointing is off: with --ckpt-every N a run "
                   "saves every N steps, and Ctrl-C saves before stopping)", file=sys.stderr, flush=True)
-            return EXIT_INTERRUPTED
+            return exit_interrupted(err, EXIT_INTERRUPTED)
         raise
     return 0
 

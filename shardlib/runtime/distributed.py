@@ -24,13 +24,22 @@ here at ~timeout + 1 s); when process 0 dies they abort at once (its socket clos
 that raises is made to exit at once (see :func:`finish`), so it counts as dead rather than
 waiting at JAX's shutdown barrier while its peers wait in a collective. Under ``shardlib launch``
 the launcher notices a death at once and SIGKILLs the rest after ``--grace`` (10 s).
+
+Where the coordinator listens. JAX's coordinator has no authentication: whatever reaches its
+port can join the job or abort it. Process 0 therefore binds it to the coordinator host's own
+address (loopback for ``localhost`` / ``127.0.0.1``, which is what ``shardlib launch`` uses), not
+to every interface as JAX does by default; ``SHARDLIB_COORDINATOR_BIND=host:port`` overrides it
+(see :func:`coordinator_bind`). A port already in use is named before JAX would crash on it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import ipaddress
 import os
 import re
+import socket
 import sys
 import time
 from collections import Counter
@@ -49,6 +58,7 @@ ENV_LOCAL_DEVICES = "SHARDLIB_LOCAL_DEVICES"
 ENV_HEARTBEAT_TIMEOUT = "SHARDLIB_HEARTBEAT_TIMEOUT"
 ENV_INIT_TIMEOUT = "SHARDLIB_INIT_TIMEOUT"
 ENV_SHUTDOWN_TIMEOUT = "SHARDLIB_SHUTDOWN_TIMEOUT"
+ENV_COORDINATOR_BIND = "SHARDLIB_COORDINATOR_BIND"
 
 # Seconds. Heartbeat: a dead process is noticed within this; 30 s rides out GC pauses and network
 # blips on a real cluster yet frees a failed allocation quickly (JAX's default is 100 s).
@@ -288,15 +298,148 @@ def _too_late(p: Plan) -> DistributedError:
     )
 
 
+# --------------------------------------------------------------------------------------------
+# Where the coordinator listens
+# --------------------------------------------------------------------------------------------
+
+_LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"}
+
+
+def _split_host_port(address: str) -> tuple[str, str]:
+    """'host:port' or '[v6]:port' -> (host, port)."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), port
+
+
+def _join_host_port(host: str, port: str) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _can_bind(ip: str) -> bool:
+    """True when ``ip`` is an address of this machine (a socket can be bound to it)."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((ip, 0))
+        return True
+    except OSError:
+        return False
+
+
+def coordinator_bind(coordinator: str, environ: Mapping[str, str] | None = None) -> tuple[str, str | None]:
+    """Where process 0's coordinator listens: (bind address, a warning or None).
+
+    JAX's default is every interface (``[::]:port``), and its coordinator has no
+    authentication: anything that reaches the port can join or abort the job. So, unless
+    ``SHARDLIB_COORDINATOR_BIND`` (or JAX's ``JAX_COORDINATOR_BIND_ADDRESS``) says otherwise, it
+    listens only on the coordinator host's own address, as resolved from the coordinator
+    address (``localhost`` / ``127.0.0.1``: loopback only). When that address is not one of
+    this machine's (a NAT or service address), or a host name resolves to loopback here but
+    not elsewhere (Debian's ``127.0.1.1`` line in /etc/hosts), listening there would shut the
+    other hosts out: then every interface, with a warning naming the variable to set.
+    """
+    env = os.environ if environ is None else environ
+    given = env.get(ENV_COORDINATOR_BIND) or env.get("JAX_COORDINATOR_BIND_ADDRESS")
+    if given:
+        return given, None
+    host, port = _split_host_port(coordinator)
+    everywhere = f"[::]:{port}"
+    try:
+        ips = list(dict.fromkeys(info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)))
+    except (OSError, UnicodeError):
+        ips = []
+    ips.sort(key=lambda ip: ":" in ip)  # IPv4 first: what "localhost" clients try most often
+    loopback_name = _is_loopback(host)
+    for ip in ips:
+        if ipaddress.ip_address(ip.split("%")[0]).is_loopback and not loopback_name:
+            continue  # e.g. node0 -> 127.0.1.1 on node0 itself: the other hosts could not connect there
+        if _can_bind(ip):
+            return _join_host_port(ip, port), None
+    why = (f"here it resolves to {', '.join(ips)}: loopback, or not an address of this machine"
+           if ips else "it does not resolve here")
+    return everywhere, (
+        f"shardlib: warning: the coordinator listens on every interface (port {port}) because {host!r} cannot be "
+        f"used as its address ({why}); set {ENV_COORDINATOR_BIND}=<this host's address on the job's network>:{port} "
+        "to restrict it. JAX's coordinator has no authentication: keep the job on a private network"
+    )
+
+
+def check_port_free(bind: str) -> None:
+    """A `DistributedError` naming the port when something already listens there.
+
+    JAX would otherwise crash (SIGSEGV, or "Failed to start RPC server") without naming it.
+    SO_REUSEADDR as gRPC sets it: a port left in TIME_WAIT by a finished job is free.
+    """
+    host, port = _split_host_port(bind)
+    if not port.isdigit():
+        return
+    family = socket.AF_INET6 if ":" in host or host in ("", "::") else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host or "::", int(port)))
+    except OSError as err:
+        if err.errno != errno.EADDRINUSE:
+            return  # not ours to judge (an address JAX may still handle): let it try
+        raise DistributedError(
+            f"the coordinator cannot listen on {bind}: port {port} is already in use (another job, or another "
+            f"program; `ss -ltnp 'sport = :{port}'` shows which). Pick another port (shardlib launch --port, or the "
+            f"port in {ENV_COORDINATOR} / coordinator_address) or free this one"
+        ) from None
+
+
+def _cluster_coordinator(ids: list[int] | None, init_s: int) -> str | None:
+    """The coordinator address JAX's SLURM / Open MPI detection will use (None: unknown)."""
+    try:
+        from jax._src import clusters
+
+        address, *_ = clusters.ClusterEnv.auto_detect_unset_distributed_params(None, None, None, ids, None, init_s)
+        return address
+    except Exception:  # a private API: when it moves, JAX's own default applies
+        return None
+
+
+def _bind_for(coordinator: str | None) -> str | None:
+    """Process 0's bind address (checked free, warning printed), or None for JAX's default."""
+    if coordinator is None or ":" not in coordinator:
+        return None
+    bind, warning = coordinator_bind(coordinator)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    check_port_free(bind)
+    return bind
+
+
+def _process_id_of_cluster(source: str) -> int | None:
+    env = os.environ
+    key = {"slurm": "SLURM_PROCID", "ompi": "OMPI_COMM_WORLD_RANK"}.get(source)
+    value = env.get(key, "") if key else ""
+    return int(value) if value.isdigit() else None
+
+
 def _join(p: Plan, heartbeat_s: int, init_s: int, shutdown_s: int) -> None:
     timeouts = dict(
         initialization_timeout=init_s, heartbeat_timeout_seconds=heartbeat_s, shutdown_timeout_seconds=shutdown_s
     )
     if p.source in ("explicit", "env"):
-        jax.distributed.initialize(p.coordinator, p.num_processes, p.process_id, **timeouts)
+        bind = _bind_for(p.coordinator) if p.process_id == 0 else None
+        jax.distributed.initialize(p.coordinator, p.num_processes, p.process_id, coordinator_bind_address=bind,
+                                   **timeouts)
         return
     ids = list(p.device_ids) if p.device_ids is not None else None
-    jax.distributed.initialize(local_device_ids=ids, **timeouts)
+    bind = None
+    if _process_id_of_cluster(p.source) == 0:
+        bind = _bind_for(_cluster_coordinator(ids, init_s))
+    jax.distributed.initialize(local_device_ids=ids, coordinator_bind_address=bind, **timeouts)
     if p.source in ("slurm", "ompi") and ids is None and not p.keep_jax_device_choice:
         # JAX narrowed this task to the GPU at its local rank; shardlib's rule is "all visible".
         jax.config.update("jax_cuda_visible_devices", "all")

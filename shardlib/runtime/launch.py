@@ -9,6 +9,11 @@ fails, the launcher says which one failed first and how, stops the others (SIGTE
 SIGKILL after ``--grace`` seconds) and exits with that first failure's code (128+signal for a
 signal), so a dead process never leaves the rest waiting in a collective.
 
+The coordinator listens on 127.0.0.1 only (JAX's coordinator has no authentication, and by
+default listens on every interface); ``--port`` in use is refused before anything starts. Every
+process must join within ``--init-timeout`` seconds (default 60): a process stopped or hung at
+start-up fails the job after that, naming it, instead of after JAX's 5 minutes.
+
 This module does not import JAX: the launcher itself starts instantly and holds no devices.
 """
 
@@ -34,6 +39,11 @@ from shardlib.runtime.devices import with_cpu_collective_timeout
 from shardlib.runtime.elastic import Elastic
 
 DEFAULT_GRACE_S = 10.0
+# Seconds every process has to join the job at start-up. JAX's default (300 s, plus its retries) held a job
+# with a stopped process for over 5 minutes; local processes start together, so a minute is ample.
+DEFAULT_INIT_TIMEOUT_S = 60
+ENV_INIT_TIMEOUT = "SHARDLIB_INIT_TIMEOUT"  # read by shardlib.runtime.distributed (not imported: it imports JAX)
+LOOPBACK = "127.0.0.1"
 TAIL_LINES = 200  # output lines kept per process, for telling a dead process from one stopped by a peer's death
 _OUTPUT_LOCK = threading.Lock()  # whole lines from different processes never interleave
 _FORCE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S*")
@@ -49,7 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--processes", "-n", type=int, required=True, metavar="N", help="number of processes to start")
     parser.add_argument("--devices-per-process", "-d", type=int, default=1, metavar="M",
                         help="simulated CPU devices each process sees (default 1)")
-    parser.add_argument("--port", type=int, default=None, metavar="P", help="coordinator port on localhost (default: a free one)")
+    parser.add_argument("--port", type=int, default=None, metavar="P",
+                        help="coordinator port, on 127.0.0.1 only (default: a free one)")
+    parser.add_argument("--init-timeout", type=int, default=None, metavar="S",
+                        help=f"seconds every process has to join the job at start-up before it fails (default "
+                             f"${ENV_INIT_TIMEOUT} if set, else {DEFAULT_INIT_TIMEOUT_S})")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, metavar="S",
                         help=f"seconds between SIGTERM and SIGKILL when stopping the others (default {DEFAULT_GRACE_S:g})")
     parser.add_argument("--elastic", action="store_true",
@@ -66,8 +80,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def free_port() -> int:
     """A TCP port nothing listens on right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((LOOPBACK, 0))
         return sock.getsockname()[1]
+
+
+def check_port(port: int) -> None:
+    """A `LaunchError` naming ``port`` when something already listens on it (JAX would segfault instead)."""
+    if not 0 < port < 65536:
+        raise LaunchError(f"--port {port} is not a TCP port (1..65535)")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: a port in TIME_WAIT is free
+        try:
+            sock.bind((LOOPBACK, port))
+        except OSError as err:
+            raise LaunchError(f"--port {port}: the coordinator cannot listen on {LOOPBACK}:{port} ({err.strerror}); "
+                              f"pick another --port, leave it out for a free one, or free this port (`ss -ltnp "
+                              f"'sport = :{port}'` shows who holds it)") from None
+
+
+def init_timeout(flag: int | None, environ: dict[str, str] | None = None) -> int:
+    """The start-up timeout: ``--init-timeout``, else $SHARDLIB_INIT_TIMEOUT, else the default (60 s)."""
+    env = os.environ if environ is None else environ
+    value: object = flag if flag is not None else env.get(ENV_INIT_TIMEOUT) or DEFAULT_INIT_TIMEOUT_S
+    try:
+        seconds = int(value)  # type: ignore[arg-type]
+    except ValueError:
+        raise LaunchError(f"{ENV_INIT_TIMEOUT}={value!r} is not a whole number of seconds") from None
+    if seconds < 1:
+        raise LaunchError(f"--init-timeout {seconds} must be at least 1 second")
+    return seconds
 
 
 def process_env(base: dict[str, str], index: int, count: int, devices: int, coordinator: str) -> dict[str, str]:
@@ -154,7 +195,7 @@ class JobEnd:
 
 
 def launch(command: list[str], processes: int, devices_per_process: int = 1, *, port: int | None = None,
-           grace_s: float = DEFAULT_GRACE_S, elastic: Elastic | None = None) -> int:
+           grace_s: float = DEFAULT_GRACE_S, elastic: Elastic | None = None, init_timeout_s: int | None = None) -> int:
     """Run ``command`` as ``processes`` local processes; the first failure's exit code (0 if none).
 
     With ``elastic``, a failure restarts the job on the processes left instead (`run_elastic`).
@@ -163,15 +204,22 @@ def launch(command: list[str], processes: int, devices_per_process: int = 1, *, 
         raise LaunchError(f"--processes ({processes}) and --devices-per-process ({devices_per_process}) must be positive")
     if not command:
         raise LaunchError("no command given; usage: shardlib launch --processes 2 -- python my_script.py")
+    if port is not None:
+        check_port(port)
+    timeout_env = {ENV_INIT_TIMEOUT: str(init_timeout(init_timeout_s))}
     if elastic is not None:
-        return run_elastic(command, processes, devices_per_process, elastic, port=port, grace_s=grace_s)
-    return run_job(command, processes, devices_per_process, port=port, grace_s=grace_s).exit_code
+        return run_elastic(command, processes, devices_per_process, elastic, port=port, grace_s=grace_s,
+                           extra_env=timeout_env)
+    return run_job(command, processes, devices_per_process, port=port, grace_s=grace_s,
+                   extra_env=timeout_env).exit_code
 
 
 def run_job(command: list[str], processes: int, devices_per_process: int, *, port: int | None, grace_s: float,
             extra_env: dict[str, str] | None = None) -> JobEnd:
     """Start the processes, wait for all to succeed or the first to fail, stop the rest."""
-    coordinator = f"localhost:{port or free_port()}"
+    # Loopback: JAX's coordinator has no authentication. Process 0 binds the coordinator's own address
+    # (shardlib.runtime.distributed.coordinator_bind), so this keeps it off every other interface.
+    coordinator = f"{LOOPBACK}:{port or free_port()}"
     interrupted: list[int] = []
     previous = {}
     if threading.current_thread() is threading.main_thread():  # signal handlers need the main thread
@@ -188,6 +236,8 @@ def run_job(command: list[str], processes: int, devices_per_process: int, *, por
         if first_failure is not None:
             index, code = first_failure
             _say(f"process {index} (pid {children[index].proc.pid}) failed first: {describe_exit(code)}")
+            for line in _diagnose(children, index, coordinator, (extra_env or {}).get(ENV_INIT_TIMEOUT)):
+                _say(line)
         elif interrupted:
             _say(f"received {signal.Signals(interrupted[0]).name}")
     finally:
@@ -214,14 +264,42 @@ def _wait_first_failure(exits: queue.Queue[tuple[int, int]], processes: int, int
     return None
 
 
+def _stopped(pid: int) -> bool:
+    """True when ``pid`` is stopped (SIGSTOP, Ctrl-Z, a debugger): state T or t in /proc (Linux only)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _diagnose(children: list[_Child], failed: int, coordinator: str, init_timeout_s: str | None) -> list[str]:
+    """What the first failure's output and the others' states say, in words (JAX's are a C++ abort)."""
+    lines = []
+    tail = "".join(children[failed].tail)
+    if "Failed to add port" in tail or "Failed to start RPC server" in tail:
+        port = coordinator.rpartition(":")[2]
+        lines.append(f"the coordinator could not listen on {coordinator}: port {port} is in use; pick another "
+                     "--port (or leave it out for a free one), or free this port")
+    elif "RegisterTask" in tail or ("DEADLINE_EXCEEDED" in tail and "Connect" in tail):
+        within = f" within {init_timeout_s} s" if init_timeout_s else ""
+        lines.append(f"process {failed} gave up waiting for every process to join the job{within} (--init-timeout)")
+    for child in children:
+        if child.index != failed and child.proc.poll() is None and _stopped(child.proc.pid):
+            lines.append(f"process {child.index} (pid {child.proc.pid}) is stopped (SIGSTOP, Ctrl-Z or a debugger), "
+                         "so it never joined; continue it (kill -CONT) or find what stopped it")
+    return lines
+
+
 def run_elastic(command: list[str], processes: int, devices_per_process: int, policy: Elastic, *,
-                port: int | None, grace_s: float) -> int:
+                port: int | None, grace_s: float, extra_env: dict[str, str] | None = None) -> int:
     """Run the job; after each failure, restart it on the processes left (see `shardlib.runtime.elastic`)."""
     try:
         out_dir = elastic.run_directory(command)
     except ValueError as err:
         raise LaunchError(str(err)) from None
-    restarts, extra_env = 0, {}
+    base_env = dict(extra_env or {})
+    restarts, extra_env = 0, dict(base_env)
     while True:
         end = run_job(command, processes, devices_per_process, port=port, grace_s=grace_s, extra_env=extra_env)
         if end.first_failure is None:
@@ -243,7 +321,7 @@ def run_elastic(command: list[str], processes: int, devices_per_process: int, po
                                     processes=processes, devices_per_process=devices_per_process)
         source = f"checkpoint step {resume} in {out_dir / 'checkpoints'}" if resume is not None else "the start"
         _say(f"restart {restarts}: {processes} process(es) x {devices_per_process} device(s), from {source}")
-        extra_env = {elastic.ENV_RESTART: json.dumps(note)}
+        extra_env = {**base_env, elastic.ENV_RESTART: json.dumps(note)}
         port = None  # a fresh coordinator port: the old one may still be held by the stopped job
 
 
@@ -290,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     return launch(command, args.processes, args.devices_per_process, port=args.port, grace_s=args.grace,
-                  elastic=_elastic_policy(args))
+                  elastic=_elastic_policy(args), init_timeout_s=args.init_timeout)
 
 
 def _elastic_policy(args: argparse.Namespace) -> Elastic | None:

@@ -9,12 +9,16 @@ largest tensor, not the model.
 
 Formats, chosen by the suffix of ``--out``:
   .npz          a NumPy zip (``np.load`` reads it); one ``<path>.npy`` entry per tensor
-  .safetensors  the safetensors layout (JSON header, then raw little-endian data), written by
-                shardlib itself, so no extra package is needed to write or read it
+  .safetensors  the safetensors layout (JSON header, then raw little-endian data), streamed by
+                shardlib itself and read back with the ``safetensors`` package (which validates it)
+The file is written under a temporary name in the same directory, fsynced, then renamed onto
+``--out``: a failed export leaves the previous file, if any, intact and no partial file behind.
 Both carry a JSON record (format, step, run config, each tensor's part, key path and dtype) that
 `load_exported` uses to rebuild the exact parameter tree the model expects. A parameter is named
 by its path (``blocks/attn/wq``); a model-state tensor by its path under ``model_state/``
 (``model_state/bn/mean``), and ``load_exported(path, model_state=True)`` returns that tree too.
+`load_exported` checks every tensor against the record (and the model, given ``like=``) before
+reading it, and an ``.npz`` entry's declared size before inflating it.
 """
 
 from __future__ import annotations
@@ -23,12 +27,15 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
+import secrets
 import struct
 import zipfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import jax
 import ml_dtypes
@@ -42,7 +49,7 @@ from shardlib.runtime.checkpoint import (
     signature_mismatches,
     tree_signature,
 )
-from shardlib.sharding.rules import describe_mismatches, path_keys, path_str
+from shardlib.sharding.rules import describe_mismatches, listed, path_keys, path_str
 
 EXPORT_FORMAT = "shardlib.tools.export/2"  # /2 added the model state ("part" of each tensor)
 READABLE_FORMATS = ("shardlib.tools.export/1", EXPORT_FORMAT)  # /1: parameters only
@@ -90,16 +97,60 @@ def _dtype(name: str) -> np.dtype:
 
 
 # --------------------------------------------------------------------------------------------
-# Writers: open, add one tensor at a time, close
+# Writers: open, add one tensor at a time, close; the file appears at its path only when complete
 # --------------------------------------------------------------------------------------------
+
+
+class _AtomicFile:
+    """A temporary file next to ``path`` that becomes ``path`` (fsync, then ``os.replace``) only on
+    `commit`: an export that fails (full disk, killed gather) leaves the previous file, if any,
+    untouched and no partial file behind (`discard` removes it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
+        # 0o666 less the umask, as open() would give the final file (mkstemp would leave it 0o600)
+        self.file = os.fdopen(os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb")
+
+    def commit(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.path)
+        try:  # make the rename itself durable
+            directory = os.open(self.path.parent, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(directory)
+        except OSError:
+            pass
+        finally:
+            os.close(directory)
+
+    def discard(self) -> None:
+        try:
+            self.file.close()
+        except OSError:
+            pass
+        self.tmp.unlink(missing_ok=True)
+
+
+def _nbytes(t: dict[str, Any]) -> int:
+    """Bytes of a recorded tensor's data."""
+    return math.prod(t["shape"]) * _dtype(t["dtype"]).itemsize
 
 
 class _NpzWriter:
     """Streams ``<name>.npy`` entries into a zip; bfloat16 is stored as its uint16 bits."""
 
-    def __init__(self, path: Path, record: dict[str, Any]) -> None:
-        self._zip = zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
-        self._add(METADATA_ENTRY, np.frombuffer(json.dumps(record).encode("utf-8"), np.uint8))
+    def __init__(self, file: BinaryIO, record: dict[str, Any]) -> None:
+        self._zip = zipfile.ZipFile(file, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
+        try:
+            self._add(METADATA_ENTRY, np.frombuffer(json.dumps(record).encode("utf-8"), np.uint8))
+        except BaseException:
+            self.abandon()
+            raise
 
     def _add(self, name: str, array: np.ndarray) -> None:
         with self._zip.open(f"{name}.npy", "w", force_zip64=True) as entry:
@@ -109,39 +160,62 @@ class _NpzWriter:
         self._add(name, array.view(np.uint16) if array.dtype == ml_dtypes.bfloat16 else array)
 
     def close(self) -> None:
-        self._zip.close()
+        self._zip.close()  # writes the central directory; the file object is the caller's
+
+    def abandon(self) -> None:
+        """After a failed write: forget the file, so that the zip does not write its directory into it
+        when collected (the file is discarded)."""
+        self._zip.fp = None
 
 
 class _SafetensorsWriter:
-    """Writes the header up front (offsets follow from shapes and dtypes), then raw tensors in order."""
+    """Writes the header up front (offsets follow from shapes and dtypes), then raw tensors in order.
 
-    def __init__(self, path: Path, record: dict[str, Any]) -> None:
+    Streamed, one tensor at a time (the ``safetensors`` package writes from tensors all in memory);
+    each tensor is checked against its header entry, so the file is one the package reads
+    (tests/test_checkpoint.py reads it with ``safetensors.numpy.load_file``)."""
+
+    def __init__(self, file: BinaryIO, record: dict[str, Any]) -> None:
         header: dict[str, Any] = {"__metadata__": {METADATA_ENTRY: json.dumps(record)}}
         offset = 0
         for t in record["tensors"]:
-            size = int(np.prod(t["shape"], dtype=np.int64)) * _dtype(t["dtype"]).itemsize
+            size = _nbytes(t)
             header[t["name"]] = {"dtype": _SAFETENSORS_DTYPES[t["dtype"]], "shape": t["shape"], "data_offsets": [offset, offset + size]}
             offset += size
         blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
         blob += b" " * (-len(blob) % 8)  # the format pads the header with spaces to 8 bytes
-        self._file = open(path, "wb")
+        self._file = file
         self._file.write(struct.pack("<Q", len(blob)) + blob)
+        self._pending = iter(record["tensors"])
 
     def add(self, name: str, array: np.ndarray) -> None:
+        t = next(self._pending, None)
+        if t is None or t["name"] != name or list(array.shape) != t["shape"] or array.dtype != _dtype(t["dtype"]):
+            raise CheckpointError(f"cannot export: tensor {name!r} {array.dtype}{list(array.shape)} is not the next one "
+                                  f"the safetensors header announced ({t and t['name']!r})")
         little = array.astype(array.dtype.newbyteorder("<"), copy=False) if array.dtype.byteorder == ">" else array
         self._file.write(little.tobytes(order="C"))
 
+    def abandon(self) -> None:
+        pass
+
     def close(self) -> None:
-        self._file.close()
+        missing = [t["name"] for t in self._pending]
+        if missing:
+            raise CheckpointError(f"cannot export: tensors {listed(missing)} were announced but not written")
 
 
-def _writer(path: Path, record: dict[str, Any]) -> _NpzWriter | _SafetensorsWriter:
-    return _NpzWriter(path, record) if path.suffix == ".npz" else _SafetensorsWriter(path, record)
+def _writer(file: BinaryIO, suffix: str, record: dict[str, Any]) -> _NpzWriter | _SafetensorsWriter:
+    return _NpzWriter(file, record) if suffix == ".npz" else _SafetensorsWriter(file, record)
 
 
 # --------------------------------------------------------------------------------------------
-# Readers
+# Readers: every size, dtype and shape is checked against the record (and the model, given
+# ``like``) before the data it describes is read
 # --------------------------------------------------------------------------------------------
+
+RECORD_LIMIT = 64 * 2**20  # bytes the JSON record may take (an .npz states it before it is inflated)
+NPY_HEADER_LIMIT = 10_000 + 16  # an .npy header past its data (NumPy's own max_header_size, + magic)
 
 
 def _check_suffix(path: Path) -> None:
@@ -149,10 +223,144 @@ def _check_suffix(path: Path) -> None:
         raise CheckpointError(f"exported weights file {str(path)!r} must end in {' or '.join(SUFFIXES)}")
 
 
-def _read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(size)), 8 + size
+def _describe(dtype: Any, shape: Any) -> str:
+    return f"{np.dtype(dtype).name if not isinstance(dtype, str) else dtype}{list(shape)}"
+
+
+def _safe_open(path: Path) -> Any:
+    """``safetensors.safe_open`` (which validates the header: its length, each tensor's dtype, shape
+    and byte range, no overlaps, no gaps), its errors as one `CheckpointError` naming the file."""
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError as err:  # a runtime dependency; only a broken install gets here
+        raise CheckpointError(f"reading {path} needs the safetensors package: pip install safetensors") from err
+    try:
+        return safe_open(str(path), framework="numpy")
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is not a valid safetensors file: {' '.join(str(err).split())}") from None
+
+
+def _npy_header(entry: BinaryIO, where: str) -> tuple[tuple[int, ...], bool, np.dtype]:
+    try:
+        version = np.lib.format.read_magic(entry)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        return read(entry)
+    except (ValueError, OSError, zipfile.BadZipFile) as err:
+        raise CheckpointError(f"{where} is not a valid .npy entry: {' '.join(str(err).split())}") from None
+
+
+def _read_npy(zf: zipfile.ZipFile, info: zipfile.ZipInfo, dtype: np.dtype, shape: tuple[int, ...], where: str) -> np.ndarray:
+    """The entry's array, once its .npy header states exactly ``dtype`` and ``shape`` and its
+    declared size is that header plus the data (so inflating it cannot produce more)."""
+    try:
+        with zf.open(info) as entry:
+            found_shape, fortran, found_dtype = _npy_header(entry, where)
+            if found_dtype != dtype or tuple(found_shape) != tuple(shape):
+                raise CheckpointError(f"{where} holds {_describe(found_dtype, found_shape)}; the export recorded "
+                                      f"{_describe(dtype, shape)}")
+            nbytes = math.prod(shape) * dtype.itemsize
+            if info.file_size != entry.tell() + nbytes:
+                raise CheckpointError(f"{where} declares {info.file_size} bytes uncompressed, not its .npy header "
+                                      f"({entry.tell()} bytes) plus {_describe(dtype, shape)} ({nbytes} bytes)")
+            array = np.empty(shape, dtype, order="F" if fortran else "C")
+            view, filled = memoryview(array.reshape(-1, order="A").view(np.uint8)), 0
+            while filled < nbytes:
+                got = entry.readinto(view[filled:])
+                if not got:
+                    raise CheckpointError(f"{where} ends after {filled} of its {nbytes} data bytes")
+                filled += got
+            return array
+    except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as err:
+        raise CheckpointError(f"{where} cannot be read: {' '.join(str(err).split())}") from None
+
+
+def _open_npz(path: Path) -> zipfile.ZipFile:
+    try:
+        return zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is not a valid .npz file: {' '.join(str(err).split())}") from None
+
+
+def _npz_record(path: Path, zf: zipfile.ZipFile) -> dict[str, Any]:
+    name = f"{METADATA_ENTRY}.npy"
+    try:
+        info = zf.getinfo(name)
+    except KeyError:
+        raise CheckpointError(f"{path} was not written by `shardlib export` (no {METADATA_ENTRY} entry)") from None
+    if info.file_size > RECORD_LIMIT + NPY_HEADER_LIMIT:
+        raise CheckpointError(f"{path}: entry {name!r} declares {info.file_size} bytes uncompressed, more than the "
+                              f"{RECORD_LIMIT} an export record may take; refusing to inflate it")
+    with zf.open(info) as entry:
+        shape, _, dtype = _npy_header(entry, f"{path}: entry {name!r}")
+    if dtype != np.uint8 or len(shape) != 1:
+        raise CheckpointError(f"{path}: entry {name!r} holds {_describe(dtype, shape)}, not the JSON bytes (uint8[n]) "
+                              "of an export record")
+    raw = _read_npy(zf, info, np.dtype(np.uint8), tuple(shape), f"{path}: entry {name!r}")
+    try:
+        return json.loads(raw.tobytes())
+    except (UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"{path}: the export record is not JSON ({err})") from None
+
+
+def _check_record(path: Path, record: Any) -> dict[str, Any]:
+    """The record, once it is one this shardlib reads: known format, every tensor named once with a
+    known dtype and a shape of non-negative ints."""
+    if not isinstance(record, dict) or record.get("format") not in READABLE_FORMATS:
+        found = record.get("format") if isinstance(record, dict) else type(record).__name__
+        raise CheckpointError(f"{path} has export format {found!r}; this shardlib reads "
+                              f"{' or '.join(map(repr, READABLE_FORMATS))}")
+    tensors, seen = record.get("tensors"), set()
+    if not isinstance(tensors, list):
+        raise CheckpointError(f"{path}: the export record lists no tensors")
+    for t in tensors:
+        ok = (isinstance(t, dict) and isinstance(t.get("name"), str) and t["name"] not in seen
+              and isinstance(t.get("path"), list) and t.get("dtype") in _SAFETENSORS_DTYPES
+              and t.get("part", "params") in ("params", "model_state") and isinstance(t.get("shape"), list)
+              and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in t["shape"]))
+        if not ok:
+            raise CheckpointError(f"{path}: the export record's tensor entry {str(t)[:200]} is malformed or repeated")
+        seen.add(t["name"])
+    return record
+
+
+def _check_against_model(path: Path, record: dict[str, Any], like: Any, part: str) -> None:
+    """Every tensor of ``part`` has the name, shape and dtype the model's tree ``like`` has (arrays or
+    ``jax.ShapeDtypeStruct``s), checked before any tensor data is read."""
+    expected = {}
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(like)[0]:
+        name = path_str(key_path) if part == "params" else f"{part}/{path_str(key_path)}"
+        expected[name] = (tuple(np.shape(leaf)), np.dtype(leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)))
+    found = {t["name"]: (tuple(t["shape"]), _dtype(t["dtype"])) for t in record["tensors"] if t.get("part", "params") == part}
+    problems = [f"{n!r}: the file holds {_describe(found[n][1], found[n][0])}, the model expects "
+                f"{_describe(expected[n][1], expected[n][0])}" for n in found if n in expected and found[n] != expected[n]]
+    problems += [f"{n!r}: missing from the file" for n in expected if n not in found]
+    problems += [f"{n!r}: not in the model" for n in found if n not in expected]
+    if problems:
+        raise CheckpointMismatchError(f"{path} does not hold the {'parameters' if part == 'params' else part} of "
+                                      f"the model given as like= {describe_mismatches(problems)}")
+
+
+def _check_npz_sizes(path: Path, zf: zipfile.ZipFile, record: dict[str, Any]) -> dict[str, zipfile.ZipInfo]:
+    """Each tensor's entry, once no entry (nor the archive) declares more uncompressed bytes than the
+    recorded tensors need: a zip bomb is refused before a byte of it is inflated."""
+    infos, problems = {}, []
+    for t in record["tensors"]:
+        try:
+            info = infos[t["name"]] = zf.getinfo(f"{t['name']}.npy")
+        except KeyError:
+            raise CheckpointError(f"{path} has no entry for tensor {t['name']!r} its export record lists") from None
+        if info.file_size > _nbytes(t) + NPY_HEADER_LIMIT:
+            problems.append(f"{info.filename!r} declares {info.file_size} bytes uncompressed, tensor "
+                            f"{_describe(t['dtype'], t['shape'])} needs {_nbytes(t)}")
+    needed = sum(map(_nbytes, record["tensors"])) + (len(record["tensors"]) + 1) * NPY_HEADER_LIMIT + RECORD_LIMIT
+    declared = sum(info.file_size for info in zf.infolist())
+    if declared > needed:
+        problems.append(f"its {len(zf.infolist())} entries declare {declared} bytes uncompressed in all, the "
+                        f"recorded tensors need at most {needed}")
+    if problems:
+        raise CheckpointError(f"{path} declares more data than its tensors need; refusing to inflate it "
+                              f"{describe_mismatches(problems)}")
+    return infos
 
 
 def read_export_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -162,46 +370,66 @@ def read_export_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"exported weights file {str(path)!r} does not exist")
     if path.suffix == ".npz":
-        with np.load(path) as npz:
-            if METADATA_ENTRY not in npz.files:
-                raise CheckpointError(f"{path} was not written by `shardlib export` (no {METADATA_ENTRY} entry)")
-            return json.loads(npz[METADATA_ENTRY].tobytes())
-    header, _ = _read_safetensors_header(path)
-    meta = header.get("__metadata__", {})
+        with _open_npz(path) as zf:
+            return _npz_record(path, zf)
+    with _safe_open(path) as f:
+        meta = f.metadata() or {}
     if METADATA_ENTRY not in meta:
         raise CheckpointError(f"{path} was not written by `shardlib export` (no {METADATA_ENTRY} metadata)")
-    return json.loads(meta[METADATA_ENTRY])
+    try:
+        return json.loads(meta[METADATA_ENTRY])
+    except ValueError as err:
+        raise CheckpointError(f"{path}: the export record is not JSON ({err})") from None
 
 
 def _iter_tensors(path: Path, record: dict[str, Any]) -> Iterator[tuple[dict[str, Any], np.ndarray]]:
     if path.suffix == ".npz":
-        with np.load(path) as npz:
+        with _open_npz(path) as zf:
+            infos = _check_npz_sizes(path, zf, record)
             for t in record["tensors"]:
-                array = npz[t["name"]]
-                yield t, array.view(ml_dtypes.bfloat16) if t["dtype"] == "bfloat16" else array
+                bf16 = t["dtype"] == "bfloat16"
+                dtype = np.dtype(np.uint16) if bf16 else _dtype(t["dtype"])
+                array = _read_npy(zf, infos[t["name"]], dtype, tuple(t["shape"]), f"{path}: tensor {t['name']!r}")
+                yield t, array.view(ml_dtypes.bfloat16) if bf16 else array
         return
-    header, data_start = _read_safetensors_header(path)
-    with open(path, "rb") as f:
+    with _safe_open(path) as f:
+        names = set(f.keys())
+        for t in record["tensors"]:  # all headers first: nothing is read from a file that disagrees
+            if t["name"] not in names:
+                raise CheckpointError(f"{path} has no tensor {t['name']!r} its export record lists")
+            piece = f.get_slice(t["name"])
+            if piece.get_dtype() != _SAFETENSORS_DTYPES[t["dtype"]] or list(piece.get_shape()) != t["shape"]:
+                raise CheckpointError(f"{path}: tensor {t['name']!r} is {piece.get_dtype()}{list(piece.get_shape())} "
+                                      f"in the header; the export recorded {_describe(t['dtype'], t['shape'])}")
         for t in record["tensors"]:
-            begin, end = header[t["name"]]["data_offsets"]
-            f.seek(data_start + begin)
-            raw = f.read(end - begin)
-            # read as the file's little-endian bytes, returned in the native byte order (a copy), so a
-            # tensor's dtype is the one the .npz file gives and the model declared (float32, not <f4)
-            yield t, np.frombuffer(raw, _dtype(t["dtype"]).newbyteorder("<")).reshape(t["shape"]).astype(_dtype(t["dtype"]))
+            try:
+                array = f.get_tensor(t["name"])
+            except Exception as err:  # the package's own errors (SafetensorError, dtype support)
+                raise CheckpointError(f"{path}: tensor {t['name']!r} cannot be read: {' '.join(str(err).split())}") from None
+            # native byte order, the dtype the .npz file gives and the model declared (float32, not <f4)
+            yield t, np.asarray(array, dtype=_dtype(t["dtype"]))
 
 
-def load_exported(path: str | os.PathLike[str], *, model_state: bool = False) -> Any:
+def load_exported(path: str | os.PathLike[str], *, model_state: bool = False, like: Any = None,
+                  like_model_state: Any = None) -> Any:
     """The parameter tree (a pure dict of NumPy arrays) of an exported file, ready for ``model.apply``.
 
     ``model_state=True``: ``(params, model_state)``, the second the BatchNorm statistics (or other
     mutable state) the model needs for inference, None when the model keeps none.
+
+    Every tensor's dtype and shape must be the ones the export recorded (and, in an ``.npz``, its
+    declared size what they need, checked before it is inflated). ``like``: the model's parameter
+    tree (arrays or ``jax.ShapeDtypeStruct``s, e.g. ``program.abstract_state().params``); the file
+    must then hold exactly its tensors, names, shapes and dtypes, checked before any data is read.
+    ``like_model_state``: the same for the model state. A difference raises `CheckpointError`
+    naming the tensor.
     """
     path = Path(path)
-    record = read_export_metadata(path)
-    if record.get("format") not in READABLE_FORMATS:
-        raise CheckpointError(f"{path} has export format {record.get('format')!r}; this shardlib reads "
-                              f"{' or '.join(map(repr, READABLE_FORMATS))}")
+    record = _check_record(path, read_export_metadata(path))
+    if like is not None:
+        _check_against_model(path, record, like, "params")
+    if like_model_state is not None:
+        _check_against_model(path, record, like_model_state, "model_state")
     parts: dict[str, list] = {"params": [], "model_state": []}
     for t, array in _iter_tensors(path, record):
         parts[t.get("part", "params")].append((t["path"], array))
@@ -337,12 +565,13 @@ def export_params(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str],
     step, config, parts = _restore_parts(ckpt_dir, step)
     leaves, tensors = _tensor_records({part: parts[part] for part in ("params", "model_state") if part in parts})
     record = {"format": EXPORT_FORMAT, "step": step, "config": config, "tensors": tensors}
-    writing = jax.process_index() == 0
-    if writing:
+    output = writer = None
+    if jax.process_index() == 0:  # written under a temporary name, renamed onto out_path once complete
         out_path.parent.mkdir(parents=True, exist_ok=True)
-    writer = _writer(out_path, record) if writing else None
+        output = _AtomicFile(out_path)
     total = largest = 0
     try:
+        writer = _writer(output.file, out_path.suffix, record) if output is not None else None
         for leaf, t in zip(leaves, tensors):
             host = _to_host(leaf)  # may alias the device buffer on CPU: free the leaf only after writing
             total += host.nbytes
@@ -351,9 +580,15 @@ def export_params(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str],
                 writer.add(t["name"], host)
             del host
             leaf.delete()  # free its device shards before gathering the next tensor
-    finally:
-        if writer is not None:
+        if output is not None:
             writer.close()
+            output.commit()
+    except BaseException:
+        if writer is not None:
+            writer.abandon()
+        if output is not None:
+            output.discard()
+        raise
     state_tensors = sum(t["part"] == "model_state" for t in tensors)
     return ExportSummary(str(out_path), step, len(tensors), total, largest, config.get("model"), state_tensors)
 

@@ -604,6 +604,10 @@ class CollectiveRecord:
     # full buffer (what is counted), where a reduce-scatter would send half (XLA:TPU decomposes
     # some bf16 reduce-scatters so; docs/backends.md).
     scattered: bool = False
+    # An all-reduce of a zero-filled buffer each device wrote its own shard into: an all-gather
+    # the program runs as an all-reduce (the full buffer is reduced; XLA:TPU does so on larger
+    # slices, docs/tpu.md).
+    gathered: bool = False
     # A multi-slice TPU transfer over DCN (`send` to the Megascale runtime): between slices, over
     # ``group_size`` slices; `hardware.link_bytes` puts it on the inter-domain link.
     dcn: bool = False
@@ -796,6 +800,8 @@ def collective_stats(hlo: str | Any, num_devices: int | None = None) -> Collecti
                 record = _as_reduce_scatter(record)
             elif record.kind == "all-reduce" and users.only_sliced(instr, record.group_size):
                 record = dataclasses.replace(record, scattered=True)
+            elif record.kind == "all-reduce" and users.zero_filled(instr):
+                record = dataclasses.replace(record, gathered=True)
             records.append(record)
     records += _dcn_transfers(module, mults)
     return CollectiveStats(tuple(records))
@@ -947,6 +953,33 @@ class _Users:
                       if i.opcode == "parameter" and (m := re.fullmatch(r"\s*(\d+)\s*", i.operands))}
             return all(p in params and self._param_sliced(params[p], value, group, depth) for p in positions)
         return False
+
+    def zero_filled(self, instr: Instruction) -> bool:
+        """Whether every operand of ``instr`` is a shard written into zeros: a dynamic-update-slice
+        of a broadcast, as it is or as the root of a fusion (an all-gather as an all-reduce)."""
+        names = self._NAME_RE.findall(instr.operands)
+        table = {i.name: i for i in self.module.computations[instr.computation]}
+        return bool(names) and all(name in table and self._writes_into_zeros(table[name], table) for name in names)
+
+    def _writes_into_zeros(self, instr: Instruction, scope: dict[str, Instruction]) -> bool:
+        if instr.opcode == "dynamic-update-slice":
+            first = self._NAME_RE.findall(instr.operands)[:1]
+            return bool(first) and first[0] in scope and scope[first[0]].opcode == "broadcast"
+        if instr.opcode != "fusion":
+            return False
+        callee = re.search(r"calls=%?([\w.\-]+)", instr.attrs)
+        body = self.module.computations.get(callee.group(1)) if callee else None
+        root = next((i for i in body or [] if i.root), None)
+        if root is None or root.opcode != "dynamic-update-slice":
+            return False
+        inner = {i.name: i for i in body}
+        first = self._NAME_RE.findall(root.operands)[:1]
+        target = inner.get(first[0]) if first else None
+        if target is not None and target.opcode == "parameter":  # the zeros come from the caller
+            index = int(target.operands.strip() or -1)
+            outer = self._NAME_RE.findall(instr.operands)
+            target = scope.get(outer[index]) if 0 <= index < len(outer) else None
+        return target is not None and target.opcode == "broadcast"
 
     def _param_sliced(self, param: Instruction, value: Instruction, group: int, depth: int) -> bool:
         """A fusion parameter standing for ``value``: sliced to 1/group by every use inside."""

@@ -462,6 +462,11 @@ class Planner:
             row.notes.append(f"{len(scattered)} all-reduce(s) of {_gib(sum(r.bytes_per_step for r in scattered))} "
                              "per step are reduce-scatters the compiler runs as a full all-reduce, each device "
                              "keeping its slice (counted as the all-reduce they are)")
+        gathered = [r for r in stats.records if r.gathered]
+        if gathered:
+            row.notes.append(f"{len(gathered)} all-reduce(s) of {_gib(sum(r.bytes_per_step for r in gathered))} "
+                             "per step are all-gathers the compiler runs as an all-reduce of a zero-filled buffer "
+                             "(counted as the all-reduce they are)")
         if links.unknown_groups:
             row.notes.append(f"{links.unknown_groups} collective(s) with replica groups not understood: "
                              "placed by group size")

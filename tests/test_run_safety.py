@@ -1,0 +1,271 @@
+"""Nothing lost, nobody in: the coordinator's address, one run per --out, --out checked early, Ctrl-C.
+
+Each test injects its fault into a real process (the launcher, `shardlib train`) and checks the
+exit status and the one line that explains it:
+
+* the coordinator of ``shardlib launch`` listens on 127.0.0.1 only (read from /proc/net/tcp*
+  while the job runs); a ``--port`` in use is refused at once, naming the port; a process
+  stopped (SIGSTOP) at start-up fails the job after ``--init-timeout``, naming it;
+* a second ``shardlib train`` on a ``--out`` that a running one holds is refused in one line
+  naming the holder's host and PID, before any compile; a lock left by a killed run is taken
+  over with a note;
+* an ``--out`` below a file, or on a read-only file system, is one line (exit 2) before any compile;
+* Ctrl-C (SIGINT) during the step's XLA compile exits 130 with no traceback and no segfault.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardlib.runtime import distributed, launch
+from shardlib.run.config import TrainConfig, TrainConfigError
+from shardlib.run.setup import LOCK_NAME, claim_run_directory
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--model", "tiny", "--seq-len", "32", "--batch-size", "8", "--cpu-devices", "2", "--no-progress",
+        "--no-tensorboard", "--sample-tokens", "0", "--eval-every", "0"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLIB_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("XLA_FLAGS", None)  # the CLI and launcher set their own devices
+    env.update(extra)
+    return env
+
+
+def _train(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "shardlib.cli", "train", *TINY, *flags]
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "error:" in line]
+
+
+# --------------------------------------------------------------------------------------------
+# 1. The coordinator
+# --------------------------------------------------------------------------------------------
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses of sockets in LISTEN state on ``port`` (from /proc/net/tcp and tcp6)."""
+    found = []
+    for table, size in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            address, hex_port = fields[1].split(":")
+            if fields[3] != "0A" or int(hex_port, 16) != port:  # 0A: TCP_LISTEN
+                continue
+            raw = bytes.fromhex(address)
+            # /proc prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, size, 4))
+            found.append(socket.inet_ntop(socket.AF_INET if size == 4 else socket.AF_INET6, raw))
+    return found
+
+
+def _is_loopback(address: str) -> bool:
+    return address.startswith("127.") or address == "::1" or address.startswith("::ffff:127.")
+
+
+JOINS = ("from pathlib import Path; import sys, time; from shardlib.runtime import distributed; "
+         "info = distributed.initialize(); print('joined', info.coordinator, flush=True); "
+         "deadline = time.time() + 60\n"
+         "while not Path(sys.argv[1]).exists() and time.time() < deadline: time.sleep(0.1)")
+
+
+def test_launch_coordinator_listens_on_loopback_only(tmp_path):
+    port, release = launch.free_port(), tmp_path / "release"
+    cmd = [sys.executable, "-m", "shardlib.cli", "launch", "-n", "2", "-d", "2", "--port", str(port), "--grace", "5",
+           "--", sys.executable, "-c", JOINS, str(release)]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        joined = []
+        for line in proc.stdout:
+            joined += [line] if " joined " in line else []
+            if len(joined) == 2:
+                break
+        assert len(joined) == 2, "the job did not start"
+        assert all(f"127.0.0.1:{port}" in line for line in joined), joined
+        listening = _listening(port)
+        release.touch()
+        assert listening, f"nothing listens on port {port}"
+        assert all(_is_loopback(a) for a in listening), f"the coordinator listens on {listening}, not loopback only"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        release.touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_coordinator_bind_address_follows_the_coordinator_host(monkeypatch):
+    assert distributed.coordinator_bind("localhost:1234", {}) == ("127.0.0.1:1234", None)
+    assert distributed.coordinator_bind("127.0.0.1:99", {}) == ("127.0.0.1:99", None)
+    given = {distributed.ENV_COORDINATOR_BIND: "10.0.0.5:77"}
+    assert distributed.coordinator_bind("node0:77", given) == ("10.0.0.5:77", None)
+    # an address that is not this machine's (a NAT or service address): every interface, with a warning
+    bind, warning = distributed.coordinator_bind("192.0.2.1:5000", {})  # TEST-NET-1: never local
+    assert bind == "[::]:5000" and distributed.ENV_COORDINATOR_BIND in warning and "no authentication" in warning
+
+
+def test_port_in_use_is_named_at_once():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(distributed.DistributedError, match=f"port {port} is already in use.*another port"):
+            distributed.check_port_free(f"127.0.0.1:{port}")
+        start = time.monotonic()
+        cmd = [sys.executable, "-m", "shardlib.cli", "launch", "-n", "2", "--port", str(port), "--", "true"]
+        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and time.monotonic() - start < 10, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"--port {port}" in lines[0] and "pick another --port" in lines[0], proc.stderr
+
+
+def test_stopped_process_fails_start_up_after_the_init_timeout():
+    script = ('if [ "$SHARDLIB_PROCESS_ID" = 1 ]; then kill -STOP $$; fi; '
+              f'exec {sys.executable} -c "from shardlib.runtime import distributed; distributed.initialize()"')
+    cmd = [sys.executable, "-m", "shardlib.cli", "launch", "-n", "2", "-d", "2", "--init-timeout", "4",
+           "--grace", "1", "--", "bash", "-c", script]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - start
+    assert proc.returncode != 0
+    assert took < 45, f"took {took:.0f} s: the 4 s start-up timeout did not apply (the default is 60 s)"
+    assert "process 0 gave up waiting for every process to join the job within 4 s (--init-timeout)" in proc.stderr
+    assert "process 1 (pid" in proc.stderr and "is stopped (SIGSTOP" in proc.stderr, proc.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------------------------
+# 3. One run per --out; 4. --out checked before the compile
+# --------------------------------------------------------------------------------------------
+
+
+def test_second_run_on_the_same_out_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path, capsys):
+    out = tmp_path / "run"
+    first = subprocess.Popen(_train("--steps", "100000", "--out", str(out)), env=_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        lock = out / LOCK_NAME
+        deadline = time.monotonic() + 60
+        while not (lock.exists() and lock.read_text().strip()) and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        holder = json.loads(lock.read_text())
+        assert holder["pid"] == first.pid and holder["host"] == socket.gethostname()
+        start = time.monotonic()
+        second = subprocess.run(_train("--steps", "2", "--out", str(out)), env=_env(), capture_output=True,
+                                text=True, timeout=60)
+        took = time.monotonic() - start
+        assert second.returncode == 2, second.stderr
+        errors = _error_lines(second.stderr)
+        assert len(errors) == 1 and "Traceback" not in second.stderr, second.stderr
+        assert f"pid {first.pid} on host {socket.gethostname()}" in errors[0] and "--out" in errors[0], errors[0]
+        assert took < 10, f"refused after {took:.1f} s: the lock must come before the compile"
+        assert first.poll() is None, "the first run must keep going"
+    finally:
+        first.kill()
+        first.wait()
+    # The killed run's flock died with it; its lock file still names it: taken over with a note.
+    config = TrainConfig(out=str(out))
+    with claim_run_directory(config, out, main=True):
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+    assert f"took over {lock}, left by a run that is no longer running (pid {first.pid}" in capsys.readouterr().err
+    assert lock.read_text() == ""  # released cleanly: the next run has nothing to take over
+
+
+def test_lock_contention_in_process_keeps_the_holders_name(tmp_path):
+    out, config = tmp_path / "run", TrainConfig(out=str(tmp_path / "run"))
+    with claim_run_directory(config, out, main=True):
+        held = (out / LOCK_NAME).read_text()
+        with pytest.raises(TrainConfigError, match=f"--out: .* is in use by another run \\(pid {os.getpid()} on host"):
+            with claim_run_directory(config, out, main=True):
+                pass
+        assert (out / LOCK_NAME).read_text() == held  # the refused claim did not touch the holder's record
+
+
+def test_out_below_a_file_is_one_line_before_the_compile(tmp_path):
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a directory\n")
+    start = time.monotonic()
+    proc = subprocess.run(_train("--steps", "2", "--out", str(blocker / "run")), env=_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    errors = _error_lines(proc.stderr)
+    assert len(errors) == 1 and f"--out: cannot write the run directory {blocker / 'run'}: {blocker} is a file" in errors[0]
+    assert time.monotonic() - start < 15  # no compile (the tiny step alone takes longer on 2 loaded cores)
+
+
+def _read_only_command(directory: Path, command: list[str]) -> list[str]:
+    """``command`` with ``directory`` read-only: by mode bits, or (as root, who ignores them) a read-only bind mount."""
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        return command
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        pytest.skip("running as root without mount namespaces: no way to make a directory read-only")
+    d = str(directory)
+    quoted = " ".join(f"'{c}'" for c in command)
+    return ["unshare", "-m", "sh", "-c", f"mount --bind '{d}' '{d}' && mount -o remount,ro,bind '{d}' && exec {quoted}"]
+
+
+def test_read_only_out_is_one_line_before_the_compile(tmp_path):
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    out = read_only / "run"
+    cmd = _read_only_command(read_only, _train("--steps", "2", "--out", str(out)))
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    read_only.chmod(0o755)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    errors = _error_lines(proc.stderr)
+    assert len(errors) == 1 and f"--out: cannot write the run directory {out}: it is not writable" in errors[0], errors
+
+
+# --------------------------------------------------------------------------------------------
+# 6. Ctrl-C during the compile
+# --------------------------------------------------------------------------------------------
+
+# The CLI, with a line on stderr as each XLA compile starts (so the test knows when to press Ctrl-C).
+ANNOUNCE_COMPILES = """
+import sys
+from jax._src import compiler
+compile_and_load = compiler.backend_compile_and_load
+def announced(backend, module, *args, **kwargs):
+    print("COMPILING", module.operation.attributes["sym_name"], file=sys.stderr, flush=True)
+    return compile_and_load(backend, module, *args, **kwargs)
+compiler.backend_compile_and_load = announced
+from shardlib.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("checkpoints", [False, True], ids=["no-checkpoints", "ckpt-every"])
+def test_ctrl_c_during_the_compile_exits_130_cleanly(tmp_path, checkpoints):
+    flags = ["--steps", "3", "--out", str(tmp_path / "run"), *(["--ckpt-every", "2"] if checkpoints else [])]
+    cmd = [sys.executable, "-X", "faulthandler", "-c", ANNOUNCE_COMPILES, "train", *TINY, *flags]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith('COMPILING "jit_step_fn"'):
+            time.sleep(0.5)  # inside XLA's compile (seconds long for this step)
+            proc.send_signal(signal.SIGINT)
+            break
+    _, rest = proc.communicate(timeout=120)
+    err = "".join(seen) + rest
+    assert proc.returncode == 130, f"exit {proc.returncode}:\n{err[-3000:]}"
+    assert "interrupted" in err and "Traceback" not in err and "Fatal Python error" not in err, err[-3000:]
