@@ -58,7 +58,9 @@ class SaveCheckpoint:
 
     ``due(step)`` says when (``--ckpt-every`` and the last step); `save` is also what a
     preempted run calls off that schedule. ``saved`` is the last step a save was asked for.
-    ``close`` lets a save in flight commit, also when the run stops on an error.
+    ``close`` lets a save in flight commit, also when the run stops on an error. Every step
+    first checks that no background save failed (`Checkpointer.check`): one that did stops the
+    run with `CheckpointSaveError`, naming the last good checkpoint.
     """
 
     def __init__(self, ckpt: Any, due: Callable[[int], bool], *, seed: int, config: Mapping[str, Any]) -> None:
@@ -66,6 +68,7 @@ class SaveCheckpoint:
         self.saved: int | None = None
 
     def __call__(self, step: int, state: Any, metrics: Mapping[str, Any]) -> None:
+        self.ckpt.check()  # a background save that failed stops the run at the next step, naming the last good one
         if self.due(step):
             self.save(step, state, metrics)
 
@@ -77,5 +80,7 @@ class SaveCheckpoint:
         self.saved = step
 
     def close(self) -> None:
-        self.ckpt.wait()
-        self.ckpt.close()
+        try:
+            self.ckpt.wait()
+        finally:
+            self.ckpt.close()

@@ -10,6 +10,16 @@ One checkpoint is one Orbax step directory ``DIR/<step>/`` with four items:
   config/  JSON run configuration (whatever the training loop passes; the export reads
            ``config["model"]`` from it)
   meta/    JSON facts about the run that saved it (mesh, process and device count, versions)
+  digests/ JSON digest of every saved array (a 64-bit position-aware sum hash of its logical
+           value, so it compares across meshes) and SHA-256 of the three JSON items; computed
+           on the devices at save time and written in Orbax's background thread
+
+Integrity: a checkpoint is complete when Orbax committed it (``commit_success.txt``) and its
+``digests`` item is there (`incomplete_reason`). `restore` verifies every file it reads and
+every restored array against the digests; with ``step=None`` a damaged or incomplete newest
+checkpoint is named, set aside as ``<step>.damaged-<reason>`` (never deleted) and the next
+newest intact one is restored. A background save that fails is logged at once and raised by the
+next `check`/`save`/`wait` as `CheckpointSaveError`, naming the last good step.
 
 Why the design is safe to interrupt: Orbax writes a step into ``<step>.orbax-checkpoint-tmp*``
 and renames it on commit, and deletes older steps (``keep``) only after the new one committed.
@@ -29,10 +39,12 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import hashlib
 import json
 import logging
 import os
 import signal
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -43,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlib.sharding.rules import describe_mismatches, listed, path_str
@@ -50,7 +63,12 @@ from shardlib.step.state import TRANSIENT_FIELDS
 
 log = logging.getLogger("shardlib.runtime.checkpoint")
 
-FORMAT = "shardlib.runtime.checkpoint/1"
+FORMAT = "shardlib.runtime.checkpoint/2"
+LEGACY_FORMATS = ("shardlib.runtime.checkpoint/1",)  # saved before digests: restored unverified, with a warning
+DIGEST_ITEM = "digests"
+DIGEST_KIND = "shardlib.poshash64/1"
+COMMIT_MARKER = "commit_success.txt"  # Orbax writes it into the step directory before the commit rename
+JSON_ITEMS = ("data", "config", "meta")
 
 
 class CheckpointError(ValueError):
@@ -69,6 +87,22 @@ class CheckpointMismatchError(CheckpointError):
 
 class NonFiniteStateError(CheckpointError):
     """A state with NaN or Inf values, which must never replace a good checkpoint."""
+
+
+class CheckpointDamagedError(CheckpointError):
+    """A checkpoint whose files are missing, unreadable, or differ from the digests saved with it.
+
+    ``reason`` is one word (``incomplete``, ``missing-file``, ``unreadable``, ``metadata``,
+    ``data-step``, ``digest``); the message names the step, the file or tensor, and why.
+    """
+
+    def __init__(self, directory: str, step: int, reason: str, detail: str) -> None:
+        self.directory, self.step, self.reason, self.detail = directory, int(step), reason, detail
+        super().__init__(f"checkpoint {directory} step {step} is damaged ({reason}): {detail}")
+
+
+class CheckpointSaveError(CheckpointError):
+    """A background (async) save failed: the run must stop; the last good checkpoint is named."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,6 +242,178 @@ def transient_changes(saved: Mapping[str, tuple], target: Mapping[str, tuple]) -
 
 
 # --------------------------------------------------------------------------------------------
+# Digests: a position-aware 64-bit sum hash of each array's logical value
+# --------------------------------------------------------------------------------------------
+#
+# h(x) = sum over elements i of fmix32((i * G + seed) ^ bits(x[i]))  (mod 2**32), two seeds.
+# Each term depends only on the element's row-major index in the *logical* array and its bits,
+# and the sum is order-free, so the digest is the same whatever mesh, sharding or process count
+# holds the array: every device hashes its own shard and one all-reduce adds them up. For a
+# fixed index the term is a bijection of the bits, so any single changed element always changes
+# the digest; several changes cancel with probability about 2**-64.
+
+_GOLDEN = np.uint32(0x9E3779B9)
+_SEEDS = (np.uint32(0x3C6EF372), np.uint32(0xA54FF53A))
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+    """MurmurHash3's finaliser: a bijection of uint32 that mixes every bit into every other."""
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The bits of ``x`` as uint32, shape ``x.shape + (k,)`` (k = 2 for 64-bit values, else 1)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+    dtype = np.dtype(x.dtype)
+    if dtype == np.bool_ or dtype.itemsize < 1 or dtype.name in ("int4", "uint4", "int2", "uint2", "float4_e2m1fn"):
+        x = x.astype(jnp.float32 if jnp.issubdtype(dtype, jnp.floating) else jnp.int32)  # exact for these
+        dtype = np.dtype(x.dtype)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+    if dtype.itemsize == 8:
+        return lax.bitcast_convert_type(x, jnp.uint32)  # adds a trailing axis of 2
+    return lax.bitcast_convert_type(x, unsigned[dtype.itemsize]).astype(jnp.uint32)[..., None]
+
+
+def _array_digest(x: jax.Array) -> jax.Array:
+    words = _words(x)
+    index = jnp.zeros(words.shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(words.ndim)):  # the row-major index, built elementwise (no reshape, no resharding)
+        index = index + lax.broadcasted_iota(jnp.uint32, words.shape, axis) * np.uint32(stride & 0xFFFFFFFF)
+        stride *= words.shape[axis]
+    position = index * _GOLDEN
+    lanes = [jnp.sum(_fmix32((position + seed) ^ words), dtype=jnp.uint32) for seed in _SEEDS]
+    return jnp.stack(lanes)
+
+
+def _digest_all(leaves: list[jax.Array]) -> jax.Array:
+    return jnp.stack([_array_digest(x) for x in leaves])
+
+
+_digest_fns: dict[Any, Callable] = {}
+
+
+def digest_arrays(tree: Any) -> tuple[list[str], jax.Array | None]:
+    """(paths, a [n, 2] uint32 device array of digests) for the arrays of ``tree``.
+
+    Dispatched asynchronously: nothing waits for the devices until the result is read
+    (`digest_hex`). The result is replicated, so every process can read it.
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    flat = [(path_str(path), leaf) for path, leaf in flat if leaf is not None]
+    if not flat:
+        return [], None
+    leaves = [leaf for _, leaf in flat]
+    sharding = getattr(leaves[0], "sharding", None)
+    out = NamedSharding(sharding.mesh, P()) if isinstance(sharding, NamedSharding) else None
+    fn = _digest_fns.get(out)
+    if fn is None:
+        fn = _digest_fns[out] = jax.jit(_digest_all, out_shardings=out)
+    return [p for p, _ in flat], fn(leaves)
+
+
+def digest_hex(paths: list[str], digests: jax.Array | None) -> dict[str, str]:
+    """``{path: "16 hex digits"}``; blocks until the digests are computed."""
+    if digests is None:
+        return {}
+    values = np.asarray(digests)
+    return {path: f"{int(a):08x}{int(b):08x}" for path, (a, b) in zip(paths, values)}
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class _PendingDigests:
+    """The digests item of one save, read from the devices in Orbax's background write.
+
+    `start` dispatches the reduction. An async save calls it right after Orbax has copied the
+    arrays to the host, so that the copy (which the loop waits for) is not queued behind it;
+    `resolve` (in the background write) waits for `start`, then for the devices.
+    """
+
+    def __init__(self, step: int, json_items: Mapping[str, Any], data_step_tied: bool) -> None:
+        self.head = {
+            "kind": DIGEST_KIND,
+            "step": int(step),
+            # the same bytes JsonCheckpointHandler writes: json.dumps(item)
+            "files": {f"{name}/metadata": _sha256(json.dumps(item).encode("utf-8")) for name, item in json_items.items()},
+            "data_step_tied": bool(data_step_tied),
+        }
+        self._started = threading.Event()
+        self._paths: list[str] = []
+        self._digests: jax.Array | None = None
+        self._error: BaseException | None = None
+
+    def start(self, tree: Any) -> None:
+        try:
+            self._paths, self._digests = digest_arrays(tree)
+        except BaseException as err:  # noqa: BLE001 - raised by resolve, in the save it belongs to
+            self._error = err
+            raise
+        finally:
+            self._started.set()
+
+    def cancel(self, err: BaseException) -> None:
+        if not self._started.is_set():
+            self._error = err
+            self._started.set()
+
+    def resolve(self) -> dict[str, Any]:
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+        return {**self.head, "arrays": digest_hex(self._paths, self._digests)}
+
+
+class _DigestHandler(ocp.JsonCheckpointHandler):
+    """Orbax's JSON item, except that the value is computed in the background thread."""
+
+    async def _save_fn(self, x, directory):
+        if ocp.multihost.is_primary_host(self._primary_host):
+            value = x.resolve() if isinstance(x, _PendingDigests) else x
+            (directory / self._filename).write_text(json.dumps(value))
+
+
+@ocp.args.register_with_handler(_DigestHandler, for_save=True)
+@dataclasses.dataclass
+class _DigestSave(ocp.args.CheckpointArgs):
+    item: Any
+
+
+@ocp.args.register_with_handler(_DigestHandler, for_restore=True)
+@dataclasses.dataclass
+class _DigestRestore(ocp.args.CheckpointArgs):
+    item: Any = None
+
+
+def incomplete_reason(step_dir: str | os.PathLike[str] | Any) -> str | None:
+    """Why ``step_dir`` (a committed-looking ``DIR/<step>``) is not a complete checkpoint, or None.
+
+    The one rule: Orbax's commit marker and the digests item. A checkpoint written before
+    digests existed (format ``/1``, named in its ``meta``) counts as complete, unverified.
+    """
+    path = step_dir if hasattr(step_dir, "exists") else Path(step_dir)
+    if not (path / COMMIT_MARKER).exists():
+        return f"no Orbax commit marker ({COMMIT_MARKER})"
+    if (path / DIGEST_ITEM / "metadata").exists():
+        return None
+    try:
+        if json.loads((path / "meta" / "metadata").read_text()).get("format") in LEGACY_FORMATS:
+            return None
+    except (OSError, ValueError, AttributeError):
+        pass
+    return f"no digests ({DIGEST_ITEM}/metadata is missing)"
+
+
+# --------------------------------------------------------------------------------------------
 # Data-iterator state of every process
 # --------------------------------------------------------------------------------------------
 
@@ -333,10 +539,19 @@ class Checkpointer:
             "data": ocp.JsonCheckpointHandler(),
             "config": ocp.JsonCheckpointHandler(),
             "meta": ocp.JsonCheckpointHandler(),
+            DIGEST_ITEM: _DigestHandler(),
         }
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._writable = create
+        self._async = bool(async_save)
+        self._failure: tuple[int, BaseException] | None = None  # (step, error) of a failed background save
+        self._reported = False
+        self._good_step: int | None = None  # the newest complete step when a background save failed
+        self._warned_legacy: set[int] = set()
         if create and async_save:
             _finish_before_exit(self._manager, self.directory)
+        if create:
+            self._set_aside_incomplete()
 
     # ---- steps ------------------------------------------------------------------------
 
@@ -345,12 +560,27 @@ class Checkpointer:
         return ocp.path.step.build_step_path(self._manager.directory, self._name_format, step)
 
     def all_steps(self) -> list[int]:
-        """Steps whose checkpoint is complete (committed) on disk, ascending.
+        """Steps whose checkpoint is complete (committed, with its digests) on disk, ascending.
 
         Read from the directory, not from Orbax's step list: that list already contains an
         in-flight async save and already lacks the steps retention will delete once it commits.
         """
-        return sorted(ocp.utils.checkpoint_steps(self._manager.directory))
+        return sorted(s for s in self._named_steps() if incomplete_reason(self._step_path(s)) is None)
+
+    def _named_steps(self) -> list[int]:
+        """Every ``DIR/<step>`` directory, complete or not (not the tmp dirs of saves in flight)."""
+        try:
+            return list(ocp.utils.checkpoint_steps(self._manager.directory))
+        except (OSError, ValueError):
+            return []
+
+    def _set_aside_incomplete(self) -> None:
+        """Rename step directories that are not complete checkpoints (an empty ``6/``, one whose
+        digests are missing), so that no save collides with them and no restore reads them."""
+        for step in sorted(self._named_steps()):
+            why = incomplete_reason(self._step_path(step))
+            if why is not None:  # process 0 renames; the others never count it either way
+                self._set_aside(CheckpointDamagedError(self.directory, step, "incomplete", why), sync=False)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint, or None."""
@@ -389,6 +619,7 @@ class Checkpointer:
         A state holding NaN/Inf raises `NonFiniteStateError` naming the tensors.
         """
         step = int(step)
+        self.check()
         if not force and self.every and not self.should_save(step):
             return False
         if step in self._manager.all_steps():  # Orbax's list (in-flight saves too): the same on every process
@@ -416,21 +647,90 @@ class Checkpointer:
             "jax": jax.__version__,
             "orbax": getattr(ocp, "__version__", "unknown"),
         }
+        data = gather_data_states(data_state)
+        tied = bool(data["states"]) and all(isinstance(d.get("step"), int) and d["step"] == step for d in data["states"])
+        digests = _PendingDigests(step, {"data": data, "config": config_json, "meta": meta}, tied)
+        if not self._async:  # a synchronous save writes the item before returning: the digests must be under way
+            digests.start(state)
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
-            data=ocp.args.JsonSave(gather_data_states(data_state)),
+            data=ocp.args.JsonSave(data),
             config=ocp.args.JsonSave(config_json),
             meta=ocp.args.JsonSave(meta),
+            **{DIGEST_ITEM: _DigestSave(digests)},
         )
-        return bool(self._manager.save(step, args=args, force=True))
+        try:
+            started = bool(self._manager.save(step, args=args, force=True))
+        except Exception as err:  # the previous background save failed (Orbax re-raises it here), or this one
+            digests.cancel(err)
+            self._failed(step, err)
+            self.check()
+            raise
+        if self._async and started:
+            try:
+                digests.start(state)  # after the copy to host, before the state goes on to the next step
+            except Exception as err:
+                self._failed(step, err)
+                self.check()
+        if started and self._async:
+            self._watch(step)
+        return started
+
+    # ---- background failures ----------------------------------------------------------
+
+    def _watch(self, step: int) -> None:
+        """Wait for the save of ``step`` in a thread, so a failure is reported at once."""
+
+        def watch() -> None:
+            try:
+                self._manager.wait_until_finished()
+            except BaseException as err:  # noqa: BLE001 - reported, then raised by check()
+                self._failed(step, err)
+
+        threading.Thread(target=watch, name=f"shardlib-checkpoint-watch-{step}", daemon=True).start()
+
+    def _failed(self, step: int, err: BaseException) -> None:
+        if self._failure is not None:
+            return
+        self._failure = (step, err)
+        self._good_step = max((s for s in self.all_steps() if s != step), default=None)
+        log.error("%s", self._failure_message())
+
+    def _failure_message(self) -> str:
+        step, err = self._failure
+        good = self._good_step
+        last = f"the last good checkpoint is step {good}" if good is not None else "there is no good checkpoint yet"
+        detail = " ".join(str(err).split())[:300] or type(err).__name__
+        return (f"checkpoint {self.directory} step {step} failed to save in the background "
+                f"({type(err).__name__}: {detail}); {last}. Stopping: fix the cause (disk space, permissions) "
+                "and run the same command again to resume from it")
+
+    def check(self) -> None:
+        """Raise `CheckpointSaveError` if a background save failed (call once per step; `save` does)."""
+        if self._failure is not None:
+            self._reported = True
+            raise CheckpointSaveError(self._failure_message()) from self._failure[1]
 
     def wait(self) -> None:
         """Block until an in-flight async save has committed (and retention has run)."""
-        self._manager.wait_until_finished()
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:
+            self._failed(self._failure[0] if self._failure else self._in_flight_step(), err)
+        self.check()
+
+    def _in_flight_step(self) -> int:
+        known = self._manager.all_steps()
+        return max(known) if known else -1
 
     def close(self) -> None:
         """Finish in-flight work and release Orbax's threads."""
-        self._manager.close()
+        try:
+            self._manager.close()
+        except Exception as err:  # noqa: BLE001
+            self._failed(self._in_flight_step(), err)
+        if not self._reported:  # raised already: closing after it (finally, __exit__) adds nothing
+            self.check()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -462,7 +762,8 @@ class Checkpointer:
     def saved_tree(self, step: int | None = None) -> Any:
         """The saved TrainState as a dict tree of Orbax array metadata (shape, dtype, sharding)."""
         step = self.resolve_step(step)
-        return self._manager.item_metadata(step)["state"].tree
+        with self._reading(step, "state/_METADATA"):
+            return self._manager.item_metadata(step)["state"].tree
 
     def saved_signature(self, step: int | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
         """Path -> (shape, dtype) of every array in the saved TrainState, from metadata only."""
@@ -470,8 +771,138 @@ class Checkpointer:
 
     def _json_item(self, name: str, step: int | None) -> dict[str, Any]:
         step = self.resolve_step(step)
-        restored = self._manager.restore(step, args=ocp.args.Composite(**{name: ocp.args.JsonRestore()}))
-        return dict(restored[name])
+        return self._read_json(step, name)
+
+    def _read_json(self, step: int, name: str) -> dict[str, Any]:
+        """A JSON item of ``step`` as a dict, or `CheckpointDamagedError` naming the file."""
+        path = self._step_path(step) / name / "metadata"
+        where = f"{name}/metadata"
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raise CheckpointDamagedError(self.directory, step, "missing-file", f"{path} is missing") from None
+        except OSError as err:
+            raise CheckpointDamagedError(self.directory, step, "unreadable", f"{path}: {err}") from None
+        try:
+            value = json.loads(raw.decode("utf-8"))
+        except ValueError as err:
+            raise CheckpointDamagedError(self.directory, step, "metadata", f"{where} is not valid JSON ({err})") from None
+        if not isinstance(value, dict):
+            raise CheckpointDamagedError(self.directory, step, "metadata",
+                                         f"{where} holds a {type(value).__name__}, not a JSON object")
+        return value
+
+    # ---- integrity ------------------------------------------------------------------------
+
+    def _reading(self, step: int, what: str):
+        """Context: an error reading ``step`` (Orbax, TensorStore, the file system) becomes
+        `CheckpointDamagedError`; shardlib's own errors (a target that does not match) pass."""
+        return _Reading(self, step, what)
+
+    def _digests(self, step: int) -> dict[str, Any] | None:
+        """The digests item of ``step`` (None for a checkpoint saved before digests)."""
+        if not (self._step_path(step) / DIGEST_ITEM / "metadata").exists():
+            why = incomplete_reason(self._step_path(step))
+            if why is not None:
+                raise CheckpointDamagedError(self.directory, step, "incomplete", why)
+            if step not in self._warned_legacy:
+                self._warned_legacy.add(step)
+                log.warning("checkpoint %s step %d was saved before digests (format %s); restored unverified",
+                            self.directory, step, LEGACY_FORMATS[0])
+            return None
+        digests = self._read_json(step, DIGEST_ITEM)
+        if digests.get("kind") != DIGEST_KIND or not isinstance(digests.get("arrays"), dict) \
+                or not isinstance(digests.get("files"), dict):
+            raise CheckpointDamagedError(self.directory, step, "metadata",
+                                         f"{DIGEST_ITEM}/metadata is not a {DIGEST_KIND} digest record")
+        return digests
+
+    def inspect(self, step: int) -> dict[str, Any] | None:
+        """Check every file of ``step`` but the array chunks: the commit marker, the digests, the
+        JSON items against their SHA-256, the meta's and data state's step. Returns the digests
+        (None: a checkpoint saved before digests); raises `CheckpointDamagedError`."""
+        why = incomplete_reason(self._step_path(step))
+        if why is not None:
+            raise CheckpointDamagedError(self.directory, step, "incomplete", why)
+        digests = self._digests(step)
+        items = {name: self._read_json(step, name) for name in JSON_ITEMS}
+        if items["meta"].get("step", step) != step:
+            raise CheckpointDamagedError(self.directory, step, "metadata",
+                                         f"meta/metadata says step {items['meta'].get('step')!r}, not {step}")
+        states = items["data"].get("states")
+        if not isinstance(states, list) or not all(isinstance(d, dict) for d in states):
+            raise CheckpointDamagedError(self.directory, step, "metadata",
+                                         "data/metadata holds no list of data states ('states')")
+        if digests is not None and digests.get("data_step_tied"):
+            wrong = [d.get("step") for d in states if d.get("step") != step]
+            if wrong:
+                raise CheckpointDamagedError(
+                    self.directory, step, "data-step",
+                    f"data/metadata says the data iterator stood at step {wrong[0]!r}, but the checkpoint is step "
+                    f"{step}: resuming would repeat or skip batches")
+        if digests is not None:
+            for name in JSON_ITEMS:
+                want = digests["files"].get(f"{name}/metadata")
+                got = _sha256((self._step_path(step) / name / "metadata").read_bytes())
+                if want != got:
+                    raise CheckpointDamagedError(self.directory, step, "metadata",
+                                                 f"{name}/metadata differs from the SHA-256 saved with it")
+        return digests
+
+    def verify(self, step: int, tree: Any, digests: Mapping[str, Any] | None = None) -> None:
+        """Compare the arrays of ``tree`` (restored from ``step``, any mesh) with their saved digests;
+        `CheckpointDamagedError` names the tensors that differ."""
+        digests = self._digests(step) if digests is None else digests
+        if digests is None:
+            return
+        saved = digests["arrays"]
+        got = digest_hex(*digest_arrays(tree))
+        bad = [path for path, value in got.items() if saved.get(path) != value]
+        if bad:
+            raise CheckpointDamagedError(
+                self.directory, step, "digest",
+                f"the restored values of {listed(bad)} differ from the digests saved with them (a changed bit in "
+                "a data file)")
+
+    def _agree(self, step: int, err: CheckpointDamagedError | None) -> CheckpointDamagedError | None:
+        """Every process takes the same view of ``step``: damaged if any process found it so."""
+        if jax.process_count() == 1:
+            return err
+        from jax.experimental import multihost_utils
+
+        flags = np.asarray(multihost_utils.process_allgather(np.array([err is not None], np.int32))).reshape(-1)
+        if err is None and flags.any():
+            bad = [int(i) for i in np.flatnonzero(flags)]
+            return CheckpointDamagedError(self.directory, step, "unreadable", f"process(es) {bad} could not read it")
+        return err
+
+    def _set_aside(self, err: CheckpointDamagedError, *, sync: bool = True) -> str | None:
+        """Rename the damaged ``DIR/<step>`` to ``DIR/<step>.damaged-<reason>`` (process 0; never
+        deleted), write the reason into it and log it; a read-only Checkpointer only logs.
+        ``sync``: every process calls this for the same step (a restore), so they wait for the rename."""
+        if not self._writable:
+            log.warning("%s; skipped (left in place: this Checkpointer is read-only)", err)
+            return None
+        root = self._manager.directory
+        target = root / f"{err.step}.damaged-{err.reason}"
+        n = 2
+        while target.exists():
+            target = root / f"{err.step}.damaged-{err.reason}-{n}"
+            n += 1
+        source = self._step_path(err.step)
+        if jax.process_index() == 0 and source.exists():
+            source.rename(target)
+            try:
+                (target / "DAMAGED.txt").write_text(str(err) + "\n")
+            except OSError:
+                pass
+        if sync and jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"shardlib-checkpoint-set-aside-{err.step}")
+        self._manager.reload()
+        log.warning("%s; set aside as %s (kept for inspection, never deleted)", err, target.name)
+        return target.name
 
     def saved_config(self, step: int | None = None) -> dict[str, Any]:
         """The run configuration saved with ``step`` (default: latest)."""
@@ -533,7 +964,13 @@ class Checkpointer:
         how the step runs (`TRANSIENT_FIELDS`: fp16's loss scale, int8's residuals) restore only
         where the target has them with the saved shapes; otherwise they start afresh from
         ``fresh()`` (the new program's ``fresh_transient``), or are dropped, with a note.
+
+        Every file read is checked, and every restored array compared with the digest saved
+        with it. With ``step=None`` a damaged newest checkpoint is named (logged), set aside as
+        ``<step>.damaged-<reason>`` and the next newest tried; a given ``step`` that is damaged
+        raises `CheckpointDamagedError`.
         """
+        explicit = step is not None
         step = self.resolve_step(step)
         if callable(abstract_state):
             raise CheckpointError(
@@ -546,18 +983,58 @@ class Checkpointer:
                 f"restore target has no sharding for {listed(unsharded)}; pass program.abstract_state() "
                 "(ShapeDtypeStructs with shardings) so every shard knows which device it goes to"
             )
+        if explicit:
+            return self._restore_step(abstract_state, step, fresh)
+        damaged: list[CheckpointDamagedError] = []
+        for candidate in sorted(self.all_steps(), reverse=True):
+            try:
+                result = self._restore_step(abstract_state, candidate, fresh)
+            except CheckpointDamagedError as err:
+                damaged.append(err)
+                self._set_aside(err)
+                continue
+            if damaged:
+                log.warning("checkpoint %s: restored step %d, the newest intact checkpoint (damaged: %s)",
+                            self.directory, candidate, ", ".join(f"step {e.step} ({e.reason})" for e in damaged))
+            return result
+        raise CheckpointDamagedError(
+            self.directory, damaged[0].step, damaged[0].reason,
+            f"{damaged[0].detail}; and no older checkpoint is intact ("
+            f"{'; '.join(f'step {e.step}: {e.reason}' for e in damaged[1:]) or 'there is none'}). The damaged ones are "
+            "kept as <step>.damaged-<reason>; start afresh in another directory, or repair them")
+
+    def _restore_step(self, abstract_state: Any, step: int,
+                      fresh: Callable[[], Mapping[str, Any]] | None) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        """`restore` of one step: its files checked, its arrays read and verified against the digests."""
+        err = None
+        try:
+            digests = self.inspect(step)
+        except CheckpointDamagedError as found:
+            err = found
+        err = self._agree(step, err)
+        if err is not None:
+            raise err
         reinit = transient_changes(self.saved_signature(step), tree_signature(abstract_state))
         self.check_compatible(abstract_state, step, ignore=tuple(reinit))
         if reinit:
             return self._restore_reinitialising(abstract_state, step, reinit, fresh)
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
-                data=ocp.args.JsonRestore(),
-                config=ocp.args.JsonRestore(),
-            ),
-        )
+        restored = None
+        try:
+            with self._reading(step, "state"):
+                restored = self._manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract_state),
+                        data=ocp.args.JsonRestore(),
+                        config=ocp.args.JsonRestore(),
+                    ),
+                )
+        except CheckpointDamagedError as found:
+            err = found
+        err = self._agree(step, err)
+        if err is not None:
+            raise err
+        self.verify(step, restored["state"], digests)
         return restored["state"], pick_data_state(restored["data"], self.directory, step), dict(restored["config"])
 
     def _restore_reinitialising(self, abstract_state: Any, step: int, reinit: Mapping[str, str],
@@ -579,7 +1056,7 @@ class Checkpointer:
             done = "re-initialised" if name in wanted else "dropped"
             log.warning("checkpoint %s step %d: %s %s (%s); everything else restored exactly",
                         self.directory, step, TRANSIENT_FIELDS[name], done, why)
-        data, config = self._json_item("data", step), self.saved_config(step)
+        data, config = self._read_json(step, "data"), self._read_json(step, "config")
         return state, pick_data_state(data, self.directory, step), config
 
     def restore_subtree(self, target: Mapping[str, Any], step: int | None = None) -> dict[str, Any]:
@@ -596,10 +1073,71 @@ class Checkpointer:
                 f"checkpoint {self.directory} step {step} does not match the requested entries {describe_mismatches(problems)}"
             )
         restore_args = ocp.checkpoint_utils.construct_restore_args(dict(target))
-        return ocp.PyTreeCheckpointer().restore(
-            self.state_path(step),
-            args=ocp.args.PyTreeRestore(item=dict(target), restore_args=restore_args, partial_restore=True),
-        )
+        digests = self._digests(step)
+        err, restored = None, None
+        try:
+            with self._reading(step, "state"):
+                restored = ocp.PyTreeCheckpointer().restore(
+                    self.state_path(step),
+                    args=ocp.args.PyTreeRestore(item=dict(target), restore_args=restore_args, partial_restore=True),
+                )
+        except CheckpointDamagedError as found:
+            err = found
+        err = self._agree(step, err)
+        if err is not None:
+            raise err
+        self.verify(step, restored, digests)
+        return restored
+
+
+def _quiet_abandoned_reads() -> None:
+    """After a failed read, Orbax leaves the other chunk reads of that restore to be collected
+    later, each printing "Exception ignored in <coroutine _read_array_index_and_device_put>"
+    (and "Event loop is closed"); the damage is already named, so drop those reports only."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_shardlib_quiet", False):
+        return
+
+    def hook(unraisable) -> None:
+        err, obj = unraisable.exc_value, unraisable.object
+        text = str(err)
+        abandoned = ("_read_array_index_and_device_put" in repr(obj)
+                     or text.startswith("Encountered error while reading array index")
+                     or (isinstance(err, RuntimeError) and text == "Event loop is closed"))
+        if not abandoned:
+            previous(unraisable)
+
+    hook._shardlib_quiet = True
+    sys.unraisablehook = hook
+
+
+class _Reading:
+    """See `Checkpointer._reading`."""
+
+    def __init__(self, ckpt: Checkpointer, step: int, what: str) -> None:
+        self.ckpt, self.step, self.what = ckpt, step, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, err, tb) -> bool:
+        if err is None or isinstance(err, CheckpointError) or not isinstance(err, Exception):
+            return False
+        chain, seen = [], err
+        while seen is not None and len(chain) < 8:  # Orbax wraps TensorStore's error; the cause says what
+            chain.append(seen)
+            seen = seen.__cause__ or seen.__context__
+        text = " | ".join(" ".join(str(e).split()) for e in chain)
+        if any(mark in text for mark in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")):
+            return False  # the devices are full, the checkpoint may be fine
+        _quiet_abandoned_reads()
+        missing = any(isinstance(e, FileNotFoundError) for e in chain) or "NOT_FOUND" in text
+        reason = "missing-file" if missing else "unreadable"
+        cause = chain[-1]
+        brief = " ".join(str(cause).split())
+        brief = brief.split(" See full TensorStore details")[0]
+        raise CheckpointDamagedError(self.ckpt.directory, self.step, reason,
+                                     f"reading {self.what}: {type(cause).__name__}: {brief[:300]}") from err
 
 
 def _finish_before_exit(manager: ocp.CheckpointManager, directory: str) -> None:
@@ -621,7 +1159,11 @@ def _finish_before_exit(manager: ocp.CheckpointManager, directory: str) -> None:
         log.warning("checkpoint %s: a save was still being written when the program ended; waiting for it to "
                     "commit. Call ckpt.close() (or use `with Checkpointer(...) as ckpt:`) at the end of the "
                     "training loop", directory)
-        alive.wait_until_finished()
+        try:
+            alive.wait_until_finished()
+        except Exception as err:  # noqa: BLE001 - at exit there is no one left to raise to
+            log.error("checkpoint %s: the save in flight at exit failed (%s: %s); the previous checkpoint is the "
+                      "newest good one", directory, type(err).__name__, err)
 
     # CPython's hook for this (what concurrent.futures itself uses); where it is missing, plain
     # atexit at least logs the lost save instead of nothing

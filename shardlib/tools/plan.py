@@ -374,7 +374,10 @@ class Planner:
         try:
             built = self._compile(strategy, sizes, row.batch_size)
         except (ValueError, jax.errors.JaxRuntimeError) as err:
-            row.error = " ".join(str(err).split())[:500]
+            text = " ".join(str(err).split())
+            if "RESOURCE_EXHAUSTED" in text and "memory" in text:  # XLA:TPU refuses a program over HBM
+                text = f"does not fit: the compiler ran out of device memory ({text})"
+            row.error = text[:500]
             return row
         row.compile_s = time.perf_counter() - start
         self._read_memory(row, built)

@@ -1,0 +1,269 @@
+"""A damaged checkpoint is detected, named and set aside; the newest intact one is restored.
+
+Each test copies one set of checkpoints (steps 2, 4 and 6 of the tiny GPT under ZeRO-3 on 8
+devices), damages step 6 as a fault-injection pass would (a flipped bit, truncation, a deleted
+file, random bytes, an empty step directory, garbage metadata, a data state of another step)
+and restores with ``step=None``: step 4 must come back bit for bit, step 6 must be renamed
+``6.damaged-<reason>`` (never deleted), and the log must name it. A failed background save must
+be reported at once and stop the next step. One end-to-end rerun of ``shardlib train`` after a
+bit flip checks the same through the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from shardlib import build, make_layout, make_mesh
+from shardlib.cli import main
+from shardlib.run.checkpointing import SaveCheckpoint
+from shardlib.runtime import checkpoint as ckpt_mod
+from shardlib.runtime.checkpoint import (
+    CheckpointDamagedError,
+    Checkpointer,
+    CheckpointSaveError,
+    digest_arrays,
+    digest_hex,
+    incomplete_reason,
+)
+from tests.helpers import assert_bitwise, batches, host_copy, optimizer, tiny_model
+
+STEPS = (2, 4, 6)
+
+
+def _program(strategy: str = "zero3", sizes=None, n: int = 8):
+    model = tiny_model()
+    mesh = make_mesh(sizes or {"fsdp": n}, devices=jax.devices()[:n])
+    return build(model, optimizer(), make_layout(model, strategy, mesh))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(template checkpoint dir, {step: host copy of the saved state}, the program)."""
+    program = _program()
+    directory = tmp_path_factory.mktemp("integrity") / "ckpt"
+    state, copies = program.init(jax.random.key(0)), {}
+    with Checkpointer(directory, keep=None) as ckpt:
+        for step, rows in enumerate(batches(max(STEPS)), start=1):
+            state, _ = program.step(state, rows)
+            if step in STEPS:
+                copies[step] = host_copy(state)
+                assert ckpt.save(step, state, data_state={"step": step, "seed": 0}, config={"model": "tiny"})
+    return directory, copies, program
+
+
+@pytest.fixture
+def work(saved, tmp_path):
+    template, copies, program = saved
+    directory = tmp_path / "ckpt"
+    shutil.copytree(template, directory)
+    return directory, copies, program
+
+
+def _largest_data_file(step_dir: Path) -> Path:
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and "ocdbt.process_" in str(p)]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def _flip_bit(path: Path, offset: int | None = None, bit: int = 4) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 if offset is None else offset] ^= 1 << bit
+    path.write_bytes(bytes(data))
+
+
+def _restores_step_4(directory: Path, copies, program, caplog, reason: str) -> None:
+    """Restoring the latest gives step 4 bit for bit; step 6 is set aside and named in the log."""
+    with caplog.at_level(logging.WARNING, logger="shardlib.runtime.checkpoint"):
+        ckpt = Checkpointer(directory)
+        state, data, _ = ckpt.restore(program.abstract_state())
+    assert int(state.step) == 4 and data == {"step": 4, "seed": 0}
+    assert_bitwise(state, copies[4])
+    names = sorted(p.name for p in directory.iterdir())
+    assert names == ["2", "4", f"6.damaged-{reason}"], names
+    assert "step 6 is damaged" in caplog.text and f"6.damaged-{reason}" in caplog.text, caplog.text
+    assert (directory / f"6.damaged-{reason}" / "DAMAGED.txt").read_text().startswith(f"checkpoint {directory} step 6")
+    assert ckpt.latest_step() == 4
+    ckpt.close()
+
+
+def test_digest_is_the_same_on_any_mesh_and_catches_one_bit(saved):
+    _, copies, program = saved
+    ckpt = Checkpointer(saved[0], create=False)
+    other = _program("dp", {"data": 4}, n=4)  # another strategy and device count
+    state, _, _ = ckpt.restore(other.abstract_state(), step=6)  # verified against digests saved under zero3 on 8
+    assert_bitwise(state, copies[6])
+    assert digest_hex(*digest_arrays(state)) == json.loads((saved[0] / "6" / "digests" / "metadata").read_text())["arrays"]
+    # one bit of one element of one tensor: verify names exactly that tensor
+    params = jax.tree.map(lambda x: x, state.params)  # new containers, the same arrays
+    wq = np.array(copies[6].params["blocks"]["attn"]["wq"])
+    wq.view(np.uint32).reshape(-1)[17] ^= 1
+    params["blocks"]["attn"]["wq"] = jax.device_put(wq, state.params["blocks"]["attn"]["wq"].sharding)
+    with pytest.raises(CheckpointDamagedError, match=r"params/blocks/attn/wq differ") as err:
+        ckpt.verify(6, {"params": params})
+    assert err.value.reason == "digest" and "params/blocks/attn/wv" not in str(err.value)
+    ckpt.verify(6, {"params": state.params})  # the untouched values pass
+
+
+def test_bit_flip_in_a_data_file_falls_back_to_the_previous_checkpoint(work, caplog):
+    directory, copies, program = work
+    _flip_bit(_largest_data_file(directory / "6"))
+    _restores_step_4(directory, copies, program, caplog, "digest")
+
+
+def test_truncated_data_file(work, caplog):
+    directory, copies, program = work
+    path = _largest_data_file(directory / "6")
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    _restores_step_4(directory, copies, program, caplog, "unreadable")
+    assert "step 6 is damaged (unreadable): reading state: ValueError:" in caplog.text
+
+
+def test_deleted_data_file(work, caplog):
+    directory, copies, program = work
+    _largest_data_file(directory / "6").unlink()
+    _restores_step_4(directory, copies, program, caplog, "unreadable")
+
+
+def test_random_bytes_in_a_data_file(work, caplog):
+    directory, copies, program = work
+    path = _largest_data_file(directory / "6")
+    data = bytearray(path.read_bytes())
+    data[64:4160] = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    path.write_bytes(bytes(data))
+    _restores_step_4(directory, copies, program, caplog, "unreadable")
+
+
+def test_empty_step_directory_is_not_a_checkpoint(work, caplog):
+    directory, copies, program = work
+    shutil.rmtree(directory / "6")
+    (directory / "6").mkdir()
+    assert incomplete_reason(directory / "6") == "no Orbax commit marker (commit_success.txt)"
+    assert Checkpointer(directory, create=False).all_steps() == [2, 4]  # read-only: seen as incomplete, left alone
+    assert (directory / "6").is_dir()
+    _restores_step_4(directory, copies, program, caplog, "incomplete")  # the writer sets it aside on opening
+
+
+def test_missing_digests_make_a_checkpoint_incomplete(work, caplog):
+    directory, copies, program = work
+    shutil.rmtree(directory / "6" / "digests")
+    _restores_step_4(directory, copies, program, caplog, "incomplete")
+
+
+@pytest.mark.parametrize("item", ["config", "data", "meta", "digests"])
+def test_garbage_metadata_is_refused_naming_the_file(work, caplog, item):
+    directory, copies, program = work
+    (directory / "6" / item / "metadata").write_text('{"step": 6, garbage')
+    _restores_step_4(directory, copies, program, caplog, "metadata")
+    assert f"{item}/metadata is not valid JSON" in caplog.text
+
+
+def test_data_state_of_another_step_is_refused(work, caplog):
+    directory, copies, program = work
+    (directory / "6" / "data" / "metadata").write_text(json.dumps({"process_count": 1, "states": [{"seed": 0, "step": 5}]}))
+    _restores_step_4(directory, copies, program, caplog, "data-step")
+    assert "data/metadata says the data iterator stood at step 5, but the checkpoint is step 6" in caplog.text
+
+
+def test_edited_metadata_that_still_parses_is_refused(work, caplog):
+    directory, copies, program = work
+    (directory / "6" / "config" / "metadata").write_text(json.dumps({"model": "small"}))
+    _restores_step_4(directory, copies, program, caplog, "metadata")
+    assert "config/metadata differs from the SHA-256 saved with it" in caplog.text
+
+
+def test_a_requested_step_that_is_damaged_raises_and_is_left_in_place(work):
+    directory, _, program = work
+    _flip_bit(_largest_data_file(directory / "6"))
+    with pytest.raises(CheckpointDamagedError, match=r"step 6 is damaged \(digest\): the restored values of"):
+        Checkpointer(directory).restore(program.abstract_state(), step=6)
+    assert (directory / "6").is_dir()
+
+
+def test_no_intact_checkpoint_left_says_so(work):
+    directory, _, program = work
+    for step in STEPS:
+        (directory / str(step) / "config" / "metadata").write_text("garbage")
+    with pytest.raises(CheckpointDamagedError, match="no older checkpoint is intact"):
+        Checkpointer(directory).restore(program.abstract_state())
+    assert sorted(p.name for p in directory.iterdir()) == [f"{s}.damaged-metadata" for s in STEPS]
+
+
+def test_checkpoint_saved_before_digests_restores_unverified(work, caplog):
+    directory, copies, program = work
+    shutil.rmtree(directory / "6" / "digests")
+    meta = json.loads((directory / "6" / "meta" / "metadata").read_text())
+    (directory / "6" / "meta" / "metadata").write_text(json.dumps({**meta, "format": ckpt_mod.LEGACY_FORMATS[0]}))
+    with caplog.at_level(logging.WARNING, logger="shardlib.runtime.checkpoint"):
+        state, _, _ = Checkpointer(directory).restore(program.abstract_state())
+    assert int(state.step) == 6 and "saved before digests" in caplog.text
+    assert_bitwise(state, copies[6])
+
+
+def test_failed_background_save_is_reported_at_once_and_stops_the_next_step(saved, tmp_path, monkeypatch, caplog):
+    _, copies, program = saved
+    state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), copies[2], program.abstract_state())
+    real = ckpt_mod._DigestHandler._save_fn
+
+    async def disk_full(self, x, directory):
+        if "/4.orbax-checkpoint-tmp" in str(directory):
+            raise OSError(28, "No space left on device")
+        return await real(self, x, directory)
+
+    monkeypatch.setattr(ckpt_mod._DigestHandler, "_save_fn", disk_full)
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=None)
+    saver = SaveCheckpoint(ckpt, lambda step: step % 2 == 0, seed=0, config={"model": "tiny"})
+    with caplog.at_level(logging.ERROR, logger="shardlib.runtime.checkpoint"):
+        saver(2, state, {})
+        ckpt.wait()
+        saver(4, state, {})  # returns: the write runs in the background
+        deadline = time.monotonic() + 30
+        while "failed to save" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.02)  # nothing else is called: the report comes from the background
+    assert "step 4 failed to save in the background (OSError: [Errno 28] No space left on device)" in caplog.text
+    assert "the last good checkpoint is step 2" in caplog.text
+    with pytest.raises(CheckpointSaveError, match="step 4 failed to save .* the last good checkpoint is step 2"):
+        saver(5, state, {})  # the next step stops
+    with pytest.raises(CheckpointSaveError):
+        ckpt.save(6, state, data_state={"step": 6, "seed": 0}, force=True)
+    ckpt.close()  # already reported: closing adds no second error
+    assert ckpt.all_steps() == [2]
+
+
+def test_train_rerun_after_a_bit_flip_resumes_from_the_newest_intact_checkpoint(tmp_path, capfd, caplog):
+    out = tmp_path / "run"
+    flags = ["train", "--model", "tiny", "--batch-size", "16", "--seq-len", "32", "--no-progress", "--no-tensorboard",
+             "--eval-every", "0", "--sample-tokens", "0", "--steps", "6", "--ckpt-every", "2", "--out", str(out)]
+    assert main(flags) == 0
+    reference = Checkpointer(out / "checkpoints", create=False)
+    final = host_copy(reference.restore_subtree({"params": _abstract_params(out)})["params"])
+    reference.close()
+    _flip_bit(_largest_data_file(out / "checkpoints" / "6"))
+    capfd.readouterr()
+    with caplog.at_level(logging.WARNING, logger="shardlib.runtime.checkpoint"):
+        assert main(flags) == 0
+    printed, _ = capfd.readouterr()
+    assert "resumed    step 4 from" in printed, printed
+    assert "step 6 is damaged (digest)" in caplog.text and "6.damaged-digest" in caplog.text, caplog.text
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert "6.damaged-digest" in names and "6" in names and "4" in names, names
+    again = Checkpointer(out / "checkpoints", create=False)
+    assert_bitwise(again.restore_subtree({"params": _abstract_params(out)})["params"], final)  # steps 5, 6 redone exactly
+    again.close()
+
+
+def _abstract_params(out: Path):
+    return _program().abstract_state().params
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_env():
+    yield
+    os.environ.pop("SHARDLIB_ELASTIC_RESTART", None)
