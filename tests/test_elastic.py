@@ -91,7 +91,10 @@ def test_elastic_needs_a_run_directory_and_the_flags_need_elastic(tmp_path):
 def test_last_complete_checkpoint_and_examples_cut_back(tmp_path):
     ckpts = tmp_path / "checkpoints"
     for name in ("2", "4", "6.orbax-checkpoint-tmp-123"):
-        (ckpts / name).mkdir(parents=True)
+        (ckpts / name / "digests").mkdir(parents=True)
+        (ckpts / name / "commit_success.txt").write_text("")
+        (ckpts / name / "digests" / "metadata").write_text("{}")
+    (ckpts / "8").mkdir()  # an empty step directory is not a checkpoint either
     assert elastic.latest_checkpoint(tmp_path) == 4  # the save in flight is not a checkpoint
     assert elastic.latest_checkpoint(tmp_path / "none") is None
     log = tmp_path / "examples.process1.jsonl"

@@ -22,6 +22,7 @@ from flax import linen as nn
 import shardlib
 from shardlib import Checkpointer, build, from_linen, make_layout, make_mesh
 from tests import zoo
+from tests.helpers import optimizer
 
 DEVICES, MICRO = 8, 2
 pytestmark = pytest.mark.filterwarnings("ignore::shardlib.ReplicationWarning")
@@ -123,7 +124,10 @@ def test_spectral_and_weight_norm_train_sharded_like_one_device_and_restore_onto
     rng = np.random.default_rng(1)
     batches = [{"image": rng.normal(size=(16, 8, 8, 4)).astype(np.float32),
                 "real": rng.integers(0, 2, 16).astype(np.float32)} for _ in range(3)]
-    disc, tx = Discriminator(), optax.adam(1e-2, eps=1e-5)
+    # The suite's parity optimizer (tests/helpers.py: Adam's amplification of reduction-order noise,
+    # lr |dg| / eps, stays under the tolerance); at lr 1e-2 one element of 9216 moved 2.3e-6 on
+    # some CPUs' XLA codegen.
+    disc, tx = Discriminator(), optimizer()
     model = from_linen(disc, gan_loss, batches[0], inputs=lambda b, train: ((b["image"],), {"train": train}),
                        rng_streams=())
     layout = make_layout(model, "zero3", make_mesh({"fsdp": DEVICES}))

@@ -108,11 +108,16 @@ def run_directory(command: Sequence[str]) -> Path:
 
 
 def latest_checkpoint(out_dir: Path) -> int | None:
-    """The newest committed checkpoint step in ``OUT/checkpoints``, or None (a save in flight is not one)."""
+    """The newest complete checkpoint step in ``OUT/checkpoints``, or None: complete by the
+    checkpointer's one rule (`shardlib.runtime.checkpoint.incomplete_reason`), so neither a save in
+    flight nor an empty step directory is one."""
+    from shardlib.runtime.checkpoint import incomplete_reason  # Orbax loads only when this is asked
+
     directory = out_dir / "checkpoints"
     if not directory.is_dir():
         return None
-    steps = [int(p.name) for p in directory.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+    steps = [int(p.name) for p in directory.iterdir()
+             if p.is_dir() and _STEP_DIR.match(p.name) and incomplete_reason(p) is None]
     return max(steps) if steps else None
 
 
