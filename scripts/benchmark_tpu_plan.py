@@ -8,7 +8,7 @@ host; nothing runs, nothing is allocated) and prints what the compiled program s
 chip (XLA:TPU's buffer assignment, tiled layouts included) against the chip's 95 GiB, whether it
 fits, persistent state a chip, collective bytes a chip sends per step by kind, the roofline MFU on
 the v5p profile (`shardlib.tools.hardware`), and the compile time. One sequence a chip at the
-model's full context. Compiles take minutes a row; JAX's persistent cache makes a rerun quick.
+model's full context. Compiles take minutes a row; the plan's compile cache makes a rerun quick.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS), metavar="MODEL@TOPOLOGY")
     parser.add_argument("--strategies", nargs="+", default=list(DEFAULT_STRATEGIES))
-    parser.add_argument("--cache-dir", help="JAX's persistent compilation cache (default: the plan's)")
+    parser.add_argument("--cache-dir", help="where compiled candidates are kept (default: the plan's)")
     parser.add_argument("--markdown", action="store_true", help="print one markdown table at the end")
     args = parser.parse_args()
 
@@ -38,10 +38,10 @@ def main() -> None:
     simulate_cpu_devices(1)
     import jax
 
-    from shardlib.tools.plan import Planner, compiler_versions, use_compilation_cache
+    from shardlib.tools.plan import Planner, compiler_versions, plan_cache_dir
     from shardlib.tools.tables import format_bytes
 
-    cache_dir = use_compilation_cache(args.cache_dir, jax_cache=False)
+    cache_dir = plan_cache_dir(args.cache_dir)
     lines = []
     for row in args.rows:
         model, topology = row.split("@")

@@ -18,6 +18,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The TPU-compilation tests in both workers load libtpu, whose lockfile admits one process
 # (`shardlib.runtime.devices.topology_devices`; no chip is touched).
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# `shardlib plan` keeps compiles in a cache folder; the tests compile afresh (and write nothing home).
+os.environ["SHARDLIB_PLAN_CACHE"] = "none"
 
 import jax  # noqa: E402
 

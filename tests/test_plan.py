@@ -198,6 +198,24 @@ def test_plot_draws_memory_and_step_time_against_chips(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_rerun_plan_reads_its_compiles_back(tmp_path, monkeypatch):
+    """The plan's compile cache: a candidate planned again is not compiled again (compiling fails
+    on the second planner), and its figures are the first's."""
+    import jax
+
+    first = Planner("tiny", 8, batch_size=8, cache_dir=str(tmp_path)).candidate("zero3")
+    assert first.error is None and len(list(tmp_path.iterdir())) == 1
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", refuse)
+    again = Planner("tiny", 8, batch_size=8, cache_dir=str(tmp_path)).candidate("zero3")
+    assert again.error is None
+    for field in ("persistent_bytes", "argument_bytes", "peak_bytes", "collective_bytes", "intra_domain_bytes"):
+        assert getattr(again, field) == getattr(first, field), field
+
+
 # ---------------------------------------------------------------- inspect
 
 

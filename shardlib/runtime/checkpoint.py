@@ -300,6 +300,16 @@ def _digest_all(leaves: list[jax.Array]) -> jax.Array:
 _digest_fns: dict[Any, Callable] = {}
 
 
+def _in_device_memory(x: Any) -> Any:
+    """``x``, copied into device memory if it lives in host memory (offloaded optimizer state): one
+    computation cannot mix memory spaces. The copy keeps the sharding and is dispatched async."""
+    sharding = getattr(x, "sharding", None)
+    kind = getattr(sharding, "memory_kind", None)
+    if kind is None or kind == "device":
+        return x
+    return jax.device_put(x, sharding.with_memory_kind("device"))
+
+
 def digest_arrays(tree: Any) -> tuple[list[str], jax.Array | None]:
     """(paths, a [n, 2] uint32 device array of digests) for the arrays of ``tree``.
 
@@ -310,7 +320,7 @@ def digest_arrays(tree: Any) -> tuple[list[str], jax.Array | None]:
     flat = [(path_str(path), leaf) for path, leaf in flat if leaf is not None]
     if not flat:
         return [], None
-    leaves = [leaf for _, leaf in flat]
+    leaves = [_in_device_memory(leaf) for _, leaf in flat]
     sharding = getattr(leaves[0], "sharding", None)
     out = NamedSharding(sharding.mesh, P()) if isinstance(sharding, NamedSharding) else None
     fn = _digest_fns.get(out)

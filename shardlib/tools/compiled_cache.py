@@ -1,13 +1,12 @@
 """What `shardlib plan` reads of a compiled program, kept on disk so a rerun plan skips the compile.
 
 The planner reads two things of a compiled step: ``memory_analysis()`` and the optimised HLO
-(``as_text()``). For programs of this machine's devices JAX's persistent compilation cache
-already makes a rerun quick. For a TPU topology compiled on a CPU host it cannot: jax 0.10.2
-writes the executable but fails to load it back ("PjRtCompiler must be constructed with a
-Client to call DeserializeLoadedExecutable") and compiles again, minutes for a large model. So
-topology plans keep those two facts here instead, keyed by the lowered program's text and the
-compiler (platform, topology, jax and libtpu versions): the same candidate planned again reads
-them back; any change to the step, the model or the compiler misses.
+(``as_text()``). JAX's persistent compilation cache cannot serve a TPU topology compiled on a CPU
+host: jax 0.10.2 writes the executable but fails to load it back ("PjRtCompiler must be
+constructed with a Client to call DeserializeLoadedExecutable") and compiles again, minutes for
+a large model; and it is a process-wide setting. So plans keep those two facts here, keyed by the
+lowered program's text and the compiler (platform, topology, jax and libtpu versions): the same
+candidate planned again reads them back; any change to the step, the model or the compiler misses.
 """
 
 from __future__ import annotations

@@ -304,9 +304,10 @@ class Planner:
             self.profile = hw.get_hardware(hardware or "h100")
         self.hbm_bytes = hw.parse_bytes(hbm) if hbm is not None else self.profile.hbm_bytes
         self.n = len(self.devices)
-        # Topology compiles are cached by the planner itself (`shardlib.tools.compiled_cache`);
-        # those of this machine's devices by JAX's persistent cache (`use_compilation_cache`).
-        self.cache_dir = cache_dir if topology is not None else None
+        # Compiles are cached by the planner itself (`shardlib.tools.compiled_cache`), not by JAX's
+        # persistent cache: that one cannot load a topology's executables, and turning it on is a
+        # process-wide setting that would also serve (and skip the dumps of) every later compile.
+        self.cache_dir = cache_dir
         self._compiler = json.dumps([topology, slices, compiler_versions(platform_of(self.devices))])
         self.seq_len = seq_len or self.config.max_seq_len
         if pipeline_stages < 1 or self.n % pipeline_stages:
@@ -786,8 +787,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slices", type=int, default=1, help="--topology: that many slices joined by DCN")
     parser.add_argument("--plot", metavar="FILE.png", help="draw per-chip memory and estimated step time against "
                                                            "chip count (one point per --topology or --devices run)")
-    parser.add_argument("--cache-dir", help="JAX's persistent compilation cache, so a rerun plan skips compiling "
-                                            "(default ~/.cache/shardlib/jax; 'none' turns it off)")
+    parser.add_argument("--cache-dir", help="where compiled candidates are kept, so a rerun plan skips compiling "
+                                            "(default $SHARDLIB_PLAN_CACHE or ~/.cache/shardlib/jax; 'none': off)")
     parser.add_argument("--strategy", nargs="+", action="extend", metavar="S",
                         help=f"strategies to compare ({', '.join(ALL_STRATEGIES)}); default: all")
     parser.add_argument("--all", action="store_true", help="every strategy on its default mesh for N devices")
@@ -840,7 +841,7 @@ def run(args: argparse.Namespace) -> int:
     if args.hardware is not None:
         hw.get_hardware(args.hardware)  # unknown hardware: fail before JAX starts
     setup_devices(1 if args.topology else args.devices)
-    cache_dir = use_compilation_cache(args.cache_dir, jax_cache=not args.topology)
+    cache_dir = plan_cache_dir(args.cache_dir)
     documents = []
     for topology in args.topology or [None]:
         planner = Planner(args.model, args.devices, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -865,21 +866,13 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def use_compilation_cache(cache_dir: str | None, jax_cache: bool = True) -> str | None:
+def plan_cache_dir(cache_dir: str | None) -> str | None:
     """The folder that keeps the plan's compiles (minutes each for a large model on a large
-    topology), so planning the same candidates again reads them back; None when turned off.
-    ``jax_cache``: also JAX's persistent compilation cache, which serves programs of this machine's
-    devices (a TPU topology's it writes but cannot load: `shardlib.tools.compiled_cache`)."""
-    import jax
-
-    if cache_dir == "none":
-        return None
-    folder = cache_dir or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
-                                       "shardlib", "jax")
-    if jax_cache:
-        jax.config.update("jax_compilation_cache_dir", folder)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    return folder
+    topology), so planning the same candidates again reads them back: ``--cache-dir``, else
+    ``$SHARDLIB_PLAN_CACHE``, else ``~/.cache/shardlib/jax``; None when either says ``none``."""
+    folder = cache_dir or os.environ.get("SHARDLIB_PLAN_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "shardlib", "jax")
+    return None if folder == "none" else folder
 
 
 def _stage_layers_flag(text: str | None) -> Any:
