@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import os
 import shutil
 import time
@@ -251,9 +252,12 @@ def test_train_rerun_after_a_bit_flip_resumes_from_the_newest_intact_checkpoint(
         assert main(flags) == 0
     printed, _ = capfd.readouterr()
     assert "resumed    step 4 from" in printed, printed
-    assert "step 6 is damaged (digest)" in caplog.text and "6.damaged-digest" in caplog.text, caplog.text
+    # Where the flipped bit lands in OCDBT's file (the writer's threads order it) decides who sees it
+    # first: the digest of the value it decoded to, or zstd, when the bit hits a frame's header.
+    reason = re.search(r"step 6 is damaged \((digest|unreadable)\)", caplog.text)
+    assert reason and f"6.damaged-{reason.group(1)}" in caplog.text, caplog.text
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert "6.damaged-digest" in names and "6" in names and "4" in names, names
+    assert f"6.damaged-{reason.group(1)}" in names and "6" in names and "4" in names, names
     again = Checkpointer(out / "checkpoints", create=False)
     assert_bitwise(again.restore_subtree({"params": _abstract_params(out)})["params"], final)  # steps 5, 6 redone exactly
     again.close()
