@@ -903,9 +903,8 @@ def _chain_copies_counted(module: HloModule) -> dict[tuple[str, str], Instructio
         starts = any(i.root and _START_TARGET in i.attrs for i in instrs)
         for instr in instrs:
             key = _chain_key(instr)
-            if key is not None and (key not in chosen or starts):
-                if starts or key not in chosen:
-                    chosen[key] = instr
+            if key is not None and (starts or key not in chosen):
+                chosen[key] = instr
     return chosen
 
 

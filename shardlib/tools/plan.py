@@ -161,7 +161,7 @@ def select_devices(n: int) -> list[Any]:
     available = jax.devices()
     if len(available) < n:
         raise PlanError(
-            f"planning for {n} devices needs {n} JAX devices but the {available[0].platform} backend has "
+            f"planning for {n} devices needs {n} JAX devices but the {platform_of(available)} backend has "
             f"{len(available)}; run `shardlib plan --devices {n}` (it simulates them on CPU), or call "
             f"jax.config.update('jax_num_cpu_devices', {n}) right after `import jax`, before any JAX operation"
         )
