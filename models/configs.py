@@ -7,6 +7,7 @@ run costs nothing; tests check the formulas against the real (abstract) model.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 
@@ -80,6 +81,45 @@ CONFIGS: dict[str, GPTConfig] = {
 }
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig(GPTConfig):
+    """A decoder whose MLPs are mixtures of ``n_experts`` SwiGLU experts (``d_ff`` each), each
+    token routed to its ``top_k`` best (`models.moe`, docs/moe.md). An expert takes at most
+    ``capacity = ceil(capacity_factor * top_k * seq / n_experts)`` tokens of a sequence; the rest
+    of its assignments are dropped (the residual stream carries those tokens on). The loss adds
+    ``aux_loss_coef`` times the Switch/GShard load-balancing loss and ``z_loss_coef`` times the
+    router z-loss (ST-MoE), each summed over the layers."""
+
+    n_experts: int = 4
+    top_k: int = 1
+    capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 1e-3
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.top_k not in (1, 2):
+            raise ValueError(f"top_k={self.top_k}: the MoE layer routes each token to 1 or 2 experts")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} needs at least that many experts, got n_experts={self.n_experts}")
+        if self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor} must be positive")
+
+    def capacity(self, seq_len: int) -> int:
+        """Slots per expert per sequence: ``ceil(capacity_factor * top_k * seq_len / n_experts)``, at least 1."""
+        return max(1, math.ceil(self.capacity_factor * self.top_k * seq_len / self.n_experts))
+
+
+CONFIGS.update({
+    # For tests: 4 experts (one per device of an expert=4 mesh), top-1 routing.
+    "moe-tiny": MoEConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2, d_ff=32, max_seq_len=64,
+                          n_experts=4, top_k=1),
+    # A small byte-level MoE: 8 experts, top-2 routing (GShard), ~4M parameters.
+    "moe-small": MoEConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=8, d_ff=512, max_seq_len=128,
+                           n_experts=8, top_k=2),
+})
+
+
 def get_config(name: str) -> GPTConfig:
     """The named configuration; an unknown name lists the known ones."""
     try:
@@ -92,6 +132,8 @@ def _layer_params(config: GPTConfig) -> int:
     d, hd = config.d_model, config.head_dim
     attention = d * hd * (2 * config.n_heads + 2 * config.n_kv_heads)  # wq, wo, wk, wv
     mlp = 3 * d * config.d_ff  # w_gate, w_up, w_down
+    if isinstance(config, MoEConfig):  # every expert's SwiGLU, and the router
+        mlp = config.n_experts * mlp + d * config.n_experts
     norms = 2 * d
     return attention + mlp + norms
 
@@ -112,5 +154,7 @@ def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> float:
     """
     seq_len = config.max_seq_len if seq_len is None else seq_len
     n_matmul = param_count(config) - config.vocab_size * config.d_model
+    if isinstance(config, MoEConfig):  # a token runs through top_k of the experts only
+        n_matmul -= config.n_layers * (config.n_experts - config.top_k) * 3 * config.d_model * config.d_ff
     attention = 12 * config.n_layers * config.n_heads * config.head_dim * seq_len
     return float(6 * n_matmul + attention)

@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 
 from .configs import GPTConfig
+from shardlib.model import attention as attention_lib
 from shardlib.model.hooks import backend_policy, constrain, gather_layer
 from shardlib.model import Stages
 
@@ -39,10 +40,14 @@ def _fan_in(in_axis: int | Sequence[int], out_axis: int | Sequence[int], scale: 
     return nnx.initializers.variance_scaling(scale, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """(sin, cos), each float32[seq_len, head_dim // 2], for rotary position embeddings."""
+def rope_tables(seq_len: int, head_dim: int, theta: float, positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(sin, cos), each float32[seq_len, head_dim // 2], for rotary position embeddings at
+    ``positions`` (default: this device's tokens' positions in the whole sequence,
+    `shardlib.model.attention.positions`: ``arange(seq_len)`` unless the sequence is split over a
+    context axis)."""
     inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    positions = attention_lib.positions(seq_len) if positions is None else positions
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     return jnp.sin(angles), jnp.cos(angles)
 
 
@@ -89,15 +94,21 @@ class Attention(nnx.Module):
         q = constrain(apply_rope(q, sin, cos), ("batch", "seq", "heads", "head_dim"))
         k = constrain(apply_rope(k, sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-        implementation = resolve_attention(self.implementation, q.dtype)
-        if implementation == "einsum":
-            out = causal_attention(q, k, v)
-        elif implementation == "blocked":
-            out = blocked_causal_attention(q, k, v)
-        else:
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+        # shardlib's attention: the model's own kernel on a whole sequence, a ring or all-gather of
+        # K/V when the sequence is split over a context axis
+        out = attention_lib.attention(q, k, v, causal=True, local=functools.partial(_local_attention, self.implementation))
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))
         return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dtype))
+
+
+def _local_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention over a whole sequence with ``GPTConfig.attention``'s implementation."""
+    implementation = resolve_attention(implementation, q.dtype)
+    if implementation == "einsum":
+        return causal_attention(q, k, v)
+    if implementation == "blocked":
+        return blocked_causal_attention(q, k, v)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
 # The dtypes cuDNN's fused attention kernel takes.

@@ -44,7 +44,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--strategy", default="zero3", help="parallelism strategy, default mesh (default: zero3)")
     parser.add_argument("--precision", default="bf16", choices=list(PRECISIONS), help="compute dtype (default: bf16)")
     parser.add_argument("--xla-gpu-overlap", action="store_true",
-                        help="set XLA's GPU overlap flags first (shardlib.set_gpu_overlap_flags)")
+                        help="set XLA's GPU overlap flags first (shardlib.runtime.xla_flags.set_gpu_overlap_flags)")
     parser.add_argument("--attention", choices=list(ATTENTION),
                         help="models.GPTConfig.attention (default: the backend policy's, docs/backends.md: cudnn, "
                              "the fused kernel, on a GPU in bf16/fp16; else einsum)")

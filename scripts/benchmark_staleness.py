@@ -15,7 +15,7 @@ parameters after the last step (DiLoCo: the replicas' mean), ``last 10`` the mea
 the last 10 steps, each against the synchronous run of the same seed and family; ``data bytes /
 step`` the bytes one device sends per step in the compiled programs (DiLoCo: the sync's per H
 steps, spread); ``reduction waits for compute``: whether the step's gradient all-reduce depends
-on the step's batch in the optimised HLO (`shardlib.step.staleness.reductions_waiting`), i.e.
+on the step's batch in the optimised HLO (`shardlib.tools.hlo.reductions_waiting`), i.e.
 must wait for the forward and backward pass (DiLoCo: whether the outer all-reduce blocks).
 """
 
@@ -58,7 +58,7 @@ def _stale_runs(args, model, tx, layout, batches, key, held_out):
     import jax
 
     from shardlib import build
-    from shardlib.step.staleness import reductions_waiting
+    from shardlib.tools.hlo import reductions_waiting
 
     for tau in args.taus:
         program = build(model, tx, layout, staleness=tau)

@@ -39,7 +39,7 @@ def main() -> None:
     import jax
 
     from shardlib.tools.plan import Planner, compiler_versions, plan_cache_dir
-    from shardlib.tools.tables import format_bytes
+    from shardlib.text import format_bytes
 
     cache_dir = plan_cache_dir(args.cache_dir)
     lines = []

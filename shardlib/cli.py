@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
+
+from shardlib.exits import EXIT_USAGE, exit_interrupted
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("shardlib.run.train", "train a model (default: a small byte-level GPT on a built-in corpus)"),
@@ -23,8 +24,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("shardlib.runtime.launch", "run a command as N local processes of one distributed JAX job"),
     "export": ("shardlib.tools.export", "write consolidated weights from a checkpoint"),
 }
-
-USAGE_EXIT = 2
 
 
 class UsageError(Exception):
@@ -35,7 +34,26 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises UsageError instead of printing usage and exiting."""
 
     def error(self, message: str):  # type: ignore[override]
-        raise UsageError(f"{message} (see '{self.prog} --help')")
+        raise UsageError(f"{message}{self._did_you_mean(message)} (see '{self.prog} --help')")
+
+    def _did_you_mean(self, message: str) -> str:
+        """``; did you mean --strategy?`` for a mistyped flag, or ``--strategy zero3`` for a mistyped choice."""
+        import difflib
+        import re
+
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        if unknown:
+            flags = [o for o in self._option_string_actions if o.startswith("--")]
+            for word in unknown.group(1).split():
+                close = difflib.get_close_matches(word.split("=")[0], flags, n=1, cutoff=0.7)
+                if word.startswith("--") and close:
+                    return f"; did you mean {close[0]}?"
+            return ""
+        choice = re.match(r"argument (\S+): invalid choice: '?([^'\s]*)'?", message)
+        action = self._option_string_actions.get(choice.group(1).split("/")[0]) if choice else None
+        close = difflib.get_close_matches(choice.group(2), [str(c) for c in action.choices or ()], n=1,
+                                          cutoff=0.6) if action else []
+        return f"; did you mean {choice.group(1).split('/')[0]} {close[0]}?" if close else ""
 
 
 def _one_line(text: str) -> str:
@@ -45,7 +63,7 @@ def _one_line(text: str) -> str:
 def _fail(command: str, err: BaseException) -> int:
     prog = f"shardlib {command}" if command else "shardlib"
     print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
-    return USAGE_EXIT
+    return EXIT_USAGE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,39 +105,6 @@ def main(argv: list[str] | None = None) -> int:
         return _finish(exit_interrupted(err))
     except Exception:
         return _crash()
-
-
-EXIT_INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
-_JAX_DIRS = tuple(os.sep + d + os.sep for d in ("jax", "jaxlib"))
-
-
-def _raised_inside_jax(err: BaseException) -> bool:
-    """True when ``err`` came out of JAX's own code (e.g. an XLA compile that Ctrl-C interrupted)."""
-    tb = err.__traceback__
-    while tb is not None:
-        if any(d in tb.tb_frame.f_code.co_filename for d in _JAX_DIRS):
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def exit_interrupted(err: BaseException, code: int = EXIT_INTERRUPTED) -> int:
-    """``code`` for a Ctrl-C; but exit this process *now* when it interrupted JAX mid-call.
-
-    Ctrl-C during an XLA compile raises KeyboardInterrupt out of the compile while XLA's own
-    threads are still compiling; the normal interpreter shutdown then tears the runtime down
-    under them and the process dies with SIGSEGV (exit 139) after "interrupted". Everything the
-    run had open was closed while the exception unwound, so after flushing the output this
-    skips that shutdown (``os._exit``), and the exit status is the ``code`` promised (130).
-    """
-    if _raised_inside_jax(err):
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
-    return code
 
 
 def _in_multiprocess_job() -> bool:

@@ -6,22 +6,27 @@ sources of jax 0.10.2, 0.11.2 and 0.12.0.1. In all three, every public name shar
 present with the same signature: ``jax.shard_map(f, mesh=, in_specs=, out_specs=,
 axis_names=)``, ``jax.sharding.AxisType`` (Auto/Explicit/Manual), ``jax.lax.pcast(x, axes,
 to="varying")``, ``jax.typeof(x).mat.varying`` (also ``.manual_axis_type``), the
-``jax_num_cpu_devices`` / ``jax_platforms`` options. So none of them needs a shim, and none is
-written: ``jax.experimental.shard_map`` and ``jax.lax.pvary`` (removed in jax 0.10.0 in favour
-of ``pcast``) are not used, nor are memory kinds. jax 0.11 removed names from ``jax.core`` and
-``jax.interpreters`` (moved to ``jax.extend``); shardlib uses neither module.
+``jax_num_cpu_devices`` / ``jax_platforms`` options, and memory kinds (``Sharding.memory_kind``,
+``with_memory_kind("pinned_host" | "device")``: offloaded optimizer state, `shardlib.step.offload`).
+So none of them needs a shim, and none is written: ``jax.experimental.shard_map`` and
+``jax.lax.pvary`` (removed in jax 0.10.0 in favour of ``pcast``) are not used. jax 0.11 removed
+names from ``jax.core`` and ``jax.interpreters`` (moved to ``jax.extend``); shardlib uses neither module.
 
-What remains are JAX's private modules below: present and unchanged in 0.10.2 to 0.12.0.1,
-but with no promise, so each is looked up here alone.
+What remains are JAX's private modules below (present and unchanged in 0.10.2 to 0.12.0.1, but
+with no promise, so each is looked up here alone) and one private hook of CPython's ``threading``.
 """
 
 from __future__ import annotations
 
+import atexit
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
-__all__ = ["backends_initialized", "distributed_state", "varying_axes"]
+__all__ = ["at_exit_before_threads", "backends_initialized", "cluster_env", "distributed_state", "on_cloud_tpu_vm",
+           "varying_axes"]
 
 
 def _private(module: str, name: str) -> Any:
@@ -47,6 +52,28 @@ def distributed_state() -> Any:
     """``jax.distributed``'s process state (its client and preemption sync manager), which JAX
     does not expose publicly (private ``global_state`` in 0.10.2-0.12.0.1)."""
     return _private("distributed", "global_state")
+
+
+def on_cloud_tpu_vm() -> bool:
+    """Whether this process runs on a Cloud TPU VM, as JAX's own TPU setup decided (private
+    ``cloud_tpu_init.running_in_cloud_tpu_vm``); False where that name is gone."""
+    try:
+        return bool(_private("cloud_tpu_init", "running_in_cloud_tpu_vm"))
+    except RuntimeError:
+        return False
+
+
+def cluster_env() -> Any:
+    """JAX's cluster detection (SLURM, Open MPI...: private ``clusters.ClusterEnv``), which
+    `jax.distributed.initialize` runs without saying what it found."""
+    return _private("clusters", "ClusterEnv")
+
+
+def at_exit_before_threads(fn: Callable[[], None]) -> None:
+    """Run ``fn`` at interpreter exit while worker threads still run (CPython's private
+    ``threading._register_atexit``, what ``concurrent.futures`` uses); plain ``atexit`` where
+    it is missing, which runs later but still runs."""
+    getattr(threading, "_register_atexit", atexit.register)(fn)
 
 
 def varying_axes(x: Any) -> frozenset[str]:

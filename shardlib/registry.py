@@ -17,4 +17,8 @@ def lookup(table: Mapping[str, T], name: str | T, kind: type, what: str) -> T:
     try:
         return table[name]
     except KeyError:
-        raise ValueError(f"unknown {what} {name!r}; choose one of {', '.join(table)}") from None
+        import difflib
+
+        close = difflib.get_close_matches(str(name), list(table), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown {what} {name!r}; choose one of {', '.join(table)}{hint}") from None

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardlib
 from shardlib import RuleError, build, from_functions, from_linen, from_nnx, make_layout, make_mesh
+from shardlib.sharding.rules import LeafLayout
 from shardlib.tools.report import memory_stats
 from tests.helpers import optimizer
 
@@ -119,7 +120,7 @@ def _assert_parity(model, layout, reference):
 
 
 def _leaves(tree):
-    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, shardlib.LeafLayout))
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, LeafLayout))
 
 
 # ---------------------------------------------------------------- ZeRO for every model

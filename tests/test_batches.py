@@ -261,7 +261,7 @@ def _dropout_loss(params, batch, call):
 
 
 def test_from_functions_with_a_call_draws_the_documented_keys():
-    """Device i of step s draws with fold_in(fold_in(seed, s), i) (docs/your-model.md, "Keys"):
+    """Device i of step s draws with fold_in(fold_in(seed, s), i) (docs/dropout-and-batchnorm.md, "Keys"):
     the reference computes each device's rows with that key on one device and averages."""
     init = lambda key: DropoutNet().init(key, np.zeros((2, 32), np.float32), False)["params"]
     model = from_functions(init, _dropout_loss, takes_call=True)

@@ -33,6 +33,7 @@ from shardlib.runtime.checkpoint import (
 )
 from shardlib.runtime.data import ByteBatches, load_text
 from shardlib.tools.export import export_params, load_exported, read_export_metadata
+from shardlib.sharding.mesh import MESH_AXES
 from tests.helpers import assert_bitwise, host_copy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -189,7 +190,7 @@ def test_every_and_keep_retain_the_newest(trained, tmp_path) -> None:
         ckpt.wait()
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["4", "6"]
     with Checkpointer(tmp_path / "ckpt", create=False) as ckpt:
-        assert ckpt.saved_meta(6)["mesh"] == {"data": 1, "pipe": 1, "fsdp": 8, "tensor": 1}
+        assert ckpt.saved_meta(6)["mesh"] == {a: 8 if a == "fsdp" else 1 for a in MESH_AXES}
         _, data_state, _ = ckpt.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), trained))
     assert data_state == _data_state(6)
 
@@ -211,7 +212,7 @@ def _built(model, sizes: dict, n_devices: int, **options):
 
 
 def _assert_learned_fields_bitwise(saved, restored) -> None:
-    for name in ("step", "params", "opt_state", "rng", "model_state"):
+    for name in ("step", "params", "opt_state", "rng", "model_state", "steps_taken"):
         assert_bitwise(getattr(saved, name), getattr(restored, name))
 
 
@@ -499,7 +500,8 @@ from shardlib.tools.export import export_params
 from shardlib.sharding.mesh import MESH_AXES
 
 def mesh(shape):  # devices in process order, as make_mesh lays them out on one process
-    return Mesh(np.array(jax.devices()).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    shape = shape + (1,) * (len(MESH_AXES) - len(shape))  # the axes after the four given: size 1
+    return Mesh(np.array(jax.devices()).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 def random_host_state(program, seed):  # the same values as the test's _random_host_state
     rng = np.random.default_rng(seed)

@@ -9,9 +9,11 @@ from shardlib import build, make_layout, make_mesh
 from shardlib.tools.report import collective_stats
 from tests.helpers import batches, optimizer, tiny_model
 
-# By step 40 the loss has fallen by 3.4 nats from 5.5 (of 3.7 by step 100), and the compressed runs'
-# last-10 means are as close to the uncompressed one as at step 100 (measured: within 0.08%).
+# By step 40 the loss has fallen by 3.4 nats from 5.5 (of 3.7 by step 100). The compressed runs'
+# last-10 means against the uncompressed one, measured: bf16 2.6e-5, int8 6.2e-4 relative; int8
+# without its error feedback 1.9e-3. Each bound is 2-4x its gap; int8's lies below the feedback-less one.
 STEPS = 40
+LOSS_GAP = {"bf16": 1e-4, "int8": 1.25e-3}
 
 
 def _program(method, strategy="dp"):
@@ -50,7 +52,7 @@ def test_compressed_reduction_bytes(method, ratio, runs):
 @pytest.mark.parametrize("method", ["bf16", "int8"])
 def test_compressed_training_reaches_the_same_loss(method, runs):
     reference = runs["none"][0][-10:].mean()
-    assert runs[method][0][-10:].mean() == pytest.approx(reference, rel=0.03)
+    assert runs[method][0][-10:].mean() == pytest.approx(reference, rel=LOSS_GAP[method])
     assert runs[method][0][-1] < runs[method][0][0] - 2.0
 
 

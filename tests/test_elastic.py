@@ -4,8 +4,8 @@ The end-to-end proof is one elastic job and its reference, run side by side (mod
 
 - elastic: ``launch --elastic --min-processes 1 -n 2 -d 4 -- train`` (zero3, tiny GPT, 16 steps,
   a checkpoint every 2, examples recorded, stragglers compared every 3 steps against a factor
-  of 1.2, and process 1 made slow by the test hook ``SHARDLIB_TEST_SLOW_PROCESS=1:0.8``, which
-  also keeps the run slow enough to be killed mid-run). Once ``metrics.jsonl`` shows step 7 the test SIGKILLs
+  of 1.2, and process 1 made slow by tests/slow_loader_train.py, whose loader sleeps 0.8 s before
+  each of process 1's batches; that also keeps the run slow enough to be killed mid-run). Once ``metrics.jsonl`` shows step 7 the test SIGKILLs
   process 1; the launcher must restart the job on 1 process x 4 devices from the last
   complete checkpoint and finish it.
 - reference: the same train command as 1 process x 8 devices, uninterrupted.
@@ -33,14 +33,14 @@ import pytest
 from shardlib.run.config import TrainConfig, TrainConfigError, check_numbers
 from shardlib.run.examples import read_examples
 from shardlib.run.metrics_io import MetricsLog, read_metrics
-from shardlib.run.stragglers import _injected_sleep, own_step_times, stragglers
+from shardlib.run.stragglers import own_step_times, stragglers
 from shardlib.runtime import elastic
 from shardlib.runtime.launch import LaunchError, launch
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 16
 KILL_AFTER = 7  # SIGKILL process 1 once metrics.jsonl records this step
-SLOW_S = 0.8  # process 1's injected sleep per step
+SLOW_S = 0.8  # process 1's loader sleeps this long before each batch (tests/slow_loader_train.py)
 TRAIN = ["--model", "tiny", "--strategy", "zero3", "--steps", str(STEPS), "--batch-size", "16", "--seq-len", "32",
          "--no-progress", "--no-tensorboard", "--sample-tokens", "0", "--eval-every", "0", "--ckpt-every", "2",
          "--record-examples", "--straggler-every", "3", "--straggler-factor", "1.2"]
@@ -79,10 +79,14 @@ def test_a_survivor_stopped_by_the_heartbeat_is_not_the_dead_one():
 
 
 def test_elastic_needs_a_run_directory_and_the_flags_need_elastic(tmp_path):
-    assert elastic.run_directory(["train", "--out", "runs/a"]) == Path("runs/a")
-    assert elastic.run_directory(["train", "--out=runs/b"]) == Path("runs/b")
-    with pytest.raises(LaunchError, match="--elastic needs the command's --out DIR"):
+    assert elastic.run_directory(["shardlib", "train", "--out", "runs/a", "--ckpt-every", "5"]) == Path("runs/a")
+    assert elastic.run_directory(["python", "-m", "shardlib.cli", "train", "--out=runs/b", "--ckpt-every=5"]) == Path("runs/b")
+    assert elastic.run_directory(["python", "my_loop.py", "--out", "runs/c"]) == Path("runs/c")  # checkpoints itself
+    with pytest.raises(LaunchError, match="--out DIR"):
         launch(["true"], 2, elastic=elastic.Elastic())
+    for missing in ([], ["--ckpt-every", "0"]):  # a restart would retrain from step 0
+        with pytest.raises(LaunchError, match="--ckpt-every N"):
+            launch(["shardlib", "train", "--out", str(tmp_path), *missing], 2, elastic=elastic.Elastic())
     from shardlib.cli import main
 
     assert main(["launch", "-n", "2", "--max-restarts", "1", "--", "true"]) == 2  # refused, one line
@@ -132,12 +136,6 @@ def test_straggler_flags_are_checked_before_the_run_starts():
         check_numbers(TrainConfig(straggler_every=-1))
 
 
-def test_slow_process_hook_is_parsed_in_one_place():
-    assert _injected_sleep("1:0.2", 1) == 0.2 and _injected_sleep("1:0.2", 0) == 0.0 and _injected_sleep(None, 0) == 0
-    with pytest.raises(ValueError, match="SHARDLIB_TEST_SLOW_PROCESS='1'"):
-        _injected_sleep("1", 1)
-
-
 # --------------------------------------------------------------------------------------------
 # End to end: 2 x 4 with process 1 killed mid-run, against 1 x 8 uninterrupted
 # --------------------------------------------------------------------------------------------
@@ -156,6 +154,11 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _train(out: Path) -> list[str]:
     return [sys.executable, "-m", "shardlib.cli", "train", *TRAIN, "--out", str(out)]
+
+
+def _train_with_slow_process_1(out: Path) -> list[str]:
+    return [sys.executable, str(ROOT / "tests" / "slow_loader_train.py"), "1", str(SLOW_S), "train", *TRAIN,
+            "--out", str(out)]
 
 
 def _logged_step(out: Path) -> int:
@@ -186,8 +189,8 @@ def runs(tmp_path_factory):
     reference = subprocess.Popen([*_train(base / "ref"), "--cpu-devices", "8"], env=_env(), text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     command = [sys.executable, "-m", "shardlib.cli", "launch", "--elastic", "--min-processes", "1",
-               "-n", "2", "-d", "4", "--grace", "2", "--", *_train(base / "run")]
-    job = subprocess.Popen(command, env=_env(SHARDLIB_TEST_SLOW_PROCESS=f"1:{SLOW_S}"), text=True,
+               "-n", "2", "-d", "4", "--grace", "2", "--", *_train_with_slow_process_1(base / "run")]
+    job = subprocess.Popen(command, env=_env(), text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     stderr: list[str] = []
     pump = threading.Thread(target=lambda: stderr.extend(iter(job.stderr.readline, "")), daemon=True)

@@ -31,8 +31,17 @@ def test_batch_not_divisible_by_the_data_axes():
                            logical_axes={"w": ("embed", "mlp")})
     program = build(model, optax.sgd(0.1), make_layout(model, "dp", make_mesh({"data": 8})))
     state = program.init(jax.random.key(0))
-    with pytest.raises(ValueError, match="batch 'x' has 12 rows, which the 8 data-parallel devices .* use a multiple of 8: 8 or 16"):
+    with pytest.raises(ValueError, match=r"batch 'x' has 12 rows.*multiple of 8: 8 or 16"):
         program.step(state, {"x": np.ones((12, 4), np.float32)})
+
+
+@pytest.mark.parametrize("constant", [1.0, np.float32(1.0)])
+def test_a_loss_that_is_a_python_or_numpy_number_is_named(constant):
+    """float(...), .item() or np.mean in a loss cut it off from the parameters: nothing would train."""
+    model = from_functions(lambda key: {"w": jnp.zeros((4,))}, lambda p, b: constant)
+    program = build(model, optax.sgd(0.1), make_layout(model, "dp", make_mesh({"data": 8})))
+    with pytest.raises(TypeError, match=r"returned a (float|float32) .*nothing would train.*jnp expression"):
+        program.step(program.init(jax.random.key(0)), {"x": np.ones((8, 4), np.float32)})
 
 
 def test_unknown_strategy_lists_the_choices():

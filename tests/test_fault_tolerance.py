@@ -25,10 +25,10 @@ import pytest
 from shardlib import build, make_layout, make_mesh
 from shardlib.runtime.checkpoint import Checkpointer, is_finite_state
 from shardlib.cli import main
-from shardlib.runtime.data import ByteBatches, load_text, split_train_val
+from shardlib.runtime.data import VOCAB_SIZE, ByteBatches, load_text, split_train_val
 from shardlib.run.examples import read_examples
 from shardlib.run.metrics_io import read_metrics
-from shardlib.run.nonfinite import EXIT_DIVERGED
+from shardlib.exits import EXIT_DIVERGED
 from tests.helpers import batches, host_copy, optimizer, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -246,10 +246,23 @@ def test_cli_resume_from_under_another_strategy_and_mesh(reference, tmp_path, ca
 # ---------------------------------------------------------------- non-finite steps
 
 
-def test_consecutive_non_finite_steps_stop_the_run_and_keep_the_good_checkpoint(tmp_path, capsys) -> None:
+def _unreadable_batches_at(monkeypatch, steps: set[int]) -> None:
+    """The loader's batches for the 1-based ``steps`` hold a token outside the byte vocabulary, as
+    corrupt data would: the model's embedding lookup (``jnp.take``, fill mode) reads NaN there, so
+    the step's loss and gradients are NaN. Patched in this process; the run is `main` in-process."""
+    batch = ByteBatches.batch
+
+    def corrupt(self, index: int):
+        rows = batch(self, index)
+        return {**rows, "inputs": np.full_like(rows["inputs"], VOCAB_SIZE)} if index + 1 in steps else rows
+
+    monkeypatch.setattr(ByteBatches, "batch", corrupt)
+
+
+def test_consecutive_non_finite_steps_stop_the_run_and_keep_the_good_checkpoint(tmp_path, capsys, monkeypatch) -> None:
     out = tmp_path / "run"
-    code = main(["train", *TINY, "--steps", "10", "--ckpt-every", "2", "--max-skips", "3",
-                 "--inject-nan-steps", "2,5-7", "--out", str(out)])
+    _unreadable_batches_at(monkeypatch, {2, 5, 6, 7})
+    code = main(["train", *TINY, "--steps", "10", "--ckpt-every", "2", "--max-skips", "3", "--out", str(out)])
     assert code == EXIT_DIVERGED
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err

@@ -31,6 +31,7 @@ from shardlib import build, make_layout, make_mesh
 from shardlib.sharding.rules import RuleError, is_layout
 from shardlib.sharding.strategies import STRATEGIES
 from shardlib.step.hierarchical import HpzError
+from shardlib.step.options import OptionError
 from shardlib.tools import hardware as hw
 from shardlib.tools.hlo import collective_stats
 from shardlib.tools.plan import Planner
@@ -187,8 +188,7 @@ def test_warns_for_a_model_that_gathers_everything_up_front():
 
 def test_qwz_composes_and_int8_qgz_is_refused_by_name():
     """qwZ's int8 gather applies to the per-layer (intra-host) gathers; qgZ's int8 error feedback
-    is not carried through the secondary gather, and the step says so (its own error, noted with
-    the parameters it had not gathered yet)."""
+    is not carried through the secondary gather, and build says so, before anything is traced."""
     model = helpers.tiny_model()
     layout = make_layout(model, "zero3_hpz", make_mesh(MESH))
     rows = helpers.batches(1)[0]
@@ -196,6 +196,5 @@ def test_qwz_composes_and_int8_qgz_is_refused_by_name():
     program = build(model, helpers.optimizer(), layout, weight_gather="int8")
     text = program.step.lower(program.abstract_state(), batch(program)).as_text()
     assert re.search(r"stablehlo.all_gather.*xi8>", text)  # int8 codes are gathered
-    program = build(model, helpers.optimizer(), layout, grad_compression="int8")
-    with pytest.raises(HpzError, match="grad_compression='int8'"):
-        program.step.lower(program.abstract_state(), batch(program))
+    with pytest.raises(OptionError, match="grad_compression='int8' .*zero3_hpz.*grad_compression='bf16'"):
+        build(model, helpers.optimizer(), layout, grad_compression="int8")

@@ -5,7 +5,7 @@ call, evaluation included, and returns several outputs; a GAN discriminator wrap
 ``nn.SpectralNorm`` (power-iteration vectors in ``batch_stats``, updated with ``update_stats``) and
 ``nn.WeightNorm``. References are independent of shardlib: ``module.apply`` in a one-device
 ``jax.jit`` + optax step (`tests.zoo`), drawing each device's and microbatch's noise with the key
-docs/your-model.md "Keys" documents, and a checkpoint compared bit for bit.
+docs/dropout-and-batchnorm.md "Keys" documents, and a checkpoint compared bit for bit.
 """
 
 from __future__ import annotations

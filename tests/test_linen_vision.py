@@ -5,7 +5,7 @@ and a learned position embedding, ``nn.Dropout`` behind a ``train`` flag, and an
 
 The reference is independent of shardlib's step: ``module.apply`` in a plain one-device
 ``jax.jit(jax.value_and_grad)`` + optax step, drawing each device's dropout mask from the key
-the docs say that device gets (docs/your-model.md, "Keys").
+the docs say that device gets (docs/dropout-and-batchnorm.md, "Keys").
 """
 
 from __future__ import annotations

@@ -4,9 +4,14 @@ import pytest
 from shardlib.sharding.mesh import MESH_AXES, MeshError, describe, host_axis_sizes, make_mesh, parse_mesh
 
 
+def _all(**sizes):
+    """Every mesh axis's size: those given, 1 for the rest."""
+    return {a: sizes.get(a, 1) for a in MESH_AXES}
+
+
 def test_fill_axis_takes_the_rest():
     mesh = make_mesh({"data": 2, "fsdp": -1})
-    assert dict(mesh.shape) == {"data": 2, "pipe": 1, "fsdp": 4, "tensor": 1}
+    assert dict(mesh.shape) == _all(data=2, fsdp=4)
     assert mesh.axis_names == MESH_AXES
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     assert describe(mesh) == "data=2 fsdp=4"
@@ -41,10 +46,10 @@ def test_subset_of_devices_and_single_device():
 
 
 def test_host_layout_puts_outer_axes_across_processes():
-    full = {"data": 2, "pipe": 1, "fsdp": 4, "tensor": 2}
-    assert host_axis_sizes(full, 2) == {"data": 2, "pipe": 1, "fsdp": 1, "tensor": 1}
-    assert host_axis_sizes(full, 4) == {"data": 2, "pipe": 1, "fsdp": 2, "tensor": 1}
-    assert host_axis_sizes(full, 1) == {"data": 1, "pipe": 1, "fsdp": 1, "tensor": 1}
+    full = _all(data=2, fsdp=4, tensor=2)
+    assert host_axis_sizes(full, 2) == _all(data=2)
+    assert host_axis_sizes(full, 4) == _all(data=2, fsdp=2)
+    assert host_axis_sizes(full, 1) == _all()
     with pytest.raises(MeshError, match="cannot span"):
         host_axis_sizes(full, 3, {"fsdp": 3})
     with pytest.raises(MeshError, match="multiplies to 2, not to the 4 processes"):

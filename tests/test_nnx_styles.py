@@ -20,6 +20,7 @@ from flax import nnx
 
 import shardlib
 from shardlib import Checkpointer, build, from_nnx, make_layout, make_mesh
+from shardlib.step.local_sgd import build_local_sgd
 from shardlib.model import Call
 from tests import zoo
 from tests.helpers import optimizer
@@ -429,12 +430,18 @@ def flag_loss(model, batch, train):
 def test_a_module_held_in_eval_mode_is_warned_about_and_a_fresh_one_is_not():
     held = FlagMLP(rngs=nnx.Rngs(0))
     held.eval()  # left over from an eval loop
-    with pytest.warns(UserWarning, match=r"bn \(BatchNorm\): use_running_average=True; drop \(Dropout\): "
-                      r"deterministic=True\. Training runs the module as given.*call module\.train\(\)"):
+    with pytest.warns(UserWarning, match=r"use_running_average=True.*deterministic=True.*dropout stays off and "
+                      r"BatchNorm statistics stay frozen.*module\.train\(\)"):
         from_nnx(held, zoo.regression_loss)
     built_so = nnx.Sequential(nnx.Linear(32, 8, rngs=nnx.Rngs(0)), nnx.Dropout(0.1, deterministic=True))
-    with pytest.warns(UserWarning, match=r"layers/1 \(Dropout\): deterministic=True"):
+    with pytest.warns(UserWarning, match=r"layers/1 \(Dropout\): deterministic=True") as said:
         from_nnx(built_so, zoo.regression_loss)
+    assert "dropout stays off" in str(said[0].message) and "BatchNorm" not in str(said[0].message)
+    only_dropout = FlagMLP(rngs=nnx.Rngs(0))
+    only_dropout.drop.deterministic = True  # the statistics still update: no word of frozen ones
+    with pytest.warns(UserWarning, match=r"drop \(Dropout\): deterministic=True") as said:
+        from_nnx(only_dropout, zoo.regression_loss)
+    assert "dropout stays off" in str(said[0].message) and "frozen" not in str(said[0].message)
     held.train()
     no_dropout = nnx.MultiHeadAttention(2, 8, decode=False, deterministic=True, rngs=nnx.Rngs(0))  # rate 0
     with warnings.catch_warnings():
@@ -529,7 +536,7 @@ def test_wrt_trains_only_the_lora_params_like_an_nnx_optimizer_with_wrt():
     moments = {x.shape for x in jax.tree.leaves(state.opt_state) if x.ndim}
     assert moments == {(32, 4), (4, 64)}  # Adam's mu and nu of lora_a and lora_b, nothing of the base
     with pytest.raises(ValueError, match=r"build_local_sgd does not support models that need frozen parameters"):
-        shardlib.build_local_sgd(model, optimizer(), make_layout(model, "dp", make_mesh({"data": 8})), sync_every=2)
+        build_local_sgd(model, optimizer(), make_layout(model, "dp", make_mesh({"data": 8})), sync_every=2)
     with pytest.raises(ValueError, match="wrt=.* selects none of the module's parameters"):
         from_nnx(lambda rngs: nnx.Linear(4, 4, rngs=rngs), lora_loss, wrt=nnx.LoRAParam)
 

@@ -16,8 +16,8 @@ import optax
 import pytest
 from flax import nnx
 
-from shardlib import Checkpointer, build, from_nnx, load_exported, make_layout, make_mesh
-from shardlib.tools.export import export_params
+from shardlib import Checkpointer, build, from_nnx, make_layout, make_mesh
+from shardlib.tools.export import export_params, load_exported
 from tests.helpers import optimizer
 from tests.test_user_models import _assert_close, _host, _train
 

@@ -28,7 +28,6 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
                        "--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_backend_optimization_level=0")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    monkeypatch.delenv("SHARDLIB_PIP", raising=False)
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = NotebookClient(nb, kernel_name="python3", timeout=300,
                             resources={"metadata": {"path": str(tmp_path)}})

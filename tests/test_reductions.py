@@ -8,6 +8,7 @@
 """
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 
-from shardlib import build, make_layout, make_mesh
+from shardlib import build, from_functions, make_layout, make_mesh
 from shardlib.models import trainable
 from shardlib.sharding.rules import is_layout
 from shardlib.sharding.strategies import get_strategy
@@ -151,6 +152,23 @@ def test_hsdp_int8_residuals_hold_the_fsdp_shard(model):
         assert residual.shape == (HSDP_MESH["data"], *param.shape)
         # per device: exactly the local gradient, i.e. this device's shard of the parameter
         assert residual.sharding.shard_shape(residual.shape) == (1, *param.sharding.shard_shape(param.shape))
+
+
+def test_int8_says_where_a_second_reduction_sends_bf16():
+    """Optimizer state sharded over fsdp only (a rule of the user's), parameters whole: the gradient is
+    reduce-scattered over fsdp in int8 with its residual, then summed over data in bf16. Said at build."""
+    model = from_functions(lambda k: {"w": jax.random.normal(k, (16, 64))},
+                           lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2), logical_axes={"w": ("embed", "mlp")})
+    strategy = get_strategy("zero2").with_rules(state_rules=(("mlp", "fsdp"),), state_fallback=())
+    layout = make_layout(model, strategy, make_mesh(HSDP_MESH))
+    with pytest.warns(UserWarning, match=r"grad_compression='int8'.*second sends bf16.*: w\b.*optimizer state"):
+        program = build(model, optimizer(), layout, grad_compression="int8")
+    stats = collective_stats(program.step.lower(program.abstract_state(), program.abstract_batch({"x": ((16, 16), jnp.float32)})))
+    assert {r.dtype for r in stats.records if r.group_size == HSDP_MESH["data"]} == {"bf16"}
+    assert "s8" in {r.dtype for r in stats.records if r.group_size == HSDP_MESH["fsdp"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the built-in strategies shard the state over every batch axis
+        build(model, optimizer(), make_layout(model, "zero2", make_mesh(HSDP_MESH)), grad_compression="int8")
 
 
 # ---------------------------------------------------------------- 5. hsdp's data all-reduce compressed

@@ -21,6 +21,7 @@ from jax.sharding import AxisType
 
 import shardlib
 from shardlib import Checkpointer, MeshError, build, from_functions, from_linen, make_layout, make_mesh
+from shardlib.tools.export import load_exported
 from tests import zoo
 from tests.helpers import optimizer  # AdamW, lr 3e-3, eps=1e-5
 from tests.test_user_models import _train  # (state, per-step losses) of program.step over batches
@@ -131,7 +132,7 @@ def test_bert_pretraining_with_padding_trains_like_one_device_restores_onto_tp_a
     from shardlib.tools.export import export_params
 
     export_params(tmp_path / "ckpt", tmp_path / "bert.npz")
-    exported = shardlib.load_exported(tmp_path / "bert.npz")
+    exported = load_exported(tmp_path / "bert.npz")
     jax.tree.map(np.testing.assert_array_equal, exported, jax.tree.map(np.asarray, state.params))
     np.testing.assert_allclose(float(plain_loss(exported, bert_batch(9))), evaluation, rtol=1e-5)
 
@@ -208,7 +209,7 @@ T5_FORMS = {
 
 
 def _microbatch(batch, i: int, k: int, devices: int):
-    """Microbatch i of k: rows i*h .. (i+1)*h of each device's block of rows (docs/your-model.md)."""
+    """Microbatch i of k: rows i*h .. (i+1)*h of each device's block of rows (docs/training-loop.md)."""
     per_device = ROWS // devices
     h = per_device // k
     rows = np.concatenate([np.arange(d * per_device + i * h, d * per_device + (i + 1) * h) for d in range(devices)])

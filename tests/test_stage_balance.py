@@ -19,8 +19,10 @@ import pytest
 from shardlib import build, make_layout, make_mesh
 from shardlib.models import trainable
 from shardlib.runtime.checkpoint import Checkpointer
+from shardlib.sharding.rules import path_str
+from shardlib.step import pipeline as pipeline_lib
 from shardlib.step import stage_balance
-from tests.helpers import TINY, optimizer, reference, train
+from tests.helpers import TINY, assert_bitwise, optimizer, reference, train
 
 BIG_HEAD = dataclasses.replace(TINY, n_layers=4, vocab_size=4096)
 ROWS, MICROBATCHES, SEQ = 16, 4, 32  # the step's microbatch: 4 rows of 32 tokens
@@ -93,27 +95,50 @@ def test_auto_lowers_the_slowest_stages_compiled_cost(model, micro_rows):
 
 @pytest.fixture(scope="module")
 def uneven_run(model):
+    """The built program's run, and the layers per stage its step was traced with."""
     program = build(model, optimizer(), _layout(model), microbatches=MICROBATCHES, stage_layers="auto")
-    return program, train(program, 3, ROWS)
+    traced, pipelined = [], pipeline_lib.value_and_grad
+
+    def spy(stages, params, batch, rows, **kwargs):
+        traced.append(rows.stage_layers)
+        return pipelined(stages, params, batch, rows, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline_lib, "value_and_grad", spy)
+        run = train(program, 3, ROWS)
+    return program, run, traced
+
+
+def _by_path(tree):
+    return {path_str(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def test_auto_builds_the_three_one_split(uneven_run):
+    traced = uneven_run[2]
+    assert traced and set(traced) == {(3, 1)}  # the split auto measured is the one the step runs
 
 
 def test_uneven_stages_train_like_one_device(uneven_run):
-    _, (losses, params, _) = uneven_run
+    _, (losses, params, _), _ = uneven_run
     ref_losses, ref_params = reference(3, config=BIG_HEAD)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for (path, got), ref in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params)):
-        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    got, ref = _by_path(params), _by_path(ref_params)
+    assert got.keys() == ref.keys()
+    for path in got:
+        np.testing.assert_allclose(got[path], ref[path], rtol=1e-5, atol=1e-6, err_msg=path)
 
 
 def test_uneven_checkpoint_restores_onto_the_even_split(model, uneven_run, tmp_path):
-    _, (_, _, state) = uneven_run
+    _, (_, _, state), _ = uneven_run
     even = build(model, optimizer(), _layout(model), microbatches=MICROBATCHES)
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(int(state.step), state, data_state={}, config={}, force=True)
         ckpt.wait()
         restored, _, _ = ckpt.restore(even.abstract_state())
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
-        assert a.sharding == b.sharding and np.array_equal(np.asarray(a), np.asarray(b))
+    assert_bitwise(state, restored)  # pairs the leaves by path
+    shardings = {path_str(p): leaf.sharding for p, leaf in jax.tree_util.tree_leaves_with_path(state)}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(restored):
+        assert leaf.sharding == shardings[path_str(path)], path_str(path)
 
 
 @pytest.mark.parametrize("layers,expected", [((3, 2), "sum 4"), ((1, 1, 2), "length 2"), ((4, 0), "at least one")])

@@ -21,7 +21,7 @@ from shardlib.run.config import TrainConfigError, add_arguments, from_args
 from shardlib.run.setup import build_program, lr_schedule
 from shardlib.runtime.checkpoint import Checkpointer
 from shardlib.step.local_sgd import build_local_sgd
-from shardlib.step.staleness import reductions_waiting
+from shardlib.tools.hlo import reductions_waiting
 from tests import zoo
 from tests.helpers import BATCH, SEQ, TINY, batches, tiny_model
 
@@ -146,7 +146,7 @@ def test_refuses_staleness_it_cannot_apply():
     zero3 = make_layout(model, "zero3", make_mesh({"fsdp": 8}))
     with pytest.raises(ValueError, match="'zero3': it stores parameters over the batch axes.*use 'dp', 'zero1'"):
         build(model, optax.sgd(LR), zero3, staleness=1)
-    with pytest.raises(ValueError, match="grad_accum with 'zero2'.*use grad_accum=1"):
+    with pytest.raises(ValueError, match="grad_accum=2 under 'zero2'.*use grad_accum=1"):
         build(model, optax.sgd(LR), make_layout(model, "zero2", make_mesh({"data": 8})), staleness=1, grad_accum=2)
 
 

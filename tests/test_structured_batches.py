@@ -3,7 +3,7 @@
 A graph network in the jraph / Flax ogbg-molpcba style: a padded ``GraphsTuple`` whose leaves count
 nodes, edges and graphs apart, message passing with ``jax.ops.segment_sum``, a loss masked by a
 graph mask. No row split keeps such a batch whole, so the user pads one batch per device and
-passes the stack as `shardlib.per_device`, as a ``jax.pmap`` loop does; a plain ``GraphsTuple`` is
+passes the stack as `shardlib.step.batch.per_device`, as a ``jax.pmap`` loop does; a plain ``GraphsTuple`` is
 refused, and so are int64 values (hashed ids) that JAX would wrap to int32 without a word. A PPO
 actor-critic (purejaxrl style) normalises its advantages over the whole batch, which each device
 sees a part of: `shardlib.gather_batch` makes the statistics the batch's.
@@ -25,6 +25,7 @@ from flax import linen as nn
 
 import shardlib
 from shardlib import build, from_functions, from_linen, make_layout, make_mesh
+from shardlib.step.batch import per_device
 from tests import zoo
 from tests.helpers import optimizer  # AdamW, lr 3e-3, eps=1e-5
 
@@ -115,24 +116,24 @@ def test_padded_graphs_per_device_train_like_one_device_and_broken_batches_are_r
     batches = [stacked_graphs(step, DEVICES * grad_accum) for step in range(STEPS)]
     losses = []
     for graphs in batches:
-        state, metrics = program.step(state, shardlib.per_device(graphs))
+        state, metrics = program.step(state, per_device(graphs))
         losses.append(float(metrics["loss"]))
 
     ref_params, ref_losses = zoo.plain_steps(lambda p, b: each_devices_graphs_loss(p, b, grad_accum), params0,
                                              optimizer(), batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    evaluation = program.evaluate(state.params, shardlib.per_device(stacked_graphs(0, DEVICES)))  # one entry a device
+    evaluation = program.evaluate(state.params, per_device(stacked_graphs(0, DEVICES)))  # one entry a device
     np.testing.assert_allclose(float(evaluation["loss"]),
                                float(jax.jit(each_devices_graphs_loss, static_argnums=2)(ref_params, stacked_graphs(0, DEVICES), 1)),
                                rtol=1e-5)
 
-    with pytest.raises(ValueError, match=r"graph batch .*shardlib.per_device\(graphs\)"):  # one global GraphsTuple
+    with pytest.raises(ValueError, match=r"graph batch .*shardlib.step.batch.per_device\(graphs\)"):  # one global GraphsTuple
         program.step(state, padded_graphs(np.random.default_rng(0)))
     with pytest.raises(ValueError, match=rf"per_device batch 'nodes' has shape \(4, {N_NODE}, 6\).* {DEVICES * grad_accum} "):
-        program.step(state, shardlib.per_device(stacked_graphs(0, 4)))
+        program.step(state, per_device(stacked_graphs(0, 4)))
     hashed = batches[0]._replace(n_edge=batches[0].n_edge.astype(np.int64) + 5_000_000_000)  # int64 ids, as hashed
     with pytest.raises(ValueError, match=r"'n_edge' holds int64 values such as 5000000\d+, which JAX stores as int32"):
-        program.step(state, shardlib.per_device(hashed))
+        program.step(state, per_device(hashed))
 
 
 # ---- PPO, as purejaxrl writes it -------------------------------------------------------------

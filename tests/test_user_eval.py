@@ -160,3 +160,79 @@ def test_nnx_classifier_evaluates_predicts_and_exports_under_fsdp_tp(tmp_path):
     nnx.update(served, variables)
     served.eval()
     assert np.array_equal(np.asarray(served(batch["tokens"], batch["mask"])), np.asarray(want))
+
+
+# ---------------------------------------------------------------- a train/eval switch in the config
+
+
+class ConfigSwitched(nn.Module):
+    """The Flax lm1b / WMT style: ``deterministic`` is a field of the module, not a call argument."""
+    deterministic: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(nn.Dropout(0.5, deterministic=self.deterministic)(nn.relu(nn.Dense(16)(x))))
+
+
+class NnxConfig(flax.struct.PyTreeNode):
+    deterministic: bool = False
+
+
+class NnxConfigSwitched(nnx.Module):
+    """The Flax lm1b NNX style: the config's ``deterministic`` is passed at call time, past ``module.eval()``."""
+
+    def __init__(self, config, *, rngs):
+        self.config = config
+        self.l1, self.drop, self.l2 = nnx.Linear(4, 16, rngs=rngs), nnx.Dropout(0.5, rngs=rngs), nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(nnx.relu(self.l1(x)), deterministic=self.config.deterministic))
+
+
+def _mse(out, batch):
+    return jnp.mean((out - batch["y"]) ** 2)
+
+
+def _switched_batch():
+    rng = np.random.default_rng(0)
+    return {"inputs": rng.normal(size=(ROWS, 4)).astype(np.float32), "y": rng.normal(size=(ROWS, 4)).astype(np.float32)}
+
+
+def _evaluates_like(model, reference):
+    """One step trains with dropout (its loss is not the eval loss at the same weights); evaluate
+    then equals ``reference(params, batch)`` on one device with dropout off."""
+    program = shardlib.build(model, optax.sgd(0.1), shardlib.make_layout(model, "dp", shardlib.make_mesh({"data": 8})))
+    batch, state = _switched_batch(), program.init(jax.random.key(0))
+    before = float(program.evaluate(state.params, batch)["loss"])
+    state, metrics = program.step(state, batch)
+    assert float(metrics["loss"]) != pytest.approx(before, rel=1e-3)  # the step drew dropout masks
+    params = jax.tree.map(np.asarray, state.params)
+    np.testing.assert_allclose(float(program.evaluate(state.params, batch)["loss"]), reference(params, batch), rtol=1e-5)
+
+
+def test_a_linen_module_switched_by_a_config_field_evaluates_its_eval_module():
+    module = ConfigSwitched()
+    with pytest.raises(ValueError, match=r"eval_module=module\.clone\(deterministic=True\)"):
+        model = shardlib.from_linen(module, _mse, _switched_batch()["inputs"])
+        shardlib.build(model, optax.sgd(0.1), shardlib.make_layout(model, "dp", shardlib.make_mesh({"data": 8}))
+                       ).evaluate(model.init(jax.random.key(0)), _switched_batch())
+    model = shardlib.from_linen(module, _mse, _switched_batch()["inputs"], eval_module=module.clone(deterministic=True))
+    _evaluates_like(model, lambda p, b: float(_mse(ConfigSwitched(deterministic=True).apply({"params": p}, b["inputs"]), b)))
+    with pytest.raises(ValueError, match="eval_module=.*other variables.*Dense_1"):
+        shardlib.from_linen(module, _mse, _switched_batch()["inputs"], eval_module=nn.Dense(4))
+
+
+def test_an_nnx_module_switched_by_its_config_evaluates_its_eval_module():
+    loss = lambda m, b: _mse(m(b["inputs"]), b)
+    model = shardlib.from_nnx(lambda rngs: NnxConfigSwitched(NnxConfig(), rngs=rngs), loss,
+                              eval_module=lambda rngs: NnxConfigSwitched(NnxConfig(deterministic=True), rngs=rngs))
+
+    def reference(params, batch):
+        module = NnxConfigSwitched(NnxConfig(deterministic=True), rngs=nnx.Rngs(0))
+        nnx.update(module, nnx.State(params))
+        return float(loss(module, batch))
+
+    _evaluates_like(model, reference)
+    with pytest.raises(ValueError, match="eval_module=.*other parameters"):
+        shardlib.from_nnx(lambda rngs: NnxConfigSwitched(NnxConfig(), rngs=rngs), loss,
+                          eval_module=lambda rngs: nnx.Linear(4, 4, rngs=rngs))

@@ -2,7 +2,7 @@
 ``nn.Dropout`` trained through ``from_functions(..., takes_call=True)``.
 
 The one-device reference (plain ``jax.jit`` + optax) computes each microbatch of each device with
-the key docs/your-model.md "Keys" documents: ``fold_in(fold_in(fold_in(seed, step), i), d)`` for
+the key docs/dropout-and-batchnorm.md "Keys" documents: ``fold_in(fold_in(fold_in(seed, step), i), d)`` for
 microbatch ``i`` of device ``d``, and averages them."""
 
 import types

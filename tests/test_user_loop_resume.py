@@ -207,12 +207,13 @@ _PREEMPTED_LOOP = """
     import shardlib
     shardlib.simulate_cpu_devices(8)
     import jax
+    from shardlib.runtime.checkpoint import PreemptionGuard
     from tests.test_user_loop_resume import mlp_program, vec_batch
 
     program = mlp_program()
     state = program.init(jax.random.key(0))
     ckpt = shardlib.Checkpointer(sys.argv[1], every=2)
-    with shardlib.PreemptionGuard() as guard:
+    with PreemptionGuard() as guard:
         for step in range(1, 1000):
             state, metrics = program.step(state, vec_batch(step - 1))
             if ckpt.should_save(step):

@@ -19,6 +19,7 @@ from flax import nnx
 
 import shardlib
 from shardlib import Checkpointer, build, from_functions, from_linen, from_nnx, make_layout, make_mesh
+from shardlib.step.local_sgd import build_local_sgd
 from tests import zoo
 from tests.helpers import optimizer  # AdamW, lr 3e-3, eps=1e-5
 
@@ -293,7 +294,7 @@ def test_steps_without_keys_or_state_refuse_such_models():
     model = from_nnx(lambda rngs: zoo.NnxCNN(rngs=rngs, dropout_rate=0.5), zoo.cnn_loss)
     layout = make_layout(model, "dp", make_mesh(DATA8))
     with pytest.raises(ValueError, match="build_local_sgd does not support models that need a random key"):
-        shardlib.build_local_sgd(model, optax.sgd(0.1), layout, sync_every=2)
+        build_local_sgd(model, optax.sgd(0.1), layout, sync_every=2)
     from shardlib.step.pmap import pmap_step
     with pytest.raises(ValueError, match="BatchNorm statistics"):
         pmap_step(model, optax.sgd(0.1))

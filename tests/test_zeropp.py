@@ -161,10 +161,12 @@ def test_qwz_trains_like_a_plain_step_on_quantised_weights(layout, qwz):
     np.testing.assert_allclose(qwz[1], losses, rtol=1e-5)
 
 
-def test_qgz_trains_within_one_percent_and_keeps_residuals(layout, qwz, both):
+def test_qgz_trains_like_qwz_alone_and_keeps_residuals(layout, qwz, both):
+    """Measured: the losses of steps 2 and 3 within 1.9e-4 and 3.4e-4 of qwZ alone's. Over three
+    steps the error feedback barely acts (3.1e-4 without it): its test is the identity below."""
     losses, state = both[1], both[2]
     assert losses[0] == pytest.approx(qwz[1][0], rel=1e-6)  # the first loss precedes any reduction
-    np.testing.assert_allclose(losses, qwz[1], rtol=1e-2)  # the issue's bound
+    np.testing.assert_allclose(losses, qwz[1], rtol=1e-3)
     gathered = {jax.tree_util.keystr(p) for p, s in jax.tree_util.tree_flatten_with_path(
         layout.manual(layout.params))[0] if any(s)}
     flat_params = dict(jax.tree_util.tree_flatten_with_path(state.params)[0])

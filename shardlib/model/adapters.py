@@ -188,6 +188,10 @@ def _loss_out(out: Any) -> LossOut:
     """``(loss, metrics)`` from what ``loss_fn`` returned: aux's scalar entries are metrics
     (averaged over the batch like the loss); the rest is dropped, and the warning says what."""
     loss = out[0] if isinstance(out, tuple) else out
+    if isinstance(loss, (int, float, np.generic)):  # float(...), .item(), np.mean: cut off from the parameters
+        raise TypeError(f"the loss function returned a {type(loss).__name__} ({loss!r}), not a JAX array computed "
+                        "from the parameters, so its gradient is zero and nothing would train: return the jnp "
+                        "expression itself (no float(...), .item() or NumPy on traced values)")
     if jnp.ndim(loss) != 0:  # per-row losses: JAX's own error would name only this device's share of rows
         raise ValueError(f"the loss function returned a loss of shape {jnp.shape(loss)} (this device's rows) where "
                          "a scalar is differentiated: reduce it, e.g. .mean(); the step averages the devices' losses")

@@ -71,6 +71,17 @@ class ComputeContext:
     # cotangent in ``reduce_dtype`` (`shardlib.step.precision.Precision.reduce_dtype`; None: in its own)
     gather_dtype: Any = None
     reduce_dtype: Any = None
+    # Set by `shardlib.model.experts.dispatch`: the model sent its tokens to the experts split over
+    # ``expert`` (the step refuses a model that computes with those shards without doing so)
+    experts_dispatched: bool = False
+    # Context parallelism: the sequence is split over ``context_size`` devices of the `context`
+    # axis (1: not split), balanced (one early and one late chunk each) or contiguous, and how
+    # `shardlib.model.attention.attention` reaches the other chunks; each call of it is noted in
+    # ``attention_calls``, so the step can refuse a model whose own attention would see its chunk only.
+    context_size: int = 1
+    context_balance: bool = True
+    context_attention: str = "auto"
+    attention_calls: list = dataclasses.field(default_factory=list)
 
 
 _CONTEXT: contextvars.ContextVar[ComputeContext | None] = contextvars.ContextVar(
@@ -126,6 +137,12 @@ def pmap_context(axis_name: str) -> ComputeContext:
                           rows_split=jax.lax.axis_size(axis_name))
 
 
+def current() -> ComputeContext | None:
+    """The context of the step being traced (None outside one): for model-level helpers
+    (`shardlib.model.attention`)."""
+    return _CONTEXT.get()
+
+
 def logical_rules() -> tuple[tuple[str, Any], ...] | None:
     """The step's activation rules as Flax logical-axis rules (batch axes dropped: they are manual
     in the step); None outside a shardlib step, where the caller's own rules apply."""
@@ -173,6 +190,17 @@ def global_sum(values: jax.Array, weights: jax.Array | None = None) -> jax.Array
     total = (values * weights).sum()
     ctx = _CONTEXT.get()
     return total if ctx is None else total * (ctx.rows_split * ctx.microbatches)
+
+
+def batch_sum(x: Any) -> Any:
+    """``x`` (an array or pytree) summed over every device of the step's batch (a ``psum`` over its
+    batch axes; the identity outside a step): a count over the whole batch that a statistic is then
+    computed from inside the loss (an MoE layer's tokens per expert, whose max over mean is not a
+    mean of the devices' own). Each device then holds the same value, which the step's average of
+    the metrics keeps. Under ``grad_accum`` it is the microbatch's sum."""
+    ctx = _CONTEXT.get()
+    axes = ctx.mean_axes if ctx is not None else ()
+    return jax.tree.map(lambda leaf: jax.lax.psum(leaf, axes), x) if axes else x
 
 
 def row_index() -> Any:

@@ -145,6 +145,7 @@ def from_linen(
     eval_rng_streams: tuple[str, ...] = (),
     capture: tuple[str, ...] = (),
     path_rules: rules_lib.PathRules = (),
+    eval_module: Any = None,
 ) -> Model:
     """Adapt a linen module whose parameters use ``nn.with_logical_partitioning``, t5x's
     ``param_with_axes`` (names read from ``params_axes``, which is not state), or no names.
@@ -170,6 +171,11 @@ def from_linen(
     shape the module sees; ``"layers"`` is inserted at the stacked axis, so one rule list serves the
     looped and the scanned stack alike.
 
+    ``eval_module``: the module evaluation applies, for a module whose train/eval switch is a field
+    of its config and not a call argument (the Flax lm1b / WMT examples' ``deterministic``):
+    ``eval_module=module.clone(deterministic=True)``. It must hold the same parameters; training
+    applies ``module``, `evaluate` ``eval_module`` (docs/your-model.md, "A train/eval switch in the config").
+
     ``capture`` names collections the module writes with ``self.sow`` (``"intermediates"``, an
     auxiliary ``"losses"``): each call starts them empty and ``loss_fn`` receives
     ``(outputs, {collection: values})``, what ``module.apply(..., mutable=capture)`` returns.
@@ -191,10 +197,10 @@ def from_linen(
 
     _check_call_arguments(module, *inputs(example, False))
 
-    def variables(key):
+    def variables(key, of=module):
         args, kwargs = inputs(example, False)
         rngs = {"params": key, **_stream_keys(jax.random.fold_in(key, 1), rng_streams)}
-        return unfreeze(module.init(rngs, *args, **kwargs))
+        return unfreeze(of.init(rngs, *args, **kwargs))
 
     wrapped: set[str] = set()
     with _noting_wrapped_layers(wrapped), _noting_batch_as_input(as_input):
@@ -202,7 +208,8 @@ def from_linen(
     logical = _logical_axes(boxed)
     boxed = {c: tree for c, tree in boxed.items() if c not in _axes_collections(boxed)}
     collections = _state_collections(boxed, capture)
-    apply_call = _Apply(module, rng_streams, collections, capture, eval_rng_streams)
+    apply_call = _Apply(module, rng_streams, collections, capture, eval_rng_streams,
+                        _checked_eval_module(eval_module, boxed, variables))
     scanned = _scanned_paths(apply_call, nn.unbox(boxed), inputs(example, False), wrapped)
     logical = _with_layer_axes(_with_path_rules(logical, nn.unbox(boxed)["params"], path_rules, scanned), scanned)
 
@@ -222,6 +229,28 @@ def from_linen(
     return Model(init=lambda key: nn.unbox(variables(key)["params"]), loss=_with_call(run, bool(collections)),
                  logical_axes=logical, apply=apply_call.outputs, gathers_params=True, gathers_on_read=True,
                  takes_call=True, uses_key=bool(rng_streams), init_state=init_state if collections else None)
+
+
+def _checked_eval_module(eval_module: Any, boxed: Any, variables: Callable[..., Any]) -> Any:
+    """``eval_module`` when it is a linen module holding the same variables (``boxed``: paths and
+    shapes) as the module it evaluates, else a ValueError naming what differs."""
+    if eval_module is None:
+        return None
+    from flax import linen as nn
+
+    if not isinstance(eval_module, nn.Module):
+        raise ValueError(f"from_linen(eval_module=...) takes a linen module (module.clone(deterministic=True)), "
+                         f"got {type(eval_module).__name__}")
+    theirs = jax.eval_shape(lambda key: variables(key, of=eval_module), jax.random.key(0))
+    shapes = lambda tree: {rules_lib.path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(
+        nn.unbox({c: t for c, t in tree.items() if c in boxed}))}
+    mine, other = shapes(boxed), shapes(theirs)
+    if mine != other:
+        differ = sorted(k for k in mine.keys() | other.keys() if mine.get(k) != other.get(k))
+        raise ValueError(f"from_linen(eval_module=...) holds other variables than the module it evaluates "
+                         f"({rules_lib.listed(differ)}); pass the same module with only its train/eval field "
+                         "changed: module.clone(deterministic=True)")
+    return eval_module
 
 
 def _loss_caller(loss_fn: Callable) -> Callable[[Any, Batch, Any], Any]:
@@ -450,9 +479,9 @@ class _Apply:
     mutable when training, captured collections fresh on every call) and as users call it."""
 
     def __init__(self, module: Any, rng_streams: tuple[str, ...], collections: tuple[str, ...],
-                 capture: tuple[str, ...], eval_streams: tuple[str, ...] = ()):
+                 capture: tuple[str, ...], eval_streams: tuple[str, ...] = (), eval_module: Any = None):
         self.module, self.rng_streams, self.collections, self.capture = module, rng_streams, collections, capture
-        self.eval_streams = eval_streams
+        self.eval_streams, self.eval_module = eval_streams, eval_module
 
     def _rngs(self, call: Any) -> dict[str, jax.Array] | None:
         """The step's key split into the streams; evaluation (no key) passes only ``eval_streams``,
@@ -473,12 +502,13 @@ class _Apply:
         mutable = [*(self.collections if call.train else ()), *self.capture]
         keyed = rngs is not None or not self.rng_streams  # rng_streams=(): the step passes no key at all
         when = "evaluation" if not call.train else "training" if keyed else "training without a key"
+        module = self.module if call.train or self.eval_module is None else self.eval_module
         with (_named_rng_errors(self.rng_streams, when), _named_read_only_errors(self.collections),
               _logical_constraints(), _varying_carries()):
             if not mutable:  # evaluation (or no state): the state goes back as it came
-                out = self.module.apply({"params": params, **state}, *args, rngs=rngs, **kwargs)
+                out = module.apply({"params": params, **state}, *args, rngs=rngs, **kwargs)
                 return out, state if self.collections else None
-            out, written = self.module.apply({"params": params, **state}, *args, rngs=rngs, mutable=mutable, **kwargs)
+            out, written = module.apply({"params": params, **state}, *args, rngs=rngs, mutable=mutable, **kwargs)
         written = unfreeze(written)
         if self.capture:
             out = (out, {c: written.get(c, {}) for c in self.capture})
@@ -502,10 +532,12 @@ _MISSING_RNG = {
                 "module draws from, e.g. from_linen(..., rng_streams={wanted!r})",
     "training without a key": "this call had no key (model.loss without a shardlib.model.Call): call "
                               "model.run(params, batch, specs, shardlib.model.Call(key=...))",
-    "evaluation": "evaluation (train=False) passes no rngs unless named: draw only when training (dropout), or, "
-                  "for a loss that is random in evaluation too (a VAE's reparameterisation, a diffusion loss's "
-                  "noise), name the stream in from_linen(..., eval_rng_streams=({stream!r},)), which "
-                  "evaluation then draws from a fixed key",
+    "evaluation": "evaluation (train=False) passes no rngs unless named. A module whose train/eval switch is a "
+                  "config field (deterministic=...) needs its eval copy: from_linen(..., "
+                  "eval_module=module.clone(deterministic=True)). A module switched by a call argument draws only "
+                  "when training (dropout). Only a loss random in evaluation too (a VAE's reparameterisation, a "
+                  "diffusion loss's noise) names the stream in from_linen(..., eval_rng_streams=({stream!r},)), "
+                  "which evaluation then draws from a fixed key",
 }
 
 

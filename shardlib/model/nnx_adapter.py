@@ -45,6 +45,7 @@ def from_nnx(
     wrt: Any = None,
     path_rules: rules_lib.PathRules = (),
     eval_rng_streams: tuple[str, ...] = (),
+    eval_module: Callable[[Any], Any] | Any = None,
 ) -> Model:
     """Adapt ``make(rngs) -> nnx.Module`` (or a module already built) and ``loss_fn(module, batch)``.
 
@@ -75,6 +76,12 @@ def from_nnx(
     (and a loss's ``rngs``) from `hooks.eval_key`, fixed with the device's index folded in, as
     ``from_linen(eval_rng_streams=...)`` does; otherwise every device would draw the same numbers.
 
+    ``eval_module`` (a constructor or module like ``make``) is the module evaluation runs, for one
+    whose train/eval switch is a field of its config that it passes at call time (the Flax lm1b
+    NNX example's ``deterministic=config.deterministic``), which ``module.eval()`` cannot reach:
+    ``eval_module=lambda rngs: Model(eval_config, rngs=rngs)``. It must hold the same parameters
+    (docs/your-model.md, "A train/eval switch in the config").
+
     ``wrt`` (an NNX filter, as ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``) trains only the
     matching parameters: the others are frozen (no gradient flows into them; `build` masks the
     optimizer to the trained ones, so they get neither updates nor optimizer state) but stay
@@ -103,12 +110,13 @@ def from_nnx(
     call_loss, loss_extras = _loss_caller(loss_fn)
     frozen = _frozen_mask(parts.params, wrt)
     keyed = _with_eval_key if _checked_eval_streams(eval_rng_streams, parts.rngs, loss_extras) else (lambda c: c)
+    evaluated = _eval_parts(eval_module, parts)
 
     def run(params, batch, specs, call):
         call = keyed(call)
         if frozen is not None:
             params = jax.tree.map(lambda p, f: jax.lax.stop_gradient(p) if f else p, params, frozen)
-        module = parts.bind(params, specs, call.state, call.key)
+        module = (parts if call.train or evaluated is None else evaluated).bind(params, specs, call.state, call.key)
         hooks.rebind_axis_name(module)
         hooks.vary_nnx_carries(module)
         if call.train:
@@ -125,6 +133,22 @@ def from_nnx(
                  gathers_params=gathers_params, apply=parts.apply,
                  pipeline=_stages(pipeline, parts), takes_call=uses_key or stateful or bool(loss_extras),
                  uses_key=uses_key, init_state=source.carried if stateful else None, frozen=frozen)
+
+
+def _eval_parts(eval_module: Any, parts: _NnxParts) -> _NnxParts | None:
+    """``eval_module`` split like the trained module, when it holds the same parameters and model
+    state (paths and shapes); else a ValueError naming what differs."""
+    if eval_module is None:
+        return None
+    other = _NnxParts.of(_Source.of(eval_module).abstract())
+    shapes = lambda *trees: {rules_lib.path_str(p): tuple(x.shape) for tree in trees
+                             for p, x in jax.tree_util.tree_leaves_with_path(nnx_pure_dict(tree))}
+    mine, theirs = shapes(parts.params, parts.carried), shapes(other.params, other.carried)
+    if mine != theirs:
+        differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        raise ValueError(f"from_nnx(eval_module=...) holds other parameters or state than the module it evaluates "
+                         f"({rules_lib.listed(differ)}); build the same model with only its train/eval setting changed")
+    return other
 
 
 def _checked_eval_streams(streams: tuple[str, ...], rngs: Any, loss_extras: frozenset[str]) -> tuple[str, ...]:
@@ -266,11 +290,15 @@ def _warn_if_eval_mode(make: Any) -> None:
     if not found:
         return
     shown = rules_lib.listed(found, 8, sep="; ")
+    effects = " and ".join(effect for flag, effect in _EVAL_EFFECTS.items() if any(f": {flag}=True" in f for f in found))
     warnings.warn(
-        f"from_nnx was given a module in eval mode: {shown}. Training runs the module as given, so dropout "
-        "stays off and BatchNorm statistics stay frozen; call module.train() before from_nnx to train with "
-        "dropout and batch statistics, or ignore this warning if the frozen statistics are intended "
-        "(fine-tuning). Evaluation switches to eval mode by itself.", UserWarning, stacklevel=3)
+        f"from_nnx was given a module in eval mode: {shown}. Training runs the module as given, so {effects} "
+        "there; call module.train() before from_nnx to train in train mode, or ignore this warning if that is "
+        "intended (fine-tuning). Evaluation switches to eval mode by itself.", UserWarning, stacklevel=3)
+
+
+# What training a module with each eval-mode flag set does, for `_warn_if_eval_mode`.
+_EVAL_EFFECTS = {"deterministic": "dropout stays off", "use_running_average": "BatchNorm statistics stay frozen"}
 
 
 def _stages(pipeline: Stages | None, parts: _NnxParts) -> Stages | None:

@@ -104,6 +104,17 @@ class Tally:
         pass
 
 
+# Model metrics the progress line shows when the step reports them: (record key, label, format).
+# An MoE model's routing balance (`models.moe.balance_metrics`).
+PROGRESS_EXTRAS = (
+    ("expert_max_over_mean", "experts max/mean", ".2f"),
+    ("expert_min_over_mean", "min/mean", ".2f"),
+    ("expert_cv", "cv", ".2f"),
+    ("tokens_dropped", "dropped", ".0f"),
+    ("aux_loss", "aux", ".3f"),
+)
+
+
 class Progress:
     """Action: a tqdm bar, whose numbers refresh every ``log_every`` steps, at each validation
     and at the last step; with the bar off, those numbers as printed lines instead."""
@@ -124,6 +135,7 @@ class Progress:
                  "step": f"{record['step_time_s']:.2f}s"}
         if self.last_val is not None:
             shown["val"] = f"{self.last_val:.3f}"
+        shown.update({label: f"{record[key]:{fmt}}" for key, label, fmt in PROGRESS_EXTRAS if key in record})
         self.bar.set_postfix(shown, refresh=True)
         if self.lines:
             print(f"step {step}: " + " ".join(f"{k} {v}" for k, v in shown.items()), flush=True)

@@ -39,6 +39,37 @@ def open_checkpointer(config: TrainConfig, out_dir: Path):
     return ckpt, config.resume_from is not None or ckpt.latest_step() is not None
 
 
+def refuse_silent_restart(config: TrainConfig, out_dir: Path) -> None:
+    """A run without ``--ckpt-every`` into an ``--out`` that holds checkpoints would start over at
+    step 0 beside them (and its metrics would follow theirs); refuse before anything compiles."""
+    if config.ckpt_every or config.resume_from is not None or config.out is None:
+        return
+    if not (out_dir / "checkpoints").is_dir():  # the usual case, without loading Orbax
+        return
+    from shardlib.runtime.elastic import latest_checkpoint
+
+    step = latest_checkpoint(out_dir)
+    if step is not None:
+        raise TrainConfigError("out", f"{out_dir} already holds a run checkpointed at step {step}, and this run "
+                                      "does not checkpoint, so it would start over beside it; add --ckpt-every N "
+                                      "to resume that run, or pick another --out")
+
+
+def model_mismatch(config: TrainConfig, ckpt: Any, target: Any, err: Exception) -> Exception:
+    """The error for a checkpoint that does not fit this run: when it was saved by another ``--model``,
+    one sentence naming both and the two fixes, then the first few tensors that differ."""
+    saved = ckpt.saved_config().get("model")
+    if saved is None or saved == config.model:
+        return err
+    from shardlib.runtime.checkpoint import signature_mismatches, tree_signature
+    from shardlib.sharding.rules import listed
+
+    diff = signature_mismatches(ckpt.saved_signature(), tree_signature(target))
+    return TrainConfigError("model", f"checkpoint is model {saved!r}, this run is {config.model!r}: pass --model "
+                                     f"{saved} to resume it, or a new --out to start another run. "
+                                     f"({len(diff)} tensors differ: {listed(diff, limit=3, sep='; ')})")
+
+
 def saves_to(config: TrainConfig, out_dir: Path) -> Path | None:
     """Where the run's checkpoints go (``OUT/checkpoints``, or the run resumed from); None when off."""
     if config.ckpt_every == 0 and config.resume_from is None:
@@ -63,8 +94,10 @@ class SaveCheckpoint:
     run with `CheckpointSaveError`, naming the last good checkpoint.
     """
 
-    def __init__(self, ckpt: Any, due: Callable[[int], bool], *, seed: int, config: Mapping[str, Any]) -> None:
+    def __init__(self, ckpt: Any, due: Callable[[int], bool], *, seed: int, config: Mapping[str, Any],
+                 data_state: Callable[[int], Any] | None = None) -> None:
         self.ckpt, self.due, self.seed, self.config = ckpt, due, seed, config
+        self.data_state = data_state  # step -> the loader's state after that many batches (a Grain pipeline's)
         self.saved: int | None = None
 
     def __call__(self, step: int, state: Any, metrics: Mapping[str, Any]) -> None:
@@ -75,8 +108,8 @@ class SaveCheckpoint:
     def save(self, step: int, state: Any, metrics: Mapping[str, Any]) -> None:
         from shardlib.runtime.data import LoaderState
 
-        self.ckpt.save(step, state, data_state=LoaderState(step=step, seed=self.seed), config=self.config,
-                       metrics=metrics, force=True)
+        data_state = LoaderState(step=step, seed=self.seed) if self.data_state is None else self.data_state(step)
+        self.ckpt.save(step, state, data_state=data_state, config=self.config, metrics=metrics, force=True)
         self.saved = step
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from shardlib.run.nonfinite import EXIT_DIVERGED
+from shardlib.exits import EXIT_DIVERGED
 
 # Defaults of the bare `shardlib train`: the `small` byte-level GPT under zero3 on 8 simulated
 # CPU devices. Measured on a 2-core machine: validation loss 1.83 nats/byte after 50 steps and
@@ -66,28 +66,11 @@ class Flag:
     choices: Sequence[str] | Callable[[], Sequence[str]] | None = None
     cli_default: Any = _UNSET
     parse: Callable[[str], Any] | None = None
-    hidden: bool = False
 
 
 def flag(default: Any, help: str, **kwargs: Any) -> Any:
     """A dataclass field with a default that is also a `shardlib train` flag."""
     return dataclasses.field(default=default, metadata={"flag": Flag(help, **kwargs)})
-
-
-def parse_steps(text: str) -> tuple[int, ...]:
-    """``"3,5-7"`` -> (3, 5, 6, 7): the value of ``--inject-nan-steps``."""
-    steps: list[int] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        first, _, last = part.partition("-")
-        steps.extend(range(int(first), int(last or first) + 1))
-    return tuple(steps)
-
-
-def _nan_steps(text: str) -> tuple[int, ...]:
-    try:
-        return parse_steps(text)
-    except ValueError:
-        raise TrainConfigError("inject_nan_steps", f"expected steps like 3,5-7, got {text!r}") from None
 
 
 def _models() -> list[str]:
@@ -97,9 +80,9 @@ def _models() -> list[str]:
 
 
 def _strategies() -> list[str]:
-    from shardlib.sharding.strategies import STRATEGIES
+    from shardlib.sharding.strategies import ALIASES, STRATEGIES
 
-    return list(STRATEGIES)
+    return [*STRATEGIES, *ALIASES]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +108,13 @@ class TrainConfig:
                                         "scheduler, collective combining; docs/gpu.md); a no-op off GPU")
     steps: int = flag(DEFAULT_STEPS, "training steps (default %(default)s)", metavar="N")
     batch_size: int = flag(DEFAULT_BATCH, "global batch size in sequences (default %(default)s)", metavar="B")
-    seq_len: int = flag(DEFAULT_SEQ_LEN, "sequence length in bytes (default %(default)s)", metavar="T")
+    seq_len: int | None = flag(None, f"sequence length in tokens (default: {DEFAULT_SEQ_LEN}, or the model's "
+                                     "max_seq_len when that is shorter)", metavar="T")
+    cp_balance: bool = flag(True, "with a context mesh axis: split each sequence into contiguous chunks instead of "
+                                  "one early and one late chunk per device (causal load balance, the default)", negate=True)
+    cp_attention: str = flag("auto", "with a context mesh axis: attention by a ring of K/V blocks, an all-gather of "
+                                     "K/V, or auto (by tokens per device; the choice is printed) (default %(default)s)",
+                             choices=("auto", "ring", "allgather"))
     lr: float = flag(DEFAULT_LR, "peak learning rate; linear warmup, then cosine decay to 10%% (default %(default)s)",
                      metavar="LR")
     warmup_steps: int | None = flag(None, "warmup steps (default 10%% of --steps)", metavar="N")
@@ -158,8 +147,13 @@ class TrainConfig:
     stage_layers: str | None = flag(None, "layers per pipeline stage: auto (balance the stages' compiled costs, "
                                           "embedding and head included) or a list such as 3,5 (default: even)",
                                     metavar="auto|N,N")
-    data: str | None = flag(None, "text file, folder of .txt files, or glob (default: the built-in pydoc corpus)",
+    data: str | None = flag(None, "text file, folder of .txt files, or glob, read as bytes; or a token file "
+                                  "(.bin / .npy of token ids, docs/data.md) (default: the built-in pydoc corpus)",
                             metavar="PATH")
+    vocab_size: int | None = flag(None, "with a token file: the tokenizer's vocabulary size, the model's embedding "
+                                        "rows (default: the model's)", metavar="V")
+    token_dtype: str = flag("uint16", "element type of a raw .bin token file (default uint16, as nanoGPT writes; "
+                                      "uint32 for vocabularies over 65,536)", choices=["uint16", "uint32"])
     out: str | None = flag(None, "run directory (default runs/<timestamp>, new each run); with --ckpt-every, a re-run "
                                     "with the same --out resumes", metavar="DIR")
     eval_every: int = flag(25, "validate every N steps and at the end (default %(default)s; 0: at the end only)",
@@ -184,9 +178,6 @@ class TrainConfig:
                                              "warn about a slow one (default 50; 0: off)", metavar="N")
     straggler_factor: float = flag(1.5, "warn when a process's step time is this many times the median of the "
                                         "others' (default %(default)s)", metavar="X")
-    # Test hook (hidden flag --inject-nan-steps, e.g. "3,5-7"): these 1-based steps run with a NaN
-    # loss, to drive the non-finite guard end to end. Never set it for real training.
-    inject_nan_steps: tuple[int, ...] = flag((), "", metavar="STEPS", hidden=True, cli_default="", parse=_nan_steps)
 
 
 def _flags() -> list[tuple[dataclasses.Field, Flag]]:
@@ -201,7 +192,7 @@ def _value_type(hint: Any) -> type | None:
 
 def _argument(field: dataclasses.Field, spec: Flag, hint: Any) -> dict[str, Any]:
     """argparse keyword arguments for one field."""
-    kwargs: dict[str, Any] = {"dest": field.name, "help": argparse.SUPPRESS if spec.hidden else spec.help}
+    kwargs: dict[str, Any] = {"dest": field.name, "help": spec.help}
     if hint is bool:
         kwargs["action"] = "store_false" if spec.negate else "store_true"
         return kwargs
@@ -235,7 +226,7 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
 def check_numbers(config: TrainConfig) -> None:
     """Counts and rates in range; each error names its flag."""
     for field in ("steps", "batch_size", "seq_len", "log_every", "eval_batches", "grad_accum", "pipeline_stages"):
-        if getattr(config, field) < 1:
+        if getattr(config, field) is not None and getattr(config, field) < 1:  # seq_len None: the model's default
             raise TrainConfigError(field, f"must be at least 1, got {getattr(config, field)}")
     for field in ("eval_every", "ckpt_every", "sample_tokens", "seed", "max_skips"):
         if getattr(config, field) < 0:
@@ -244,8 +235,6 @@ def check_numbers(config: TrainConfig) -> None:
         raise TrainConfigError("lr", f"must be positive, got {config.lr}")
     if config.keep < 1:
         raise TrainConfigError("keep", f"must keep at least 1 checkpoint, got {config.keep}")
-    if any(s < 1 for s in config.inject_nan_steps):
-        raise TrainConfigError("inject_nan_steps", f"steps are 1-based, got {list(config.inject_nan_steps)}")
     if config.straggler_every is not None and config.straggler_every < 0:
         raise TrainConfigError("straggler_every", f"must be non-negative (0: off), got {config.straggler_every}")
     if not config.straggler_factor > 1:

@@ -37,7 +37,7 @@ def banner(run: Prepared, note: str | None) -> str:
 
     from shardlib.sharding.mesh import describe
     from shardlib.step.pipeline import bubble_fraction
-    from shardlib.tools.report import format_bytes
+    from shardlib.text import format_bytes
 
     config, mesh, microbatches = run.config, run.mesh, run.program.step.microbatches
     lines = [
@@ -53,13 +53,14 @@ def banner(run: Prepared, note: str | None) -> str:
         f"mesh       {describe(mesh)}",
         f"strategy   {run.strategy.name}: {run.strategy.summary}",
         f"sharding   {run.layout.replication_summary()}",
-        f"batch      {config.batch_size} sequences x {config.seq_len} bytes (global)"
+        f"batch      {config.batch_size} sequences x {config.seq_len} tokens (global)"
         + (f", {microbatches} microbatches" if microbatches > 1 else ""),
         *([f"pipeline   {mesh.shape['pipe']} stages, {config.pipeline_schedule}, bubble "
            f"{bubble_fraction(mesh.shape['pipe'], microbatches):.1%} = (S-1)/(M+S-1)"] if mesh.shape["pipe"] > 1 else []),
         f"memory     {format_bytes(run.state_bytes)} params+optimizer state + {format_bytes(run.mem.temp_bytes)} "
         "temporaries per device (compiled step)",
-        data_line(config.data, *run.data_bytes),
+        ("data       a Grain pipeline (its state saved in each checkpoint; no validation split)"
+         if hasattr(run.loader, "state_at") else data_line(config.data, *run.data_bytes)),
         f"checkpoint {checkpoint_setting(config, run.out_dir)}",
         f"output     {run.out_dir}",
     ]
@@ -67,8 +68,12 @@ def banner(run: Prepared, note: str | None) -> str:
 
 
 def data_line(path: str | None, train_bytes: int, val_bytes: int) -> str:
-    from shardlib.tools.report import format_bytes
+    from shardlib.text import format_bytes
 
+    from shardlib.runtime.tokens import is_token_file
+
+    if is_token_file(path):
+        return f"data       {path}: {train_bytes:,} train + {val_bytes:,} validation token ids"
     name = "built-in pydoc corpus (--data PATH for your own text)" if path is None else path
     return (f"data       {name}: {train_bytes:,} train + {val_bytes:,} validation bytes "
             f"({format_bytes(train_bytes + val_bytes)})")
@@ -94,7 +99,7 @@ def summary_rows(run: Prepared, *, startup: float, start: int, steps: int, wall:
     import jax
 
     from shardlib.sharding.mesh import describe
-    from shardlib.tools.report import format_bytes
+    from shardlib.text import format_bytes
 
     device = jax.devices()[0]
     idle = f"n/a (no steps run: resumed at step {start} of {run.config.steps}; raise --steps to train on)"
@@ -123,7 +128,7 @@ def pipeline_rows(stages: int, microbatches: int, comm) -> list[tuple[str, Any]]
     if stages <= 1:
         return []
     from shardlib.step.pipeline import bubble_fraction
-    from shardlib.tools.report import format_bytes
+    from shardlib.text import format_bytes
 
     return [("pipeline bubble (S-1)/(M+S-1)", f"{bubble_fraction(stages, microbatches):.1%} "
                                                f"({stages} stages, {microbatches} microbatches)"),
@@ -131,6 +136,6 @@ def pipeline_rows(stages: int, microbatches: int, comm) -> list[tuple[str, Any]]
 
 
 def summary_table(rows: list[tuple[str, Any]]) -> str:
-    from shardlib.tools.report import format_table
+    from shardlib.text import format_table
 
     return format_table([{"what": k, "value": v} for k, v in rows], [("what", "summary"), ("value", "")])

@@ -37,9 +37,20 @@ class Recorder:
         record = {"step": step, "loss": values["loss"], "lr": values.get("lr"), "grad_norm": values["grad_norm"],
                   "accuracy": values.get("accuracy"), "skipped": int(values["skipped"]),
                   "tokens_per_s": self.tokens_per_step / step_time, "step_time_s": step_time,
-                  **({"loss_scale": values["loss_scale"]} if "loss_scale" in values else {})}
+                  **({"loss_scale": values["loss_scale"]} if "loss_scale" in values else {}),
+                  **model_metrics(values)}
         for action in self.actions:
             action(step, state, record)
+
+
+# What the step reports besides the model's own aux metrics (`shardlib.step.update.Update.metrics`).
+STEP_METRICS = ("loss", "grad_norm", "skipped", "loss_scale", "accuracy")
+
+
+def model_metrics(values: dict[str, float]) -> dict[str, float]:
+    """The model's own scalar metrics (its loss's aux beyond accuracy: an MoE model's routing
+    balance, `models.moe`), written into the record under their names; learning rates excluded."""
+    return {k: v for k, v in values.items() if k not in STEP_METRICS and k != "lr" and not k.startswith("lr/")}
 
 
 def run_steps(state: Any, first: int, last: int, step: Callable, load: Callable[[int], Any], *,

@@ -1,19 +1,15 @@
-"""Non-finite steps: the action that stops a run after too many in a row, and the NaN test hook.
+"""Non-finite steps: the action that stops a run after too many in a row.
 
 A step whose loss or gradient norm is NaN/Inf is skipped by the step itself (parameters and
 optimizer state stay as they were, ``metrics["skipped"] == 1``) and `Checkpointer.save`
 refuses to save it. `NonFiniteGuard` ends the run after ``max_skips`` skipped steps in a row,
 because by then the run is not going to recover on its own; the last good checkpoint stays.
-Light at import: the CLI reads `EXIT_DIVERGED` for its help text.
+Light at import: `shardlib train` reads `DivergedError` before JAX starts.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Collection
 from typing import Any
-
-EXIT_DIVERGED = 3  # `shardlib train` exit status when the run stopped on non-finite steps
 
 
 class DivergedError(RuntimeError):
@@ -67,27 +63,3 @@ class NonFiniteGuard:
     def close(self) -> None:
         pass
 
-
-def poisoned_model(model: Any) -> Any:
-    """``model`` with a NaN loss (and so NaN gradients): what a diverging step looks like.
-
-    Used only for the steps listed in ``TrainConfig.inject_nan_steps`` (hidden flag
-    ``--inject-nan-steps``), so tests can drive the non-finite guard end to end. Parameters
-    and layout are the model's own, so its compiled step takes and returns the same state.
-    """
-    import jax.numpy as jnp
-
-    def loss(params: Any, batch: Any, specs: Any = None) -> tuple[Any, dict[str, Any]]:
-        value, aux = model.loss(params, batch, specs)
-        return value * jnp.float32(jnp.nan), aux
-
-    return dataclasses.replace(model, loss=loss)
-
-
-def with_nan_steps(step_fn: Callable, poisoned_fn: Callable | None, nan_steps: Collection[int]) -> Callable:
-    """``step(k, state, batch)``: the poisoned step for the 1-based steps in ``nan_steps``, else ``step_fn``."""
-
-    def step(k: int, state: Any, batch: Any) -> Any:
-        return (poisoned_fn if poisoned_fn is not None and k in nan_steps else step_fn)(state, batch)
-
-    return step

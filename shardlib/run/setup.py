@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlib.run.checkpointing import checkpoint_dir
-from shardlib.run.config import PRECISIONS, TrainConfig, TrainConfigError
+from shardlib.run.config import DEFAULT_SEQ_LEN, PRECISIONS, TrainConfig, TrainConfigError
 
 
 @dataclasses.dataclass
@@ -82,35 +82,42 @@ class Prepared:
         val_global = [to_global(b, sharding, rows=self.loader.rows) for b in self.val_local]
 
         def evaluate(state) -> float:
+            if not val_global:  # a Grain pipeline brings no validation split: the val loss is NaN, said in docs/data.md
+                return float("nan")
             losses = [self.program.evaluate(state.params, b, state.model_state)["loss"] for b in val_global]
             return float(np.mean(jax.device_get(losses)))
 
         return evaluate
 
 
-def prepare(config: TrainConfig, out_dir: Path | None = None) -> Prepared:
+def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = None) -> Prepared:
     """Build the run of ``config``; the step is compiled once (memory figures come from it).
+
+    ``data``: a Grain pipeline read instead of ``config.data`` (`shardlib.run.train.train`).
 
     ``out_dir``: the run directory when the caller already chose (and claimed) it; else
     `run_directory`'s choice.
     """
     import numpy as np
 
-    from shardlib import make_layout
+    from shardlib.sharding.layout import make_layout
     from shardlib.models import param_count, trainable
     from shardlib.tools.report import collective_stats, memory_stats
 
+    config = with_model_defaults(config)
     strategy = _strategy(config)
     model_config = _model_config(config)
-    train_bytes, val_bytes = _load_data(config)
+    no_bytes = np.zeros(0, np.uint8)
+    train_bytes, val_bytes = _load_data(config, model_config.vocab_size) if data is None else (no_bytes, no_bytes)
     mesh = _mesh(config, strategy)
     _check_pipeline_flags(config, mesh)
     model = trainable(model_config)
-    layout = make_layout(model, strategy, mesh)
+    layout = _with_context_options(config, make_layout(model, strategy, mesh))
     if out_dir is None:
         out_dir = run_directory(config)
     _record_restart(out_dir, mesh)
-    loader, val_local = _loaders(config, layout, train_bytes, val_bytes)
+    loader, val_local = (_loaders(config, layout, train_bytes, val_bytes) if data is None
+                         else (_grain_loader(config, layout, data), []))
     schedule = lr_schedule(config)
     program = build_program(config, model, layout, schedule)
     shapes = {k: ((config.batch_size, config.seq_len), np.int32) for k in ("inputs", "targets")}
@@ -126,9 +133,21 @@ def prepare(config: TrainConfig, out_dir: Path | None = None) -> Prepared:
                     data_bytes=(len(train_bytes), len(val_bytes)))
 
 
-def _strategy(config: TrainConfig):
-    from shardlib.sharding.strategies import get_strategy
+def _with_context_options(config: TrainConfig, layout):
+    """--no-cp-balance / --cp-attention on the layout; refused without a context axis to act on."""
+    if layout.context_size == 1 and (not config.cp_balance or config.cp_attention != "auto"):
+        raise TrainConfigError("cp_balance" if not config.cp_balance else "cp_attention",
+                          "--no-cp-balance and --cp-attention act on a context mesh axis, and this mesh has none: "
+                          "add one (--mesh data=2,context=4) or drop the flag")
+    return dataclasses.replace(layout, context_balance=config.cp_balance, context_attention=config.cp_attention)
 
+
+def _strategy(config: TrainConfig):
+    from shardlib.sharding.strategies import ALIASES, get_strategy
+
+    if config.strategy in ALIASES:
+        print(f"shardlib: note: --strategy {config.strategy} is {ALIASES[config.strategy]} here (parameters, gradients "
+              "and optimizer state sharded over the data-parallel devices)", file=sys.stderr, flush=True)
     try:
         return get_strategy(config.strategy)
     except ValueError as err:
@@ -150,6 +169,15 @@ def _model_config(config: TrainConfig):
             "seq_len",
             f"{config.seq_len} exceeds model {config.model!r}'s max_seq_len {model_config.max_seq_len}; use at most that",
         )
+    if config.vocab_size is not None:
+        from shardlib.runtime.tokens import is_token_file
+
+        if not is_token_file(config.data):
+            raise TrainConfigError("vocab_size", "sets the vocabulary of a token file (--data FILE.bin or .npy); text "
+                                                 "is read as bytes (256 ids), so drop --vocab-size or pass a token file")
+        if config.vocab_size < 2:
+            raise TrainConfigError("vocab_size", f"must be at least 2, got {config.vocab_size}")
+        model_config = dataclasses.replace(model_config, vocab_size=config.vocab_size)
     return dataclasses.replace(model_config, compute_dtype=PRECISIONS[config.precision])
 
 
@@ -241,7 +269,8 @@ def optimizer(config: TrainConfig, model, schedule):
 
 def build_program(config: TrainConfig, model, layout, schedule):
     """The train program of ``config``'s options; a refused combination names its flag."""
-    from shardlib import build
+    from shardlib.step.program import build
+    from shardlib.step.options import OPTIONS, OptionError
     from shardlib.step.stage_balance import parse_stage_layers
 
     if config.bucket_mb < 0:
@@ -253,6 +282,8 @@ def build_program(config: TrainConfig, model, layout, schedule):
                      schedule=config.pipeline_schedule, bucket_bytes=int(config.bucket_mb * 2**20),
                      offload=config.offload, weight_gather=config.weight_gather, staleness=config.staleness,
                      stage_layers=parse_stage_layers(config.stage_layers))
+    except OptionError as err:  # a refused combination: the flag of the option its row names
+        raise TrainConfigError(OPTIONS[err.option].flag or "strategy", str(err)) from None
     except ValueError as err:
         field = ("offload" if "(--offload)" in str(err) else
                  "staleness" if "staleness" in str(err) else
@@ -287,6 +318,49 @@ def _loaders(config: TrainConfig, layout, train_bytes, val_bytes):
         field = "batch_size" if "batch size" in str(err) else "seq_len" if "seq_len" in str(err) else "data"
         raise TrainConfigError(field, str(err)) from None
     return loader, val_local
+
+
+def _grain_loader(config: TrainConfig, layout, data):
+    """A Grain pipeline (or a `GrainBatches`) as the loop's loader, its state saved with each checkpoint."""
+    import jax
+
+    from shardlib.run.grain_source import GrainLoader
+    from shardlib.runtime.grain_data import GrainBatches
+
+    if config.record_examples:
+        raise TrainConfigError("record_examples", "records window offsets of the built-in loader; a Grain pipeline has "
+                                                  "none: drop --record-examples and log an id field in the pipeline")
+    try:
+        batches = data if isinstance(data, GrainBatches) else GrainBatches(
+            data, config.batch_size, data_parallel_size=layout.batch_size_multiple,
+            process_index=jax.process_index(), process_count=jax.process_count())
+    except ValueError as err:
+        raise TrainConfigError("batch_size", str(err)) from None
+    if batches.global_batch_size != config.batch_size:
+        raise TrainConfigError("batch_size", f"is {config.batch_size}, but the GrainBatches given make batches of "
+                                             f"{batches.global_batch_size}; make them agree")
+    return GrainLoader(batches, seed=config.seed)
+
+
+def with_model_defaults(config: TrainConfig) -> TrainConfig:
+    """``seq_len=None``: DEFAULT_SEQ_LEN, or the model's ``max_seq_len`` when that is shorter
+    (``tiny`` is 64), so a bare ``--model`` runs without ``--seq-len``."""
+    if config.seq_len is not None:
+        return config
+    from shardlib.models import CONFIGS
+
+    known = CONFIGS.get(config.model)
+    longest = known.max_seq_len if known is not None else DEFAULT_SEQ_LEN
+    return dataclasses.replace(config, seq_len=min(DEFAULT_SEQ_LEN, longest))
+
+
+def check_out_path(config: TrainConfig) -> None:
+    """``--out`` below or at an existing file cannot become a run directory: one line, before JAX starts."""
+    if config.out is None:
+        return
+    out_dir = Path(config.out).expanduser()
+    if _blocking_file(out_dir) is not None:
+        raise _unusable(config, out_dir, FileExistsError(errno.EEXIST, "a file is in the way", str(out_dir)))
 
 
 def run_directory(config: TrainConfig) -> Path:
@@ -414,14 +488,23 @@ def _out_dir(config: TrainConfig) -> Path:
     return Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.localtime(stamp))
 
 
-def _load_data(config: TrainConfig):
+def _load_data(config: TrainConfig, vocab_size: int):
+    """(train, validation) arrays: the bytes of text, or the ids of a token file (each below ``vocab_size``)."""
     from shardlib.runtime.data import load_text, split_train_val
+    from shardlib.runtime.tokens import check_vocab, is_token_file, load_tokens
 
+    if config.token_dtype != TrainConfig.token_dtype and Path(config.data or "").suffix.lower() != ".bin":
+        raise TrainConfigError("token_dtype", "sets the element type of a raw .bin token file (a .npy file carries "
+                                              "its own, text is bytes); drop it or pass a .bin file")
     try:
-        text = load_text(config.data)
+        if not is_token_file(config.data):
+            return split_train_val(load_text(config.data))
+        tokens = load_tokens(config.data, config.token_dtype)
+        check_vocab(tokens, vocab_size, config.data)
+        return split_train_val(tokens)
     except (ValueError, OSError) as err:
-        raise TrainConfigError("data", str(err)) from None
-    return split_train_val(text)
+        field = "vocab_size" if "--vocab-size" in str(err) else "data"
+        raise TrainConfigError(field, str(err)) from None
 
 
 def _per_device_bytes(abstract: Mapping[str, Any]) -> int:

@@ -13,17 +13,15 @@ every window's own times go into ``metrics.jsonl`` as ``process_step_time_s`` on
 record.
 
 Limits: this sees time a process spends on the host (input pipeline, Python, GC, a busy or
-throttled CPU, the test hook below). A slow accelerator inside one step shows up as waiting on
+throttled CPU). A slow accelerator inside one step shows up as waiting on
 every process alike, so it is not attributed to one process.
 """
 
 from __future__ import annotations
 
-import os
 import socket
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,8 +29,6 @@ from shardlib.run.config import TrainConfig
 
 DEFAULT_EVERY = 50  # steps per window when several processes run and --straggler-every is not given
 HOSTNAME_BYTES = 64
-# Test hook, read here only: "INDEX:SECONDS" makes process INDEX sleep that long in every step.
-ENV_TEST_SLOW_PROCESS = "SHARDLIB_TEST_SLOW_PROCESS"
 
 
 def own_step_times(laps: Sequence[float], waits: Sequence[float]) -> list[float]:
@@ -67,15 +63,12 @@ class Stragglers:
                  gather: Callable[[Any], Any] = _allgather) -> None:
         self.every, self.factor, self.clock, self.gather = every, factor, clock, gather
         self.is_main = process_index == 0
-        self.sleep_s = _injected_sleep(os.environ.get(ENV_TEST_SLOW_PROCESS), process_index)
         self.laps: list[float] = []
         self.waits: list[float] = []
         self.first: int | None = None
         self.hosts: list[str] | None = None
 
     def __call__(self, step: int, state: Any, record: dict[str, Any]) -> None:
-        if self.sleep_s:
-            time.sleep(self.sleep_s)  # host time inside this step's lap (the test hook)
         if self.first is None:
             self.first = step  # compilation: not a measure of the process
         else:
@@ -137,13 +130,3 @@ def _gather_hostnames(gather: Callable[[Any], Any]) -> list[str]:
     table = np.asarray(gather(np.frombuffer(mine, dtype=np.uint8)))
     return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in table.astype(np.uint8)]
 
-
-def _injected_sleep(value: str | None, process_index: int) -> float:
-    """Seconds this process sleeps per step under ``SHARDLIB_TEST_SLOW_PROCESS=INDEX:SECONDS`` (else 0)."""
-    if not value:
-        return 0.0
-    try:
-        index, seconds = value.split(":")
-        return float(seconds) if int(index) == process_index else 0.0
-    except ValueError:
-        raise ValueError(f"{ENV_TEST_SLOW_PROCESS}={value!r}: expected INDEX:SECONDS, e.g. 1:0.2") from None

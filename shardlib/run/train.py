@@ -32,10 +32,9 @@ from shardlib.run.config import (  # noqa: F401  (re-exported: the CLI and noteb
     check_numbers,
     from_args,
 )
-from shardlib.run.nonfinite import EXIT_DIVERGED, DivergedError  # light: imports neither JAX nor NumPy
+from shardlib.exits import EXIT_DIVERGED, EXIT_INTERRUPTED
+from shardlib.run.nonfinite import DivergedError  # light: imports neither JAX nor NumPy
 from shardlib.run.sampling import sample_text
-
-EXIT_INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
 
 
 @dataclasses.dataclass
@@ -149,40 +148,48 @@ def _device_count_error(n: int) -> TrainConfigError:
 # --------------------------------------------------------------------------------------------
 
 
-def train(config: TrainConfig) -> TrainResult:
+def train(config: TrainConfig, data: Any = None) -> TrainResult:
     """Train ``config.model`` under ``config.strategy``; write metrics, plots and a sample.
+
+    ``data``: a Grain pipeline instead of ``config.data`` (docs/data.md): a function
+    ``Shard -> grain.IterDataset | grain.DataLoader`` (any process count can resume it), a
+    pipeline already sharded by process, or a `GrainBatches`; each example a dict with
+    ``inputs`` and ``targets`` of length ``seq_len``. Its state is saved in each checkpoint.
 
     Before anything compiles, process 0 claims the run directory (``OUT/.lock``, held until this
     returns): a directory that cannot be written, or that another run is using, stops here.
     """
     import jax
 
-    from shardlib.run.setup import claim_run_directory, run_directory
+    from shardlib.run.checkpointing import refuse_silent_restart
+    from shardlib.run.setup import check_out_path, claim_run_directory, run_directory, with_model_defaults
 
     t_begin = time.perf_counter()
+    check_out_path(config)  # before JAX starts: a file in the way costs no start-up
     xla_note = _set_xla_flags(config.xla_gpu_overlap)
     note = "; ".join(filter(None, (xla_note, setup_devices(config.cpu_devices)))) or None
+    config = with_model_defaults(config)
     check_numbers(config)
     out_dir = run_directory(config)
+    refuse_silent_restart(config, out_dir)
     with claim_run_directory(config, out_dir, main=jax.process_index() == 0):
-        return _train(config, out_dir, note, t_begin)
+        return _train(config, out_dir, note, t_begin, data)
 
 
-def _train(config: TrainConfig, out_dir: Path, note: str | None, t_begin: float) -> TrainResult:
+def _train(config: TrainConfig, out_dir: Path, note: str | None, t_begin: float, data: Any = None) -> TrainResult:
     from shardlib.run.metrics_io import MetricsLog
     from shardlib.run.setup import prepare
 
-    run = prepare(config, out_dir)
+    run = prepare(config, out_dir, data=data)
     if run.is_main and config.verbose:
         print(console.banner(run, note), flush=True)
     ckpt, state, start, resume_step = _initial_state(run)
-    poisoned_fn = _poisoned_step(run)
     log = MetricsLog(run.out_dir, enabled=run.is_main, tensorboard=config.tensorboard, resume_step=resume_step)
     with contextlib.closing(log):
         config_path = _write_config(run)
         evaluate = run.evaluator()
         wall_start = time.perf_counter()
-        state, tally, stop = _loop(run, state, (start, resume_step), ckpt, log, evaluate, poisoned_fn)
+        state, tally, stop = _loop(run, state, (start, resume_step), ckpt, log, evaluate)
         if not tally.step_times:  # resumed at or past --steps: nothing to train, still report where it stands
             tally.last_val = evaluate(state)
         preempted = stop is not None and stop.stopped_at is not None
@@ -196,28 +203,22 @@ def _initial_state(run):
     """(checkpointer or None, state, steps done, resume step or None): the one place a run resumes."""
     import jax
 
-    from shardlib.run.checkpointing import open_checkpointer
+    from shardlib.run.checkpointing import model_mismatch, open_checkpointer
+    from shardlib.runtime.checkpoint import CheckpointMismatchError
 
     config = run.config
     ckpt, resume = open_checkpointer(config, run.out_dir)
     if not resume:
         return ckpt, run.program.init(jax.random.key(config.seed)), 0, None
-    state, data_state, _ = ckpt.restore(run.program.abstract_state(), fresh=run.program.fresh_transient)
+    target = run.program.abstract_state()
+    try:
+        state, data_state, _ = ckpt.restore(target, fresh=run.program.fresh_transient)
+    except CheckpointMismatchError as err:
+        raise model_mismatch(config, ckpt, target, err) from None
     run.loader.restore(data_state)
     if run.is_main and config.verbose:
         print(f"resumed    step {run.loader.step} from {ckpt.directory}", flush=True)
     return ckpt, state, run.loader.step, run.loader.step
-
-
-def _poisoned_step(run):
-    """Test hook: the compiled step whose loss is NaN (same state layout), for ``inject_nan_steps``."""
-    from shardlib.run.nonfinite import poisoned_model
-    from shardlib.run.setup import build_program
-
-    if not run.config.inject_nan_steps:
-        return None
-    poisoned = build_program(run.config, poisoned_model(run.model), run.layout, run.schedule)
-    return poisoned.compile_step(run.program.abstract_state(), run.abstract_batch)
 
 
 def _write_config(run) -> Path | None:
@@ -228,7 +229,12 @@ def _write_config(run) -> Path | None:
     return path
 
 
-def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate, poisoned_fn):
+def _step_fn(run):
+    """``step(k, state, batch)`` for `run_steps`: the compiled step (the same for every ``k``)."""
+    return lambda k, state, batch: run.step_fn(state, batch)
+
+
+def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate):
     """The steps with their actions; returns (state, the `Tally`, the `Preemption` or None)."""
     import jax
 
@@ -236,7 +242,7 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate, poison
     from shardlib.run.checkpointing import SaveCheckpoint, resume_hint
     from shardlib.run.examples import ExampleLog, examples_path
     from shardlib.run.loop import Recorder, run_steps
-    from shardlib.run.nonfinite import NonFiniteGuard, with_nan_steps
+    from shardlib.run.nonfinite import NonFiniteGuard
     from shardlib.run.preemption import preemption
     from shardlib.run.stragglers import straggler_action
 
@@ -253,11 +259,10 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate, poison
                       clock, tokens_per_step=run.tokens_per_step, at_once=validation.due)
     saver = None if ckpt is None else SaveCheckpoint(
         ckpt, Every(config.ckpt_every, last=config.steps if config.ckpt_every else None),
-        seed=run.loader.seed, config=dataclasses.asdict(config))
-    step = with_nan_steps(run.step_fn, poisoned_fn, config.inject_nan_steps)
+        seed=run.loader.seed, config=dataclasses.asdict(config), data_state=getattr(run.loader, "state_at", None))
     try:
         with preemption(saver, config.steps, resume_hint(config, run.out_dir)) as stop:
-            state = run_steps(state, first, config.steps, step, run.load, record=record,
+            state = run_steps(state, first, config.steps, _step_fn(run), run.load, record=record,
                               after_step=[examples, *([saver] if saver is not None else [])], preemption=stop,
                               steps_in_flight=run.steps_in_flight)
     finally:
@@ -290,7 +295,12 @@ def _finish(run, state, start: int, tally, log, config_path, *, preempted: bool,
     config = run.config
     step_time, tokens_per_s, utilisation = _speed(run, tally.step_times)
     sample = None
-    if config.sample_tokens and run.model.apply is not None and not preempted:
+    from shardlib.runtime.tokens import is_token_file
+
+    if config.sample_tokens and is_token_file(config.data):  # ids of a tokenizer shardlib does not have
+        if run.is_main and config.verbose and not preempted:
+            print("no text sample: the data are token ids, and decoding them needs their tokenizer", flush=True)
+    elif config.sample_tokens and run.model.apply is not None and not preempted:
         sample = sample_text(run.model, state.params, config.prompt, config.sample_tokens,
                              context=config.seq_len, seed=config.seed)
     steps = len(tally.step_times) + start
@@ -344,16 +354,10 @@ def run(args) -> int:
         return EXIT_DIVERGED
     except KeyboardInterrupt as err:  # a checkpointing run's loop turns Ctrl-C into a save and a clean stop instead
         if config.ckpt_every == 0 and config.resume_from is None:
-            from shardlib.cli import exit_interrupted
+            from shardlib.exits import exit_interrupted
 
             print("shardlib train: interrupted; nothing saved (checkpointing is off: with --ckpt-every N a run "
                   "saves every N steps, and Ctrl-C saves before stopping)", file=sys.stderr, flush=True)
             return exit_interrupted(err, EXIT_INTERRUPTED)
         raise
     return 0
-
-
-if __name__ == "__main__":
-    from shardlib.cli import main
-
-    sys.exit(main(["train", *sys.argv[1:]]))

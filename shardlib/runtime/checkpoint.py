@@ -37,7 +37,6 @@ other shapes or none, they start afresh (``fresh=program.fresh_transient``) or a
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import hashlib
 import json
@@ -58,6 +57,7 @@ import orbax.checkpoint as ocp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from shardlib import compat
 from shardlib.sharding.rules import describe_mismatches, listed, path_str
 from shardlib.step.state import TRANSIENT_FIELDS
 
@@ -423,6 +423,18 @@ def incomplete_reason(step_dir: str | os.PathLike[str] | Any) -> str | None:
     return f"no digests ({DIGEST_ITEM}/metadata is missing)"
 
 
+def complete_steps(directory: str | os.PathLike[str] | Any) -> list[int]:
+    """Steps with a complete checkpoint in ``directory``, ascending: the step directories Orbax
+    names (``ocp.utils.checkpoint_steps``: not the tmp dirs of saves in flight) that
+    `incomplete_reason` passes. The one rule of the `Checkpointer` and the elastic launcher."""
+    try:
+        named = ocp.utils.checkpoint_steps(directory)
+    except (OSError, ValueError):
+        return []
+    name_format = ocp.path.step.standard_name_format()
+    return sorted(s for s in named if incomplete_reason(ocp.path.step.build_step_path(directory, name_format, s)) is None)
+
+
 # --------------------------------------------------------------------------------------------
 # Data-iterator state of every process
 # --------------------------------------------------------------------------------------------
@@ -482,10 +494,17 @@ def gather_data_states(data_state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def pick_data_state(saved: Mapping[str, Any], directory: str, step: int) -> dict[str, Any]:
-    """This process's data state: the common one if all processes agreed, else its own by index."""
+    """This process's data state: the common one if all processes agreed, else its own by index.
+
+    States that hold ``"shards"`` (a loader cut into logical shards, `shardlib.runtime.grain_data`)
+    are merged instead: every shard's state, whatever process saved it, so any process count can
+    take the shards over.
+    """
     states = list(saved["states"])
     if all(s == states[0] for s in states):
         return dict(states[0])
+    if all(isinstance(s.get("shards"), dict) and s.get("step") == states[0].get("step") for s in states):
+        return {**states[0], "shards": {k: v for s in states for k, v in s["shards"].items()}}
     count, index = jax.process_count(), jax.process_index()
     if len(states) != count:
         raise CheckpointError(
@@ -575,7 +594,7 @@ class Checkpointer:
         Read from the directory, not from Orbax's step list: that list already contains an
         in-flight async save and already lacks the steps retention will delete once it commits.
         """
-        return sorted(s for s in self._named_steps() if incomplete_reason(self._step_path(s)) is None)
+        return complete_steps(self._manager.directory)
 
     def _named_steps(self) -> list[int]:
         """Every ``DIR/<step>`` directory, complete or not (not the tmp dirs of saves in flight)."""
@@ -1016,6 +1035,9 @@ class Checkpointer:
     def _restore_step(self, abstract_state: Any, step: int,
                       fresh: Callable[[], Mapping[str, Any]] | None) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         """`restore` of one step: its files checked, its arrays read and verified against the digests."""
+        if getattr(abstract_state, "steps_taken", None) is not None and not any(
+                _field(p) == "steps_taken" for p in self.saved_signature(step)):
+            return self._restore_counting_from_step(abstract_state, step, fresh)
         err = None
         try:
             digests = self.inspect(step)
@@ -1046,6 +1068,17 @@ class Checkpointer:
             raise err
         self.verify(step, restored["state"], digests)
         return restored["state"], pick_data_state(restored["data"], self.directory, step), dict(restored["config"])
+
+    def _restore_counting_from_step(self, abstract_state: Any, step: int,
+                                    fresh: Callable[[], Mapping[str, Any]] | None) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        """`restore` of a checkpoint saved before `TrainState.steps_taken` existed: its dropout keys
+        were folded from ``step``, so the counter goes on from there (the keys it would have drawn)."""
+        counter = abstract_state.steps_taken
+        state, data, config = self._restore_step(dataclasses.replace(abstract_state, steps_taken=None), step, fresh)
+        log.warning("checkpoint %s step %d holds no steps_taken (saved by an older shardlib): the dropout keys "
+                    "go on from its step number, %d", self.directory, step, int(state.step))
+        taken = jax.device_put(np.asarray(state.step, np.int32), counter.sharding)
+        return dataclasses.replace(state, steps_taken=taken), data, config
 
     def _restore_reinitialising(self, abstract_state: Any, step: int, reinit: Mapping[str, str],
                                 fresh: Callable[[], Mapping[str, Any]] | None) -> tuple[Any, dict[str, Any], dict[str, Any]]:
@@ -1175,9 +1208,7 @@ def _finish_before_exit(manager: ocp.CheckpointManager, directory: str) -> None:
             log.error("checkpoint %s: the save in flight at exit failed (%s: %s); the previous checkpoint is the "
                       "newest good one", directory, type(err).__name__, err)
 
-    # CPython's hook for this (what concurrent.futures itself uses); where it is missing, plain
-    # atexit at least logs the lost save instead of nothing
-    getattr(threading, "_register_atexit", atexit.register)(finish)
+    compat.at_exit_before_threads(finish)  # while Orbax's writer threads can still finish the save
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ from typing import Any, TypedDict
 import jax
 import numpy as np
 
+from shardlib.text import nearest_multiples
+
 VOCAB_SIZE = 256  # byte-level: every token is one byte
 _GLOB_CHARS = frozenset("*?[")
 
@@ -128,9 +130,12 @@ def load_text(path: str | os.PathLike[str] | None = None) -> bytes:
 
 
 def _as_bytes_array(data: bytes | np.ndarray) -> np.ndarray:
-    """A uint8 view of the corpus (no copy for bytes; read-only, so batches cannot corrupt it)."""
+    """The corpus as an array without a copy: bytes as uint8 (read-only, so batches cannot corrupt it);
+    an unsigned integer array (token ids, `shardlib.runtime.tokens`, often a memory map) as it is."""
     if isinstance(data, (bytes, bytearray)):
         return np.frombuffer(bytes(data), dtype=np.uint8)
+    if isinstance(data, np.ndarray) and data.dtype.kind == "u":
+        return data
     return np.asarray(data, dtype=np.uint8)
 
 
@@ -151,12 +156,6 @@ def split_train_val(data: bytes | np.ndarray, val_fraction: float = 0.05) -> tup
 # --------------------------------------------------------------------------------------------
 # Batch geometry checks
 # --------------------------------------------------------------------------------------------
-
-
-def nearest_multiples(n: int, k: int) -> str:
-    """The multiples of ``k`` either side of ``n`` ("8 or 16" for 12 and 8), for refusal messages."""
-    below, above = n // k * k, -(-n // k) * k
-    return f"{below} or {above}" if 0 < below < above else str(max(above, k))
 
 
 def check_batch_size(

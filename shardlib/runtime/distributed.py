@@ -49,6 +49,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardlib import compat
 from shardlib.runtime.devices import raise_cpu_collective_timeout
 
 ENV_COORDINATOR = "SHARDLIB_COORDINATOR"
@@ -216,12 +217,7 @@ def _ompi_plan(env: Mapping[str, str], local_devices: int | None) -> Plan:
 
 
 def _on_cloud_tpu_vm() -> bool:
-    try:
-        from jax._src import cloud_tpu_init
-
-        return bool(cloud_tpu_init.running_in_cloud_tpu_vm)
-    except (ImportError, AttributeError):
-        return False
+    return compat.on_cloud_tpu_vm()
 
 
 def _tpu_pod(env: Mapping[str, str]) -> bool:
@@ -400,9 +396,7 @@ def check_port_free(bind: str) -> None:
 def _cluster_coordinator(ids: list[int] | None, init_s: int) -> str | None:
     """The coordinator address JAX's SLURM / Open MPI detection will use (None: unknown)."""
     try:
-        from jax._src import clusters
-
-        address, *_ = clusters.ClusterEnv.auto_detect_unset_distributed_params(None, None, None, ids, None, init_s)
+        address, *_ = compat.cluster_env().auto_detect_unset_distributed_params(None, None, None, ids, None, init_s)
         return address
     except Exception:  # a private API: when it moves, JAX's own default applies
         return None

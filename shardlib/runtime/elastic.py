@@ -22,15 +22,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from shardlib.run.nonfinite import EXIT_DIVERGED
+from shardlib.exits import EXIT_DIVERGED, EXIT_USAGE
 
 ENV_RESTART = "SHARDLIB_ELASTIC_RESTART"
 # JAX's coordination service names the peers that stopped sending heartbeats, one per line.
 _HEARTBEAT_LOST = re.compile(r"unhealthy \(stopped sending heartbeats\)")
 _TASK_LINE = re.compile(r"^\s*(\d+)\b")
-_STEP_DIR = re.compile(r"^\d+$")  # Orbax's committed step directories; in-flight saves end in .orbax-checkpoint-tmp*
 # Exit codes that the same command would hit again on fewer processes: no restart.
-NO_RESTART = {2: "a command-line or configuration error", EXIT_DIVERGED: "training diverged (non-finite steps)"}
+NO_RESTART = {EXIT_USAGE: "a command-line or configuration error", EXIT_DIVERGED: "training diverged (non-finite steps)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,28 +95,44 @@ def run_directory(command: Sequence[str]) -> Path:
     """The ``--out DIR`` of the launched command: where its checkpoints and logs live.
 
     An elastic restart resumes by running the same command again, which only continues a run
-    whose directory is fixed; so ``--out`` is required.
+    whose directory is fixed and which checkpoints; so ``--out`` is required, and for ``shardlib
+    train`` ``--ckpt-every N > 0`` (a loop of your own checkpoints as it says).
     """
+    out, every = _flag_value(command, "--out"), _flag_value(command, "--ckpt-every")
+    if out is None:
+        raise ValueError("--elastic needs the command's --out DIR (and --ckpt-every N): a restart resumes from the "
+                         "checkpoints of that run directory; add e.g. --out runs/job --ckpt-every 10 to the train command")
+    if _is_shardlib_train(command) and (int(every) if (every or "").isdigit() else 0) == 0:
+        raise ValueError(f"--elastic needs the train command's --ckpt-every N (N > 0; got {every or 'none'}): "
+                         "without checkpoints a restart trains again from step 0; add e.g. --ckpt-every 10")
+    return Path(out)
+
+
+def _is_shardlib_train(command: Sequence[str]) -> bool:
+    """``shardlib train ...`` or ``python -m shardlib.cli train ...``."""
+    return any(arg == "train" and Path(before).name in ("shardlib", "shardlib.cli")
+               for before, arg in zip(command, command[1:]))
+
+
+def _flag_value(command: Sequence[str], flag: str) -> str | None:
+    """The value of ``flag`` in ``command`` (``--flag V`` or ``--flag=V``; the last one given), or None."""
+    value = None
     for i, arg in enumerate(command):
-        if arg == "--out" and i + 1 < len(command):
-            return Path(command[i + 1])
-        if arg.startswith("--out="):
-            return Path(arg.split("=", 1)[1])
-    raise ValueError("--elastic needs the command's --out DIR (and --ckpt-every N): a restart resumes from the "
-                     "checkpoints of that run directory; add e.g. --out runs/job --ckpt-every 10 to the train command")
+        if arg == flag and i + 1 < len(command):
+            value = command[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def latest_checkpoint(out_dir: Path) -> int | None:
     """The newest complete checkpoint step in ``OUT/checkpoints``, or None: complete by the
-    checkpointer's one rule (`shardlib.runtime.checkpoint.incomplete_reason`), so neither a save in
+    checkpointer's one rule (`shardlib.runtime.checkpoint.complete_steps`), so neither a save in
     flight nor an empty step directory is one."""
-    from shardlib.runtime.checkpoint import incomplete_reason  # Orbax loads only when this is asked
+    from shardlib.runtime.checkpoint import complete_steps  # Orbax loads only when this is asked
 
     directory = out_dir / "checkpoints"
-    if not directory.is_dir():
-        return None
-    steps = [int(p.name) for p in directory.iterdir()
-             if p.is_dir() and _STEP_DIR.match(p.name) and incomplete_reason(p) is None]
+    steps = complete_steps(directory) if directory.is_dir() else []
     return max(steps) if steps else None
 
 

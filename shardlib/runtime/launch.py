@@ -47,6 +47,8 @@ LOOPBACK = "127.0.0.1"
 TAIL_LINES = 200  # output lines kept per process, for telling a dead process from one stopped by a peer's death
 _OUTPUT_LOCK = threading.Lock()  # whole lines from different processes never interleave
 _FORCE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S*")
+# Gloo's connection chatter (about 8 lines per process per job start); shown only with --verbose.
+_CHATTER = re.compile(rb"^\[Gloo\]")
 
 
 class LaunchError(ValueError):
@@ -74,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 1)")
     parser.add_argument("--max-restarts", type=int, default=None, metavar="R",
                         help=f"with --elastic: restart at most R times (default {Elastic.max_restarts})")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="also print the processes' [Gloo] connection lines (hidden by default)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
 
 
@@ -146,15 +150,17 @@ def exit_code(returncode: int) -> int:
 
 
 def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock,
-          tail: collections.deque[str]) -> None:
-    """Copy lines from a child's pipe to ``out``, each prefixed (whole lines under a lock); keep the last
-    lines in ``tail`` (an elastic restart reads which peer a survivor saw die)."""
+          tail: collections.deque[str], verbose: bool = False) -> None:
+    """Copy lines from a child's pipe to ``out``, each prefixed (whole lines under a lock), less Gloo's
+    chatter unless ``verbose``; keep the last lines in ``tail`` (an elastic restart reads which peer a
+    survivor saw die)."""
     for line in iter(stream.readline, b""):
         if not line.endswith(b"\n"):
             line += b"\n"
         with lock:
-            out.write(prefix + line)
-            out.flush()
+            if verbose or not _CHATTER.match(line):
+                out.write(prefix + line)
+                out.flush()
             tail.append(line.decode(errors="replace"))
     stream.close()
 
@@ -195,7 +201,8 @@ class JobEnd:
 
 
 def launch(command: list[str], processes: int, devices_per_process: int = 1, *, port: int | None = None,
-           grace_s: float = DEFAULT_GRACE_S, elastic: Elastic | None = None, init_timeout_s: int | None = None) -> int:
+           grace_s: float = DEFAULT_GRACE_S, elastic: Elastic | None = None, init_timeout_s: int | None = None,
+           verbose: bool = False) -> int:
     """Run ``command`` as ``processes`` local processes; the first failure's exit code (0 if none).
 
     With ``elastic``, a failure restarts the job on the processes left instead (`run_elastic`).
@@ -209,13 +216,13 @@ def launch(command: list[str], processes: int, devices_per_process: int = 1, *, 
     timeout_env = {ENV_INIT_TIMEOUT: str(init_timeout(init_timeout_s))}
     if elastic is not None:
         return run_elastic(command, processes, devices_per_process, elastic, port=port, grace_s=grace_s,
-                           extra_env=timeout_env)
+                           extra_env=timeout_env, verbose=verbose)
     return run_job(command, processes, devices_per_process, port=port, grace_s=grace_s,
-                   extra_env=timeout_env).exit_code
+                   extra_env=timeout_env, verbose=verbose).exit_code
 
 
 def run_job(command: list[str], processes: int, devices_per_process: int, *, port: int | None, grace_s: float,
-            extra_env: dict[str, str] | None = None) -> JobEnd:
+            extra_env: dict[str, str] | None = None, verbose: bool = False) -> JobEnd:
     """Start the processes, wait for all to succeed or the first to fail, stop the rest."""
     # Loopback: JAX's coordinator has no authentication. Process 0 binds the coordinator's own address
     # (shardlib.runtime.distributed.coordinator_bind), so this keeps it off every other interface.
@@ -230,7 +237,8 @@ def run_job(command: list[str], processes: int, devices_per_process: int, *, por
     first_failure: tuple[int, int] | None = None
     try:
         for index in range(processes):
-            children.append(_start(command, index, processes, devices_per_process, coordinator, exits, extra_env))
+            children.append(_start(command, index, processes, devices_per_process, coordinator, exits, extra_env,
+                                   verbose=verbose))
         _say("started " + ", ".join(f"process {c.index} (pid {c.proc.pid})" for c in children))
         first_failure = _wait_first_failure(exits, processes, interrupted)
         if first_failure is not None:
@@ -292,7 +300,7 @@ def _diagnose(children: list[_Child], failed: int, coordinator: str, init_timeou
 
 
 def run_elastic(command: list[str], processes: int, devices_per_process: int, policy: Elastic, *,
-                port: int | None, grace_s: float, extra_env: dict[str, str] | None = None) -> int:
+                port: int | None, grace_s: float, extra_env: dict[str, str] | None = None, verbose: bool = False) -> int:
     """Run the job; after each failure, restart it on the processes left (see `shardlib.runtime.elastic`)."""
     try:
         out_dir = elastic.run_directory(command)
@@ -301,7 +309,8 @@ def run_elastic(command: list[str], processes: int, devices_per_process: int, po
     base_env = dict(extra_env or {})
     restarts, extra_env = 0, dict(base_env)
     while True:
-        end = run_job(command, processes, devices_per_process, port=port, grace_s=grace_s, extra_env=extra_env)
+        end = run_job(command, processes, devices_per_process, port=port, grace_s=grace_s, extra_env=extra_env,
+                      verbose=verbose)
         if end.first_failure is None:
             return end.exit_code
         index, code = end.first_failure
@@ -326,7 +335,8 @@ def run_elastic(command: list[str], processes: int, devices_per_process: int, po
 
 
 def _start(command: list[str], index: int, count: int, devices: int, coordinator: str,
-           exits: queue.Queue[tuple[int, int]], extra_env: dict[str, str] | None = None) -> _Child:
+           exits: queue.Queue[tuple[int, int]], extra_env: dict[str, str] | None = None, *,
+           verbose: bool = False) -> _Child:
     """Start process ``index`` in its own session, with prefixing pumps and an exit watcher."""
     env = process_env({**os.environ, **(extra_env or {})}, index, count, devices, coordinator)
     try:
@@ -336,7 +346,7 @@ def _start(command: list[str], index: int, count: int, devices: int, coordinator
         raise LaunchError(f"cannot start {command[0]!r}: {err.strerror or err}; check the command after --") from None
     prefix = f"[p{index}] ".encode()
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-    pumps = [threading.Thread(target=_pump, args=(pipe, prefix, sink, _OUTPUT_LOCK, tail), daemon=True)
+    pumps = [threading.Thread(target=_pump, args=(pipe, prefix, sink, _OUTPUT_LOCK, tail, verbose), daemon=True)
              for pipe, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer))]
     for t in pumps:
         t.start()
@@ -368,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     return launch(command, args.processes, args.devices_per_process, port=args.port, grace_s=args.grace,
-                  elastic=_elastic_policy(args), init_timeout_s=args.init_timeout)
+                  elastic=_elastic_policy(args), init_timeout_s=args.init_timeout, verbose=args.verbose)
 
 
 def _elastic_policy(args: argparse.Namespace) -> Elastic | None:

@@ -21,7 +21,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -29,10 +29,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from shardlib import backend as backend_lib
 from shardlib.backend import BackendPolicy
 from shardlib.sharding import rules as rules_lib
-from shardlib.model import Model
-from shardlib.sharding.mesh import MESH_AXES, MeshError, describe, resolve_axis_sizes
-from shardlib.sharding.strategies import (FOREIGN_AXES, PIPE_AXIS, PIPE_RULES, STRATEGIES, Strategy, get_strategy,
+from shardlib.sharding.mesh import CONTEXT_AXIS, EXPERT_AXIS, MESH_AXES, MeshError, describe, resolve_axis_sizes
+from shardlib.sharding.strategies import (EXPERT_RULES, FOREIGN_AXES, PIPE_AXIS, PIPE_RULES, STRATEGIES, Strategy, expert_split, get_strategy,
                                          pipelined, unmet_requirements, warn_uncovered_names)
+from shardlib.text import nearest_multiples
 
 # A tensor replicated under a sharding strategy is warned about above this share of the model's
 # parameter bytes (smaller ones cost little; `max_replicated_bytes` makes any size an error).
@@ -69,6 +69,26 @@ class Layout:
     # The backend policy of the mesh's devices (`shardlib.backend.policy_for`, or the one `forced`
     # when the layout was made): resolved once here, and again by `build` for the step it builds.
     backend: BackendPolicy = backend_lib.POLICIES["cpu"]
+    # Context parallelism (`context` > 1): each device holds one early and one late chunk of every
+    # sequence (causal load balance), and how attention reaches the other chunks ("auto", "ring",
+    # "allgather"; `shardlib.model.attention`)
+    context_balance: bool = True
+    context_attention: str = "auto"
+
+    @property
+    def context_size(self) -> int:
+        return self.mesh.shape.get(CONTEXT_AXIS, 1) if CONTEXT_AXIS in self.batch_axes else 1
+
+    @property
+    def row_axes(self) -> tuple[str, ...]:
+        """The batch axes that split the rows; ``context`` splits the sequence (dim 1) instead."""
+        return tuple(a for a in self.batch_axes if a != CONTEXT_AXIS)
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What the sequence length must divide by: C chunks, 2C when balanced (one early, one late each)."""
+        c = self.context_size
+        return 1 if c == 1 else c * (2 if self.context_balance else 1)
 
     @property
     def state_from_last(self) -> bool:
@@ -78,7 +98,7 @@ class Layout:
 
     @property
     def batch_size_multiple(self) -> int:
-        return math.prod(self.mesh.shape[a] for a in self.batch_axes)
+        return math.prod(self.mesh.shape[a] for a in self.row_axes)
 
     def param_shardings(self) -> Any:
         return rules_lib.shardings(self.params, self.mesh)
@@ -101,8 +121,10 @@ class Layout:
         return jax.tree.map(lambda l: restrict(l.spec, axes), layouts, is_leaf=rules_lib.is_layout)
 
     def batch_spec(self, ndim: int) -> P:
-        axes = tuple(a for a in self.batch_axes if self.mesh.shape[a] > 1)
+        axes = tuple(a for a in self.row_axes if self.mesh.shape[a] > 1)
         lead = None if not axes else axes[0] if len(axes) == 1 else axes
+        if self.context_size > 1 and ndim >= 2:  # the sequence dim over context
+            return P(lead, CONTEXT_AXIS, *(None,) * (ndim - 2))
         return P(lead, *(None,) * (ndim - 1))
 
     def abstract_batch(self, batch_shapes: Mapping[str, tuple[tuple[int, ...], Any]]) -> dict[str, jax.ShapeDtypeStruct]:
@@ -120,16 +142,27 @@ class Layout:
         n = self.batch_size_multiple * microbatches
         for name, x in batch.items():
             size = x.shape[0]
+            self._check_sequence(name, x.shape)
             if size % n:
                 axes = "x".join(a for a in self.batch_axes if self.mesh.shape[a] > 1) or "none"
                 what = f"the {self.batch_size_multiple} data-parallel devices (mesh axes {axes})"
                 if microbatches > 1:
                     what += f" times {microbatches} microbatches"
-                from shardlib.runtime.data import nearest_multiples
-
                 raise ValueError(f"batch {name!r} has {size} rows, which {what} cannot split evenly; "
                                  f"use a multiple of {n}: {nearest_multiples(size, n)} (a dataset's last, "
                                  "shorter batch: pad it with rows of loss weight 0, the mask of shardlib.global_mean)")
+
+    def _check_sequence(self, name: str, shape: tuple[int, ...]) -> None:
+        """Under context parallelism every leaf with a second dim is split on it, the sequence."""
+        from shardlib.text import nearest_multiples
+
+        m = self.sequence_multiple
+        if m > 1 and len(shape) >= 2 and shape[1] % m:
+            how = f"2 x context={self.context_size} chunks (one early, one late per device)" if self.context_balance \
+                else f"context={self.context_size} chunks"
+            raise ValueError(f"batch {name!r} has sequence length {shape[1]} (dim 1), which {how} cannot split "
+                             f"evenly; use a multiple of {m}: {nearest_multiples(shape[1], m)}"
+                             + ("" if not self.context_balance else " (or --no-cp-balance: a multiple of the context size)"))
 
     def replicated(self) -> list[rules_lib.LeafLayout]:
         """Tensors the strategy shards that stayed whole on every device (each with its notes)."""
@@ -148,7 +181,7 @@ class Layout:
 
     def replication_summary(self) -> str:
         """One line for banners and reports: how much a sharding strategy leaves on every device."""
-        from shardlib.tools.report import format_bytes
+        from shardlib.text import format_bytes
 
         leaves = self.replicated()
         if not leaves:
@@ -239,8 +272,21 @@ def _abstract_opt_state(optimizer: Any, layout: Layout) -> Any:
     return jax.eval_shape(optimizer.init, params)
 
 
+@runtime_checkable
+class ParamSource(Protocol):
+    """What a layout reads from a model: its parameters' shapes and their logical axis names.
+
+    `shardlib.Model` is one. The sharding layer sits below the model layer (docs/design.md,
+    "Layers"), so it names only these two members instead of importing the model package.
+    """
+
+    logical_axes: Any
+
+    def abstract(self) -> Any: ...
+
+
 def make_layout(
-    model: Model,
+    model: ParamSource,
     strategy: str | Strategy,
     mesh: Mesh,
     *,
@@ -260,6 +306,8 @@ def make_layout(
     stages = mesh.shape.get(PIPE_AXIS, 1)
     if stages > 1:
         strategy = pipelined(strategy)
+    if mesh.shape.get(EXPERT_AXIS, 1) > 1:
+        strategy = expert_split(strategy)
     names_warned = _warn_names(abstract, model.logical_axes, strategy, mesh)
     backend = backend_lib.policy_for(mesh)
     from_last = strategy.state_from_last and backend.state_from_last
@@ -274,6 +322,9 @@ def make_layout(
     rules_lib.validate_rules(strategy.batch_rules, mesh, table=f"{strategy.name}.batch_rules")
     rules_lib.validate_rules(strategy.activation_rules, mesh, table=f"{strategy.name}.activation_rules")
     batch_axes = tuple(a for name, axes in strategy.batch_rules if name == "batch" for a in rules_lib.as_axes(axes))
+    if mesh.shape.get(CONTEXT_AXIS, 1) > 1 and CONTEXT_AXIS not in batch_axes:
+        _check_context(mesh)
+        batch_axes += (CONTEXT_AXIS,)  # manual in the step, gradients averaged over it like a batch axis
     if max_replicated_bytes is not None:
         rules_lib.check_replication(params if strategy.shards_params else state, mesh, max_replicated_bytes)
     layout = Layout(mesh, strategy, params, state, batch_axes, backend)
@@ -284,10 +335,18 @@ def make_layout(
     return layout
 
 
+def _check_context(mesh: Mesh) -> None:
+    """Context parallelism splits the sequence inside the step's shard_map; the pipeline's
+    microbatch schedule does not carry it."""
+    if mesh.shape.get(PIPE_AXIS, 1) > 1:
+        raise MeshError(f"mesh context={mesh.shape[CONTEXT_AXIS]} with pipe={mesh.shape[PIPE_AXIS]}: context "
+                        "parallelism does not compose with the pipeline; use pipe=1 (data / fsdp / tensor compose)")
+
+
 def check_model_argument(model: Any, caller: str) -> None:
     """Refuse what users hand over before wrapping it (an NNX or linen module, a params dict),
     naming the adapter that makes a `shardlib.Model` of it."""
-    if isinstance(model, Model):
+    if isinstance(model, ParamSource):
         return
     from flax import linen as nn
     from flax import nnx
@@ -383,7 +442,7 @@ def known_names(strategy: Strategy) -> set:
     may add names) and the stack axis ("layers", which the adapters name and nothing splits)."""
     tables = [s.param_rules + s.state_rules + s.activation_rules + s.batch_rules
               for s in (*STRATEGIES.values(), strategy)]
-    return {name for rules in tables + [PIPE_RULES] for name, _ in rules} | set(rules_lib.AUTO_SHARD_SKIP)
+    return {name for rules in tables + [PIPE_RULES, EXPERT_RULES] for name, _ in rules} | set(rules_lib.AUTO_SHARD_SKIP)
 
 
 def _unknown_names(abstract: Any, logical: Any, strategy: Strategy) -> list[str]:
@@ -444,7 +503,7 @@ def _warn_replicated(layout: Layout) -> None:
     big = [leaf for leaf in layout.replicated() if leaf.bytes() > limit and not _small_and_unnamed(leaf)]
     if not big:
         return
-    from shardlib.tools.report import format_bytes
+    from shardlib.text import format_bytes
 
     lines = "\n".join(f"  {l.path} {l.shape} ({format_bytes(l.bytes())}): {'; '.join(l.notes)}" for l in big)
     warnings.warn(

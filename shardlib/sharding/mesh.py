@@ -1,11 +1,16 @@
 """Device meshes with named axes.
 
-Every shardlib mesh has the same four axes, outermost (slowest links) first, so rule tables can
+Every shardlib mesh has the same axes, outermost (slowest links) first, so rule tables can
 always name them; axes a run does not use have size 1:
 
   data    pure data parallelism (replicas), crosses hosts first
   pipe    pipeline stages
   fsdp    data parallelism with sharded parameters / optimizer state (ZeRO)
+  expert  expert parallelism: an MoE layer's experts split over it, its tokens dispatched to
+          them by all-to-all; the batch is split over it too (docs/moe.md)
+  context context (sequence) parallelism: every sequence split over it, attention by a ring of
+          K/V blocks or an all-gather of them (docs/context-parallel.md); its K/V traffic every
+          layer wants fast links, so it sits inside expert, next to tensor
   tensor  Megatron-style tensor parallelism, needs the fastest links
 """
 
@@ -18,7 +23,13 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-MESH_AXES: tuple[str, ...] = ("data", "pipe", "fsdp", "tensor")
+MESH_AXES: tuple[str, ...] = ("data", "pipe", "fsdp", "expert", "context", "tensor")
+
+# The axis an MoE layer dispatches its tokens over (`shardlib.model.experts`).
+EXPERT_AXIS = "expert"
+
+# The axis every sequence is split over (`shardlib.model.attention`, docs/context-parallel.md).
+CONTEXT_AXIS = "context"
 
 
 class MeshError(ValueError):

@@ -322,7 +322,7 @@ def check_replication(layouts: Any, mesh: Mesh, max_bytes: int) -> None:
 
 def report(layouts: Any, mesh: Mesh) -> str:
     """One line per tensor: path, shape, logical names, spec, bytes per device, and why replicated."""
-    from shardlib.tools.report import format_bytes, format_table
+    from shardlib.text import format_bytes, format_table
 
     rows = [
         {

@@ -41,7 +41,7 @@ from typing import Any
 
 import jax
 
-from shardlib.sharding.mesh import MESH_AXES
+from shardlib.sharding.mesh import EXPERT_AXIS, MESH_AXES
 from shardlib.sharding.rules import AUTO_SHARD_SKIP, Rules, as_axes, is_names, path_str
 from shardlib.registry import lookup
 
@@ -63,8 +63,15 @@ TENSOR_RULES: Rules = (
 PIPE_AXIS = "pipe"
 PIPE_RULES: Rules = (("layers", PIPE_AXIS),)
 
-# Batch dimension of inputs and activations: split over every data-parallel axis.
-BATCH_RULES: Rules = (("batch", ("data", "fsdp")),)
+# Batch dimension of inputs and activations: split over every data-parallel axis. The expert axis
+# is one: its devices hold different experts but the same other weights, so for everything but an
+# MoE layer's experts it is data parallelism, as in GShard and DeepSpeed-MoE.
+BATCH_RULES: Rules = (("batch", ("data", "fsdp", EXPERT_AXIS)),)
+
+# Expert parallelism: an MoE layer's stacked experts (logical name "experts") are split over the
+# expert axis. Prepended to a strategy's tables when the mesh has expert > 1, so every strategy
+# composes with it; the experts' other dims keep the strategy's rules (ZeRO-3 shards them too).
+EXPERT_RULES: Rules = (("experts", EXPERT_AXIS),)
 
 # ZeRO sharding of weights over all data-parallel devices: prefer the model dimension, fall back
 # to another dimension when it does not divide (each fallback is reported by rules.report).
@@ -253,6 +260,18 @@ def pipelined(strategy: Strategy) -> Strategy:
                                state_rules=PIPE_RULES + strategy.state_rules)
 
 
+def expert_split(strategy: Strategy) -> Strategy:
+    """``strategy`` with every MoE layer's experts (and their optimizer state) split over ``expert``."""
+    if strategy.param_rules[:1] == EXPERT_RULES:
+        return strategy
+    return strategy.with_rules(param_rules=EXPERT_RULES + strategy.param_rules,
+                               state_rules=EXPERT_RULES + strategy.state_rules)
+
+
+# Names other libraries use for a preset of this table: FSDP shards what ZeRO-3 shards.
+ALIASES: dict[str, str] = {"fsdp": "zero3"}
+
+
 def get_strategy(name: str | Strategy) -> Strategy:
-    """The named preset, or the object itself; an unknown name lists the known ones."""
-    return lookup(STRATEGIES, name, Strategy, "strategy")
+    """The named preset (or an `ALIASES` name), or the object itself; an unknown name lists the known ones."""
+    return lookup(STRATEGIES, ALIASES.get(name, name) if isinstance(name, str) else name, Strategy, "strategy")

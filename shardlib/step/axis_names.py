@@ -19,6 +19,11 @@ from shardlib.model import hooks
 _COLLECTIVE_FILE = "jax/_src/lax/parallel.py"
 
 
+class UnboundAxisError(ValueError):
+    """A collective in the model runs over an axis name the step does not bind; chained to JAX's
+    own error (often a bare ``AssertionError`` from inside flax or the collective)."""
+
+
 def _frames(tb: types.TracebackType | None) -> Iterator[types.FrameType]:
     while tb is not None:
         yield tb.tb_frame
@@ -57,11 +62,11 @@ def _module_name(module) -> str:
     return f"{type(module).__name__} {name!r}" if name else type(module).__name__
 
 
-def note_unbound_axis(err: BaseException, bound: tuple[str, ...], alias: str | None, *,
-                      step: str = "build") -> None:
-    """Tell the user which collective axis name the model used that the step does not bind, and
-    what to write instead; errors raised elsewhere are left as they are. ``step``: "build" (the
-    mesh step) or "pmap_step" (whose one axis the user names)."""
+def raise_unbound_axis(err: BaseException, bound: tuple[str, ...], alias: str | None, *,
+                       step: str = "build") -> None:
+    """Raise `UnboundAxisError`, chained to ``err``, saying which collective axis name the model
+    used that the step does not bind and what to write instead; return for errors raised
+    elsewhere. ``step``: "build" (the mesh step) or "pmap_step" (whose one axis the user names)."""
     found = unbound_axis(err, bound)
     if found is None:
         return
@@ -69,20 +74,19 @@ def note_unbound_axis(err: BaseException, bound: tuple[str, ...], alias: str | N
     where = f"in {module}" if module else "in the model or its loss"
     batch = ", ".join(repr(a) for a in bound) or "none: one device"
     if step == "pmap_step":
-        err.add_note(f"shardlib: a collective {where} runs over axis {axis!r}, but pmap_step binds {batch}: "
-                     f"write pmap_step(model, tx, axis_name={axis!r})")
-        return
+        raise UnboundAxisError(f"a collective {where} runs over axis {axis!r}, but pmap_step binds {batch}: "
+                               f"write pmap_step(model, tx, axis_name={axis!r})") from err
     bind = (f"; build(..., axis_name={axis!r}) binds the axis_name of linen and NNX modules, not "
             "that of a lax collective you call" if alias == axis else
             f"; for a linen module's own axis_name (nn.BatchNorm(axis_name={axis!r}), the Flax ImageNet example), "
             f"build(..., axis_name={axis!r}) binds it to those axes (synchronised statistics)")
-    err.add_note(
-        f"shardlib: a collective {where} runs over axis {axis!r}, which is not bound inside the step: its "
+    raise UnboundAxisError(
+        f"a collective {where} runs over axis {axis!r}, which is not bound inside the step: its "
         f"batch axes are the mesh axes {batch} (what shardlib.batch_axis_names(mesh) returns). Pass "
         f"axis_name=shardlib.batch_axis_names(mesh) to the module instead of {axis!r}{bind}. A pmean of the "
         "loss or metrics over the batch is not needed: the step averages the loss and aux metrics over the "
         "global batch, so drop it; an all_gather of per-example embeddings for a loss over the whole batch "
-        "(CLIP / SigLIP logits) is shardlib.gather_batch(x), which is the identity on one device")
+        "(CLIP / SigLIP logits) is shardlib.gather_batch(x), which is the identity on one device") from err
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlib.sharding import rules as rules_lib
+from shardlib.sharding import sequence as sequence_lib
 from shardlib.sharding.layout import Layout, restrict
 
 __all__ = ["PerDevice", "check", "local", "per_device", "place", "refuse_donated", "shardings", "specs"]
@@ -50,7 +51,7 @@ class PerDevice:
         raise TypeError(_WRAPPED.format(name=key))
 
 
-_WRAPPED = ("{name!r}: this is a shardlib.per_device batch, which only program.step and program.evaluate hand to "
+_WRAPPED = ("{name!r}: this is a shardlib.step.batch.per_device batch, which only program.step and program.evaluate hand to "
             "the loss as each device's own; elsewhere pass the stacked batch's entries yourself "
             "(jax.tree.map(lambda x: x[d], stacked))")
 
@@ -116,6 +117,22 @@ def _leaf_spec(layout: Layout, x: Any) -> P:
 def specs(layout: Layout, batch: Any) -> Any:
     """The ``shard_map`` in_specs of ``batch`` (over the batch axes only)."""
     return jax.tree.map(lambda x: restrict(_leaf_spec(layout, x), layout.batch_axes), batch)
+
+
+def in_context_order(layout: Layout, batch: Any) -> Any:
+    """Under balanced context parallelism: every leaf's sequence dim (dim 1) reordered so that its
+    split over `context` gives each device one early and one late chunk (`shardlib.sharding.sequence`).
+    Inside the jitted step, so the data pipeline's order is untouched; a loss that is a mean over
+    tokens does not see the order, and the model takes positions from `shardlib.model.attention.positions`."""
+    if layout.context_size == 1 or not layout.context_balance:
+        return batch
+
+    def one(x):
+        if np.ndim(x) < 2:
+            return x
+        return jax.numpy.take(x, sequence_lib.order(x.shape[1], layout.context_size, True), axis=1)
+
+    return jax.tree.map(one, batch)
 
 
 def shardings(layout: Layout, batch: Any) -> Any:
@@ -215,7 +232,7 @@ def _first_rows(rows: list[tuple[str, Any]]) -> dict[str, Any]:
             "the same number of rows: pass a per-step constant as a scalar (shape (), given whole to every "
             "device) or close over it in the loss function; leaves that count different things (a graph "
             "batch's nodes, edges and graphs) need one padded batch per device, stacked and passed as "
-            "shardlib.per_device(batch)" + (f". {_key_advice(keys[0])}" if keys else ""))
+            "shardlib.step.batch.per_device(batch)" + (f". {_key_advice(keys[0])}" if keys else ""))
     return dict(rows[:1])
 
 
@@ -261,7 +278,7 @@ def _refuse_split_graphs(rows: list[tuple[str, Any]], layout: Layout) -> None:
         f"cannot split by rows over the {layout.batch_size_multiple} data-parallel devices: graphs would be cut "
         "apart and senders / receivers would index other devices' nodes. Pad one graph batch per device "
         "(jraph.pad_with_graphs, the same sizes on every device), stack them (np.stack per leaf) and pass "
-        "shardlib.per_device(graphs): each device's loss gets its own GraphsTuple, as under jax.pmap")
+        "shardlib.step.batch.per_device(graphs): each device's loss gets its own GraphsTuple, as under jax.pmap")
 
 
 def _is_raw_key(x: Any) -> bool:

@@ -13,7 +13,7 @@ Both return ``(reduced, new_residual)``. Methods (``METHODS``):
 * ``none``: the exact collective, in the precision's ``reduce_dtype`` (`shardlib.step.precision`;
   float32 by default, bf16 on request: then the collective itself runs in bf16).
 * ``bf16``: bfloat16 on the wire, half the bytes (as ``reduce_dtype=bf16``), but summed in
-  float32; no state. The two do not combine: `check_reduce_dtype` refuses ``bf16`` or ``int8``
+  float32; no state. The two do not combine: `shardlib.step.options` refuses ``bf16`` or ``int8``
   beside a non-float32 ``reduce_dtype``. Like int8 it runs as ``all_to_all``
   of the chunks, a float32 sum on the owner, then (``psum``) an ``all_gather``: no reduction
   arithmetic happens in bfloat16 (more accurate), and XLA:CPU, which aborts compiling some
@@ -86,21 +86,6 @@ METHODS: dict[str, Compression] = {
 def get_compression(method: str | Compression) -> Compression:
     """The named preset, or the object itself; an unknown name lists the known ones."""
     return lookup(METHODS, method, Compression, "gradient compression")
-
-
-def check_reduce_dtype(method: str | Compression, reduce_dtype: Any) -> None:
-    """Refuse a precision whose ``reduce_dtype`` contradicts ``method``. The exact reduction
-    ("none") runs in the precision's ``reduce_dtype`` (float32, or bfloat16: the collective itself
-    in bf16, half the bytes); the compressed methods define their own wire format and all sum in
-    float32, so beside one of them only a float32 reduce dtype means what it says."""
-    comp = get_compression(method)
-    if comp.name != "none" and reduce_dtype is not None and np.dtype(reduce_dtype) != np.dtype(np.float32):
-        raise ValueError(
-            f"grad_compression={comp.name!r} sends {comp.comm_dtype} and sums in float32, but the precision's "
-            f"reduce_dtype is {np.dtype(reduce_dtype).name}, a reduction in {np.dtype(reduce_dtype).name}: pick one. "
-            "For half the bytes with float32 sums keep reduce_dtype float32 (the default) with grad_compression='bf16'; "
-            "to reduce in bf16 itself (the plain collective in bf16) use reduce_dtype=bf16 with "
-            "grad_compression='none'")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -339,7 +324,6 @@ __all__ = [
     "REDUCTION_KINDS",
     "ChunkPlan",
     "Compression",
-    "check_reduce_dtype",
     "compressed_psum",
     "compressed_psum_scatter",
     "dequantise",

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from shardlib.model import Call, Model, Stages, hooks
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout, known_names, restrict, spec_axes
+from shardlib.sharding.mesh import EXPERT_AXIS
 from shardlib.sharding.strategies import BATCH_RULES, Strategy
 from shardlib.step import axis_names as axis_names_lib
 from shardlib.step import batch as batch_lib
@@ -179,10 +180,25 @@ def auto_axes(layout: Layout) -> tuple[str, ...]:
     return tuple(a for a in layout.mesh.axis_names if a not in layout.manual_axes)
 
 
-def sharded_paths(layout: Layout) -> tuple[str, ...]:
-    """Parameters whose storage is split over a batch axis: the ones ZeRO-3 must gather."""
+def gathered_axes(layout: Layout) -> tuple[str, ...]:
+    """The batch axes a parameter's shards are gathered over before use: all but ``expert``, whose
+    split of an MoE layer's experts stays (each device computes its own experts on the tokens the
+    layer sends it, `shardlib.model.experts`)."""
+    return tuple(a for a in layout.batch_axes if a != EXPERT_AXIS)
+
+
+def expert_split_paths(layout: Layout) -> tuple[str, ...]:
+    """Parameters split over ``expert`` with more than one device: an MoE layer's experts."""
+    if layout.mesh.shape.get(EXPERT_AXIS, 1) == 1:
+        return ()
     return tuple(l.path for l in jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout)
-                 if spec_axes(restrict(l.spec, layout.batch_axes)))
+                 if EXPERT_AXIS in spec_axes(l.spec))
+
+
+def sharded_paths(layout: Layout) -> tuple[str, ...]:
+    """Parameters whose storage is split over a gathered batch axis: the ones ZeRO-3 must gather."""
+    return tuple(l.path for l in jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout)
+                 if spec_axes(restrict(l.spec, gathered_axes(layout))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +227,9 @@ class ModelCall:
     backend: Any = None  # the `shardlib.backend.BackendPolicy` build resolved from the mesh (None: plain JAX)
     reduce_dtype: Any = None  # the dtype the ZeRO-3 gathers' backward reduce-scatters in (`Precision.reduce_dtype`)
     stored: Any = None  # per parameter: stored over a batch axis (a gather casts it when cast_first); None: specs'
+    expert_split: tuple[str, ...] = ()  # parameters split over ``expert`` (`expert_split_paths`)
+    # context parallelism: (devices the sequence is split over, balanced, attention mode) (`hooks.ComputeContext`)
+    context: tuple[int, bool, str] = (1, True, "auto")
 
     @classmethod
     def for_layout(cls, model: Model, layout: Layout, policy: precision_lib.Precision,
@@ -222,13 +241,15 @@ class ModelCall:
         by_path = {l.path: spec for l, spec in zip(jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout),
                                                    jax.tree.leaves(auto))}
         secondary = hierarchical.for_layout(layout, model.gathers_params)
-        specs = secondary.intra_specs if secondary else layout.manual(layout.params)
+        specs = secondary.intra_specs if secondary else layout.manual(layout.params, gathered_axes(layout))
         return cls(model, specs, auto, by_path, sharded_paths(layout), activation_spec(layout),
                    policy.compute_dtype, cast_first, rows_split, active_axes(layout, exclude), secondary,
                    logical_rules=logical_rules(layout), mean_axes=active_axes(layout, exclude + mean_exclude),
                    axis_alias=check_axis_alias(axis_alias, layout), activation_names=ActivationNames(layout.strategy),
                    backend=backend, reduce_dtype=policy.reduce_dtype,
-                   stored=jax.tree.map(lambda spec: bool(spec_axes(spec)), layout.manual(layout.params)))
+                   stored=jax.tree.map(lambda spec: bool(spec_axes(spec)), layout.manual(layout.params, gathered_axes(layout))),
+                   expert_split=expert_split_paths(layout),
+                   context=(layout.context_size, layout.context_balance, layout.context_attention))
 
     def _compute(self, tree: Any) -> Any:
         """``tree`` in the compute dtype; a layerwise state shard keeps the master dtype, so its
@@ -269,7 +290,9 @@ class ModelCall:
                                     auto_specs=self.auto_by_path, gather=self.gather, gather_tree=self.gather_tree,
                                     logical_rules=self.logical_rules, mean_axes=self.mean_axes if in_step else (),
                                     rows_split=self.rows_split, row_axes=self.key_axes, microbatches=microbatches,
-                                    note_names=None if self.activation_names is None else self.activation_names.note)
+                                    note_names=None if self.activation_names is None else self.activation_names.note,
+                                    context_size=self.context[0], context_balance=self.context[1],
+                                    context_attention=self.context[2])
 
     def probe(self, params: Any, rows: Any, ctx: StepContext) -> hooks.ComputeContext:
         """The compute context an abstract trace of the loss leaves: which parameters the model
@@ -301,8 +324,31 @@ class ModelCall:
                 self._check_gathered(ctx, err)
                 raise
         self._check_gathered(ctx)
+        self._check_attention(ctx)
+        self._check_dispatched(ctx)
         self._warn_unknown_activations()
         return out
+
+    def _check_dispatched(self, ctx: hooks.ComputeContext) -> None:
+        """Refuse a model whose experts are split over ``expert`` but that never sent its tokens to
+        them: each device would compute with its own E/P experts as if they were all of them."""
+        if self.expert_split and not ctx.experts_dispatched:
+            raise ValueError(
+                f"the parameters {', '.join(self.expert_split[:4])} are split over the 'expert' mesh axis (logical name "
+                "'experts'), but the model never called shardlib.model.experts.dispatch, so each device computed with "
+                "its own experts only; route the tokens through experts.dispatch / experts.combine (models/moe.py), "
+                "or drop 'expert' from --mesh (give those devices to data)")
+
+    def _check_attention(self, ctx: hooks.ComputeContext) -> None:
+        """Under context parallelism each device holds a part of every sequence: attention that
+        is not shardlib's would attend within that part only, silently wrong."""
+        if ctx.context_size > 1 and not ctx.attention_calls:
+            raise ValueError(
+                f"the mesh splits every sequence over context={ctx.context_size} devices, but the model never called "
+                "shardlib.model.attention.attention(q, k, v, causal=True), so its own attention would see only this "
+                "device's part of the sequence: call that helper in place of your attention (it is plain attention "
+                "without a context axis), and take positions from shardlib.model.attention.positions(seq_len); or "
+                "use a mesh without context")
 
     def _warn_unknown_activations(self) -> None:
         if self.activation_names is not None:
@@ -311,7 +357,7 @@ class ModelCall:
     def _explain(self, err: Exception) -> None:
         """JAX's errors about the step's manual batch axes, or a pmap-era axis name, with what to write."""
         manual_axes_lib.note(err, self.key_axes)
-        axis_names_lib.note_unbound_axis(err, self.key_axes, self.axis_alias)
+        axis_names_lib.raise_unbound_axis(err, self.key_axes, self.axis_alias)
 
     def _check_gathered(self, ctx: hooks.ComputeContext, err: Exception | None = None) -> None:
         """After a trace: refuse a model that computed with shards it never gathered. After an

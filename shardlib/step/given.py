@@ -101,6 +101,9 @@ def continued(state: TrainState, opt_state: Any, step: Any, sharding: TrainState
                                                                      state.opt_state))
     if step is not None:
         state = dataclasses.replace(state, step=jax.device_put(np.asarray(step, np.int32), sharding.step))
+        if state.steps_taken is not None:  # the dropout keys go on from the step given
+            state = dataclasses.replace(state, steps_taken=jax.device_put(np.asarray(step, np.int32),
+                                                                          sharding.steps_taken))
     return state
 
 

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 from shardlib.model import Model
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout
-from shardlib.step import compression as compression_lib
 from shardlib.step import layerwise as layerwise_lib
 from shardlib.step import pipeline as pipeline_lib
 from shardlib.step import stage_balance
@@ -156,7 +155,8 @@ Provider = Plain | Pipelined  # Accumulated is a Plain
 
 def for_layout(call: ModelCall, reducer: Reducer, layout: Layout, *, grad_accum: int, microbatches: int,
                schedule: pipeline_lib.Schedule, stage_layers: Any = None) -> Provider:
-    """The variant ``layout`` and the step's options ask for (options checked by `check_options`)."""
+    """The variant ``layout`` and the step's options ask for (checked by `check_options` and
+    `shardlib.step.options`)."""
     if layout.pipeline_stages > 1:
         # The embedding / head may sit in a branch only when they hold no collective: no parameter
         # gathered over the batch axes, no tensor parallelism.
@@ -183,28 +183,21 @@ def refuse_key_and_state(model: Model, step: str, instead: str) -> None:
                          "or build the model without them (linen: from_linen(..., rng_streams=()))")
 
 
-def check_options(model: Model, layout: Layout, grad_accum: int, method: compression_lib.Compression,
-                  microbatches: int | None, schedule: str | pipeline_lib.Schedule) -> tuple[int, pipeline_lib.Schedule | None]:
-    """Refuse what the variants cannot do, with the fix; return (microbatches, schedule)."""
+def check_options(model: Model, layout: Layout, grad_accum: int, microbatches: int | None,
+                  schedule: str | pipeline_lib.Schedule) -> tuple[int, pipeline_lib.Schedule | None]:
+    """Refuse values and models the variants cannot run, with the fix (the combinations of options:
+    `shardlib.step.options`); return (microbatches, schedule)."""
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
     n_stages = layout.pipeline_stages
     if n_stages == 1:
-        if microbatches not in (None, grad_accum):
-            raise ValueError(f"microbatches={microbatches} applies to a pipelined mesh (pipe > 1); without one, "
-                             f"pass grad_accum={microbatches}")
         return grad_accum, None
     if model.pipeline is None:
         raise ValueError(
             f"the mesh has pipe={n_stages} but the model does not say how to cut it into stages: "
             "build it with pipeline=shardlib.Stages(...) (models.trainable does), or use pipe=1"
         )
-    if grad_accum != 1:
-        raise ValueError("a pipelined step accumulates over its microbatches: pass microbatches=K, not grad_accum=K")
     refuse_key_and_state(model, f"the pipelined step (pipe={n_stages})", "use pipe=1")
-    if method.needs_residual:
-        raise ValueError(f"grad_compression={method.name!r} keeps per-device residuals, which pipelining does "
-                         "not support yet; use 'bf16' or 'none'")
     microbatches = 2 * n_stages if microbatches is None else microbatches
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
@@ -236,10 +229,7 @@ def check_params(model: Model, policy: Precision) -> None:
 
 def check_stage_layers(model: Model, layout: Layout, stage_layers: Any) -> stage_balance.StageLayers | str | None:
     """``stage_layers`` (None, "auto" or layers per stage) checked against the model's layer stack."""
-    if stage_layers is None:
+    if stage_layers is None or layout.pipeline_stages == 1:  # with pipe=1: refused by options
         return None
-    if layout.pipeline_stages == 1:
-        raise ValueError(f"stage_layers={stage_layers!r} splits the layers of a pipeline, and the mesh has pipe=1; "
-                         "use a mesh with pipe > 1 (--pipeline-stages S), or drop stage_layers")
     stack = model.abstract()[model.pipeline.stacked]
     return stage_balance.check_stage_layers(stage_layers, jax.tree.leaves(stack)[0].shape[0], layout.pipeline_stages)

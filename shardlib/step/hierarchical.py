@@ -32,7 +32,6 @@ from shardlib.model import hooks
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout
 from shardlib.sharding.mesh import describe
-from shardlib.step import zeropp
 
 
 class HpzError(ValueError):
@@ -48,10 +47,8 @@ class SecondaryPartition:
 
     def gather(self, params: Any, auto_specs: Any) -> Any:
         """The secondary partition: every weight gathered over the inter-host axis (keeping any
-        split over the GSPMD axes, as the layer gathers do)."""
-        if any(zeropp.is_carried(x) for x in jax.tree.leaves(params, is_leaf=zeropp.is_carried)):
-            raise HpzError("zero3_hpz does not carry qgZ's error-feedback residuals (grad_compression='int8') "
-                           "through its secondary gather; use grad_compression='bf16' or 'none', or zero3")
+        split over the GSPMD axes, as the layer gathers do). qgZ's int8 residuals do not ride it:
+        `shardlib.step.options` refuses grad_compression='int8' under hpZ when the step is built."""
         return jax.tree.map(hooks.gather_shards, params, self.inter_specs, auto_specs)
 
 

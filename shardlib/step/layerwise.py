@@ -36,11 +36,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from shardlib.model import Model
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout, spec_axes
 from shardlib.step import buckets as buckets_lib
-from shardlib.step import compression as compression_lib
 from shardlib.step import zeropp
 from shardlib.step.compute import ModelCall, StepContext
 from shardlib.step.reduce import Reducer, reduced_transposed, rest_axes, scatter_dims
@@ -217,22 +215,6 @@ def no_twins(reducer: Reducer) -> Twins:
     return Twins(None, reducer)
 
 
-def _refusals(model: Model, layout: Layout, method: compression_lib.Compression, grad_accum: int,
-              staleness: int) -> list[str]:
-    """Why the twins cannot apply to this step (empty: they can)."""
-    name = layout.strategy.name
-    checks = (
-        (not model.gathers_params, "the model does not pass its parameters through gather_layer "
-                                   "(gathers_params=False)"),
-        (method.name != "none", f"grad_compression={method.name!r} compresses the reductions after the backward pass"),
-        (layout.pipeline_stages > 1, f"a pipelined step (pipe={layout.pipeline_stages}) reduces after its schedule"),
-        (staleness > 0, f"staleness={staleness} defers the reduction to a later step"),
-        (grad_accum > 1 and not layout.strategy.shard_grad_buffer,
-         f"{name} adds whole gradients over grad_accum={grad_accum} microbatches and reduces them once"),
-    )
-    return [why for refused, why in checks if refused]
-
-
 def _scatters(layout: Layout, reducer: Reducer) -> tuple[tuple[Scatter | None, ...], tuple[str, ...]]:
     """Per parameter leaf, its twin's reduction or None. Where some parameter is stored over a
     batch axis (ZeRO-3 gathers it, and its gather reduce-scatters), the small whole parameters
@@ -246,22 +228,16 @@ def _scatters(layout: Layout, reducer: Reducer) -> tuple[tuple[Scatter | None, .
     return tuple(scatters), tuple(l.path for l in leaves)
 
 
-def attach(provider: Any, layout: Layout, model: Model, method: compression_lib.Compression, *,
-           grad_accum: int, staleness: int, requested: bool | None) -> Any:
-    """``provider`` with layerwise twins where they apply (``requested`` None), always (True:
-    refuses with the reason where they cannot), or never (False)."""
-    if requested is False:
-        return provider
+def has_twins(layout: Layout, reducer: Reducer) -> bool:
+    """Whether some parameter's gradient can be reduced inside the backward loop (dp, zero1 and
+    zero2 keep parameters whole over the batch axes; `shardlib.step.options` refuses the rest)."""
+    return any(s is not None for s in _scatters(layout, reducer)[0])
+
+
+def attach(provider: Any, layout: Layout) -> Any:
+    """``provider`` with layerwise twins; `build` attaches them where no row of
+    `shardlib.step.options.REFUSALS` for ``layerwise`` holds."""
     scatters, paths = _scatters(layout, provider.reducer)
-    reasons = _refusals(model, layout, method, grad_accum, staleness)
-    if not any(s is not None for s in scatters):
-        reasons.append(f"{layout.strategy.name} reduces no gradient of a parameter kept whole over the batch axes "
-                       "(dp, zero1 and zero2 do)")
-    if reasons:
-        if requested:
-            raise ValueError(f"layerwise=True cannot reduce gradients inside the backward loop here: "
-                             f"{'; '.join(reasons)}; use layerwise=None (where it applies) or False")
-        return provider
     bucket_bytes = provider.reducer.bucket_bytes if provider.reducer.bucketed else 0
     call = dataclasses.replace(provider.call, gather_tree=functools.partial(
         gather_tree, bucket_bytes=bucket_bytes, matmul_order=layout.backend.matmul_order,

@@ -132,6 +132,9 @@ def _check_layout(layout: Layout, sync_every: int, sync_warmup: int = 0) -> None
             f"local SGD runs one replica per slice of mesh axis {REPLICA_AXIS!r}, but strategy "
             f"{layout.strategy.name!r} splits the batch over {layout.batch_axes} only"
         )
+    if layout.context_size > 1:
+        raise ValueError(f"local SGD does not split sequences: the mesh {describe(layout.mesh)} has a context axis; "
+                         "use a mesh without context (or build() for context parallelism)")
     if layout.mesh.shape[REPLICA_AXIS] < 2:
         raise ValueError(
             f"local SGD averages the replicas on mesh axis {REPLICA_AXIS!r}, which has one device on the mesh "

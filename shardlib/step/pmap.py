@@ -47,7 +47,7 @@ def pmap_step(model: Model, tx: optax.GradientTransformation, axis_name: str = "
             with hooks.compute_context(hooks.pmap_context(axis_name)):  # global_mean, gather_batch over axis_name
                 (loss, aux), grads = jax.value_and_grad(lambda p: model.loss(p, batch, None), has_aux=True)(params)
         except Exception as err:
-            axis_names.note_unbound_axis(err, (axis_name,), None, step="pmap_step")
+            axis_names.raise_unbound_axis(err, (axis_name,), None, step="pmap_step")
             raise
         grads = jax.lax.pmean(grads, axis_name)
         updates, opt_state = tx.update(grads, opt_state, params)

@@ -39,6 +39,7 @@ from shardlib.step import given
 from shardlib.step import grads as grads_lib
 from shardlib.step import layerwise as layerwise_lib
 from shardlib.step import offload as offload_lib
+from shardlib.step import options as options_lib
 from shardlib.step import precision as precision_lib
 from shardlib.step import reduce as reduce_lib
 from shardlib.step import staleness as staleness_lib
@@ -143,6 +144,7 @@ def build(
     stage_layers: str | tuple[int, ...] | None = None,
     layerwise: bool | None = None,
     axis_name: str | None = None,
+    communication: options_lib.Communication | None = None,
 ) -> TrainProgram:
     """Compile-ready init, train step and eval step for ``model`` under ``layout``.
 
@@ -195,22 +197,38 @@ def build(
     ``axis_name``: the collective axis name the model's linen or NNX modules were written with for
     ``jax.pmap`` (``nn.BatchNorm(axis_name="batch")``); their collectives run over the step's
     batch axes, so BatchNorm statistics cover the global batch (`shardlib.step.axis_names`).
+
+    ``communication``: ``grad_compression``, ``weight_gather``, ``bucket_bytes``,
+    ``gather_bucket_bytes`` and a ``reduce_dtype`` as one `shardlib.step.options.Communication`,
+    in place of those keywords (given both, build refuses).
+
+    Which options combine is one table, `shardlib.step.options.REFUSALS`: build checks it before
+    anything is traced and raises an `OptionError` naming the option and the fix.
     """
     _check_arguments(model, tx, layout)
     if model.frozen is not None:  # from_nnx(wrt=...): the optimizer sees the trained parameters only,
         trained = jax.tree.map(lambda frozen: not frozen, model.frozen)  # and the frozen ones get no update
         tx = optax.chain(optax.masked(tx, trained), optax.masked(optax.set_to_zero(), model.frozen))
     layout = _with_backend(layout)
-    policy = precision_lib.get_precision(precision)
-    method = compression_lib.get_compression(grad_compression)
-    compression_lib.check_reduce_dtype(method, policy.reduce_dtype)
+    comm, loose = options_lib.merged(communication, grad_compression=grad_compression, weight_gather=weight_gather,
+                                     bucket_bytes=bucket_bytes, gather_bucket_bytes=gather_bucket_bytes)
+    given_policy = precision_lib.get_precision(precision)
+    policy = (given_policy if comm.reduce_dtype is None else
+              dataclasses.replace(given_policy, reduce_dtype=comm.reduce_dtype))  # Communication's reduce_dtype
+    method = compression_lib.get_compression(comm.grad_compression)
+    zeropp.get_weight_gather(comm.weight_gather)  # an unknown name, before the combinations
+    reducer = reduce_lib.Reducer.for_layout(layout, method, bucket_bytes=comm.bucket_bytes,
+                                            reduce_dtype=policy.reduce_dtype)
+    chosen = options_lib.Chosen(model, layout, reducer, given_policy, comm, grad_accum=grad_accum,
+                                microbatches=microbatches, staleness=staleness_lib.check_staleness(staleness),
+                                stage_layers=stage_layers, layerwise=layerwise, loose=loose)
+    microbatches, schedule = grads_lib.check_options(model, layout, grad_accum, microbatches, schedule)
+    options_lib.check(chosen)  # every refused combination of options, before anything is traced
     grads_lib.check_params(model, policy)
-    microbatches, schedule = grads_lib.check_options(model, layout, grad_accum, method, microbatches, schedule)
     stage_layers = grads_lib.check_stage_layers(model, layout, stage_layers)
-    reducer = reduce_lib.Reducer.for_layout(layout, method, bucket_bytes=bucket_bytes, reduce_dtype=policy.reduce_dtype)
     rows_split = math.prod(layout.mesh.shape[a] for a in layout.batch_axes)
     call = ModelCall.for_layout(model, layout, policy, rows_split, axis_alias=axis_name)
-    call = dataclasses.replace(call, gather=_weight_gather(weight_gather, method, reducer, layout, call, grad_accum))
+    call = dataclasses.replace(call, gather=_weight_gather(comm.weight_gather, method, reducer, layout, call))
     provider = grads_lib.for_layout(call, reducer, layout, grad_accum=grad_accum, microbatches=microbatches,
                                     schedule=schedule, stage_layers=stage_layers)
     placement = offload_lib.get_offload(offload)
@@ -219,10 +237,10 @@ def build(
         sharding = state_sharding(model, tx, layout, policy, reducer, placement)
     update = update_lib.Update(tx, policy, layout.state_shardings(), layout.param_shardings(), lr_schedule,
                                offloaded=opt_state_sharding(model, tx, layout) if placement.opt_state else None,
-                               gather_bucket_bytes=buckets_lib.checked_limit("gather_bucket_bytes", gather_bucket_bytes))
-    tau = staleness_lib.check_staleness(staleness, layout, policy, reducer, provider)
-    provider = layerwise_lib.attach(provider, layout, model, method, grad_accum=grad_accum, staleness=tau,
-                                    requested=layerwise)
+                               gather_bucket_bytes=buckets_lib.checked_limit("gather_bucket_bytes", comm.gather_bucket_bytes))
+    tau = chosen.staleness
+    if layerwise is not False and not options_lib.conflicts(chosen, "layerwise"):
+        provider = layerwise_lib.attach(provider, layout)
     queued = dataclasses.replace(sharding, pending=staleness_lib.queue_sharding(tau, layout, reducer))
     step = (staleness_lib.train_step if tau else _train_step)(layout, provider, reducer, update, queued, donate)
     init = initializer(model, tx, layout, policy, reducer, sharding)
@@ -259,13 +277,11 @@ def _optimizer_trees_noted(model: Model) -> Iterator[None]:
 
 
 def _weight_gather(weight_gather: str, method: compression_lib.Compression, reducer: reduce_lib.Reducer,
-                   layout: Layout, call: ModelCall, grad_accum: int):
+                   layout: Layout, call: ModelCall):
     """ZeRO++'s gather for ``call`` (None: the plain all-gather): int8 weights (qwZ) and, where the
     Reducer leaves zero3's reduce-scatter to the gather's backward, its compression (qgZ)."""
     backward = method if reducer.compresses_gathers else compression_lib.METHODS["none"]
-    return zeropp.step_gather(weight_gather, backward, strategy=layout.strategy.name, gathers=bool(call.must_gather),
-                              grad_accum=grad_accum, pipelined=layout.pipeline_stages > 1,
-                              tensor_parallel=layout.mesh.shape.get("tensor", 1) > 1, backend=layout.backend,
+    return zeropp.step_gather(weight_gather, backward, backend=layout.backend,
                               wire_dtype=call.compute_dtype if call.cast_first else None,
                               reduce_dtype=call.reduce_dtype)
 
@@ -289,6 +305,7 @@ def _mapped_grads(layout: Layout, provider: grads_lib.Provider, reducer: reduce_
     residual_specs = reducer.residual_specs(manual_axes)
 
     def grads_fn(params, batch, ctx, residuals):
+        batch = batch_lib.in_context_order(layout, batch)
         return jax.shard_map(
             body, mesh=layout.mesh,
             in_specs=(mapped_params, batch_lib.specs(layout, batch), P(), residual_specs),
@@ -325,6 +342,8 @@ def _eval_step(layout: Layout, provider: grads_lib.Provider, model: Model):
     axes = reduce_lib.active_axes(layout)
 
     def eval_fn(params, batch, model_state):
+        batch = batch_lib.in_context_order(layout, batch)
+
         def body(p, b, s):
             loss, aux = provider.loss(p, b, StepContext(model_state=s, train=False))
             return {"loss": jax.lax.psum(loss, axes), **jax.lax.psum(aux, axes)}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -148,25 +149,36 @@ class Reducer:
     @classmethod
     def for_layout(cls, layout: Layout, method: compression_lib.Compression, exclude: tuple[str, ...] = (),
                    bucket_bytes: int | None = 0, reduce_dtype: Any = None) -> Reducer:
-        """Over the layout's batch axes but ``exclude``; refuses compression where a parameter's
-        whole reduction is the autodiff reduce-scatter (hsdp's data-axis sum is compressible).
+        """Over the layout's batch axes but ``exclude``; where a parameter's whole reduction is the
+        autodiff reduce-scatter, compression moves into its gather's backward (qgZ; hsdp's
+        data-axis sum stays the Reducer's).
         ``bucket_bytes`` (0 or None: off) buckets the uncompressed reductions only: a compressed
         one keeps its per-tensor chunks, scales and residual. ``reduce_dtype``: the dtype the exact
         reductions run in (None: the gradients'); the matmul order is the layout's backend policy's."""
         axes = active_axes(layout, exclude)
         untouched = _autodiff_only(layout, axes) if method.name != "none" else []
-        if untouched and layout.pipeline_stages > 1:
-            raise ValueError(
-                f"grad_compression={method.name!r} cannot compress {layout.strategy.name}'s gradient reduce-scatter of "
-                f"{rules_lib.listed(untouched, 3)} in a pipelined step (pipe={layout.pipeline_stages}): ZeRO++'s compressed "
-                "gather backward (qgZ) runs in unpipelined steps only; use pipe=1, precision='bf16', or a strategy "
-                "that keeps parameters unsharded (dp, zero1, zero2)"
-            )
         storage = jax.tree.map(lambda l: l.spec, layout.params, is_leaf=rules_lib.is_layout)
-        return cls(layout.manual(layout.params), layout.manual(layout.state), axes, method, storage,
-                   buckets_lib.checked_limit("bucket_bytes", bucket_bytes), compresses_gathers=bool(untouched),
-                   reduce_dtype=None if reduce_dtype is None else jnp.dtype(reduce_dtype),
-                   matmul_order=layout.backend.matmul_order, bucket_scatters=layout.backend.bucket_scatters)
+        reducer = cls(layout.manual(layout.params), layout.manual(layout.state), axes, method, storage,
+                      buckets_lib.checked_limit("bucket_bytes", bucket_bytes), compresses_gathers=bool(untouched),
+                      reduce_dtype=None if reduce_dtype is None else jnp.dtype(reduce_dtype),
+                      matmul_order=layout.backend.matmul_order, bucket_scatters=layout.backend.bucket_scatters)
+        twice = reducer.reduced_twice(layout)
+        if method.needs_residual and twice:
+            warnings.warn(
+                f"grad_compression={method.name!r}: {len(twice)} tensor(s) are reduced in two collectives (a "
+                f"reduce-scatter, then a sum over the other batch axes), and their error-feedback residual belongs "
+                f"to the first, so the second sends bf16 without feedback: {rules_lib.listed(twice)}. Keep them "
+                "int8 throughout by sharding their optimizer state over all the batch axes (the built-in strategies do), "
+                "or choose grad_compression='bf16' for all", UserWarning, stacklevel=4)
+        return reducer
+
+    def reduced_twice(self, layout: Layout) -> list[str]:
+        """Paths of the parameters whose gradient takes two reductions or more: a reduce-scatter
+        (autodiff's under qgZ) and then a sum, or two scatters. Only the first carries a residual
+        (`_second_pass`)."""
+        leaves, treedef = jax.tree.flatten(layout.params, is_leaf=rules_lib.is_layout)
+        return [leaf.path for leaf, (ps, ss) in zip(leaves, self._specs_of(treedef))
+                if len(scatter_dims(ps, ss)) + self._carries(ps) + bool(rest_axes(ps, ss, self.axes)) > 1]
 
     def _carries(self, param_spec: P) -> bool:
         """Whether this parameter's reduce-scatter is its gather's compressed backward (qgZ)."""

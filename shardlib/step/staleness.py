@@ -14,7 +14,7 @@ buffer; under ZeRO-1/2 N times what their state-layout shards would be), and the
 Only reductions the step writes can move (`Reducer`: dp, zero1, zero2, tp, hsdp's data axis).
 ZeRO-3's reduce-scatter is autodiff's transpose of the weight gather, inside the backward pass,
 so strategies that store parameters over a batch axis are refused, as are pipelines and zero2's
-per-microbatch reduce-scatter.
+per-microbatch reduce-scatter (`shardlib.step.options`).
 
 The first tau steps have nothing to apply: parameters and optimizer state stay as initialised
 (no zero gradient reaches the optimizer's moments), ``metrics["applied"] == 0`` and they are not
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any
 
 import jax
@@ -36,44 +35,20 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlib import backend as backend_lib
 from shardlib.sharding import rules as rules_lib
-from shardlib.sharding.layout import restrict, spec_axes
+from shardlib.sharding.layout import restrict
 from shardlib.step import batch as batch_lib
 from shardlib.step import reduce as reduce_lib
 from shardlib.step.compute import StepContext
 from shardlib.step.state import step_key
 
-__all__ = ["check_staleness", "queue_sharding", "reductions_waiting", "train_step", "with_queue"]
+__all__ = ["check_staleness", "queue_sharding", "train_step", "with_queue"]
 
 
-def _stored_over_batch_axes(layout: Any, axes: tuple[str, ...]) -> list[str]:
-    leaves = jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout)
-    return [leaf.path for leaf in leaves if spec_axes(leaf.spec) & set(axes)]
-
-
-def check_staleness(staleness: Any, layout: Any, policy: Any, reducer: Any, provider: Any) -> int:
-    """``staleness`` as an int, or a ValueError naming what refuses it and what to do."""
+def check_staleness(staleness: Any) -> int:
+    """``staleness`` as an int, or a ValueError; what it cannot run with is `shardlib.step.options`'s."""
     if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
         raise ValueError(f"staleness must be a non-negative integer (steps between a gradient's computation and "
                          f"its reduction and application; 0: synchronous), got {staleness!r}")
-    if staleness == 0:
-        return 0
-    name, sizes = layout.strategy.name, dict(layout.mesh.shape)
-    refusals = (
-        (policy.dynamic_loss_scale, f"precision={policy.name!r}: fp16's dynamic loss scale changes between a "
-                                    "gradient's computation and its application; use precision='bf16' or 'f32'"),
-        (not reducer.axes, f"strategy {name!r} on mesh {sizes}: no batch axis has more than one device, so there is "
-                           "no gradient reduction to overlap; use staleness=0"),
-        (bool(_stored_over_batch_axes(layout, reducer.axes)),
-         f"strategy {name!r}: it stores parameters over the batch axes {reducer.axes}, so their gradient "
-         "reduce-scatter is autodiff's, inside the backward pass, and cannot be deferred; use 'dp', 'zero1', "
-         "'zero2' or 'tp'"),
-        (layout.pipeline_stages > 1, "a pipeline: its schedule reduces inside the stages; use pipeline_stages=1"),
-        (getattr(provider, "reduce_each", False), f"grad_accum with {name!r}: it reduce-scatters every microbatch "
-                                                  "inside the step; use grad_accum=1 or 'zero1'"),
-    )
-    for refused, why in refusals:
-        if refused:
-            raise ValueError(f"staleness={staleness} cannot run with {why}")
     return staleness
 
 
@@ -142,6 +117,7 @@ def _mapped(layout: Any, provider: Any, reducer: Any, queue_sharding_: Any):
     lead = P(reducer.axes[0] if len(reducer.axes) == 1 else reducer.axes)
 
     def mapped(*args):
+        args = (args[0], batch_lib.in_context_order(layout, args[1]), *args[2:])
         per_device, reduced, residuals, grads = jax.shard_map(
             body, mesh=layout.mesh,
             in_specs=(mapped_params, batch_lib.specs(layout, args[1]), P(), residual_specs, local_specs),
@@ -171,11 +147,10 @@ def train_step(layout: Any, provider: Any, reducer: Any, update: Any, sharding: 
 
     def step_fn(state, batch):
         oldest, one = state.pending[0], jnp.ones((), jnp.float32)
-        # state.step counts applied updates; with the queued ones it counts the steps taken, so the
-        # first tau steps draw their own dropout masks instead of repeating step 0's.
+        # state.step counts applied updates; with the queued ones it counts the steps taken (the
+        # loss's step; dropout keys read TrainState.steps_taken, which also counts dropped gradients).
         taken = state.step + sum(entry["ready"].astype(jnp.int32) for entry in state.pending)
-        ctx = StepContext(scale=one, key=step_key(dataclasses.replace(state, step=taken)), model_state=state.model_state,
-                          step=taken)
+        ctx = StepContext(scale=one, key=step_key(state), model_state=state.model_state, step=taken)
         loss, aux, reduced, residuals, model_state, grads = mapped(state.params, batch, ctx, state.grad_residual,
                                                                    oldest["grads"])
         gate_loss = jnp.where(oldest["ready"], oldest["loss"], jnp.nan)  # nothing queued yet: apply nothing
@@ -192,38 +167,3 @@ def train_step(layout: Any, provider: Any, reducer: Any, update: Any, sharding: 
     return jax.jit(step_fn, in_shardings=(sharding, None), out_shardings=(sharding, NamedSharding(layout.mesh, P())),
                    donate_argnums=(0,) if donate else (),
                    compiler_options=backend_lib.step_compiler_options(layout.mesh, reducer.reduce_dtype))
-
-
-_NAME_RE = re.compile(r"%([\w.\-]+)")
-_REDUCTIONS = ("all-reduce", "reduce-scatter")
-
-
-def reductions_waiting(hlo: str, first_batch_input: int, min_bytes: int = 1024) -> tuple[list[str], list[str]]:
-    """The overlap, read from optimised HLO text: -> (the entry computation's all-reduces and
-    reduce-scatters of at least ``min_bytes``, those that depend on an entry parameter numbered
-    ``first_batch_input`` or more: the batch, so they wait for this step's forward and backward).
-
-    Under staleness none does: the reduction can start with the step and run beside its compute.
-    In the synchronous step every one of them does.
-    """
-    from shardlib.tools.hlo import parse_hlo_module, shape_leaves
-
-    module = parse_hlo_module(hlo)
-    instructions = module.computations[module.entry]
-    entry = {i.name: i for i in instructions}
-    reductions = [i.name for i in instructions if i.opcode.removesuffix("-start") in _REDUCTIONS
-                  and sum(leaf.nbytes for leaf in shape_leaves(i.shape)) >= min_bytes]
-
-    def reads_batch(name: str) -> bool:
-        todo, seen = [name], set()
-        while todo:
-            instr = entry.get(todo.pop())
-            if instr is None or instr.name in seen:
-                continue
-            seen.add(instr.name)
-            if instr.opcode == "parameter" and int(instr.operands) >= first_batch_input:
-                return True
-            todo.extend(_NAME_RE.findall(instr.operands))
-        return False
-
-    return reductions, [r for r in reductions if reads_batch(r)]

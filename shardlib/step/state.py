@@ -37,6 +37,7 @@ class TrainState:
     rng: Any = None  # uint32 key data of the run's dropout seed (Model.uses_key), else None: see `step_key`
     model_state: Any = None  # mutable model state (BatchNorm statistics), replicated; None without
     pending: Any = None  # under staleness tau: the last tau local (unreduced) gradients, oldest first (`staleness`)
+    steps_taken: Any = None  # with ``rng``: every step run, applied or skipped (``step`` counts applied ones): `step_key`
 
 
 # The root of the step keys: folded into the init key so that dropout never reuses a parameter
@@ -50,9 +51,15 @@ def _key_data(key: jax.Array) -> jax.Array:
 
 
 def step_key(state: TrainState) -> jax.Array | None:
-    """This step's key: the run's seed with the step number folded in, so that a resumed run
-    draws what an uninterrupted one would (the device index is folded in by `ModelCall`)."""
-    return None if state.rng is None else jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    """This step's key: the run's seed with the steps taken folded in, so that every step draws
+    its own masks (a skipped step's successor too, and each step under staleness) and a resumed
+    run draws what an uninterrupted one would (the device index is folded in by `ModelCall`)."""
+    return None if state.rng is None else jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.steps_taken)
+
+
+def took_step(state: TrainState) -> TrainState:
+    """``state`` one step further along its key sequence, whether or not the step applied its update."""
+    return state if state.steps_taken is None else dataclasses.replace(state, steps_taken=state.steps_taken + 1)
 
 
 def abstract_state(init: Callable[[jax.Array], Any], shardings: Any) -> Any:
@@ -122,6 +129,7 @@ def state_sharding(model: Model, tx: optax.GradientTransformation, layout: Layou
         grad_residual=jax.tree.map(lambda spec: NamedSharding(mesh, spec), residual_specs),
         rng=replicated if model.uses_key else None,
         model_state=jax.tree.map(lambda _: replicated, abstract_model_state(model)),  # small: replicated
+        steps_taken=replicated if model.uses_key else None,
     )
 
 
@@ -160,7 +168,8 @@ def initializer(model: Model, tx: optax.GradientTransformation, layout: Layout, 
                           loss_scale=precision_lib.init_loss_scale(policy),
                           grad_residual=reducer.zero_residuals(params, layout.mesh),
                           rng=_key_data(jax.random.fold_in(key, _DROPOUT_STREAM)) if model.uses_key else None,
-                          model_state=model_state)
+                          model_state=model_state,
+                          steps_taken=jnp.zeros((), jnp.int32) if model.uses_key else None)
 
     return jax.jit(init_fn, out_shardings=sharding)
 

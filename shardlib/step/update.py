@@ -17,7 +17,7 @@ import optax
 from shardlib.step import buckets as buckets_lib
 from shardlib.step import offload as offload_lib
 from shardlib.step import precision as precision_lib
-from shardlib.step.state import TrainState
+from shardlib.step.state import TrainState, took_step
 
 
 def loss_scale(state: TrainState) -> jax.Array:
@@ -109,7 +109,7 @@ class Update:
             loss_scale=precision_lib.update_loss_scale(state.loss_scale, finite, self.policy),
             **produced,
         )
-        return new_state, grad_norm, finite
+        return took_step(new_state), grad_norm, finite  # the dropout keys advance on skipped steps too
 
     def metrics(self, state: TrainState, loss: jax.Array, aux: dict[str, jax.Array], grad_norm: jax.Array,
                 finite: jax.Array) -> dict[str, jax.Array]:

@@ -192,31 +192,14 @@ def gather_spec(x: Any, spec: Sequence[Any], policy: GatherPolicy) -> jax.Array:
     return value
 
 
-def step_gather(weight_gather: str | WeightGather, grads: compression_lib.Compression, *, strategy: str,
-                gathers: bool, grad_accum: int, pipelined: bool, tensor_parallel: bool = False, backend: Any = None,
+def step_gather(weight_gather: str | WeightGather, grads: compression_lib.Compression, *, backend: Any = None,
                 wire_dtype: Any = None, reduce_dtype: Any = None):
     """The ``gather(shard, spec)`` a step's `ModelCall` uses (None: `hooks.all_gather_spec`, with the
-    same ``backend``, ``wire_dtype`` and ``reduce_dtype`` from the compute context), or a clear
-    refusal where ZeRO++ cannot apply. ``grads``: the method of the gathers' backward (qgZ), "none"
-    where the `Reducer` compresses elsewhere."""
+    same ``backend``, ``wire_dtype`` and ``reduce_dtype`` from the compute context). ``grads``: the
+    method of the gathers' backward (qgZ), "none" where the `Reducer` compresses elsewhere. Where
+    ZeRO++ cannot apply (no gather, a pipeline, tensor parallelism) `shardlib.step.options` refuses."""
     policy = GatherPolicy(get_weight_gather(weight_gather), grads, wire_dtype, reduce_dtype, backend)
-    if policy.plain:
-        return None
-    if not gathers:
-        raise ValueError(f"weight_gather={policy.weights.name!r} quantises ZeRO-3's parameter all-gather, but "
-                         f"{strategy} gathers no parameter over the batch axes; use zero3, fsdp_tp or hsdp, "
-                         "or weight_gather='none'")
-    if pipelined or tensor_parallel:
-        # tensor > 1: the gather runs in a nested shard_map over `tensor` (hooks.gather_shards), and
-        # the quantised one does not lower there yet (jaxlib 0.10.2: Shardy's manual-axis order check)
-        named = f"weight_gather={policy.weights.name!r}" if policy.weights.block_size else f"grad_compression={grads.name!r}"
-        raise ValueError(f"{named} under {strategy} (ZeRO++ qwZ / qgZ) runs without pipelining (pipe=1) and "
-                         "without tensor parallelism (tensor=1) only; use zero3 or hsdp on such a mesh, or "
-                         "weight_gather='none' and grad_compression='none'")
-    if grad_accum > 1 and grads.needs_residual:
-        raise ValueError(f"grad_compression={grads.name!r} under {strategy} keeps its error-feedback residual in "
-                         "the gather's backward, once per step: use grad_accum=1, or grad_compression='bf16'")
-    return functools.partial(gather_spec, policy=policy)
+    return None if policy.plain else functools.partial(gather_spec, policy=policy)
 
 
 __all__ = ["Carried", "GatherPolicy", "WEIGHT_GATHERS", "WeightGather", "carry", "gather_spec", "get_weight_gather",

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, Union
 
 import numpy as np
 
-from shardlib.tools.tables import format_bytes, format_table
+from shardlib.text import format_bytes, format_table
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -989,6 +989,39 @@ class _Users:
         return all(self._slices(stand_in, user, group, depth + 1) for user in users)
 
 
+_OPERAND_RE = re.compile(r"%([\w.\-]+)")
+_REDUCTIONS = ("all-reduce", "reduce-scatter")
+
+
+def reductions_waiting(hlo: str, first_batch_input: int, min_bytes: int = 1024) -> tuple[list[str], list[str]]:
+    """The overlap, read from optimised HLO text: -> (the entry computation's all-reduces and
+    reduce-scatters of at least ``min_bytes``, those that depend on an entry parameter numbered
+    ``first_batch_input`` or more: the batch, so they wait for this step's forward and backward).
+
+    Under staleness none does: the reduction can start with the step and run beside its compute.
+    In the synchronous step every one of them does (`shardlib.step.staleness`; tests/test_staleness.py).
+    """
+    module = parse_hlo_module(hlo)
+    instructions = module.computations[module.entry]
+    entry = {i.name: i for i in instructions}
+    reductions = [i.name for i in instructions if i.opcode.removesuffix("-start") in _REDUCTIONS
+                  and sum(leaf.nbytes for leaf in shape_leaves(i.shape)) >= min_bytes]
+
+    def reads_batch(name: str) -> bool:
+        todo, seen = [name], set()
+        while todo:
+            instr = entry.get(todo.pop())
+            if instr is None or instr.name in seen:
+                continue
+            seen.add(instr.name)
+            if instr.opcode == "parameter" and int(instr.operands) >= first_batch_input:
+                return True
+            todo.extend(_OPERAND_RE.findall(instr.operands))
+        return False
+
+    return reductions, [r for r in reductions if reads_batch(r)]
+
+
 __all__ = [
     "COLLECTIVE_KINDS",
     "ArrayShape",
@@ -1008,6 +1041,7 @@ __all__ = [
     "parse_replica_groups",
     "parse_shape",
     "permute_pairs",
+    "reductions_waiting",
     "replica_group_size",
     "replica_groups",
     "shape_leaves",

@@ -20,7 +20,9 @@ from shardlib.tools.plan import PlanError, check_strategy, default_mesh, resolve
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model config name (models.CONFIGS), e.g. llama-7b")
-    parser.add_argument("--strategy", required=True, help="dp, zero1, zero2, zero3, tp, fsdp_tp or hsdp")
+    from shardlib.sharding.strategies import STRATEGIES
+
+    parser.add_argument("--strategy", required=True, help=f"one of {', '.join(STRATEGIES)}")
     parser.add_argument("--devices", type=int, required=True, help="number of devices (simulated)")
     parser.add_argument("--mesh", help="mesh, e.g. data=2,fsdp=4 (default: the strategy's default for N)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
@@ -48,8 +50,8 @@ def _rows(layouts: Any, mesh: Any) -> list[dict[str, Any]]:
 def inspect_layout(model: str, strategy: str, devices: int, mesh: str | None = None) -> dict[str, Any]:
     """The layout of ``model`` under ``strategy`` on ``devices`` devices, as plain data."""
     from shardlib.models import trainable
-    from shardlib import make_layout, make_mesh
-    from shardlib.sharding.mesh import describe, parse_mesh, resolve_axis_sizes
+    from shardlib.sharding.layout import make_layout
+    from shardlib.sharding.mesh import describe, make_mesh, parse_mesh, resolve_axis_sizes
     from shardlib.sharding.strategies import get_strategy
 
     strat = get_strategy(check_strategy(strategy))
@@ -79,7 +81,7 @@ def inspect_layout(model: str, strategy: str, devices: int, mesh: str | None = N
 
 
 def render(doc: dict[str, Any]) -> str:
-    from shardlib.tools.report import format_bytes, format_table
+    from shardlib.text import format_bytes, format_table
 
     def table(rows: list[dict[str, Any]]) -> str:
         return format_table([

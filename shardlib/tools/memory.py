@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from shardlib.tools.hlo import dtype_bits
-from shardlib.tools.tables import format_bytes, format_table
+from shardlib.text import format_bytes, format_table
 
 
 @dataclasses.dataclass(frozen=True)

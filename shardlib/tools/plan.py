@@ -39,7 +39,7 @@ from shardlib.tools import hardware as hw
 from shardlib.tools.compiled_cache import compile_cached
 from shardlib.tools.hlo import collective_stats
 from shardlib.tools.memory import memory_stats, peak_bytes
-from shardlib.tools.tables import format_bytes, format_table
+from shardlib.text import format_bytes, format_table
 
 _gib = format_bytes  # the short name the advice texts use
 
@@ -51,6 +51,11 @@ REMAT_FLOPS = 4 / 3  # a rematerialised step runs the forward twice: (2 + 4 + 2)
 # SPMD-partitioned program with its collectives still in their original element types.
 _PARTITIONED_DUMP_PASS = "batched_gather_scatter_normalizer"
 SCHEMA_VERSION = 1
+
+
+# From this many tokens per sequence `plan` also tries context parallelism (the sequence split
+# over a `context` axis): attention's [T x T] scores then outgrow the rest of the activations.
+CONTEXT_SEQ_LEN = 4096
 
 
 class PlanError(ValueError):
@@ -205,8 +210,31 @@ def default_mesh(strategy: str, devices: int, config: Any, domain: int = 8) -> d
 
     tp: tensor = the largest t <= min(8, N) dividing N and the (kv) head counts, data = the rest;
     fsdp_tp: tensor = 2 when the heads divide; hsdp: fsdp = up to 8 devices (one node), data = rest;
-    zero3_hpz: fsdp = up to ``domain`` devices (one fast-link domain), data = the domains.
+    zero3_hpz: fsdp = up to ``domain`` devices (one fast-link domain), data = the domains. An MoE
+    model (``n_experts``) then splits its experts over ``expert`` (`_with_experts`).
     """
+    from shardlib.sharding.strategies import get_strategy
+
+    return _with_experts(_strategy_mesh(strategy, devices, config, domain), config, get_strategy(strategy))
+
+
+def _with_experts(sizes: dict[str, int], config: Any, strat: Any) -> dict[str, int]:
+    """``sizes`` with ``expert`` = the largest divisor of the expert count that the first
+    data-parallel axis (data, then fsdp) divides into, taken from that axis; an axis the strategy
+    shards over keeps at least 2 devices. Unchanged for a dense model."""
+    experts = getattr(config, "n_experts", 1)
+    axis = next((a for a in ("data", "fsdp") if sizes.get(a, 1) > 1), None)
+    if experts < 2 or axis is None:
+        return sizes
+    keep = 2 if any(axis in group for group in strat.requires) else 1
+    e = _largest_divisor(experts, sizes[axis] // keep, sizes[axis])
+    if e == 1:
+        return sizes
+    out = {**sizes, axis: sizes[axis] // e, "expert": e}
+    return {k: v for k, v in out.items() if v > 1}
+
+
+def _strategy_mesh(strategy: str, devices: int, config: Any, domain: int = 8) -> dict[str, int]:
     from shardlib.sharding.mesh import resolve_axis_sizes
     from shardlib.sharding.strategies import get_strategy
 
@@ -343,7 +371,9 @@ class Planner:
         import jax.numpy as jnp
         import optax
 
-        from shardlib import build, make_layout, make_mesh
+        from shardlib.sharding.layout import make_layout
+        from shardlib.sharding.mesh import make_mesh
+        from shardlib.step.program import build
 
         mesh = make_mesh(dict(sizes), devices=self.devices)
         layout = make_layout(self.model, strategy, mesh)
@@ -522,15 +552,28 @@ class Planner:
         names = [check_strategy(name) for name in strategies or self.default_strategies()]  # fail before compiling
         if mesh is not None:
             self.mesh_for(names[0], mesh)  # a mesh that does not match --devices: fail now
+        tries = [(name, mesh) for name in names]
+        if mesh is None and strategies is None:
+            tries += self.context_candidates()
         rows = []
-        for name in names:
+        for name, sizes in tries:
             try:
-                rows.append(self.candidate(name, mesh))
+                rows.append(self.candidate(name, sizes))
             except PlanError as err:  # e.g. no tensor size divides the heads
                 rows.append(PlanRow(strategy=name, mesh={}, devices=self.n, batch_size=self.batch_size,
                                     seq_len=self.seq_len, precision=self.precision, hbm_bytes=self.hbm_bytes,
                                     error=str(err)))
         return self.decide(rows)
+
+    def context_candidates(self) -> list[tuple[str, dict[str, int]]]:
+        """For a long sequence (``seq_len >= CONTEXT_SEQ_LEN``): zero3 over the rest of the devices
+        with the sequence split over C = 2, 4, 8 context devices (dp when C is all of them;
+        docs/context-parallel.md), where C divides the devices and 2C the sequence (one early and
+        one late chunk per device)."""
+        if self.seq_len < CONTEXT_SEQ_LEN or self.topology:
+            return []
+        return [("zero3" if self.n > c else "dp", {"fsdp": self.n // c, "context": c}) for c in (2, 4, 8)
+                if self.n % c == 0 and self.seq_len % (2 * c) == 0 and self.batch_size % (self.n // c) == 0]
 
     def decide(self, rows: Sequence[PlanRow], hbm: str | int | None = None) -> list[PlanRow]:
         """Set ``fits`` and ``best`` for an HBM limit (default: the planner's), without recompiling."""
@@ -789,8 +832,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                            "chip count (one point per --topology or --devices run)")
     parser.add_argument("--cache-dir", help="where compiled candidates are kept, so a rerun plan skips compiling "
                                             "(default $SHARDLIB_PLAN_CACHE or ~/.cache/shardlib/jax; 'none': off)")
+    from shardlib.sharding.strategies import STRATEGIES
+
     parser.add_argument("--strategy", nargs="+", action="extend", metavar="S",
-                        help=f"strategies to compare ({', '.join(ALL_STRATEGIES)}); default: all")
+                        help=f"strategies to compare, any of {', '.join(STRATEGIES)} (default: "
+                             f"{', '.join(ALL_STRATEGIES)}, and {', '.join(HPZ_STRATEGIES)} when the devices span "
+                             "more than one link domain)")
     parser.add_argument("--all", action="store_true", help="every strategy on its default mesh for N devices")
     parser.add_argument("--mesh", help="one mesh for every strategy, e.g. data=2,fsdp=4 (default: per strategy)")
     parser.add_argument("--batch-size", type=int, help="global sequences per step (default: one per device)")

@@ -9,15 +9,16 @@ One module per concern; this one re-exports their public names so that
   docs/design.md, "Memory per device").
 * `shardlib.tools.flops`: ``flops_per_step``, ``mfu`` and ``peak_flops_for`` (peaks from the
   profiles in `shardlib.tools.hardware`).
-* `shardlib.tools.tables`: ``format_bytes``, ``format_table``, ``format_markdown``.
+* `shardlib.text` (the bottom layer): ``format_bytes``, ``format_table``, ``format_markdown``.
 """
 
 from __future__ import annotations
 
-from shardlib.tools import flops, hlo, memory, tables
+from shardlib import text
+from shardlib.tools import flops, hlo, memory
 from shardlib.tools.flops import *  # noqa: F403
 from shardlib.tools.hlo import *  # noqa: F403
 from shardlib.tools.memory import *  # noqa: F403
-from shardlib.tools.tables import *  # noqa: F403
+from shardlib.text import *  # noqa: F403
 
-__all__ = [*hlo.__all__, *memory.__all__, *flops.__all__, *tables.__all__]
+__all__ = [*hlo.__all__, *memory.__all__, *flops.__all__, *text.__all__]

@@ -1,4 +1,8 @@
-"""Plain-text and Markdown tables and byte sizes: the formatting every report, CLI banner and benchmark uses."""
+"""Text for people: byte sizes, plain-text and Markdown tables, and the multiples a refusal suggests.
+
+The bottom layer (docs/design.md, "Layers"): every layer's messages, reports and banners format
+with it, so it imports nothing from shardlib.
+"""
 
 from __future__ import annotations
 
@@ -69,4 +73,10 @@ def format_markdown(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | 
     return "\n".join(lines)
 
 
-__all__ = ["Column", "format_bytes", "format_markdown", "format_table"]
+def nearest_multiples(n: int, k: int) -> str:
+    """The multiples of ``k`` either side of ``n`` ("8 or 16" for 12 and 8), for refusal messages."""
+    below, above = n // k * k, -(-n // k) * k
+    return f"{below} or {above}" if 0 < below < above else str(max(above, k))
+
+
+__all__ = ["Column", "format_bytes", "format_markdown", "format_table", "nearest_multiples"]

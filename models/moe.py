@@ -1,0 +1,191 @@
+"""A mixture-of-experts GPT: `models.gpt`'s decoder whose MLPs are top-k routed SwiGLU experts.
+
+Routing is per sequence (GShard's groups are the rows): each expert takes at most ``capacity``
+tokens of a row, first choices before second ones, earlier tokens first; the assignments past
+that are dropped and the token keeps only its residual. A row's routing depends on that row
+alone, so it is the same on one device and on any split of the batch. The experts' weights are
+stacked on a leading ``"experts"`` axis, which the ``expert`` mesh axis splits; tokens reach them
+by all-to-all (`shardlib.model.experts`). docs/moe.md has the formulas.
+
+The loss adds the Switch/GShard load-balancing loss, ``E * sum_e f_e P_e`` per row (f_e the
+fraction of the row's tokens whose first choice is e, P_e its mean router probability), and the
+ST-MoE router z-loss, the mean squared log-partition of the router logits; each summed over the
+layers. The metrics show the balance: tokens routed to each expert (all layers), their
+min / max / coefficient of variation over the experts of each layer, the assignments dropped
+at capacity, and both losses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .configs import MoEConfig
+from .gpt import GPT, RESIDUAL, Attention, RMSNorm, _fan_in, _logits_loss, _param, rope_tables
+from shardlib.model import experts as experts_lib
+from shardlib.model.hooks import batch_sum, constrain, gather_layer, global_mean, global_sum
+
+
+class Experts(nnx.Module):
+    """``n_experts`` SwiGLU MLPs, stacked on a leading ``"experts"`` axis."""
+
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+        e, d, f = config.n_experts, config.d_model, config.d_ff
+        names = ("experts", "embed", "mlp")
+        self.w_gate = _param(rngs, _fan_in(1, 2), (e, d, f), names)
+        self.w_up = _param(rngs, _fan_in(1, 2), (e, d, f), names)
+        self.w_down = _param(rngs, _fan_in(1, 2, scale=1.0 / (2 * config.n_layers)), (e, f, d), ("experts", "mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``[experts held here, tokens, d]`` -> the same shape, each expert on its own tokens."""
+        dtype = x.dtype
+        gate = jnp.einsum("end,edf->enf", x, self.w_gate[...].astype(dtype))
+        up = jnp.einsum("end,edf->enf", x, self.w_up[...].astype(dtype))
+        return jnp.einsum("enf,efd->end", jax.nn.silu(gate) * up, self.w_down[...].astype(dtype))
+
+
+class Routing(nnx.Module):
+    """The router: float32 logits over the experts, top-k choices, capacity slots per row."""
+
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.w_router = _param(rngs, _fan_in(0, 1), (config.d_model, config.n_experts), ("embed", None))
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """x [B, T, d] -> (dispatch bool[B, T, E, C], combine float32[B, T, E, C], stats of the rows)."""
+        config = self.config
+        e, k, capacity = config.n_experts, config.top_k, config.capacity(x.shape[1])
+        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.w_router[...])
+        probs = jax.nn.softmax(logits, axis=-1)
+        gates, choice = jax.lax.top_k(probs, k)  # [B, T, k]
+        if k > 1:  # GShard: the chosen experts' weights sum to 1
+            gates = gates / gates.sum(axis=-1, keepdims=True)
+        chosen = jax.nn.one_hot(choice, e, dtype=jnp.int32)  # [B, T, k, E]
+        # Slots are taken in priority order: every token's first choice, then second choices.
+        ranked = chosen.swapaxes(1, 2).reshape(x.shape[0], k * x.shape[1], e)  # [B, k*T, E]
+        position = jnp.cumsum(ranked, axis=1) - 1
+        kept = ranked * (position < capacity)
+        slots = jax.nn.one_hot(jnp.where(kept > 0, position, -1), capacity, dtype=jnp.float32)  # [B, k*T, E, C]
+        slots = slots.reshape(x.shape[0], k, x.shape[1], e, capacity)
+        dispatch = slots.sum(axis=1)  # a token takes at most one slot of an expert
+        combine = jnp.einsum("bkt,bktec->btec", gates.swapaxes(1, 2), slots)
+        first = chosen[:, :, 0, :].astype(jnp.float32)  # [B, T, E]
+        stats = {
+            "routed": ranked.sum(axis=(0, 1)).astype(jnp.float32),  # [E] assignments before capacity
+            "dropped": (ranked - kept).sum().astype(jnp.float32),
+            "aux": e * (first.mean(axis=1) * probs.mean(axis=1)).sum(axis=-1),  # [B] per row
+            "z": jax.nn.logsumexp(logits, axis=-1) ** 2,  # [B, T]
+        }
+        return dispatch, combine, stats
+
+
+class MoE(nnx.Module):
+    """Route, dispatch to the experts (over the ``expert`` axis), combine weighted by the gates."""
+
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+        self.router = Routing(config, rngs=rngs)
+        self.experts = Experts(config, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        batch, _, d = x.shape
+        dispatch, combine, stats = self.router(x)
+        e, capacity = dispatch.shape[2], dispatch.shape[3]
+        tokens = jnp.einsum("btec,btd->ebcd", dispatch.astype(x.dtype), x).reshape(e, batch * capacity, d)
+        out = experts_lib.combine(self.experts(experts_lib.dispatch(tokens)))
+        out = out.reshape(e, batch, capacity, d)
+        return jnp.einsum("btec,ebcd->btd", combine.astype(x.dtype), out), stats
+
+
+class MoEBlock(nnx.Module):
+    """Pre-norm decoder block: attention, then the mixture of experts."""
+
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps, rngs=rngs)
+        self.attn = Attention(config, rngs=rngs)
+        self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps, rngs=rngs)
+        self.moe = MoE(config, rngs=rngs)
+
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        x = constrain(x + self.attn(self.attn_norm(x), sin, cos), RESIDUAL)
+        y, stats = self.moe(self.mlp_norm(x))
+        return constrain(x + y, RESIDUAL), stats
+
+
+class MoEGPT(GPT):
+    """`models.gpt.GPT` with MoE blocks; ``apply_blocks`` also returns the layers' routing stats."""
+
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        d, vocab = config.d_model, config.vocab_size
+        self.embedding = _param(rngs, nnx.initializers.normal(1.0), (vocab, d), ("vocab", "embed"))
+
+        @nnx.split_rngs(splits=config.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=config.n_layers, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make(rngs: nnx.Rngs) -> MoEBlock:
+            return MoEBlock(config, rngs=rngs)
+
+        self.blocks = make(rngs)
+        self.final_norm = RMSNorm(d, eps=config.norm_eps, rngs=rngs)
+        self.lm_head = _param(rngs, _fan_in(0, 1), (d, vocab), ("embed", "vocab"))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.head(self.routed(tokens)[0])
+
+    def routed(self, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Tokens -> (residual stream after the blocks, routing stats stacked over the layers)."""
+        return self.apply_blocks(self.embed(tokens))
+
+    def apply_blocks(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        sin, cos = rope_tables(x.shape[1], self.config.head_dim, self.config.rope_theta)
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def body(x: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, dict[str, jax.Array]]:
+            return nnx.merge(graphdef, gather_layer(layer_state))(x, sin, cos)
+
+        if self.config.remat:
+            body = jax.checkpoint(body, prevent_cse=False)
+        return jax.lax.scan(body, x, stacked)
+
+
+def build(config: MoEConfig, rngs: nnx.Rngs | int = 0) -> MoEGPT:
+    """A freshly initialised MoE model (an int seed is turned into ``nnx.Rngs``)."""
+    return MoEGPT(config, rngs=nnx.Rngs(rngs) if isinstance(rngs, int) else rngs)
+
+
+def moe_loss(model: MoEGPT, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Cross-entropy + ``aux_loss_coef`` * load-balancing loss + ``z_loss_coef`` * router z-loss
+    (each summed over layers); the aux metrics report the balance (`balance_metrics`)."""
+    config = model.config
+    x, stats = model.routed(batch["inputs"])
+    loss, aux = _logits_loss(model.head(x), batch["targets"])
+    balance = global_mean(stats["aux"].mean(axis=0))  # per row, averaged over the layers
+    z_loss = global_mean(stats["z"].mean(axis=0))
+    total = loss + config.n_layers * (config.aux_loss_coef * balance + config.z_loss_coef * z_loss)
+    return total, {**aux, "ce_loss": loss, "aux_loss": balance, "z_loss": z_loss, **balance_metrics(stats)}
+
+
+def balance_metrics(stats: dict[str, Any]) -> dict[str, jax.Array]:
+    """The routing counts over the whole batch: ``expert_tokens/i`` (assignments to expert i, all
+    layers), the min / max of one layer's expert over its mean (worst layer), the coefficient of
+    variation (mean over layers), and ``tokens_dropped`` at capacity (all layers)."""
+    routed = jax.lax.stop_gradient(batch_sum(stats["routed"]))  # [L, E] over every device's rows
+    mean = routed.mean(axis=-1)
+    cv = routed.std(axis=-1) / mean
+    per_expert = jax.lax.stop_gradient(stats["routed"]).sum(axis=0)
+    return {
+        "expert_min_over_mean": (routed.min(axis=-1) / mean).min(),
+        "expert_max_over_mean": (routed.max(axis=-1) / mean).max(),
+        "expert_cv": cv.mean(),
+        "tokens_dropped": global_sum(jax.lax.stop_gradient(stats["dropped"]).sum()),
+        **{f"expert_tokens/{i}": global_sum(per_expert[i]) for i in range(per_expert.shape[0])},
+    }
+
+
+def trainable(config: MoEConfig) -> Any:
+    """The MoE decoder as a `shardlib.Model` that gathers its own weights one layer at a time."""
+    from shardlib.model import from_nnx
+
+    return from_nnx(lambda rngs: MoEGPT(config, rngs=rngs), moe_loss, gathers_params=True)

@@ -1,0 +1,54 @@
+"""Pre-tokenised corpora: a flat array of token ids in a ``.bin`` or ``.npy`` file (nanoGPT / Levanter style).
+
+``.bin`` is raw ids with no header, so its element type is not in the file: uint16 by default
+(nanoGPT's, enough for vocabularies up to 65,536 such as GPT-2's 50,257), uint32 when asked
+(``--token-dtype uint32``). ``.npy`` carries its own dtype (any unsigned integer type). Both are
+memory-mapped, never read whole; the training windows are the same stateless random windows as
+for text (`shardlib.runtime.data.ByteBatches`), so a resumed run reads each example exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+SUFFIXES = (".bin", ".npy")
+BIN_DTYPES = ("uint16", "uint32")
+
+
+def is_token_file(path: str | os.PathLike[str] | None) -> bool:
+    """True for a path that names a token file (by its suffix)."""
+    return path is not None and Path(path).suffix.lower() in SUFFIXES
+
+
+def load_tokens(path: str | os.PathLike[str], dtype: str = "uint16") -> np.ndarray:
+    """The token ids of ``path`` as a read-only, memory-mapped 1-D unsigned array; ``dtype`` is for ``.bin``."""
+    target = Path(path).expanduser()
+    if not target.is_file():
+        raise ValueError(f"token file {str(target)!r} does not exist")
+    if target.suffix.lower() == ".npy":
+        tokens = np.load(target, mmap_mode="r")
+        if tokens.dtype.kind != "u" or tokens.ndim != 1:
+            raise ValueError(f"token file {str(target)!r} holds a {tokens.dtype} array of shape {tokens.shape}; save "
+                             "the token ids as a 1-D unsigned array (np.uint16 or np.uint32)")
+    else:
+        if dtype not in BIN_DTYPES:
+            raise ValueError(f"a .bin token file holds {' or '.join(BIN_DTYPES)} ids, not {dtype!r}")
+        size = np.dtype(dtype).itemsize
+        if target.stat().st_size % size:
+            raise ValueError(f"token file {str(target)!r} has {target.stat().st_size} bytes, not a whole number of "
+                             f"{dtype} ids; check --token-dtype (uint16 or uint32)")
+        tokens = np.memmap(target, dtype=dtype, mode="r")
+    if tokens.size < 2:
+        raise ValueError(f"token file {str(target)!r} holds {tokens.size} token(s); training needs a corpus")
+    return tokens
+
+
+def check_vocab(tokens: np.ndarray, vocab_size: int, path: str) -> None:
+    """Every id must have an embedding row: the largest id is below the vocabulary size (one pass over the file)."""
+    largest = int(tokens.max())
+    if largest >= vocab_size:
+        raise ValueError(f"{path} holds token id {largest}, but the vocabulary has {vocab_size} ids; pass "
+                         f"--vocab-size V with V > {largest} (the tokenizer's vocabulary size), or check --token-dtype")
