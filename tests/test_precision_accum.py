@@ -155,17 +155,17 @@ def test_cast_before_gather_gathers_bf16_and_trains_on_cpu():
 def test_plan_compiles_the_step_in_the_plans_precision(monkeypatch):
     """``shardlib plan --precision bf16`` builds its candidates with ``precision="bf16"``, as
     ``shardlib train`` does, and their compiled steps compute in bf16 (f32 plans: no bf16 dot)."""
-    import shardlib
+    from shardlib.step import program as program_lib
     from shardlib.tools.plan import plan
 
-    built, real_build = [], shardlib.build
+    built, real_build = [], program_lib.build
 
     def recording_build(*args, **kwargs):
         program = real_build(*args, **kwargs)
         built.append((kwargs.get("precision"), program))
         return program
 
-    monkeypatch.setattr(shardlib, "build", recording_build)
+    monkeypatch.setattr(program_lib, "build", recording_build)
     for precision in ("f32", "bf16"):
         assert plan("tiny", 8, ["zero3"], batch_size=16, seq_len=32, precision=precision)[0].error is None
     assert [precision for precision, _ in built] == ["f32", "bf16"]
