@@ -33,13 +33,24 @@ class GPTConfig:
     # (`shardlib.backend.BackendPolicy.attention`, docs/backends.md: cudnn on GPU where the activations
     # are bf16 / fp16, the kernel's dtypes; einsum elsewhere and outside a shardlib step).
     attention: str = "auto"
+    # The variations of the published Llama-family checkpoints (`shardlib.hf`, docs/pretrained.md);
+    # the defaults are the reference decoder's own choices.
+    attention_head_dim: int | None = None  # None: d_model // n_heads (Llama 3.x and Gemma give it explicitly)
+    tie_embeddings: bool = False  # the head is the input table transposed (Gemma, Llama 3.2 1B/3B)
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
+    norm_offset: float = 0.0  # RMSNorm multiplies by (offset + scale): 1.0 for Gemma, whose scales start at 0
+    embed_scale: bool = False  # the embeddings times sqrt(d_model) (Gemma)
+    mlp_activation: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    rope_scaling: RopeScaling | None = None  # Llama 3.1's frequency-dependent rotary scaling
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
             raise ValueError(f"attention={self.attention!r} is not one of {ATTENTION}")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"mlp_activation={self.mlp_activation!r} is not one of {tuple(MLP_ACTIVATIONS)}")
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
-        if self.d_model % self.n_heads:
+        if self.attention_head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
@@ -48,7 +59,23 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.attention_head_dim or self.d_model // self.n_heads
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama 3.1's rotary scaling (``rope_type: llama3``): wavelengths longer than
+    ``original_max_len / low_freq_factor`` are stretched ``factor`` times, shorter than
+    ``original_max_len / high_freq_factor`` kept, and those between interpolated smoothly."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_len: int
+
+
+# The gate activations of the gated MLP, by name (`models.gpt.GatedMLP`).
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 ATTENTION = ("auto", "einsum", "blocked", "xla", "cudnn")
@@ -131,6 +158,8 @@ def get_config(name: str) -> GPTConfig:
 def _layer_params(config: GPTConfig) -> int:
     d, hd = config.d_model, config.head_dim
     attention = d * hd * (2 * config.n_heads + 2 * config.n_kv_heads)  # wq, wo, wk, wv
+    if config.qkv_bias:
+        attention += hd * (config.n_heads + 2 * config.n_kv_heads)
     mlp = 3 * d * config.d_ff  # w_gate, w_up, w_down
     if isinstance(config, MoEConfig):  # every expert's SwiGLU, and the router
         mlp = config.n_experts * mlp + d * config.n_experts
@@ -140,7 +169,7 @@ def _layer_params(config: GPTConfig) -> int:
 
 def param_count(config: GPTConfig) -> int:
     """Exact number of parameters of ``GPT(config)``."""
-    embeddings = 2 * config.vocab_size * config.d_model  # untied input table and output head
+    embeddings = (1 if config.tie_embeddings else 2) * config.vocab_size * config.d_model  # input table, head
     return embeddings + config.n_layers * _layer_params(config) + config.d_model  # + final norm
 
 
@@ -153,7 +182,7 @@ def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> float:
     discount), as PaLM and most MFU reports do. Remat recomputation is not counted.
     """
     seq_len = config.max_seq_len if seq_len is None else seq_len
-    n_matmul = param_count(config) - config.vocab_size * config.d_model
+    n_matmul = param_count(config) - (0 if config.tie_embeddings else config.vocab_size * config.d_model)
     if isinstance(config, MoEConfig):  # a token runs through top_k of the experts only
         n_matmul -= config.n_layers * (config.n_experts - config.top_k) * 3 * config.d_model * config.d_ff
     attention = 12 * config.n_layers * config.n_heads * config.head_dim * seq_len

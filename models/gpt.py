@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from .configs import GPTConfig
+from .configs import GPTConfig, RopeScaling
 from shardlib.model import attention as attention_lib
-from shardlib.model.hooks import backend_policy, constrain, gather_layer
+from shardlib.model.hooks import backend_policy, constrain, gather_layer, global_mean
 from shardlib.model import Stages
 
 RESIDUAL = ("batch", "seq", "embed")
@@ -40,19 +40,40 @@ def _fan_in(in_axis: int | Sequence[int], out_axis: int | Sequence[int], scale: 
     return nnx.initializers.variance_scaling(scale, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def rope_tables(seq_len: int, head_dim: int, theta: float, positions: jax.Array | None = None,
+                scaling: RopeScaling | None = None) -> tuple[jax.Array, jax.Array]:
     """(sin, cos), each float32[seq_len, head_dim // 2], for rotary position embeddings at
     ``positions`` (default: this device's tokens' positions in the whole sequence,
     `shardlib.model.attention.positions`: ``arange(seq_len)`` unless the sequence is split over a
     context axis)."""
-    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    inv_freq = rope_frequencies(head_dim, theta, scaling)
     positions = attention_lib.positions(seq_len) if positions is None else positions
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     return jnp.sin(angles), jnp.cos(angles)
 
 
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+    """float32[head_dim // 2]: ``1 / theta^(2i / head_dim)``, computed in that order in float32 as
+    the Llama reference does (so imported checkpoints see the same angles), then Llama 3.1's
+    scaling when given: long wavelengths divided by ``factor``, short ones kept, the band between
+    interpolated."""
+    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if scaling is None:
+        return inv_freq
+    low_wavelen = scaling.original_max_len / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    stretched = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * stretched / scaling.factor + smooth * stretched
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, stretched)
+
+
 def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
-    """Rotate the two halves of each head (x: [batch, seq, heads, head_dim]) by position."""
+    """Rotate the two halves of each head (x: [batch, seq, heads, head_dim]) by position: the
+    ``rotate_half`` layout of the Hugging Face Llama family, so their q/k weights load unpermuted."""
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     sin, cos = sin[None, :, None, :], cos[None, :, None, :]
@@ -60,16 +81,20 @@ def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square norm; statistics in float32 whatever the activation dtype."""
+    """Root-mean-square norm; statistics in float32 whatever the activation dtype. The output is
+    multiplied by ``offset + scale``: Gemma stores its scales as offsets from 1 (``offset=1``, the
+    scales start at 0)."""
 
-    def __init__(self, dim: int, *, eps: float, rngs: nnx.Rngs):
+    def __init__(self, dim: int, *, eps: float, rngs: nnx.Rngs, offset: float = 0.0):
         self.eps = eps
-        self.scale = _param(rngs, nnx.initializers.ones, (dim,), ("embed",))
+        self.offset = offset
+        self.scale = _param(rngs, nnx.initializers.zeros if offset else nnx.initializers.ones, (dim,), ("embed",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...]).astype(x.dtype)
+        scale = self.scale[...] + self.offset if self.offset else self.scale[...]
+        return (y * scale).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -84,21 +109,51 @@ class Attention(nnx.Module):
         # Residual-branch outputs scaled by 1/sqrt(2 L) (GPT-2) so the stream's variance stays O(1).
         out_init = _fan_in(in_axis=(0, 1), out_axis=2, scale=1.0 / (2 * config.n_layers))
         self.wo = _param(rngs, out_init, (h, hd, d), ("heads", "head_dim", "embed"))
+        if config.qkv_bias:
+            self.bq = _param(rngs, nnx.initializers.zeros, (h, hd), ("heads", "head_dim"))
+            self.bk = _param(rngs, nnx.initializers.zeros, (kv, hd), ("kv_heads", "head_dim"))
+            self.bv = _param(rngs, nnx.initializers.zeros, (kv, hd), ("kv_heads", "head_dim"))
         self.implementation = config.attention
 
     def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
-        dtype = x.dtype
-        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dtype))
-        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dtype))
-        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dtype))
-        q = constrain(apply_rope(q, sin, cos), ("batch", "seq", "heads", "head_dim"))
-        k = constrain(apply_rope(k, sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
-        v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+        q, k, v = self.project(x, sin, cos)
         # shardlib's attention: the model's own kernel on a whole sequence, a ring or all-gather of
         # K/V when the sequence is split over a context axis
         out = attention_lib.attention(q, k, v, causal=True, local=functools.partial(_local_attention, self.implementation))
+        return self.output(out)
+
+    def project(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys (both rotated) and values of ``x``: [batch, seq, (kv_)heads, head_dim]."""
+        dtype = x.dtype
+        q, k, v = (jnp.einsum("btd,dhk->bthk", x, w[...].astype(dtype)) for w in (self.wq, self.wk, self.wv))
+        if hasattr(self, "bq"):
+            q, k, v = (y + b[...].astype(dtype) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
+        q = constrain(apply_rope(q, sin, cos), ("batch", "seq", "heads", "head_dim"))
+        k = constrain(apply_rope(k, sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
+        return q, k, constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+
+    def output(self, out: jax.Array) -> jax.Array:
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))
-        return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dtype))
+        return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(out.dtype))
+
+    def cached(self, x: jax.Array, sin: jax.Array, cos: jax.Array, cache: KVCache, start: jax.Array
+               ) -> tuple[jax.Array, KVCache]:
+        """Attention of ``x`` (the tokens at positions ``start``, ``start + 1``, ...) over the keys and
+        values of every earlier position, ``cache``'s and its own, which it writes into the cache."""
+        q, k, v = self.project(x, sin, cos)
+        cache = KVCache(jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), start, axis=1),
+                        jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), start, axis=1))
+        return self.output(causal_attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), offset=start)), cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys and values of the positions decoded so far, [batch, max_len, kv_heads, head_dim] each
+    (stacked over the layers, a leading axis, in `GPT.decode`)."""
+
+    k: jax.Array
+    v: jax.Array
 
 
 def _local_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -129,14 +184,17 @@ def attention_for(policy: Any, dtype: Any) -> str:
     return "einsum" if chosen == "cudnn" and jnp.dtype(dtype) not in CUDNN_DTYPES else chosen
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(d)) v under a causal mask, scores in float32; k/v may have fewer heads (GQA)."""
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
+    """softmax(q k^T / sqrt(d)) v under a causal mask, scores in float32; k/v may have fewer heads (GQA).
+
+    Query i sits at position ``offset + i`` of the keys (0: the same sequence; a KV cache's keys
+    are longer than the new queries) and sees keys 0 .. ``offset + i``."""
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # query groups share a kv head
     scores = jnp.einsum("btngk,bsnk->bngts", q, k, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(head_dim)
-    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    causal = jnp.arange(k.shape[1])[None, :] <= offset + jnp.arange(seq)[:, None]
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     return jnp.einsum("bngts,bsnk->btngk", probs, v).reshape(batch, seq, heads, head_dim)
@@ -164,20 +222,25 @@ def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: in
     return out.swapaxes(0, 1).reshape(batch, seq, heads, head_dim)
 
 
-class SwiGLU(nnx.Module):
-    """Gated MLP: ``w_down(silu(x w_gate) * (x w_up))``."""
+# The gate activations by `GPTConfig.mlp_activation`: SwiGLU's and GeGLU's (tanh-approximated GELU, Gemma's).
+GATE_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
+class GatedMLP(nnx.Module):
+    """Gated MLP: ``w_down(act(x w_gate) * (x w_up))``, SwiGLU with silu, GeGLU with gelu."""
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         d, f = config.d_model, config.d_ff
         self.w_gate = _param(rngs, _fan_in(0, 1), (d, f), ("embed", "mlp"))
         self.w_up = _param(rngs, _fan_in(0, 1), (d, f), ("embed", "mlp"))
         self.w_down = _param(rngs, _fan_in(0, 1, scale=1.0 / (2 * config.n_layers)), (f, d), ("mlp", "embed"))
+        self.activation = config.mlp_activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = x.dtype
         gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dtype))
         up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dtype))
-        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+        hidden = constrain(GATE_ACTIVATIONS[self.activation](gate) * up, ("batch", "seq", "mlp"))
         return jnp.einsum("btf,fd->btd", hidden, self.w_down[...].astype(dtype))
 
 
@@ -185,14 +248,22 @@ class Block(nnx.Module):
     """Pre-norm decoder block: attention then MLP, each added to the residual stream."""
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps, rngs=rngs)
+        norm = functools.partial(RMSNorm, config.d_model, eps=config.norm_eps, offset=config.norm_offset, rngs=rngs)
+        self.attn_norm = norm()
         self.attn = Attention(config, rngs=rngs)
-        self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps, rngs=rngs)
-        self.mlp = SwiGLU(config, rngs=rngs)
+        self.mlp_norm = norm()
+        self.mlp = GatedMLP(config, rngs=rngs)
 
     def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
         x = constrain(x + self.attn(self.attn_norm(x), sin, cos), RESIDUAL)
         return constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
+
+    def cached(self, x: jax.Array, sin: jax.Array, cos: jax.Array, cache: KVCache, start: jax.Array
+               ) -> tuple[jax.Array, KVCache]:
+        """`__call__` for new tokens after ``cache``'s (generation); returns the updated cache too."""
+        attended, cache = self.attn.cached(self.attn_norm(x), sin, cos, cache, start)
+        x = x + attended
+        return x + self.mlp(self.mlp_norm(x)), cache
 
 
 def _stacked_blocks(config: GPTConfig, rngs: nnx.Rngs) -> Block:
@@ -222,8 +293,9 @@ class GPT(nnx.Module):
         d, vocab = config.d_model, config.vocab_size
         self.embedding = _param(rngs, nnx.initializers.normal(1.0), (vocab, d), ("vocab", "embed"))
         self.blocks = _stacked_blocks(config, rngs)
-        self.final_norm = RMSNorm(d, eps=config.norm_eps, rngs=rngs)
-        self.lm_head = _param(rngs, _fan_in(0, 1), (d, vocab), ("embed", "vocab"))
+        self.final_norm = RMSNorm(d, eps=config.norm_eps, offset=config.norm_offset, rngs=rngs)
+        if not config.tie_embeddings:  # tied: the head is the embedding table, transposed
+            self.lm_head = _param(rngs, _fan_in(0, 1), (d, vocab), ("embed", "vocab"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return self.head(self.apply_blocks(self.embed(tokens)))
@@ -238,16 +310,20 @@ class GPT(nnx.Module):
         # The lookup's backward needs no weights at all, so it is not rematerialised.
         table = gather_layer(self.embedding)[...]
         x = jnp.take(table, tokens, axis=0).astype(_stream_dtype(self.config, table.dtype))
+        if self.config.embed_scale:  # Gemma: sqrt(d) rounded to the stream's dtype first, as its reference does
+            x = x * jnp.asarray(math.sqrt(self.config.d_model), x.dtype)
         return constrain(x, RESIDUAL)
 
     def head(self, x: jax.Array) -> jax.Array:
         """Residual stream -> float32 logits [B, T, vocab]."""
-        final_norm, lm_head = nnx.split(self.final_norm), self.lm_head
+        final_norm = nnx.split(self.final_norm)
+        tied = self.config.tie_embeddings
+        weights = self.embedding if tied else self.lm_head
 
         def head(x):
             norm = nnx.merge(final_norm[0], gather_layer(final_norm[1]))
-            w = gather_layer(lm_head)[...].astype(x.dtype)
-            return jnp.einsum("btd,dv->btv", norm(x), w, preferred_element_type=jnp.float32)
+            w = gather_layer(weights)[...].astype(x.dtype)
+            return jnp.einsum("btd,vd->btv" if tied else "btd,dv->btv", norm(x), w, preferred_element_type=jnp.float32)
 
         if self.config.remat:
             head = jax.checkpoint(head)
@@ -255,7 +331,7 @@ class GPT(nnx.Module):
 
     def apply_blocks(self, x: jax.Array) -> jax.Array:
         """Scan the stacked blocks (all of them, or one pipeline stage's slice) over the residual stream."""
-        sin, cos = rope_tables(x.shape[1], self.config.head_dim, self.config.rope_theta)
+        sin, cos = self.rope(x.shape[1])
         graphdef, stacked = nnx.split(self.blocks)
 
         def body(x: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, None]:
@@ -267,6 +343,34 @@ class GPT(nnx.Module):
         x, _ = jax.lax.scan(body, x, stacked)
         return x
 
+    def rope(self, seq_len: int, positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """`rope_tables` of this model's head size, base and scaling."""
+        c = self.config
+        return rope_tables(seq_len, c.head_dim, c.rope_theta, positions=positions, scaling=c.rope_scaling)
+
+    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+        """An empty KV cache for ``max_len`` positions (default dtype: the compute dtype)."""
+        c = self.config
+        shape = (c.n_layers, batch, max_len, c.n_kv_heads, c.head_dim)
+        dtype = jnp.dtype(c.compute_dtype if dtype is None else dtype)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    def decode(self, tokens: jax.Array, cache: KVCache, start: jax.Array) -> tuple[jax.Array, KVCache]:
+        """Logits of ``tokens`` (int32[B, T], at positions ``start`` ... ``start + T - 1``) given the
+        ``start`` positions before them in ``cache``, and the cache with these added: a prompt's
+        prefill (``start=0``) then one token a step, each step attending over the cache instead of
+        recomputing the sequence."""
+        x = self.embed(tokens)
+        sin, cos = self.rope(tokens.shape[1], positions=start + jnp.arange(tokens.shape[1]))
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def body(x: jax.Array, layer: tuple[nnx.State, KVCache]) -> tuple[jax.Array, KVCache]:
+            layer_state, layer_cache = layer
+            return nnx.merge(graphdef, layer_state).cached(x, sin, cos, layer_cache, start)
+
+        x, cache = jax.lax.scan(body, x, (stacked, cache))
+        return self.head(x), cache
+
 
 def build(config: GPTConfig, rngs: nnx.Rngs | int = 0) -> GPT:
     """A freshly initialised model (an int seed is turned into ``nnx.Rngs``)."""
@@ -274,14 +378,20 @@ def build(config: GPTConfig, rngs: nnx.Rngs | int = 0) -> GPT:
 
 
 def next_token_loss(model: GPT, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Mean float32 cross-entropy of ``batch["targets"]`` given ``batch["inputs"]``; aux: accuracy."""
-    return _logits_loss(model(batch["inputs"]), batch["targets"])
+    """Mean float32 cross-entropy of ``batch["targets"]`` given ``batch["inputs"]``; aux: accuracy.
+
+    With a ``batch["loss_mask"]`` (1 where a target counts: an instruction's completion, 0 on its
+    prompt and padding) the mean is over the counted targets of the whole batch (`global_mean`)."""
+    return _logits_loss(model(batch["inputs"]), batch["targets"], batch.get("loss_mask"))
 
 
-def _logits_loss(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-    accuracy = (jnp.argmax(logits, axis=-1) == targets).mean(dtype=jnp.float32)
-    return loss, {"accuracy": accuracy}
+def _logits_loss(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    if mask is None:
+        return losses.mean(), {"accuracy": correct.mean()}
+    return global_mean(losses, mask), {"accuracy": global_mean(correct, mask)}
 
 
 def pipeline_stages() -> Stages:
@@ -291,7 +401,7 @@ def pipeline_stages() -> Stages:
         stacked="blocks",
         embed=lambda model, batch: model.embed(batch["inputs"]),
         stage=lambda model, x: model.apply_blocks(x),
-        head_loss=lambda model, x, batch: _logits_loss(model.head(x), batch["targets"]),
+        head_loss=lambda model, x, batch: _logits_loss(model.head(x), batch["targets"], batch.get("loss_mask")),
     )
 
 
@@ -303,22 +413,61 @@ def generate(
     rng: jax.Array,
     temperature: float = 0.8,
     top_k: int | None = None,
+    top_p: float | None = None,
+    stop_token: int | None = None,
 ) -> jax.Array:
     """Sample ``steps`` tokens after ``prompt`` (int32[B, T0]) -> int32[B, T0 + steps].
 
-    `generate_with` over a window that holds the whole result, so nothing slides out of
-    view. ``temperature=0`` is greedy.
+    With a KV cache (`GPT.decode`): the prompt is run once, then each new token attends over the
+    cached keys and values. ``temperature=0`` is greedy; ``top_k`` / ``top_p`` (nucleus) restrict
+    sampling. A row that has produced ``stop_token`` repeats it. Step i draws with ``fold_in(rng, i)``.
+    Under a mesh the parameters stay in whatever sharding they have; XLA places the collectives.
     """
     prompt = jnp.asarray(prompt, jnp.int32)
     total = prompt.shape[1] + steps
     if total > model.config.max_seq_len:
         raise ValueError(f"prompt length {prompt.shape[1]} + steps {steps} exceeds max_seq_len {model.config.max_seq_len}")
+    if prompt.shape[1] < 1:
+        raise ValueError("generate needs a prompt of at least one token")
     if steps == 0:
         return prompt
+    check_sampling(temperature, top_k, top_p)
     graphdef, state = nnx.split(model)
-    new = generate_with(_Merged(graphdef), state, prompt, steps, rng=rng, window=total,
-                        temperature=temperature, top_k=top_k)
+    new = _generate_cached(graphdef, state, prompt, rng, steps, float(temperature), top_k, top_p, stop_token)
     return jnp.concatenate([prompt, new], axis=1)
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Sampling settings in range, each named when not."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be at least 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8))
+def _generate_cached(graphdef: nnx.GraphDef, state: nnx.State, prompt: jax.Array, rng: jax.Array, steps: int,
+                     temperature: float, top_k: int | None, top_p: float | None, stop_token: int | None) -> jax.Array:
+    model = nnx.merge(graphdef, state)
+    batch, prompt_len = prompt.shape
+    logits, cache = model.decode(prompt, model.init_cache(batch, prompt_len + steps), jnp.int32(0))
+    first = _pick(logits[:, -1], jax.random.fold_in(rng, 0), temperature, top_k, top_p)
+    stopped = jnp.zeros((batch,), bool) if stop_token is None else first == stop_token
+
+    def step(i: jax.Array, carry: tuple[KVCache, jax.Array, jax.Array]) -> tuple[KVCache, jax.Array, jax.Array]:
+        cache, out, stopped = carry
+        previous = jax.lax.dynamic_slice_in_dim(out, i - 1, 1, axis=1)
+        logits, cache = model.decode(previous, cache, prompt_len + i - 1)
+        token = _pick(logits[:, -1], jax.random.fold_in(rng, i), temperature, top_k, top_p)
+        if stop_token is not None:
+            token = jnp.where(stopped, stop_token, token)
+            stopped = stopped | (token == stop_token)
+        return cache, jax.lax.dynamic_update_slice_in_dim(out, token[:, None], i, axis=1), stopped
+
+    out = jnp.zeros((batch, steps), jnp.int32).at[:, 0].set(first)
+    return jax.lax.fori_loop(1, steps, step, (cache, out, stopped))[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,7 +523,7 @@ def _generate(
     def step(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
         buffer, length, out = carry
         logits = jax.lax.dynamic_index_in_dim(apply(params, buffer), length - 1, axis=1, keepdims=False)
-        token = _pick(logits.astype(jnp.float32), jax.random.fold_in(rng, i), temperature, top_k)
+        token = _pick(logits.astype(jnp.float32), jax.random.fold_in(rng, i), temperature, top_k, None)
         shifted = jnp.roll(buffer, -1, axis=1).at[:, window - 1].set(token)
         buffer = jnp.where(length >= window, shifted, buffer.at[:, jnp.minimum(length, window - 1)].set(token))
         return buffer, jnp.minimum(length + 1, window), out.at[:, i].set(token)
@@ -383,14 +532,21 @@ def _generate(
     return jax.lax.fori_loop(0, steps, step, init)[2]
 
 
-def _pick(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None) -> jax.Array:
-    """One token per row of ``logits`` [B, V]: greedy at temperature 0, else sampled (optionally top-k)."""
+def _pick(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None, top_p: float | None) -> jax.Array:
+    """One token per row of ``logits`` [B, V]: greedy at temperature 0, else sampled from the
+    ``top_k`` most likely and / or the smallest set whose probability reaches ``top_p``."""
+    logits = logits.astype(jnp.float32)
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
     if top_k is not None:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p is not None:
+        descending = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(descending, axis=-1)
+        kept = jnp.sum(jnp.cumsum(probs, axis=-1) - probs < top_p, axis=-1, keepdims=True)  # at least 1
+        logits = jnp.where(logits < jnp.take_along_axis(descending, kept - 1, axis=-1), -jnp.inf, logits)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 

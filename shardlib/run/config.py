@@ -152,6 +152,13 @@ class TrainConfig:
                             metavar="PATH")
     vocab_size: int | None = flag(None, "with a token file: the tokenizer's vocabulary size, the model's embedding "
                                         "rows (default: the model's)", metavar="V")
+    init_from: str | None = flag(None, "start from a Hugging Face model directory (config.json + safetensors: Llama, "
+                                       "Mistral, Qwen2, Gemma): its architecture and weights, read straight into "
+                                       "the shards; the optimizer starts fresh; replaces --model (docs/pretrained.md)",
+                                 metavar="HF_DIR")
+    tokenizer: str | None = flag(None, "a Hugging Face tokenizer (tokenizer.json, or a model directory holding one): "
+                                       "--data text is tokenized with it (cached beside the data) and a .jsonl file "
+                                       "read as instruction examples; the sample's prompt too", metavar="PATH")
     token_dtype: str = flag("uint16", "element type of a raw .bin token file (default uint16, as nanoGPT writes; "
                                       "uint32 for vocabularies over 65,536)", choices=["uint16", "uint32"])
     out: str | None = flag(None, "run directory (default runs/<timestamp>, new each run); with --ckpt-every, a re-run "

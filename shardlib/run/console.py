@@ -40,9 +40,12 @@ def banner(run: Prepared, note: str | None) -> str:
     from shardlib.text import format_bytes
 
     config, mesh, microbatches = run.config, run.mesh, run.program.step.microbatches
+    name = config.model if run.pretrained is None else run.pretrained.architecture.name
     lines = [
-        f"shardlib train: {config.model} ({run.n_params / 1e6:.2f}M params, compute {config.precision}) "
+        f"shardlib train: {name} ({run.n_params / 1e6:.2f}M params, compute {config.precision}) "
         f"for {plural(config.steps, 'step')}",
+        *([f"weights    {run.pretrained.describe()}; optimizer state fresh"] if run.pretrained is not None else []),
+        *([f"tokenizer  {run.tokenizer.path} ({run.tokenizer.vocab_size:,} ids)"] if run.tokenizer is not None else []),
         device_line(note),
     ]
     if jax.process_count() > 1:
@@ -60,19 +63,23 @@ def banner(run: Prepared, note: str | None) -> str:
         f"memory     {format_bytes(run.state_bytes)} params+optimizer state + {format_bytes(run.mem.temp_bytes)} "
         "temporaries per device (compiled step)",
         ("data       a Grain pipeline (its state saved in each checkpoint; no validation split)"
-         if hasattr(run.loader, "state_at") else data_line(config.data, *run.data_bytes)),
+         if hasattr(run.loader, "state_at") else data_line(config.data, *run.data_bytes, tokenized=run.tokenizer is not None)),
         f"checkpoint {checkpoint_setting(config, run.out_dir)}",
         f"output     {run.out_dir}",
     ]
     return "\n".join(lines)
 
 
-def data_line(path: str | None, train_bytes: int, val_bytes: int) -> str:
+def data_line(path: str | None, train_bytes: int, val_bytes: int, *, tokenized: bool = False) -> str:
+    from pathlib import Path
+
     from shardlib.text import format_bytes
 
     from shardlib.runtime.tokens import is_token_file
 
-    if is_token_file(path):
+    if tokenized and Path(path or "").suffix.lower() == ".jsonl":
+        return f"data       {path}: {train_bytes:,} train + {val_bytes:,} validation examples (loss on completions)"
+    if is_token_file(path) or tokenized:
         return f"data       {path}: {train_bytes:,} train + {val_bytes:,} validation token ids"
     name = "built-in pydoc corpus (--data PATH for your own text)" if path is None else path
     return (f"data       {name}: {train_bytes:,} train + {val_bytes:,} validation bytes "

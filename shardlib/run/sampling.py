@@ -16,8 +16,9 @@ def _gather_to_host(tree: Any) -> Any:
 
 
 def sample_text(model, params: Any, prompt: str, n_tokens: int, *, context: int, seed: int = 0,
-                temperature: float = 0.8) -> str:
-    """Continue ``prompt`` by ``n_tokens`` bytes with ``model.apply`` (one device, full params).
+                temperature: float = 0.8, tokenizer: Any = None) -> str:
+    """Continue ``prompt`` by ``n_tokens`` tokens with ``model.apply`` (one device, full params):
+    bytes, or the ids of ``tokenizer`` (`shardlib.hf.tokenizer.Tokenizer`).
 
     A ``context``-long window slides over the text (see `generate_with`), so the sample may be
     longer than the model's sequence length.
@@ -30,8 +31,10 @@ def sample_text(model, params: Any, prompt: str, n_tokens: int, *, context: int,
 
     if model.apply is None:
         raise ValueError("sample_text: this model has no apply function (Model.apply is None)")
-    ids = encode(prompt or "\n")[-context:]
+    ids = (np.asarray(tokenizer.encode(prompt or "\n"), np.int32) if tokenizer is not None
+           else encode(prompt or "\n"))[-context:]
     params = jax.device_put(_gather_to_host(params), jax.local_devices()[0])
     tokens = generate_with(model.apply, params, ids[None], n_tokens, rng=jax.random.key(seed), window=context,
                            temperature=temperature)
-    return prompt + decode(np.asarray(tokens[0]))
+    new = np.asarray(tokens[0])
+    return prompt + (tokenizer.decode(new) if tokenizer is not None else decode(new))

@@ -45,7 +45,9 @@ class Prepared:
     comm: Any
     state_bytes: int
     n_params: int
-    data_bytes: tuple[int, int]  # (train, validation) bytes of the corpus
+    data_bytes: tuple[int, int]  # (train, validation) bytes of the corpus (token ids, examples)
+    pretrained: Any = None  # the Hugging Face model directory the weights start from (`shardlib.hf.load.Pretrained`)
+    tokenizer: Any = None  # `shardlib.hf.tokenizer.Tokenizer` of --tokenizer
 
     @property
     def is_main(self) -> bool:
@@ -106,9 +108,12 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
 
     config = with_model_defaults(config)
     strategy = _strategy(config)
-    model_config = _model_config(config)
+    pretrained = _pretrained(config)
+    model_config = _model_config(config, pretrained)
+    tokenizer = _tokenizer(config, model_config)
     no_bytes = np.zeros(0, np.uint8)
-    train_bytes, val_bytes = _load_data(config, model_config.vocab_size) if data is None else (no_bytes, no_bytes)
+    train_bytes, val_bytes = (_load_data(config, model_config.vocab_size, tokenizer) if data is None
+                              else (no_bytes, no_bytes))
     mesh = _mesh(config, strategy)
     _check_pipeline_flags(config, mesh)
     model = trainable(model_config)
@@ -121,6 +126,8 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
     schedule = lr_schedule(config)
     program = build_program(config, model, layout, schedule)
     shapes = {k: ((config.batch_size, config.seq_len), np.int32) for k in ("inputs", "targets")}
+    if isinstance(train_bytes, tuple):  # instruction rows: the loss counts the completions (a mask)
+        shapes["loss_mask"] = ((config.batch_size, config.seq_len), np.float32)
     abstract_batch = program.abstract_batch(shapes)
     _check_batch_split(layout, program, abstract_batch)
     step_fn = program.compile_step(program.abstract_state(), abstract_batch)
@@ -130,7 +137,9 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
                     program=program, abstract_batch=abstract_batch, step_fn=step_fn, mem=mem,
                     comm=collective_stats(step_fn), n_params=param_count(model_config),
                     state_bytes=mem.argument_bytes - _per_device_bytes(abstract_batch),
-                    data_bytes=(len(train_bytes), len(val_bytes)))
+                    data_bytes=(len(train_bytes[0] if isinstance(train_bytes, tuple) else train_bytes),
+                                len(val_bytes[0] if isinstance(val_bytes, tuple) else val_bytes)),
+                    pretrained=pretrained, tokenizer=tokenizer)
 
 
 def _with_context_options(config: TrainConfig, layout):
@@ -154,11 +163,44 @@ def _strategy(config: TrainConfig):
         raise TrainConfigError("strategy", str(err)) from None
 
 
-def _model_config(config: TrainConfig):
+def _pretrained(config: TrainConfig):
+    """``--init-from``'s model directory, opened and checked (nothing read yet), or None."""
+    if config.init_from is None:
+        return None
+    from shardlib.hf.architectures import UnsupportedModel
+    from shardlib.hf.load import PretrainedError, open_pretrained
+
+    if config.model != TrainConfig.model:
+        raise TrainConfigError("init_from", f"takes the model from {config.init_from}/config.json, and --model "
+                                            f"{config.model} names another: drop --model")
+    try:
+        return open_pretrained(config.init_from, seq_len=config.seq_len)
+    except (PretrainedError, UnsupportedModel, OSError) as err:
+        raise TrainConfigError("init_from", str(err)) from None
+
+
+def _tokenizer(config: TrainConfig, model_config):
+    """``--tokenizer``, checked against the model's vocabulary, or None."""
+    if config.tokenizer is None:
+        return None
+    from shardlib.hf.tokenizer import TokenizerError, check_vocab, load_tokenizer
+    from shardlib.runtime.tokens import is_token_file
+
+    if is_token_file(config.data):
+        raise TrainConfigError("tokenizer", "tokenizes text, and --data is a token file (already ids): drop one")
+    try:
+        tokenizer = load_tokenizer(config.tokenizer)
+        check_vocab(tokenizer, model_config.vocab_size, config.init_from or f"model {config.model!r}")
+    except TokenizerError as err:
+        raise TrainConfigError("tokenizer", str(err)) from None
+    return tokenizer
+
+
+def _model_config(config: TrainConfig, pretrained=None):
     from shardlib.models import get_config
 
     try:
-        model_config = get_config(config.model)
+        model_config = pretrained.model_config if pretrained is not None else get_config(config.model)
     except ValueError as err:
         raise TrainConfigError("model", str(err)) from None
     if config.precision not in PRECISIONS:
@@ -167,11 +209,14 @@ def _model_config(config: TrainConfig):
     if config.seq_len > model_config.max_seq_len:
         raise TrainConfigError(
             "seq_len",
-            f"{config.seq_len} exceeds model {config.model!r}'s max_seq_len {model_config.max_seq_len}; use at most that",
+            f"{config.seq_len} exceeds {config.init_from or repr(config.model)}'s max_seq_len {model_config.max_seq_len}; "
+            "use at most that",
         )
     if config.vocab_size is not None:
         from shardlib.runtime.tokens import is_token_file
 
+        if config.init_from is not None:
+            raise TrainConfigError("vocab_size", f"the vocabulary is {config.init_from}'s; drop --vocab-size")
         if not is_token_file(config.data):
             raise TrainConfigError("vocab_size", "sets the vocabulary of a token file (--data FILE.bin or .npy); text "
                                                  "is read as bytes (256 ids), so drop --vocab-size or pass a token file")
@@ -306,9 +351,19 @@ def _loaders(config: TrainConfig, layout, train_bytes, val_bytes):
     import jax
 
     from shardlib.runtime.data import ByteBatches, val_batches
+    from shardlib.runtime.rows import RowBatches, val_row_batches
 
     geometry = dict(data_parallel_size=layout.batch_size_multiple,
                     process_index=jax.process_index(), process_count=jax.process_count())
+    if isinstance(train_bytes, tuple):  # instruction rows (tokens, mask)
+        if config.record_examples:
+            raise TrainConfigError("record_examples", "records window offsets of a text corpus; instruction examples "
+                                                      "are whole rows: drop --record-examples")
+        try:
+            return (RowBatches(*train_bytes, config.batch_size, seed=config.seed, **geometry),
+                    val_row_batches(*val_bytes, config.batch_size, config.eval_batches, **geometry))
+        except ValueError as err:
+            raise TrainConfigError("batch_size", str(err)) from None
     try:
         loader = ByteBatches(train_bytes, config.batch_size, config.seq_len, seed=config.seed, **geometry)
         val_local = val_batches(val_bytes, config.batch_size, config.seq_len, None, **geometry)
@@ -488,10 +543,17 @@ def _out_dir(config: TrainConfig) -> Path:
     return Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.localtime(stamp))
 
 
-def _load_data(config: TrainConfig, vocab_size: int):
-    """(train, validation) arrays: the bytes of text, or the ids of a token file (each below ``vocab_size``)."""
+def _load_data(config: TrainConfig, vocab_size: int, tokenizer=None):
+    """(train, validation) arrays: the bytes of text, or the ids of a token file (each below
+    ``vocab_size``); with a tokenizer, text's ids (cached) or instruction rows, each a (tokens, mask)."""
     from shardlib.runtime.data import load_text, split_train_val
     from shardlib.runtime.tokens import check_vocab, is_token_file, load_tokens
+
+    if tokenizer is not None:
+        return _tokenized_data(config, tokenizer)
+    if Path(config.data or "").suffix.lower() == ".jsonl":
+        raise TrainConfigError("data", "a .jsonl file is read as instruction examples, which need a tokenizer: add "
+                                       "--tokenizer (the model's tokenizer.json or its directory)")
 
     if config.token_dtype != TrainConfig.token_dtype and Path(config.data or "").suffix.lower() != ".bin":
         raise TrainConfigError("token_dtype", "sets the element type of a raw .bin token file (a .npy file carries "
@@ -505,6 +567,35 @@ def _load_data(config: TrainConfig, vocab_size: int):
     except (ValueError, OSError) as err:
         field = "vocab_size" if "--vocab-size" in str(err) else "data"
         raise TrainConfigError(field, str(err)) from None
+
+
+def _tokenized_data(config: TrainConfig, tokenizer):
+    """--data through --tokenizer: instruction rows from a .jsonl, else text as cached token ids."""
+    from shardlib.hf.tokenizer import TokenizerError, instruction_rows, tokenize_text
+    from shardlib.runtime.data import split_train_val
+    from shardlib.runtime.rows import split_rows
+
+    if config.data is None:
+        raise TrainConfigError("tokenizer", "tokenizes --data, and none was given: pass --data TEXT_OR_JSONL")
+    try:
+        if Path(config.data).suffix.lower() == ".jsonl":
+            rows = instruction_rows(tokenizer, config.data, config.seq_len)
+            if rows.truncated:
+                print(f"shardlib: note: {rows.truncated} of {len(rows.tokens)} examples are longer than --seq-len "
+                      f"{config.seq_len} + 1 tokens and were cut", file=sys.stderr, flush=True)
+            return split_rows(rows.tokens, rows.mask)
+        tokens, cache, cached = tokenize_text(tokenizer, config.data)
+        if jax_main():
+            print(f"tokens     {len(tokens):,} ids {'read from' if cached else 'cached in'} {cache}", flush=True)
+        return split_train_val(tokens)
+    except (TokenizerError, ValueError, OSError) as err:
+        raise TrainConfigError("data", str(err)) from None
+
+
+def jax_main() -> bool:
+    import jax
+
+    return jax.process_index() == 0
 
 
 def _per_device_bytes(abstract: Mapping[str, Any]) -> int:

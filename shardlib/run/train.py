@@ -208,6 +208,11 @@ def _initial_state(run):
 
     config = run.config
     ckpt, resume = open_checkpointer(config, run.out_dir)
+    if not resume and run.pretrained is not None:  # --init-from: each device's shards read from the files
+        from shardlib.hf.load import load_params
+
+        params = load_params(run.pretrained, run.layout.param_shardings())
+        return ckpt, run.program.init_from(params, key=jax.random.key(config.seed)), 0, None
     if not resume:
         return ckpt, run.program.init(jax.random.key(config.seed)), 0, None
     target = run.program.abstract_state()
@@ -221,11 +226,23 @@ def _initial_state(run):
     return ckpt, state, run.loader.step, run.loader.step
 
 
+def saved_config(run) -> dict[str, Any]:
+    """The run's settings as saved in config.json and each checkpoint; a run started from a Hugging
+    Face model adds that model's config.json (``pretrained``), which `shardlib export --hf` writes back."""
+    saved = dataclasses.asdict(run.config)
+    if run.pretrained is not None:
+        saved["pretrained"] = {"architecture": run.pretrained.architecture.name, "config": run.pretrained.hf_config,
+                               "source": str(run.pretrained.directory)}
+    if run.tokenizer is not None:
+        saved["tokenizer_file"] = str(run.tokenizer.path.resolve())
+    return saved
+
+
 def _write_config(run) -> Path | None:
     if not run.is_main:
         return None
     path = run.out_dir / "config.json"
-    path.write_text(json.dumps(dataclasses.asdict(run.config), indent=2, default=str) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(saved_config(run), indent=2, default=str) + "\n", encoding="utf-8")
     return path
 
 
@@ -259,7 +276,7 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate):
                       clock, tokens_per_step=run.tokens_per_step, at_once=validation.due)
     saver = None if ckpt is None else SaveCheckpoint(
         ckpt, Every(config.ckpt_every, last=config.steps if config.ckpt_every else None),
-        seed=run.loader.seed, config=dataclasses.asdict(config), data_state=getattr(run.loader, "state_at", None))
+        seed=run.loader.seed, config=saved_config(run), data_state=getattr(run.loader, "state_at", None))
     try:
         with preemption(saver, config.steps, resume_hint(config, run.out_dir)) as stop:
             state = run_steps(state, first, config.steps, _step_fn(run), run.load, record=record,
@@ -297,12 +314,12 @@ def _finish(run, state, start: int, tally, log, config_path, *, preempted: bool,
     sample = None
     from shardlib.runtime.tokens import is_token_file
 
-    if config.sample_tokens and is_token_file(config.data):  # ids of a tokenizer shardlib does not have
+    if config.sample_tokens and is_token_file(config.data) and run.tokenizer is None:  # ids of a tokenizer it lacks
         if run.is_main and config.verbose and not preempted:
             print("no text sample: the data are token ids, and decoding them needs their tokenizer", flush=True)
     elif config.sample_tokens and run.model.apply is not None and not preempted:
         sample = sample_text(run.model, state.params, config.prompt, config.sample_tokens,
-                             context=config.seq_len, seed=config.seed)
+                             context=config.seq_len, seed=config.seed, tokenizer=run.tokenizer)
     steps = len(tally.step_times) + start
     summary = console.summary_table(console.summary_rows(
         run, startup=startup, start=start, steps=len(tally.step_times), wall=wall, step_time=step_time,

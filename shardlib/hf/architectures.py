@@ -1,0 +1,260 @@
+"""The Hugging Face architectures shardlib reads and writes, as data.
+
+Each `Architecture` says how a ``config.json`` becomes a `GPTConfig` (the reference decoder has
+the Llama family's maths: RMSNorm, rotary attention in the ``rotate_half`` layout, GQA, a gated
+MLP) and which of the family's options it changes. `TENSORS` maps every parameter of the decoder
+to its tensor in the checkpoint and the `Placement` between the two layouts (PyTorch's
+``Linear`` stores ``[out, in]``; shardlib splits heads out as their own axes). Anything a
+checkpoint asks for that is not reproduced exactly is refused by name (`UnsupportedModel`), never
+approximated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from shardlib.models import GPTConfig
+from shardlib.models.configs import RopeScaling
+
+
+class UnsupportedModel(ValueError):
+    """A checkpoint shardlib cannot reproduce exactly: one line naming the field and what is supported."""
+
+    user_facing = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """One ``architectures`` entry of ``config.json``: its defaults and the options it fixes."""
+
+    name: str
+    model_type: str
+    tie_embeddings: bool  # ``tie_word_embeddings`` when config.json leaves it out (the family's default)
+    qkv_bias: bool = False  # the family always has q/k/v biases (Qwen2)
+    gemma: bool = False  # (1 + w) norms, embeddings times sqrt(d), GeGLU
+    sliding_window_key: str | None = None  # the config field of a sliding attention window, checked against seq len
+    sliding_window_switch: str | None = None  # the field that turns that window on, where there is one (Qwen2)
+
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
+    Architecture("LlamaForCausalLM", "llama", tie_embeddings=False),
+    Architecture("MistralForCausalLM", "mistral", tie_embeddings=False, sliding_window_key="sliding_window"),
+    Architecture("Qwen2ForCausalLM", "qwen2", tie_embeddings=False, qkv_bias=True,
+                 sliding_window_key="sliding_window", sliding_window_switch="use_sliding_window"),
+    Architecture("GemmaForCausalLM", "gemma", tie_embeddings=True, gemma=True),
+)}
+
+# The gate activations config.json names, as `GPTConfig.mlp_activation` (Gemma's "gelu" is its
+# tanh approximation, as its reference implementation reads it).
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+GEMMA_ACTIVATIONS = {**ACTIVATIONS, "gelu": "gelu_tanh"}
+ROPE_TYPES = ("default", "llama3")
+# Fields that would change the maths, with the value shardlib reproduces.
+MUST_BE = {"attention_bias": False, "mlp_bias": False, "partial_rotary_factor": 1.0, "quantization_config": None}
+
+
+def architecture_of(config: Mapping[str, Any], source: str) -> Architecture:
+    """The `Architecture` of a config.json's ``architectures``, or a refusal listing the supported ones."""
+    names = config.get("architectures") or []
+    known = [ARCHITECTURES[n] for n in names if n in ARCHITECTURES]
+    if not known:
+        raise UnsupportedModel(f"{source}: architecture {names or config.get('model_type')!r} is not supported; "
+                               f"shardlib reads {', '.join(ARCHITECTURES)}")
+    return known[0]
+
+
+def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``rope_parameters`` (transformers 5) or the older ``rope_theta`` + ``rope_scaling``, as one dict."""
+    given = config.get("rope_parameters")
+    if isinstance(given, Mapping) and given:
+        return dict(given)
+    scaling = dict(config.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    return {"rope_theta": config.get("rope_theta", 10_000.0), "rope_type": "default", **scaling}
+
+
+def to_gpt_config(config: Mapping[str, Any], source: str, *, seq_len: int | None = None) -> GPTConfig:
+    """The `GPTConfig` of a Hugging Face ``config.json`` (``source`` names it in errors).
+
+    ``seq_len``: the longest sequence the run will see, checked against a sliding attention window
+    (shorter than the window, sliding changes nothing; longer, it is refused)."""
+    arch = architecture_of(config, source)
+    for field, value in MUST_BE.items():
+        if config.get(field, value) != value:
+            raise UnsupportedModel(f"{source}: {field}={config[field]!r} is not supported (shardlib reproduces "
+                                   f"{field}={value!r})")
+    rope = rope_parameters(config)
+    if rope.get("rope_type", "default") not in ROPE_TYPES:
+        raise UnsupportedModel(f"{source}: rope type {rope.get('rope_type')!r} is not supported; shardlib reproduces "
+                               f"{' and '.join(ROPE_TYPES)}")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModel(f"{source}: partial_rotary_factor={rope['partial_rotary_factor']} is not supported")
+    _check_window(arch, config, source, seq_len)
+    activations = GEMMA_ACTIVATIONS if arch.gemma else ACTIVATIONS
+    act = config.get("hidden_activation") if arch.gemma and config.get("hidden_activation") else config.get("hidden_act", "silu")
+    if act not in activations:
+        raise UnsupportedModel(f"{source}: hidden_act={act!r} is not supported; shardlib reproduces "
+                               f"{', '.join(activations)}")
+    d, heads = _int(config, "hidden_size", source), _int(config, "num_attention_heads", source)
+    head_dim = config.get("head_dim")
+    return GPTConfig(
+        vocab_size=_int(config, "vocab_size", source),
+        d_model=d,
+        n_layers=_int(config, "num_hidden_layers", source),
+        n_heads=heads,
+        n_kv_heads=config.get("num_key_value_heads") or heads,
+        d_ff=_int(config, "intermediate_size", source),
+        max_seq_len=config.get("max_position_embeddings", 2048),
+        rope_theta=float(rope.get("rope_theta", 10_000.0)),
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        attention_head_dim=head_dim if head_dim and head_dim != d // heads else None,
+        tie_embeddings=bool(config.get("tie_word_embeddings", arch.tie_embeddings)),
+        qkv_bias=arch.qkv_bias,
+        norm_offset=1.0 if arch.gemma else 0.0,
+        embed_scale=arch.gemma,
+        mlp_activation=activations[act],
+        rope_scaling=_llama3_scaling(rope, source) if rope.get("rope_type") == "llama3" else None,
+    )
+
+
+def _int(config: Mapping[str, Any], field: str, source: str) -> int:
+    value = config.get(field)
+    if not isinstance(value, int) or value < 1:
+        raise UnsupportedModel(f"{source}: {field} must be a positive integer, got {value!r}")
+    return value
+
+
+def _llama3_scaling(rope: Mapping[str, Any], source: str) -> RopeScaling:
+    try:
+        return RopeScaling(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+                           high_freq_factor=float(rope["high_freq_factor"]),
+                           original_max_len=int(rope["original_max_position_embeddings"]))
+    except KeyError as err:
+        raise UnsupportedModel(f"{source}: rope type 'llama3' needs {err.args[0]!r} in its parameters") from None
+
+
+def _check_window(arch: Architecture, config: Mapping[str, Any], source: str, seq_len: int | None) -> None:
+    """A sliding window only matters past its length: refuse a run that would go past it."""
+    if arch.sliding_window_key is None or (arch.sliding_window_switch and not config.get(arch.sliding_window_switch)):
+        return
+    window = config.get(arch.sliding_window_key)
+    if window and seq_len is not None and seq_len > window:
+        raise UnsupportedModel(f"{source}: sliding-window attention ({arch.sliding_window_key}={window}) is not "
+                               f"supported, and a sequence of {seq_len} tokens would need it; use at most {window} "
+                               "tokens (--seq-len), where full causal attention is the same")
+
+
+def from_gpt_config(config: GPTConfig, arch: Architecture | None = None, base: Mapping[str, Any] | None = None,
+                    dtype: str = "float32") -> dict[str, Any]:
+    """A ``config.json`` for ``config``: ``base`` (the imported one, its other fields kept) updated
+    with every field that `to_gpt_config` reads, or a Llama config for a model born in shardlib."""
+    arch = arch or ARCHITECTURES["LlamaForCausalLM"]
+    rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
+    if config.rope_scaling is not None:
+        s = config.rope_scaling
+        rope.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
+                    high_freq_factor=s.high_freq_factor, original_max_position_embeddings=s.original_max_len)
+    activation = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[config.mlp_activation]
+    out = {k: v for k, v in (base or {}).items() if k not in ("rope_scaling", "rope_theta", "hidden_activation",
+                                                               "torch_dtype")}
+    out.update(architectures=[arch.name], model_type=arch.model_type, vocab_size=config.vocab_size,
+               hidden_size=config.d_model, num_hidden_layers=config.n_layers,
+               num_attention_heads=config.n_heads, num_key_value_heads=config.n_kv_heads,
+               intermediate_size=config.d_ff, max_position_embeddings=config.max_seq_len,
+               rms_norm_eps=config.norm_eps, head_dim=config.head_dim, hidden_act=activation,
+               tie_word_embeddings=config.tie_embeddings, rope_parameters=rope, dtype=dtype)
+    if arch.name == "LlamaForCausalLM":
+        out.update(attention_bias=False, mlp_bias=False)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Tensors: where each parameter of the decoder lies in the checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """How one of shardlib's tensors (one layer's, for stacked parameters) lies in its checkpoint
+    tensor: split the checkpoint's dims into ``groups`` (dim i into the shardlib dims listed at
+    ``groups[i]``, outermost first), then order those dims as shardlib's. Reads and writes are
+    reshapes and transposes, so a round trip is bit-exact."""
+
+    groups: tuple[tuple[int, ...], ...]  # per checkpoint dim: the shardlib dims it holds, outermost first
+
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(math.prod(shape[d] for d in group) for group in self.groups)
+
+    def to_hf(self, array: Any) -> Any:
+        """shardlib's whole tensor -> the checkpoint's."""
+        order = [d for group in self.groups for d in group]
+        return array.transpose(order).reshape(self.hf_shape(array.shape))
+
+    def read(self, shape: tuple[int, ...], box: tuple[slice, ...], read_hf: Callable[[tuple[slice, ...]], Any]) -> Any:
+        """The ``box`` of shardlib's tensor (of ``shape``), reading only the checkpoint rows that hold
+        it (``read_hf(hf_box)``): each checkpoint dim is read over the range of its outermost
+        shardlib dim, whole in the inner ones, which are then sliced."""
+        box = tuple(slice(*b.indices(n)[:2]) for b, n in zip(box, shape))
+        hf_box = []
+        for group in self.groups:
+            inner = math.prod(shape[d] for d in group[1:])
+            hf_box.append(slice(box[group[0]].start * inner, box[group[0]].stop * inner))
+        block = read_hf(tuple(hf_box))
+        order = [d for group in self.groups for d in group]
+        split = [box[d].stop - box[d].start if i == 0 else shape[d] for group in self.groups for i, d in enumerate(group)]
+        block = block.reshape(split)
+        inner_box = tuple(slice(None) if d == group[0] else box[d] for group in self.groups for d in group)
+        block = block[inner_box]
+        return block.transpose([order.index(d) for d in range(len(shape))])
+
+
+SAME_1D, SAME_2D = Placement(((0,),)), Placement(((0,), (1,)))
+LINEAR = Placement(((1,), (0,)))  # ours [in, out], PyTorch's [out, in]
+TO_HEADS = Placement(((1, 2), (0,)))  # ours [d, heads, head_dim], PyTorch's [heads * head_dim, d]
+FROM_HEADS = Placement(((2,), (0, 1)))  # ours [heads, head_dim, d], PyTorch's [d, heads * head_dim]
+BIAS_HEADS = Placement(((0, 1),))  # ours [heads, head_dim], PyTorch's [heads * head_dim]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+    """A parameter of the decoder (``path`` in its tree; ``per_layer``: stacked over the layers,
+    one checkpoint tensor a layer, ``{i}`` in ``name``) and its checkpoint tensor."""
+
+    path: str
+    name: str
+    placement: Placement
+    per_layer: bool = True
+    when: Callable[[GPTConfig], bool] = lambda config: True
+
+
+TENSORS: tuple[TensorMap, ...] = (
+    TensorMap("embedding", "model.embed_tokens.weight", SAME_2D, per_layer=False),
+    TensorMap("blocks/attn_norm/scale", "model.layers.{i}.input_layernorm.weight", SAME_1D),
+    TensorMap("blocks/attn/wq", "model.layers.{i}.self_attn.q_proj.weight", TO_HEADS),
+    TensorMap("blocks/attn/wk", "model.layers.{i}.self_attn.k_proj.weight", TO_HEADS),
+    TensorMap("blocks/attn/wv", "model.layers.{i}.self_attn.v_proj.weight", TO_HEADS),
+    TensorMap("blocks/attn/bq", "model.layers.{i}.self_attn.q_proj.bias", BIAS_HEADS, when=lambda c: c.qkv_bias),
+    TensorMap("blocks/attn/bk", "model.layers.{i}.self_attn.k_proj.bias", BIAS_HEADS, when=lambda c: c.qkv_bias),
+    TensorMap("blocks/attn/bv", "model.layers.{i}.self_attn.v_proj.bias", BIAS_HEADS, when=lambda c: c.qkv_bias),
+    TensorMap("blocks/attn/wo", "model.layers.{i}.self_attn.o_proj.weight", FROM_HEADS),
+    TensorMap("blocks/mlp_norm/scale", "model.layers.{i}.post_attention_layernorm.weight", SAME_1D),
+    TensorMap("blocks/mlp/w_gate", "model.layers.{i}.mlp.gate_proj.weight", LINEAR),
+    TensorMap("blocks/mlp/w_up", "model.layers.{i}.mlp.up_proj.weight", LINEAR),
+    TensorMap("blocks/mlp/w_down", "model.layers.{i}.mlp.down_proj.weight", LINEAR),
+    TensorMap("final_norm/scale", "model.norm.weight", SAME_1D, per_layer=False),
+    TensorMap("lm_head", "lm_head.weight", LINEAR, per_layer=False, when=lambda c: not c.tie_embeddings),
+)
+
+
+def tensors_for(config: GPTConfig) -> list[TensorMap]:
+    """The `TENSORS` a model of ``config`` has."""
+    return [t for t in TENSORS if t.when(config)]
+
+
+def hf_names(t: TensorMap, n_layers: int) -> list[str]:
+    """The checkpoint tensor(s) behind ``t``: one a layer when it is stacked."""
+    return [t.name.format(i=i) for i in range(n_layers)] if t.per_layer else [t.name]

@@ -1,0 +1,214 @@
+"""A Hugging Face model directory read straight into sharded parameters.
+
+`open_pretrained` reads ``config.json`` (the `GPTConfig` it describes, or a refusal naming what
+is not supported) and the safetensors headers, and checks that every tensor the model needs is
+there with the shape it needs, before any data is read. `load_params` then builds each
+parameter with ``jax.make_array_from_callback``: every device of this process asks for its own
+shard, which is read from the memory-mapped file (only the checkpoint rows that hold it, one
+layer at a time for stacked parameters), converted to the parameter dtype, and placed. No
+process ever holds a whole model in host memory, only its devices' shards and one tensor's
+slice in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from shardlib.hf import architectures as arch_lib
+from shardlib.hf.safetensors_io import TensorFile
+from shardlib.models import GPTConfig
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# Buffers some exporters saved alongside the weights: recomputed from the config, never read.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+class PretrainedError(ValueError):
+    """A model directory that cannot be read as asked: one line naming the file or tensor."""
+
+    user_facing = True
+
+
+@dataclasses.dataclass
+class Pretrained:
+    """An opened Hugging Face model directory: its config, and where each tensor lies."""
+
+    directory: Path
+    hf_config: dict[str, Any]
+    architecture: arch_lib.Architecture
+    model_config: GPTConfig
+    files: dict[str, TensorFile]  # checkpoint tensor name -> the file holding it
+
+    def describe(self) -> str:
+        c = self.model_config
+        return (f"{self.architecture.name} from {self.directory} ({c.n_layers} layers, d_model {c.d_model}, "
+                f"{c.n_heads} heads / {c.n_kv_heads} kv, vocab {c.vocab_size})")
+
+
+def is_pretrained_dir(path: str | os.PathLike[str] | None) -> bool:
+    """Whether ``path`` is a Hugging Face model directory (holds a config.json)."""
+    return path is not None and (Path(path).expanduser() / "config.json").is_file()
+
+
+def read_hf_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(directory).expanduser() / "config.json"
+    if not path.is_file():
+        raise PretrainedError(f"{path.parent} is not a Hugging Face model directory: it has no config.json")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise PretrainedError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise PretrainedError(f"{path} holds {type(config).__name__}, not a JSON object")
+    return config
+
+
+def open_pretrained(directory: str | os.PathLike[str], *, seq_len: int | None = None) -> Pretrained:
+    """The model directory ``directory``, checked: config supported, every tensor present and of
+    the shape the config implies, no tensor the model would ignore. ``seq_len``: the longest
+    sequence the run will see (a sliding attention window is refused past its length)."""
+    directory = Path(directory).expanduser()
+    hf_config = read_hf_config(directory)
+    source = str(directory / "config.json")
+    architecture = arch_lib.architecture_of(hf_config, source)
+    model_config = arch_lib.to_gpt_config(hf_config, source, seq_len=seq_len)
+    files = _tensor_files(directory)
+    pretrained = Pretrained(directory, hf_config, architecture, model_config, files)
+    _check_tensors(pretrained)
+    return pretrained
+
+
+def _tensor_files(directory: Path) -> dict[str, TensorFile]:
+    """Checkpoint tensor name -> its file, from the index or the single file."""
+    if (directory / INDEX).is_file():
+        try:
+            weight_map = json.loads((directory / INDEX).read_text(encoding="utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+            raise PretrainedError(f"{directory / INDEX} is not a safetensors index (no weight_map: {err})") from None
+        opened: dict[str, TensorFile] = {}
+        for name in sorted(set(weight_map.values())):
+            if Path(name).name != name:  # an index may only name files beside it
+                raise PretrainedError(f"{directory / INDEX} names {name!r}, which is not a file in {directory}")
+            if not (directory / name).is_file():
+                raise PretrainedError(f"{directory / INDEX} lists {name}, which is missing from {directory}")
+            opened[name] = TensorFile(directory / name)
+        files = {}
+        for tensor, name in weight_map.items():
+            if tensor not in opened[name].entries:
+                raise PretrainedError(f"{directory / INDEX} places {tensor!r} in {name}, which does not hold it")
+            files[tensor] = opened[name]
+        return files
+    if (directory / SINGLE).is_file():
+        single = TensorFile(directory / SINGLE)
+        return {name: single for name in single.entries}
+    other = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".h5", ".msgpack"))
+    hint = (f"; it has {', '.join(other)}: save it as safetensors first (transformers: "
+            "model.save_pretrained(dir, safe_serialization=True)), pickled weights are never loaded") if other else ""
+    raise PretrainedError(f"{directory} has neither {SINGLE} nor {INDEX}{hint}")
+
+
+def _expected(config: GPTConfig) -> dict[str, tuple[arch_lib.TensorMap, tuple[int, ...]]]:
+    """Checkpoint tensor name -> (its map, the shape it must have) for a model of ``config``."""
+    shapes = _param_shapes(config)
+    expected = {}
+    for t in arch_lib.tensors_for(config):
+        layer_shape = shapes[t.path][1:] if t.per_layer else shapes[t.path]
+        for name in arch_lib.hf_names(t, config.n_layers):
+            expected[name] = (t, t.placement.hf_shape(layer_shape))
+    return expected
+
+
+def _check_tensors(pretrained: Pretrained) -> None:
+    expected = _expected(pretrained.model_config)
+    missing = [name for name in expected if name not in pretrained.files]
+    if missing:
+        raise PretrainedError(f"{pretrained.directory} lacks {len(missing)} tensor(s) its config.json implies, first "
+                              f"{missing[0]!r}: the weights are not those of this config")
+    for name, (_, shape) in expected.items():
+        found = pretrained.files[name].shape(name)
+        if tuple(found) != shape:
+            raise PretrainedError(f"{pretrained.directory}: tensor {name!r} has shape {list(found)}, and config.json "
+                                  f"implies {list(shape)}")
+    tied_head = pretrained.model_config.tie_embeddings and "lm_head.weight" in pretrained.files
+    extra = [n for n in pretrained.files if n not in expected and not n.endswith(IGNORED_SUFFIXES)
+             and not (tied_head and n == "lm_head.weight")]
+    if extra:
+        raise PretrainedError(f"{pretrained.directory} holds {len(extra)} tensor(s) the {pretrained.architecture.name} "
+                              f"model would not use, first {extra[0]!r}: a different model, or an option shardlib "
+                              "does not reproduce")
+
+
+def _param_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Parameter path -> shape, from the abstract model (nothing allocated)."""
+    from shardlib.models import trainable
+    from shardlib.sharding.rules import path_str
+
+    flat = jax.tree_util.tree_flatten_with_path(trainable(config).abstract())[0]
+    return {path_str(path): tuple(leaf.shape) for path, leaf in flat}
+
+
+def load_params(pretrained: Pretrained, shardings: Any, dtype: Any = np.float32) -> dict[str, Any]:
+    """The parameter tree of ``pretrained``'s model, each tensor placed in its sharding of
+    ``shardings`` (a tree like the model's parameters: `Layout.param_shardings`) as ``dtype``.
+
+    Every process calls it; each reads only the rows its own devices hold."""
+    from shardlib.sharding.rules import path_str
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shardings)
+    by_path = {path_str(path): sharding for path, sharding in flat}
+    shapes = _param_shapes(pretrained.model_config)
+    maps = {t.path: t for t in arch_lib.tensors_for(pretrained.model_config)}
+    if set(by_path) != set(maps):
+        raise PretrainedError(f"the shardings given are not those of {pretrained.describe()}: they name "
+                              f"{sorted(set(by_path) ^ set(maps))[:3]}")
+    leaves = [_place(pretrained, maps[p], shapes[p], by_path[p], np.dtype(dtype)) for p in by_path]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _place(pretrained: Pretrained, t: arch_lib.TensorMap, shape: tuple[int, ...], sharding: Any,
+           dtype: np.dtype) -> jax.Array:
+    """One parameter: each local device's shard read from the checkpoint (once per distinct shard)."""
+    read: dict[tuple, np.ndarray] = {}
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+        if key not in read:
+            read[key] = _read_box(pretrained, t, shape, tuple(slice(*k) for k in key)).astype(dtype)
+        return read[key]
+
+    array = jax.make_array_from_callback(shape, sharding, shard)
+    read.clear()
+    return array
+
+
+def _read_box(pretrained: Pretrained, t: arch_lib.TensorMap, shape: tuple[int, ...], box: tuple[slice, ...]) -> np.ndarray:
+    """``box`` of a parameter: for a stacked one, that box of each layer it covers, stacked."""
+    def read_one(name: str, layer_shape: tuple[int, ...], layer_box: tuple[slice, ...]) -> np.ndarray:
+        file = pretrained.files[name]
+        return t.placement.read(layer_shape, layer_box, lambda hf_box: file.read(name, hf_box))
+
+    if not t.per_layer:
+        return read_one(t.name, shape, box)
+    layers = range(*box[0].indices(shape[0]))
+    blocks = [read_one(t.name.format(i=i), shape[1:], box[1:]) for i in layers]
+    return np.stack(blocks) if blocks else np.zeros((0, *(len(range(*b.indices(n))) for b, n in zip(box[1:], shape[1:]))))
+
+
+def host_bytes(pretrained: Pretrained) -> int:
+    """Bytes of the checkpoint's tensors as stored (for reports)."""
+    return sum(math.prod(f.shape(n)) * f.dtype(n).itemsize for n, f in pretrained.files.items())
+
+
+def placed_like(params: Mapping[str, Any]) -> Any:
+    """``params`` as abstract arrays with their shardings (for compiling against them)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params)

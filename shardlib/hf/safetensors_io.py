@@ -1,0 +1,110 @@
+"""safetensors files read a slice at a time and written a tensor at a time.
+
+Reading: the ``safetensors`` package validates each file's header (length, dtypes, byte ranges,
+no overlaps or gaps); the data is then memory-mapped one tensor at a time and only the slice
+asked for is copied out (NumPy has no bfloat16, so the package's own NumPy reader cannot return
+bf16 checkpoints; ``ml_dtypes`` gives the memory map that type). Writing: the header is computed
+from the shapes up front, then each tensor's bytes are appended, so a file never needs all its
+tensors in memory at once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+}
+CODES = {dtype: code for code, dtype in DTYPES.items()}
+
+
+class SafetensorsFileError(ValueError):
+    """A file that is not valid safetensors, named with the reason."""
+
+    user_facing = True
+
+
+class TensorFile:
+    """One ``.safetensors`` file: its tensors' dtype, shape and byte range, and slices of them."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        _validate(self.path)
+        with open(self.path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        self.data_start = 8 + length
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.entries = {name: (DTYPES[e["dtype"]], tuple(e["shape"]), tuple(e["data_offsets"]))
+                        for name, e in header.items()}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name][1]
+
+    def dtype(self, name: str) -> np.dtype:
+        return self.entries[name][0]
+
+    def read(self, name: str, box: tuple[slice, ...] | None = None) -> np.ndarray:
+        """A copy of ``name[box]`` (whole when ``box`` is None), touching only the pages that hold it."""
+        dtype, shape, (begin, _) = self.entries[name]
+        if math.prod(shape) == 0:
+            return np.zeros(shape, dtype)[box or ()]
+        mapped = np.memmap(self.path, dtype=dtype, mode="r", offset=self.data_start + begin, shape=shape)
+        block = np.array(mapped[box or ()], copy=True)
+        del mapped  # unmapped here (its last reference): its pages leave this process's resident set
+        return block
+
+
+def _validate(path: Path) -> None:
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError as err:  # a runtime dependency; only a broken install gets here
+        raise SafetensorsFileError(f"reading {path} needs the safetensors package: pip install safetensors") from err
+    try:
+        with safe_open(str(path), framework="numpy"):
+            pass
+    except (SafetensorError, OSError, ValueError) as err:
+        raise SafetensorsFileError(f"{path} is not a valid safetensors file: {' '.join(str(err).split())}") from None
+
+
+class TensorWriter:
+    """Writes the header of ``tensors`` (name, dtype, shape; in file order), then `add` appends each
+    tensor's data in that order, checked against what the header announced."""
+
+    def __init__(self, file: BinaryIO, tensors: Iterable[tuple[str, np.dtype, tuple[int, ...]]],
+                 metadata: Mapping[str, str] | None = None) -> None:
+        header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+        self._pending = list(tensors)
+        offset = 0
+        for name, dtype, shape in self._pending:
+            size = math.prod(shape) * np.dtype(dtype).itemsize
+            header[name] = {"dtype": CODES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        blob += b" " * (-len(blob) % 8)  # the format pads the header with spaces to 8 bytes
+        self._file = file
+        self._file.write(struct.pack("<Q", len(blob)) + blob)
+        self._pending.reverse()
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        expected = self._pending.pop() if self._pending else None
+        if expected is None or expected[0] != name or tuple(array.shape) != tuple(expected[2]) \
+                or array.dtype != np.dtype(expected[1]):
+            raise ValueError(f"tensor {name!r} {array.dtype}{list(array.shape)} is not the next one the safetensors "
+                             f"header announced ({expected and expected[0]!r})")
+        self._file.write(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes())
+
+    def close(self) -> None:
+        if self._pending:
+            raise ValueError(f"tensors {[t[0] for t in reversed(self._pending)]} were announced but not written")

@@ -1,0 +1,228 @@
+"""A Hugging Face tokenizer (``tokenizer.json``, through the ``tokenizers`` library) for training data.
+
+Text is tokenized once and cached as a ``.npy`` token file beside the data, named by a digest
+of the tokenizer and of the data files (path, size, modification time), so a rerun, or the
+other processes of a job, read the cache instead of tokenizing again. Instruction data
+(``.jsonl``: ``{"prompt", "completion"}`` rows, or chat ``{"messages"}`` rendered by the
+tokenizer's chat template) becomes one padded row per example with a mask on the tokens the
+loss counts: the completion's, or the assistant's turns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer or instruction file that cannot be used: one line naming the file and the fix."""
+
+    user_facing = True
+
+
+@dataclasses.dataclass
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` with the file it came from and its special tokens."""
+
+    path: Path  # the tokenizer.json
+    backend: Any  # tokenizers.Tokenizer
+    eos_id: int | None
+    chat_template: str | None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=special).ids
+
+    def decode(self, ids: Any) -> str:
+        return self.backend.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False)
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """``path``: a tokenizer.json, or a directory holding one (a Hugging Face model directory)."""
+    try:
+        import tokenizers
+    except ImportError:
+        raise TokenizerError("--tokenizer needs the tokenizers library: pip install 'shardlib[hf]'") from None
+    given = Path(path).expanduser()
+    file = given / TOKENIZER_FILE if given.is_dir() else given
+    if not file.is_file():
+        raise TokenizerError(f"no tokenizer at {given}: give a {TOKENIZER_FILE} or the directory holding one")
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(file))
+    except Exception as err:  # the library raises its own Exception subclasses for any bad file
+        raise TokenizerError(f"{file} is not a tokenizers file: {' '.join(str(err).split())}") from None
+    settings = _json(file.parent / TOKENIZER_CONFIG)
+    eos = settings.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    eos_id = backend.token_to_id(eos) if isinstance(eos, str) else None
+    if eos_id is None:
+        eos_id = _json(file.parent / "config.json").get("eos_token_id")
+        eos_id = eos_id[0] if isinstance(eos_id, list) and eos_id else eos_id
+    template = settings.get("chat_template")
+    return Tokenizer(file, backend, eos_id if isinstance(eos_id, int) else None,
+                     template if isinstance(template, str) else None)
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        found = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def check_vocab(tokenizer: Tokenizer, vocab_size: int, model: str) -> None:
+    """The model needs an embedding row for every id the tokenizer can produce."""
+    if tokenizer.vocab_size > vocab_size:
+        raise TokenizerError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} ids, and {model} embeds only "
+                             f"{vocab_size}: use the tokenizer the model was trained with")
+
+
+# --------------------------------------------------------------------------------------------
+# Text -> a cached token file
+# --------------------------------------------------------------------------------------------
+
+
+def cache_path(tokenizer: Tokenizer, data: str, files: list[Path]) -> Path:
+    """``<data>.<digest>.tokens.npy`` beside the data: the digest covers the tokenizer and each
+    file's path, size and modification time, so an edit of either is a new cache."""
+    h = hashlib.sha256(tokenizer.digest().encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    base = Path(data).expanduser()
+    base = base / "corpus" if base.is_dir() else base.with_name(base.name.replace("*", "_"))
+    return base.with_name(f"{base.name}.{h.hexdigest()[:16]}.tokens.npy")
+
+
+def tokenize_text(tokenizer: Tokenizer, data: str) -> tuple[np.ndarray, Path, bool]:
+    """(token ids, cache file, whether it was read from the cache) of the text ``data`` names (a
+    file, folder or glob, as `shardlib.runtime.data.load_text` reads it)."""
+    from shardlib.runtime.data import load_text, resolve_text_files
+
+    files = resolve_text_files(data)
+    cache = cache_path(tokenizer, data, files)
+    if cache.is_file():
+        return np.load(cache, mmap_mode="r"), cache, True
+    text = load_text(data).decode("utf-8", errors="replace")
+    ids = np.asarray(tokenizer.backend.encode(text, add_special_tokens=False).ids,
+                     dtype=np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
+    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, ids)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, cache)  # whole or absent: a killed tokenization leaves no half cache
+    except OSError:  # a read-only data directory: tokenize again next time
+        tmp.unlink(missing_ok=True)
+    return ids, cache, False
+
+
+# --------------------------------------------------------------------------------------------
+# Instruction data -> padded rows with a loss mask
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class InstructionRows:
+    """One row per example: ``tokens`` uint32[N, T + 1] (padded with 0), ``mask`` float32[N, T]
+    (1 where the target token counts), and how many examples were cut at T + 1 tokens."""
+
+    tokens: np.ndarray
+    mask: np.ndarray
+    truncated: int
+
+
+def instruction_rows(tokenizer: Tokenizer, path: str | os.PathLike[str], seq_len: int) -> InstructionRows:
+    """The examples of a ``.jsonl`` file, each ``{"prompt": ..., "completion": ...}`` or
+    ``{"messages": [{"role": ..., "content": ...}, ...]}``, tokenized and padded to ``seq_len + 1``."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise TokenizerError(f"instruction file {path} does not exist")
+    rows, masks, truncated = [], [], 0
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            ids, counted = _example(tokenizer, _row(line, path, number), path, number)
+            truncated += len(ids) > seq_len + 1
+            ids, counted = ids[:seq_len + 1], counted[:seq_len + 1]
+            row = np.zeros(seq_len + 1, np.uint32)
+            row[:len(ids)] = ids
+            mask = np.zeros(seq_len + 1, np.float32)
+            mask[:len(counted)] = counted
+            rows.append(row)
+            masks.append(mask[1:])  # a target counts when the token it predicts does
+    if not rows:
+        raise TokenizerError(f"instruction file {path} has no examples")
+    tokens, mask = np.stack(rows), np.stack(masks)
+    if not mask.any():
+        raise TokenizerError(f"instruction file {path}: no example has a completion token within {seq_len} tokens; "
+                             "raise --seq-len or shorten the prompts")
+    return InstructionRows(tokens, mask, truncated)
+
+
+def _row(line: str, path: Path, number: int) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+    except ValueError as err:
+        raise TokenizerError(f"{path}:{number} is not JSON: {err}") from None
+    if not isinstance(row, dict):
+        raise TokenizerError(f"{path}:{number} holds {type(row).__name__}; each line is an object")
+    return row
+
+
+def _example(tokenizer: Tokenizer, row: dict[str, Any], path: Path, number: int) -> tuple[list[int], list[int]]:
+    """(token ids, 1 for each token the loss counts): a completion's tokens and its end token."""
+    if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+        prompt = tokenizer.encode(row["prompt"])
+        completion = tokenizer.encode(row["completion"], special=False)
+        completion += [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+        return prompt + completion, [0] * len(prompt) + [1] * len(completion)
+    if isinstance(row.get("messages"), list):
+        return _chat(tokenizer, row["messages"], path, number)
+    raise TokenizerError(f"{path}:{number} has neither string 'prompt' and 'completion' fields nor a 'messages' list")
+
+
+def _chat(tokenizer: Tokenizer, messages: list[Any], path: Path, number: int) -> tuple[list[int], list[int]]:
+    """A conversation rendered by the chat template; the assistant turns' tokens count. Each turn's
+    tokens are what rendering up to it adds to rendering up to the turn before."""
+    if tokenizer.chat_template is None:
+        raise TokenizerError(f"{path}:{number} is a chat ('messages'), and {tokenizer.path.parent / TOKENIZER_CONFIG} "
+                             "has no chat_template to render it: use prompt/completion rows, or a tokenizer with one")
+    import jinja2.sandbox
+
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+               for m in messages):
+        raise TokenizerError(f"{path}:{number}: each message needs string 'role' and 'content' fields")
+    template = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
+        tokenizer.chat_template)
+    ids: list[int] = []
+    counted: list[int] = []
+    for i, message in enumerate(messages):
+        text = template.render(messages=messages[:i + 1], add_generation_prompt=False, bos_token="", eos_token="")
+        upto = tokenizer.encode(text)
+        if upto[:len(ids)] != ids:
+            raise TokenizerError(f"{path}:{number}: the chat template renders turn {i} differently once more turns "
+                                 "follow, so its tokens cannot be told apart; use prompt/completion rows")
+        new = upto[len(ids):]
+        ids += new
+        counted += [int(message["role"] == "assistant")] * len(new)
+    return ids, counted
