@@ -455,15 +455,31 @@ def _spread_sharding(shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
 
 
 def _model_params(config: dict[str, Any]) -> Any | None:
-    """The abstract parameters of ``config["model"]`` when it names a reference model, else None."""
-    name = config.get("model")
-    if not isinstance(name, str):
-        return None
-    from shardlib.models import CONFIGS, trainable
+    """The abstract parameters of the run's model (a reference model, or one imported from the
+    Hugging Face format), else None."""
+    from shardlib.models import trainable
 
-    if name not in CONFIGS:
+    model_config = run_model_config(config)
+    return None if model_config is None else trainable(model_config).abstract()
+
+
+def run_model_config(config: dict[str, Any]) -> Any | None:
+    """The `GPTConfig` a saved run config trained: its ``pretrained`` config.json's, or its
+    ``--model`` (with ``--vocab-size``); None for a model that is not shardlib's decoder."""
+    import dataclasses
+
+    from shardlib.models import CONFIGS
+
+    pretrained = config.get("pretrained")
+    if isinstance(pretrained, dict) and isinstance(pretrained.get("config"), dict):
+        from shardlib.hf.architectures import to_gpt_config
+
+        return to_gpt_config(pretrained["config"], f"the checkpoint's record of {pretrained.get('source')}")
+    name = config.get("model")
+    if not isinstance(name, str) or name not in CONFIGS:
         return None
-    return trainable(CONFIGS[name]).abstract()
+    vocab = config.get("vocab_size")
+    return dataclasses.replace(CONFIGS[name], vocab_size=vocab) if isinstance(vocab, int) else CONFIGS[name]
 
 
 def _params_template(ckpt: Checkpointer, step: int, config: dict[str, Any]) -> Any:
@@ -598,14 +614,49 @@ def export_params(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str],
 # --------------------------------------------------------------------------------------------
 
 
+def export_hf(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, step: int | None = None,
+              dtype: str = "bf16", max_shard_bytes: int | None = None) -> Any:
+    """Write checkpoint ``step`` (default: latest complete) of a decoder run as a Hugging Face model
+    directory (`shardlib.hf.save.save_pretrained`): the config.json it was imported from, or a
+    Llama one for a reference model, and its tokenizer when the run had one."""
+    from shardlib.hf.save import DEFAULT_SHARD_BYTES, save_pretrained
+
+    step, config, parts = _restore_parts(ckpt_dir, step)
+    model_config = run_model_config(config)
+    if model_config is None:
+        raise CheckpointError(f"{ckpt_dir} is not a run of shardlib's decoder (model {config.get('model')!r}); the "
+                              "Hugging Face format needs one: export .npz or .safetensors instead")
+    pretrained = config.get("pretrained") or {}
+    return step, save_pretrained(parts["params"], model_config, out, hf_config=pretrained.get("config"),
+                                 architecture=pretrained.get("architecture"), dtype=dtype,
+                                 max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES,
+                                 tokenizer_file=config.get("tokenizer_file"))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt", required=True, help="run folder of `shardlib train` (its --out) or the checkpoints "
                                                     "directory inside it")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest complete one)")
-    parser.add_argument("--out", required=True, help="output file: FILE.npz or FILE.safetensors")
+    parser.add_argument("--out", required=True, help="output file: FILE.npz or FILE.safetensors; with --hf a directory")
+    parser.add_argument("--hf", action="store_true", help="write a Hugging Face model directory (config.json, "
+                                                         "safetensors shards and index) that transformers loads")
+    parser.add_argument("--dtype", choices=["bf16", "f32"], default=None, help="with --hf: the weights' dtype "
+                                                                              "(default bf16; f32 is bit-exact)")
+    parser.add_argument("--max-shard-mb", type=float, default=None, help="with --hf: the largest safetensors shard "
+                                                                        "(default 5120)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.hf:
+        step, written = export_hf(args.ckpt, args.out, step=args.step, dtype=args.dtype or "bf16",
+                                  max_shard_bytes=None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20))
+        if jax.process_index() == 0:
+            print(f"exported step {step} as {written.architecture}: {written.tensors} tensors in {written.files} "
+                  f"file(s) ({written.bytes / 2**20:.2f} MiB, largest {written.largest_tensor_bytes / 2**20:.2f} MiB) "
+                  f"to {written.directory}")
+        return 0
+    if args.dtype is not None or args.max_shard_mb is not None:
+        raise ValueError("--dtype and --max-shard-mb shape a Hugging Face export: add --hf, or drop them")
     summary = export_params(args.ckpt, args.out, step=args.step)
     if jax.process_index() == 0:
         print(
