@@ -377,6 +377,16 @@ def build(config: GPTConfig, rngs: nnx.Rngs | int = 0) -> GPT:
     return GPT(config, rngs=nnx.Rngs(rngs) if isinstance(rngs, int) else rngs)
 
 
+def from_params(config: GPTConfig, params: Any) -> GPT:
+    """The decoder of ``config`` holding ``params`` (its parameter tree as `shardlib.Model.abstract`
+    lays it out: a checkpoint's, an import's), kept in whatever sharding they have."""
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
 def next_token_loss(model: GPT, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean float32 cross-entropy of ``batch["targets"]`` given ``batch["inputs"]``; aux: accuracy.
 

@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("shardlib.tools.inspect", "per-parameter sharding table for a model, strategy and device count"),
     "launch": ("shardlib.runtime.launch", "run a command as N local processes of one distributed JAX job"),
     "export": ("shardlib.tools.export", "write consolidated weights from a checkpoint"),
+    "generate": ("shardlib.tools.generate", "continue a prompt with a run's checkpoint or a Hugging Face model (KV cache)"),
 }
 
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +54,12 @@ class Pretrained:
 
 
 def is_pretrained_dir(path: str | os.PathLike[str] | None) -> bool:
-    """Whether ``path`` is a Hugging Face model directory (holds a config.json)."""
-    return path is not None and (Path(path).expanduser() / "config.json").is_file()
+    """Whether ``path`` is a Hugging Face model directory: a config.json beside safetensors weights
+    (a `shardlib train` run directory has a config.json too, and checkpoints instead)."""
+    if path is None:
+        return False
+    directory = Path(path).expanduser()
+    return (directory / "config.json").is_file() and any((directory / n).is_file() for n in (SINGLE, INDEX))
 
 
 def read_hf_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -202,13 +204,3 @@ def _read_box(pretrained: Pretrained, t: arch_lib.TensorMap, shape: tuple[int, .
     layers = range(*box[0].indices(shape[0]))
     blocks = [read_one(t.name.format(i=i), shape[1:], box[1:]) for i in layers]
     return np.stack(blocks) if blocks else np.zeros((0, *(len(range(*b.indices(n))) for b, n in zip(box[1:], shape[1:]))))
-
-
-def host_bytes(pretrained: Pretrained) -> int:
-    """Bytes of the checkpoint's tensors as stored (for reports)."""
-    return sum(math.prod(f.shape(n)) * f.dtype(n).itemsize for n, f in pretrained.files.items())
-
-
-def placed_like(params: Mapping[str, Any]) -> Any:
-    """``params`` as abstract arrays with their shardings (for compiling against them)."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params)
