@@ -16,6 +16,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 from shardlib.models import GPTConfig
 from shardlib.models.configs import RopeScaling
 
@@ -194,21 +196,20 @@ class Placement:
         order = [d for group in self.groups for d in group]
         return array.transpose(order).reshape(self.hf_shape(array.shape))
 
-    def read(self, shape: tuple[int, ...], box: tuple[slice, ...], read_hf: Callable[[tuple[slice, ...]], Any]) -> Any:
-        """The ``box`` of shardlib's tensor (of ``shape``), reading only the checkpoint rows that hold
-        it (``read_hf(hf_box)``): each checkpoint dim is read over the range of its outermost
-        shardlib dim, whole in the inner ones, which are then sliced."""
+    def read(self, shape: tuple[int, ...], box: tuple[slice, ...], read_hf: Callable[[tuple[Any, ...]], Any]) -> Any:
+        """The ``box`` of shardlib's tensor (of ``shape``), reading exactly the checkpoint elements
+        that hold it: ``read_hf(index)`` gets, per checkpoint dim, a slice, or the indices (in
+        order) where a shard cuts an inner dim, such as one device's part of every head."""
         box = tuple(slice(*b.indices(n)[:2]) for b, n in zip(box, shape))
-        hf_box = []
+        index = []
         for group in self.groups:
-            inner = math.prod(shape[d] for d in group[1:])
-            hf_box.append(slice(box[group[0]].start * inner, box[group[0]].stop * inner))
-        block = read_hf(tuple(hf_box))
+            ranges = [np.arange(box[d].start, box[d].stop) for d in group]
+            flat = np.ravel_multi_index(np.meshgrid(*ranges, indexing="ij"), [shape[d] for d in group]).reshape(-1)
+            contiguous = flat.size and flat[-1] - flat[0] == flat.size - 1
+            index.append(slice(int(flat[0]), int(flat[-1]) + 1) if contiguous else flat)
+        block = read_hf(tuple(index))
         order = [d for group in self.groups for d in group]
-        split = [box[d].stop - box[d].start if i == 0 else shape[d] for group in self.groups for i, d in enumerate(group)]
-        block = block.reshape(split)
-        inner_box = tuple(slice(None) if d == group[0] else box[d] for group in self.groups for d in group)
-        block = block[inner_box]
+        block = block.reshape([box[d].stop - box[d].start for d in order])
         return block.transpose([order.index(d) for d in range(len(shape))])
 
 

@@ -55,13 +55,17 @@ class TensorFile:
     def dtype(self, name: str) -> np.dtype:
         return self.entries[name][0]
 
-    def read(self, name: str, box: tuple[slice, ...] | None = None) -> np.ndarray:
-        """A copy of ``name[box]`` (whole when ``box`` is None), touching only the pages that hold it."""
+    def read(self, name: str, box: tuple[slice | np.ndarray, ...] | None = None) -> np.ndarray:
+        """A copy of ``name[box]`` (whole when ``box`` is None), touching only the pages that hold it.
+        Each entry of ``box`` is a slice or an array of indices (the outer product of them is read)."""
         dtype, shape, (begin, _) = self.entries[name]
+        box = tuple(box or ())
+        if any(isinstance(b, np.ndarray) for b in box):
+            box = np.ix_(*(np.arange(*b.indices(n)) if isinstance(b, slice) else b for b, n in zip(box, shape)))
         if math.prod(shape) == 0:
-            return np.zeros(shape, dtype)[box or ()]
+            return np.zeros(shape, dtype)[box]
         mapped = np.memmap(self.path, dtype=dtype, mode="r", offset=self.data_start + begin, shape=shape)
-        block = np.array(mapped[box or ()], copy=True)
+        block = np.array(mapped[box], copy=True)
         del mapped  # unmapped here (its last reference): its pages leave this process's resident set
         return block
 

@@ -1,0 +1,221 @@
+"""Hugging Face checkpoints in and out (`shardlib.hf`), against `transformers` (PyTorch, CPU) as the
+independent reference: for Llama (Llama 3.1 rope scaling, explicit head_dim, tied head), Mistral,
+Qwen2 (q/k/v biases) and Gemma ((1 + w) norms, sqrt(d) embeddings, GeGLU, tied head), each saved by
+``save_pretrained`` with random weights (norm scales and biases drawn too, so none is trivial):
+
+* logits equal transformers' in f32 on 1 device and under zero3 and fsdp_tp on 8 devices;
+* each device reads only its own shard of each tensor from the files;
+* one zero3 fine-tuning step from the imported weights equals a plain ``jax.jit`` + optax step;
+* greedy generation with the KV cache gives transformers' ``generate`` token ids;
+* the export loads in transformers with the same logits, and HF -> shardlib -> HF in f32 is bit-exact;
+* what is not reproduced (architectures, rope types, sliding windows, foreign tensors) is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from shardlib import build, make_layout, make_mesh  # noqa: E402
+from shardlib.hf import architectures as arch_lib  # noqa: E402
+from shardlib.hf.load import PretrainedError, load_params, open_pretrained  # noqa: E402
+from shardlib.hf.safetensors_io import TensorFile  # noqa: E402
+from shardlib.hf.save import save_pretrained  # noqa: E402
+from shardlib.models import trainable  # noqa: E402
+from shardlib.models.gpt import from_params, generate, next_token_loss  # noqa: E402
+
+VOCAB = 256
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=32, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=64)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
+}
+SEQ = 16
+
+
+def _save(name: str, directory: Path, **shard) -> Path:
+    config_cls, model_cls, extra = ARCHS[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **extra))
+    with torch.no_grad():  # scales and biases start at 1 / 0 in transformers: draw them so they matter
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name or "bias" in param_name:
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(directory, **shard)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """One random-weight checkpoint per architecture; Llama's in several shards with an index."""
+    root = tmp_path_factory.mktemp("hf")
+    return {name: _save(name, root / name, **({"max_shard_size": "100KB"} if name == "llama" else {}))
+            for name in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def tokens() -> np.ndarray:
+    return np.random.RandomState(0).randint(0, VOCAB, (2, SEQ)).astype(np.int32)
+
+
+def _reference_logits(directory: Path, tokens: np.ndarray) -> np.ndarray:
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+def _placed(directory: Path, strategy: str, mesh: dict[str, int]):
+    pretrained = open_pretrained(directory)
+    model = trainable(pretrained.model_config)
+    layout = make_layout(model, strategy, make_mesh(mesh, devices=jax.devices()[:int(np.prod(list(mesh.values())))]))
+    return pretrained, model, layout, load_params(pretrained, layout.param_shardings())
+
+
+CASES = [("dp", {"data": 1}), ("zero3", {"fsdp": 8}), ("fsdp_tp", {"fsdp": 4, "tensor": 2})]
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_logits_equal_transformers_on_one_and_eight_devices(checkpoints, tokens, name):
+    expected = _reference_logits(checkpoints[name], tokens)
+    assert np.abs(expected).max() > 0.1  # logits of a scale the 1e-4 bound means something at
+    for strategy, mesh in CASES:
+        pretrained, model, _, params = _placed(checkpoints[name], strategy, mesh)
+        logits = np.asarray(jax.jit(model.apply)(params, jnp.asarray(tokens)))
+        gap = np.abs(logits - expected).max()
+        assert gap <= 1e-4, f"{name} under {strategy}: max |logits - transformers'| = {gap}"
+
+
+def test_each_device_reads_only_its_shard(checkpoints, monkeypatch):
+    """Under zero3 on 8 devices every tensor is read once per distinct shard: the elements read
+    add up to the checkpoint's, not 8 copies of it (nothing whole in host memory)."""
+    read: list[int] = []
+    original = TensorFile.read
+
+    def spy(self, name, box=None):
+        block = original(self, name, box)
+        read.append(block.size)
+        return block
+
+    monkeypatch.setattr(TensorFile, "read", spy)
+    pretrained, _, layout, params = _placed(checkpoints["qwen2"], "zero3", {"fsdp": 8})
+    stored = sum(int(np.prod(f.shape(n))) for n, f in pretrained.files.items())
+    assert sum(read) == stored
+    sharded = [a for a in jax.tree.leaves(params) if a.sharding.shard_shape(a.shape) != a.shape]
+    assert sharded and max(len(read), 1) > len(jax.tree.leaves(params))  # shard-sized reads, not one per tensor
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_a_zero3_fine_tuning_step_equals_plain_jit(checkpoints, tokens, name):
+    """The imported weights, one AdamW step under zero3 on 8 devices, against the same step written
+    with jax.jit + optax on the module's own parameters (no shardlib in the step)."""
+    pretrained, model, layout, params = _placed(checkpoints[name], "zero3", {"fsdp": 8})
+    tx = optax.adamw(1e-3, eps=1e-5)
+    program = build(model, tx, layout)
+    batch = {"inputs": np.tile(tokens, (4, 1)), "targets": np.roll(np.tile(tokens, (4, 1)), -1, axis=1)}
+    state, metrics = program.step(program.init_from(params), batch)
+
+    host = jax.tree.map(np.asarray, params)
+
+    def loss(p, b):
+        return next_token_loss(from_params(pretrained.model_config, p), b)[0]
+
+    @jax.jit
+    def plain(p, b):
+        value, grads = jax.value_and_grad(loss)(p, b)
+        updates, _ = tx.update(grads, tx.init(p), p)
+        return optax.apply_updates(p, updates), value
+
+    expected, expected_loss = plain(host, batch)
+    np.testing.assert_allclose(float(metrics["loss"]), float(expected_loss), rtol=1e-6)
+    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(state.params)[0], jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma"])
+def test_greedy_generation_equals_transformers(checkpoints, tokens, name):
+    reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32)
+    prompt = tokens[:, :6]
+    with torch.no_grad():
+        want = reference.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=10, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0).numpy()
+    pretrained, _, _, params = _placed(checkpoints[name], "zero3", {"fsdp": 8})
+    got = generate(from_params(pretrained.model_config, params), prompt, 10, rng=jax.random.key(0), temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_export_round_trip_is_bit_exact_and_loads_in_transformers(checkpoints, tokens, tmp_path):
+    """HF -> shardlib (zero3 shards) -> HF in f32: every tensor equal bit for bit, the index names
+    each shard, and transformers' logits of the export equal those of the original."""
+    source = checkpoints["qwen2"]
+    pretrained, _, _, params = _placed(source, "zero3", {"fsdp": 8})
+    out = tmp_path / "export"
+    written = save_pretrained(params, pretrained.model_config, out, hf_config=pretrained.hf_config,
+                              architecture=pretrained.architecture.name, dtype="f32", max_shard_bytes=40_000)
+    assert written.files > 1 and (out / "model.safetensors.index.json").is_file()
+    exported = open_pretrained(out)
+    for name, file in pretrained.files.items():
+        original, copy = file.read(name), exported.files[name].read(name)
+        assert original.dtype == copy.dtype and np.array_equal(original.view(np.uint32), copy.view(np.uint32)), name
+    assert set(exported.files) == set(pretrained.files)
+    np.testing.assert_array_equal(_reference_logits(out, tokens), _reference_logits(source, tokens))
+
+
+def test_refusals_name_what_is_not_reproduced(checkpoints, tmp_path):
+    base = json.loads((checkpoints["mistral"] / "config.json").read_text())
+    cases = {
+        "architecture": ({**base, "architectures": ["Gemma2ForCausalLM"]}, "Gemma2ForCausalLM.*LlamaForCausalLM"),
+        "rope": ({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope type 'yarn'"),
+        "bias": ({**base, "architectures": ["LlamaForCausalLM"], "attention_bias": True}, "attention_bias=True"),
+    }
+    for label, (config, message) in cases.items():
+        with pytest.raises(arch_lib.UnsupportedModel, match=message):
+            arch_lib.to_gpt_config(config, label)
+    with pytest.raises(arch_lib.UnsupportedModel, match="sliding_window=64.*at most 64 tokens"):
+        open_pretrained(checkpoints["mistral"], seq_len=128)
+    assert open_pretrained(checkpoints["mistral"], seq_len=64).model_config.n_layers == 2
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text(json.dumps(base))
+    (pickled / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(PretrainedError, match="pytorch_model.bin.*never loaded"):
+        open_pretrained(pickled)
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    (wrong / "config.json").write_text(json.dumps({**base, "intermediate_size": 96}))
+    os.symlink(checkpoints["mistral"] / "model.safetensors", wrong / "model.safetensors")
+    with pytest.raises(PretrainedError, match=r"gate_proj.weight' has shape \[128, 64\], and config.json implies \[96, 64\]"):
+        open_pretrained(wrong)
+
+
+def test_completion_only_loss_counts_the_masked_targets(tokens):
+    """``loss_mask`` makes the loss the mean over the counted targets, as written out by hand."""
+    from shardlib.models import build as build_gpt, get_config
+
+    with nnx.use_eager_sharding(False):
+        model = build_gpt(get_config("tiny"))
+    mask = np.zeros(tokens.shape, np.float32)
+    mask[:, 10:] = 1.0
+    batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1), "loss_mask": mask}
+    loss, _ = next_token_loss(model, batch)
+    logp = np.asarray(jax.nn.log_softmax(model(tokens)), np.float64)
+    ce = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+    np.testing.assert_allclose(float(loss), (ce * mask).sum() / mask.sum(), rtol=1e-5)
