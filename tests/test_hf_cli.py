@@ -1,0 +1,128 @@
+"""The pretrained workflow from the command line: a transformers-written Llama and a byte-level BPE
+tokenizer the tokenizers library trains offline, fine-tuned under zero3 (`shardlib train
+--init-from --tokenizer`), exported (`shardlib export --hf`), loaded back by transformers, and
+continued by `shardlib generate`; instruction data trains on its completions only.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from shardlib.cli import main  # noqa: E402
+from shardlib.hf.load import open_pretrained  # noqa: E402
+from shardlib.hf.tokenizer import instruction_rows, load_tokenizer, tokenize_text  # noqa: E402
+from shardlib.run.config import TrainConfig  # noqa: E402
+from shardlib.run.train import train  # noqa: E402
+from shardlib.runtime.data import default_corpus  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pretrained")
+    text = default_corpus().decode("utf-8", errors="replace")[:60_000]
+    (root / "corpus.txt").write_text(text, encoding="utf-8")
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator([text], vocab_size=256, show_progress=False)
+    bpe.save(str(root / "tokenizer.json"))
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "llama", max_shard_size="100KB")
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(workspace):
+    """The issue's command: 5 zero3 steps from the imported weights, checkpointed, then exported in f32."""
+    args = ["train", "--init-from", str(workspace / "llama"), "--data", str(workspace / "corpus.txt"),
+            "--tokenizer", str(workspace / "tokenizer.json"), "--strategy", "zero3", "--steps", "5",
+            "--ckpt-every", "5", "--out", str(workspace / "R"), "--batch-size", "8", "--seq-len", "32",
+            "--no-progress", "--sample-tokens", "0"]
+    assert main(args) == 0
+    assert main(["export", "--ckpt", str(workspace / "R"), "--out", str(workspace / "EXP"), "--hf", "--dtype", "f32",
+                 "--max-shard-mb", "0.1"]) == 0
+    return workspace / "R", workspace / "EXP"
+
+
+def test_train_from_hf_then_export_loads_in_transformers(workspace, trained):
+    run, exported = trained
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["pretrained"]["architecture"] == "LlamaForCausalLM"
+    assert (exported / "model.safetensors.index.json").is_file() and (exported / "tokenizer.json").is_file()
+    fine_tuned = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    original = transformers.AutoModelForCausalLM.from_pretrained(workspace / "llama", dtype=torch.float32)
+    ids = torch.tensor([load_tokenizer(workspace / "tokenizer.json").encode("def main():")])
+    with torch.no_grad():
+        moved = (fine_tuned(ids).logits - original(ids).logits).abs().max().item()
+    assert moved > 1e-4  # the export holds the fine-tuned weights, not the imported ones
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r][-1] == 5
+
+
+@pytest.mark.parametrize("source", ["hf", "run"])
+def test_generate_equals_transformers_greedy(workspace, trained, capsys, source):
+    """`shardlib generate` (zero3 over 8 devices, KV cache) from the Hugging Face directory and from
+    the run's checkpoint: transformers' greedy continuation of the same weights, token for token."""
+    run, exported = trained
+    given, reference_dir = (workspace / "llama", workspace / "llama") if source == "hf" else (run, exported)
+    tokenizer = load_tokenizer(workspace / "tokenizer.json")
+    prompt = "import os"
+    assert main(["generate", "--from", str(given), "--tokenizer", str(workspace / "tokenizer.json"), "--prompt", prompt,
+                 "--max-new-tokens", "12", "--strategy", "zero3"]) == 0
+    ours = capsys.readouterr().out
+    reference = transformers.AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32)
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+    assert ours == prompt + tokenizer.decode(out) + "\n"
+    assert len(set(out)) > 1 or source == "run"  # the random model's continuation is not one repeated token
+
+
+def test_text_is_tokenized_once_and_cached_beside_the_data(workspace, trained):
+    tokenizer = load_tokenizer(workspace / "tokenizer.json")
+    ids, cache, cached = tokenize_text(tokenizer, str(workspace / "corpus.txt"))
+    assert cached and cache.parent == workspace and cache.name.startswith("corpus.txt.")  # the train run wrote it
+    fresh = np.asarray(tokenizer.backend.encode((workspace / "corpus.txt").read_text()).ids)
+    np.testing.assert_array_equal(np.asarray(ids), fresh)
+    (workspace / "corpus2.txt").write_text("another text", encoding="utf-8")
+    assert tokenize_text(tokenizer, str(workspace / "corpus2.txt"))[1] != cache
+
+
+def test_instruction_data_counts_only_the_completions(workspace, tmp_path):
+    tokenizer = load_tokenizer(workspace / "tokenizer.json")
+    rows = [{"prompt": f"Q{i}: what is {i} + {i}? A:", "completion": f" {2 * i}"} for i in range(40)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    examples = instruction_rows(tokenizer, data, seq_len=32)
+    first = examples.tokens[0]
+    prompt_len = len(tokenizer.encode(rows[0]["prompt"]))
+    counted = np.flatnonzero(examples.mask[0])  # target t predicts token t + 1
+    assert list(counted + 1) == list(range(prompt_len, prompt_len + len(tokenizer.encode(rows[0]["completion"]))))
+    assert tokenizer.decode(first[counted + 1]) == rows[0]["completion"]
+    result = train(TrainConfig(init_from=str(workspace / "llama"), data=str(data), tokenizer=str(workspace / "tokenizer.json"),
+                               strategy="zero3", steps=3, batch_size=8, seq_len=32, eval_every=0, sample_tokens=0,
+                               progress=False, verbose=False, tensorboard=False, out=str(tmp_path / "run")))
+    # The first step's loss is the imported model's on batch 0, over the completion tokens only: as
+    # transformers computes it on the same rows.
+    from shardlib.runtime.rows import RowBatches, split_rows
+
+    (tokens, mask), _ = split_rows(examples.tokens, examples.mask)
+    batch = RowBatches(tokens, mask, 8, seed=0, process_index=0, process_count=1).batch(0)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(workspace / "llama", dtype=torch.float32)
+    with torch.no_grad():
+        logits = reference(torch.tensor(batch["inputs"], dtype=torch.long)).logits
+        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), torch.tensor(batch["targets"], dtype=torch.long),
+                                               reduction="none").numpy()
+    expected = (ce * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+    first = next(r for r in result.records if r.get("step") == 1 and "loss" in r)
+    np.testing.assert_allclose(first["loss"], expected, rtol=1e-5)
+    assert abs(first["loss"] - ce.mean()) > 1e-3  # the unmasked mean differs: the mask is what made them equal
