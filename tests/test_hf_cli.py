@@ -126,3 +126,32 @@ def test_instruction_data_counts_only_the_completions(workspace, tmp_path):
     first = next(r for r in result.records if r.get("step") == 1 and "loss" in r)
     np.testing.assert_allclose(first["loss"], expected, rtol=1e-5)
     assert abs(first["loss"] - ce.mean()) > 1e-3  # the unmasked mean differs: the mask is what made them equal
+
+
+def test_generate_places_the_import_over_two_processes(workspace, capsys):
+    """hsdp on 2 processes x 4 devices (`shardlib launch`): each process reads its own devices'
+    shards of the Hugging Face files, and the greedy continuation is transformers'."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLIB_")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")])))
+    prompt = "class Mesh"
+    done = subprocess.run(
+        [sys.executable, "-m", "shardlib.cli", "launch", "--processes", "2", "--devices-per-process", "4", "--",
+         sys.executable, "-m", "shardlib.cli", "generate", "--from", str(workspace / "llama"), "--tokenizer",
+         str(workspace / "tokenizer.json"), "--prompt", prompt, "--max-new-tokens", "10", "--strategy", "hsdp",
+         "--mesh", "data=2,fsdp=4"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = [line.split(" ", 1)[1] for line in done.stdout.splitlines() if line.startswith("[p0] ")]
+    tokenizer = load_tokenizer(workspace / "tokenizer.json")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(workspace / "llama", dtype=torch.float32)
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+    assert "\n".join(printed) == prompt + tokenizer.decode(out)
+    assert not any(line.startswith("[p1] ") and prompt in line for line in done.stdout.splitlines())

@@ -35,11 +35,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=["f32", "bf16"], default="f32", help="compute dtype (default f32)")
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.cpu_devices is not None:
+def _setup_devices(cpu_devices: int | None) -> None:
+    """Join the multi-process job this process belongs to (`shardlib launch`, SLURM, a TPU pod), or
+    simulate ``cpu_devices`` CPU devices when asked."""
+    from shardlib.runtime import distributed
+
+    if distributed.plan().multi_process:
+        distributed.initialize()
+    elif cpu_devices is not None:
         from shardlib.runtime.devices import simulate_cpu_devices
 
-        simulate_cpu_devices(args.cpu_devices)
+        simulate_cpu_devices(cpu_devices)
+
+
+def run(args: argparse.Namespace) -> int:
+    _setup_devices(args.cpu_devices)
     import jax
     import numpy as np
 
