@@ -12,6 +12,7 @@ slice in flight.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -179,18 +180,22 @@ def load_params(pretrained: Pretrained, shardings: Any, dtype: Any = np.float32)
 
 def _place(pretrained: Pretrained, t: arch_lib.TensorMap, shape: tuple[int, ...], sharding: Any,
            dtype: np.dtype) -> jax.Array:
-    """One parameter: each local device's shard read from the checkpoint (once per distinct shard)."""
-    read: dict[tuple, np.ndarray] = {}
-
-    def shard(index: tuple[slice, ...]) -> np.ndarray:
-        key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-        if key not in read:
-            read[key] = _read_box(pretrained, t, shape, tuple(slice(*k) for k in key)).astype(dtype)
-        return read[key]
-
-    array = jax.make_array_from_callback(shape, sharding, shard)
-    read.clear()
-    return array
+    """One parameter, shard by shard: each local device's shard is read, converted, copied to its
+    device and dropped before the next is read (a shard that several devices hold is read once and
+    dropped after its last copy), so host memory holds one shard at a time, not the tensor."""
+    wanted = {device: tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+              for device, index in sharding.addressable_devices_indices_map(shape).items()}
+    uses = collections.Counter(wanted.values())
+    held: dict[tuple, np.ndarray] = {}
+    shards = []
+    for device, key in wanted.items():
+        if key not in held:
+            held[key] = _read_box(pretrained, t, shape, tuple(slice(*k) for k in key)).astype(dtype)
+        shards.append(jax.device_put(held[key], device))
+        uses[key] -= 1
+        if not uses[key]:
+            del held[key]
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
 
 def _read_box(pretrained: Pretrained, t: arch_lib.TensorMap, shape: tuple[int, ...], box: tuple[slice, ...]) -> np.ndarray:

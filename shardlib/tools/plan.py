@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from shardlib.backend import platform_of, policy_for
@@ -126,17 +127,37 @@ class PlanRow:
 # ----------------------------------------------------------------------------------------------
 
 
+def _is_hf_config(model: str) -> bool:
+    path = Path(model).expanduser()
+    return path.name == "config.json" and path.is_file() or (path / "config.json").is_file()
+
+
+def _hf_config(model: str) -> Any:
+    """The `GPTConfig` of a Hugging Face config.json (or the model directory holding one): a plan
+    needs the shapes only, so no weights need be present."""
+    from shardlib.hf.architectures import UnsupportedModel, to_gpt_config
+
+    path = Path(model).expanduser()
+    path = path if path.name == "config.json" else path / "config.json"
+    try:
+        return to_gpt_config(json.loads(path.read_text(encoding="utf-8")), str(path))
+    except (UnsupportedModel, ValueError) as err:
+        raise PlanError(f"{err} (--model)") from None
+
+
 def resolve_config(model: Any, precision: str = "f32", remat: bool | None = None) -> Any:
     """A GPTConfig from a name or a config, with the plan's compute dtype (and remat) applied."""
     from shardlib.models import GPTConfig, get_config
 
     if precision not in PRECISIONS:
         raise PlanError(f"unknown precision {precision!r} (--precision); choose one of {', '.join(PRECISIONS)}")
-    if isinstance(model, str):
+    if isinstance(model, str) and _is_hf_config(model):
+        config = _hf_config(model)
+    elif isinstance(model, str):
         try:
             config = get_config(model)
         except ValueError as err:
-            raise PlanError(f"{err} (--model)") from None
+            raise PlanError(f"{err} or a Hugging Face config.json / model directory (--model)") from None
     elif isinstance(model, GPTConfig):
         config = model
     else:
@@ -822,7 +843,8 @@ MODEL_NOTES: dict[str, str] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model config name (models.CONFIGS), e.g. llama-7b")
+    parser.add_argument("--model", required=True, help="model config name (models.CONFIGS), e.g. llama-7b, or a Hugging "
+                                                       "Face config.json or model directory (the shapes only)")
     parser.add_argument("--devices", type=int, help="number of devices to plan for (simulated CPU devices)")
     parser.add_argument("--topology", nargs="+", metavar="NAME",
                         help="plan with the real TPU compiler for a TPU slice, JAX's names: v5e:2x4, v5p:4x4x4, "
