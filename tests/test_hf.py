@@ -150,7 +150,7 @@ def test_a_zero3_fine_tuning_step_equals_plain_jit(checkpoints, tokens, name):
                                    err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma"])
+@pytest.mark.parametrize("name", list(ARCHS))
 def test_greedy_generation_equals_transformers(checkpoints, tokens, name):
     reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32)
     prompt = tokens[:, :6]

@@ -128,6 +128,27 @@ def test_instruction_data_counts_only_the_completions(workspace, tmp_path):
     assert abs(first["loss"] - ce.mean()) > 1e-3  # the unmasked mean differs: the mask is what made them equal
 
 
+def test_chat_messages_count_the_assistant_turns(workspace, tmp_path):
+    """A chat rendered by the tokenizer's chat_template: the assistant's tokens count, the rest not."""
+    directory = tmp_path / "tok"
+    directory.mkdir()
+    (directory / "tokenizer.json").write_bytes((workspace / "tokenizer.json").read_bytes())
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    chat = {"messages": [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello!"},
+                         {"role": "user", "content": "bye"}, {"role": "assistant", "content": "see you"}]}
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps(chat) + "\n")
+    tokenizer = load_tokenizer(directory)
+    rows = instruction_rows(tokenizer, data, seq_len=64)
+    counted = np.flatnonzero(rows.mask[0]) + 1  # the tokens the counted targets predict
+    assert tokenizer.decode(rows.tokens[0][counted]) == "<assistant>hello!\n<assistant>see you\n"
+    no_template = tmp_path / "plain.jsonl"
+    no_template.write_text(json.dumps(chat) + "\n")
+    with pytest.raises(ValueError, match="no chat_template"):
+        instruction_rows(load_tokenizer(workspace / "tokenizer.json"), no_template, seq_len=64)
+
+
 def test_generate_places_the_import_over_two_processes(workspace, capsys):
     """hsdp on 2 processes x 4 devices (`shardlib launch`): each process reads its own devices'
     shards of the Hugging Face files, and the greedy continuation is transformers'."""
@@ -155,3 +176,15 @@ def test_generate_places_the_import_over_two_processes(workspace, capsys):
                                  pad_token_id=0)[0, len(ids):].tolist()
     assert "\n".join(printed) == prompt + tokenizer.decode(out)
     assert not any(line.startswith("[p1] ") and prompt in line for line in done.stdout.splitlines())
+
+
+def test_resuming_a_fine_tune_without_init_from_names_the_flag(workspace, trained, capsys):
+    """The run's checkpoint holds the imported architecture: a rerun without --init-from is refused
+    in one line that names the directory to pass (nothing is written)."""
+    run, _ = trained
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert main(["train", "--resume-from", str(run), "--steps", "6", "--no-progress", "--batch-size", "8",
+                 "--seq-len", "32"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--init-from" in err[0] and str(workspace / "llama") in err[0]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before

@@ -58,13 +58,19 @@ def refuse_silent_restart(config: TrainConfig, out_dir: Path) -> None:
 def model_mismatch(config: TrainConfig, ckpt: Any, target: Any, err: Exception) -> Exception:
     """The error for a checkpoint that does not fit this run: when it was saved by another ``--model``,
     one sentence naming both and the two fixes, then the first few tensors that differ."""
-    saved = ckpt.saved_config().get("model")
-    if saved is None or saved == config.model:
-        return err
+    saved_config = ckpt.saved_config()
+    saved, pretrained = saved_config.get("model"), saved_config.get("pretrained")
     from shardlib.runtime.checkpoint import signature_mismatches, tree_signature
     from shardlib.sharding.rules import listed
 
     diff = signature_mismatches(ckpt.saved_signature(), tree_signature(target))
+    if isinstance(pretrained, dict) and config.init_from is None:  # started from a Hugging Face model
+        return TrainConfigError("init_from", f"checkpoint is a fine-tune of {pretrained.get('source')} "
+                                             f"({pretrained.get('architecture')}): pass --init-from with that "
+                                             "directory to resume it (its checkpoint, not the directory's weights, "
+                                             f"is restored). ({len(diff)} tensors differ: {listed(diff, limit=3, sep='; ')})")
+    if saved is None or saved == config.model:
+        return err
     return TrainConfigError("model", f"checkpoint is model {saved!r}, this run is {config.model!r}: pass --model "
                                      f"{saved} to resume it, or a new --out to start another run. "
                                      f"({len(diff)} tensors differ: {listed(diff, limit=3, sep='; ')})")
