@@ -25,6 +25,11 @@ class GPTConfig:
     rope_theta: float = 10_000.0
     compute_dtype: Any = "float32"  # anything jnp.dtype accepts; params stay float32
     remat: bool = True
+    # What a rematerialised block keeps for the backward pass (`models.gpt.REMAT_POLICIES`):
+    # "full" nothing (recompute the block), "save_dots" every projection's output,
+    # "save_dots_except_mlp_in" all but the MLP's input projections (MaxText's best v5p runs),
+    # "offload_dots" every projection's output in host memory. Ignored when ``remat`` is False.
+    remat_policy: str = "full"
     norm_eps: float = 1e-5
     # "einsum": scores written out in float32 (any backend); "blocked": the same, 32 queries at a time,
     # each block recomputed in the backward pass (a 32 x T slice of the scores live, not T x T);
@@ -46,6 +51,8 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
             raise ValueError(f"attention={self.attention!r} is not one of {ATTENTION}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"remat_policy={self.remat_policy!r} is not one of {REMAT_POLICIES}")
         if self.mlp_activation not in MLP_ACTIVATIONS:
             raise ValueError(f"mlp_activation={self.mlp_activation!r} is not one of {tuple(MLP_ACTIVATIONS)}")
         if self.n_kv_heads is None:
@@ -73,6 +80,10 @@ class RopeScaling:
     high_freq_factor: float
     original_max_len: int
 
+
+# Rematerialisation policies by name, least recompute last (`models.gpt.REMAT_POLICIES` builds them);
+# "none" is ``remat=False``.
+REMAT_POLICIES = ("full", "save_dots_except_mlp_in", "save_dots", "offload_dots")
 
 # The gate activations of the gated MLP, by name (`models.gpt.GatedMLP`).
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from .configs import GPTConfig, RopeScaling
 from shardlib.model import attention as attention_lib
@@ -125,7 +126,8 @@ class Attention(nnx.Module):
     def project(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries, keys (both rotated) and values of ``x``: [batch, seq, (kv_)heads, head_dim]."""
         dtype = x.dtype
-        q, k, v = (jnp.einsum("btd,dhk->bthk", x, w[...].astype(dtype)) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (checkpoint_name(jnp.einsum("btd,dhk->bthk", x, w[...].astype(dtype)), "qkv_proj")
+                   for w in (self.wq, self.wk, self.wv))
         if hasattr(self, "bq"):
             q, k, v = (y + b[...].astype(dtype) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         q = constrain(apply_rope(q, sin, cos), ("batch", "seq", "heads", "head_dim"))
@@ -134,7 +136,7 @@ class Attention(nnx.Module):
 
     def output(self, out: jax.Array) -> jax.Array:
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))
-        return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(out.dtype))
+        return checkpoint_name(jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(out.dtype)), "out_proj")
 
     def cached(self, x: jax.Array, sin: jax.Array, cos: jax.Array, cache: KVCache, start: jax.Array
                ) -> tuple[jax.Array, KVCache]:
@@ -222,6 +224,18 @@ def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: in
     return out.swapaxes(0, 1).reshape(batch, seq, heads, head_dim)
 
 
+# What a rematerialised block saves, by `GPTConfig.remat_policy` (the projections are tagged with
+# `checkpoint_name`: qkv_proj, out_proj, mlp_in, mlp_out); None saves nothing.
+_PROJECTIONS = ("qkv_proj", "out_proj", "mlp_in", "mlp_out")
+REMAT_POLICIES = {
+    "full": lambda: None,
+    "save_dots": lambda: jax.checkpoint_policies.save_only_these_names(*_PROJECTIONS),
+    "save_dots_except_mlp_in": lambda: jax.checkpoint_policies.save_only_these_names("qkv_proj", "out_proj", "mlp_out"),
+    "offload_dots": lambda: jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=_PROJECTIONS, offload_src="device",
+        offload_dst="pinned_host"),
+}
+
 # The gate activations by `GPTConfig.mlp_activation`: SwiGLU's and GeGLU's (tanh-approximated GELU, Gemma's).
 GATE_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
@@ -238,10 +252,10 @@ class GatedMLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = x.dtype
-        gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dtype))
-        up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dtype))
+        gate = checkpoint_name(jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dtype)), "mlp_in")
+        up = checkpoint_name(jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dtype)), "mlp_in")
         hidden = constrain(GATE_ACTIVATIONS[self.activation](gate) * up, ("batch", "seq", "mlp"))
-        return jnp.einsum("btf,fd->btd", hidden, self.w_down[...].astype(dtype))
+        return checkpoint_name(jnp.einsum("btf,fd->btd", hidden, self.w_down[...].astype(dtype)), "mlp_out")
 
 
 class Block(nnx.Module):
@@ -338,8 +352,8 @@ class GPT(nnx.Module):
             block = nnx.merge(graphdef, gather_layer(layer_state))
             return block(x, sin, cos), None
 
-        if self.config.remat:
-            body = jax.checkpoint(body, prevent_cse=False)  # prevent_cse is not needed inside scan
+        if self.config.remat:  # prevent_cse is not needed inside scan
+            body = jax.checkpoint(body, prevent_cse=False, policy=REMAT_POLICIES[self.config.remat_policy]())
         x, _ = jax.lax.scan(body, x, stacked)
         return x
 

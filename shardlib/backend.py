@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 
@@ -69,6 +69,25 @@ class BackendPolicy:
     # Metrics (loss, aux) are summed over devices in float32 on every backend: a bf16 psum of a
     # metric aborts XLA:CPU (AllReducePromotion) and loses digits everywhere.
     f32_metric_sums: bool = True
+    # XLA options every train and eval step compiles with on this backend (docs/tpu.md says what
+    # each changed in a program compiled here). A key the user sets in LIBTPU_INIT_ARGS is left to
+    # that; `build(compiler_options=)` / `--xla-options` override both (`compiler_options`).
+    compiler_options: tuple[tuple[str, str], ...] = ()
+
+
+# XLA:TPU decomposes a 1-D all-gather over a 3-D torus (v5p:4x4x4) into an all-reduce of a
+# zero-filled buffer: 7 all-reduces and no all-gather in a 4-layer FSDP MLP over 64 chips. With
+# these, the same program has 9 all-gathers and 3 all-reduces (jax 0.10.2, libtpu 0.0.42.1); on
+# v5e:2x4 the gathers are real either way. The same group MaxText sets for FSDP on v5p
+# (its CF_FOR_ALL_GATHER and DATA_PARALLEL_OVERLAP flag groups).
+TPU_COLLECTIVE_OPTIONS: tuple[tuple[str, str], ...] = (
+    ("xla_tpu_enable_async_collective_fusion", "true"),
+    ("xla_tpu_enable_async_collective_fusion_fuse_all_gather", "true"),
+    ("xla_tpu_enable_async_collective_fusion_multiple_steps", "true"),
+    ("xla_tpu_overlap_compute_collective_tc", "true"),
+    ("xla_enable_async_all_gather", "true"),
+    ("xla_tpu_prefer_async_allgather_to_allreduce", "true"),
+)
 
 
 POLICIES: dict[str, BackendPolicy] = {
@@ -78,7 +97,8 @@ POLICIES: dict[str, BackendPolicy] = {
     "gpu": BackendPolicy("gpu", matmul_order=False, custom_vjp_gather=False, cast_before_gather=True,
                          state_from_last=False, steps_in_flight=2, attention="cudnn"),
     "tpu": BackendPolicy("tpu", matmul_order=False, custom_vjp_gather=False, cast_before_gather=True,
-                         state_from_last=False, steps_in_flight=2, bucket_scatters=False, attention="einsum"),
+                         state_from_last=False, steps_in_flight=2, bucket_scatters=False, attention="einsum",
+                         compiler_options=TPU_COLLECTIVE_OPTIONS),
 }
 # JAX's platform names for the same backends.
 _ALIASES = {"cuda": "gpu", "rocm": "gpu"}
@@ -115,15 +135,47 @@ def policy_for(devices: Any) -> BackendPolicy:
     return get_policy(_FORCED.get() or platform_of(devices))
 
 
-def step_compiler_options(devices: Any, reduce_dtype: Any) -> dict[str, str] | None:
-    """The XLA options of a train step on ``devices`` that reduces its gradients in ``reduce_dtype``
-    (None: no options). Read from the devices' own policy, never a `forced` one: they are for the
-    compiler that really compiles the step."""
+def step_compiler_options(devices: Any, reduce_dtype: Any = None,
+                          given: Mapping[str, Any] | None = None) -> dict[str, str] | None:
+    """The XLA options of a step on ``devices`` that reduces its gradients in ``reduce_dtype``
+    (None: no options): the policy's own, less any key ``LIBTPU_INIT_ARGS`` sets, the narrow-
+    reduction ones when the gradients are reduced below float32, then ``given`` (the user's) over
+    all. Read from the devices' own policy, never a `forced` one: they are for the compiler that
+    really compiles the step."""
     import numpy as np
 
-    if reduce_dtype is None or np.dtype(reduce_dtype).itemsize >= 4:
-        return None
-    return dict(get_policy(platform_of(devices)).narrow_reduce_options) or None
+    policy = get_policy(platform_of(devices))
+    from_env = env_option_keys()
+    options = {k: v for k, v in policy.compiler_options if k not in from_env}
+    if reduce_dtype is not None and np.dtype(reduce_dtype).itemsize < 4:
+        options.update(policy.narrow_reduce_options)
+    options.update({k: _option_text(v) for k, v in (given or {}).items()})
+    return options or None
+
+
+def env_option_keys() -> set[str]:
+    """The option names set in ``LIBTPU_INIT_ARGS`` (``--name=value`` words), which libtpu reads at start."""
+    import os
+
+    words = os.environ.get("LIBTPU_INIT_ARGS", "").split()
+    return {w.lstrip("-").split("=", 1)[0] for w in words if w.startswith("--")}
+
+
+def _option_text(value: Any) -> str:
+    """An option value as XLA reads it: booleans lower case, everything else as written."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def parse_options(text: str | None) -> dict[str, str]:
+    """``"key=value,key2=value2"`` (``--xla-options``) -> a dict; a word without ``=`` is refused."""
+    options = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"XLA option {item!r} is not of the form name=value (e.g. "
+                             "xla_tpu_enable_async_collective_fusion=true)")
+        options[key.strip().lstrip("-")] = value.strip()
+    return options
 
 
 @contextlib.contextmanager
@@ -139,4 +191,5 @@ def forced(platform: str) -> Iterator[BackendPolicy]:
         _FORCED.reset(token)
 
 
-__all__ = ["POLICIES", "BackendPolicy", "forced", "get_policy", "platform_of", "policy_for", "step_compiler_options"]
+__all__ = ["POLICIES", "TPU_COLLECTIVE_OPTIONS", "BackendPolicy", "env_option_keys", "forced", "get_policy",
+           "parse_options", "platform_of", "policy_for", "step_compiler_options"]

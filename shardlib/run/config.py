@@ -126,6 +126,10 @@ class TrainConfig:
                                  "scaling)", choices=list(PRECISIONS))
     reduce_dtype: str = flag("f32", "dtype the gradients are reduced in over the batch axes (reduce-scatter / "
                                     "all-reduce; default f32; bf16 halves those bytes)", choices=["f32", "bf16"])
+    remat: str = flag("full", "what each block keeps for its backward pass: none (everything, no recompute), full "
+                              "(nothing, recompute the block), save_dots_except_mlp_in, save_dots, offload_dots (the "
+                              "projections' outputs in host memory); reference decoders only (default %(default)s)",
+                      choices=["none", "full", "save_dots_except_mlp_in", "save_dots", "offload_dots"])
     grad_accum: int = flag(1, "split each step's batch into K microbatches, one optimizer update (default 1)",
                            metavar="K")
     grad_compression: str = flag("none", "compress the gradient reduction (int8: per-block scales + error "

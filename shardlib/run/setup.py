@@ -223,7 +223,13 @@ def _model_config(config: TrainConfig, pretrained=None):
         if config.vocab_size < 2:
             raise TrainConfigError("vocab_size", f"must be at least 2, got {config.vocab_size}")
         model_config = dataclasses.replace(model_config, vocab_size=config.vocab_size)
-    return dataclasses.replace(model_config, compute_dtype=PRECISIONS[config.precision])
+    from shardlib.models import MoEConfig
+
+    if isinstance(model_config, MoEConfig) and config.remat not in ("full", "none"):
+        raise TrainConfigError("remat", f"the MoE decoder rematerialises whole blocks; {config.remat} applies to the "
+                                        "dense decoders: use --remat full or none")
+    remat = {"remat": False} if config.remat == "none" else {"remat": True, "remat_policy": config.remat}
+    return dataclasses.replace(model_config, compute_dtype=PRECISIONS[config.precision], **remat)
 
 
 def _mesh(config: TrainConfig, strategy):

@@ -8,6 +8,7 @@ knows the flag; it imports JAX only inside `simulate_cpu_devices`, so launchers 
 
 from __future__ import annotations
 
+import math
 import os
 
 CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
@@ -56,6 +57,50 @@ class TopologyError(ValueError):
     user_facing = True
 
 
+# Cloud TPU's slice names count TensorCores on v4 and v5p (two a chip) and chips on v5e and v6e;
+# JAX's topology names give the chips' torus (3-D on v4 / v5p, 2-D on v5e / v6e).
+_SLICE_GENERATIONS = {"v4": ("v4", 2, 3), "v5p": ("v5p", 2, 3), "v5e": ("v5e", 1, 2), "v5litepod": ("v5e", 1, 2),
+                      "v6e": ("v6e", 1, 2)}
+_SLICE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def cloud_tpu_topology(name: str) -> tuple[str, str | None]:
+    """(JAX's topology name, a note saying which shape it is) for a Cloud TPU slice name
+    (``v5p-128`` -> ``v5p:4x4x4``, 64 chips); a JAX name is returned as it is, with no note. A
+    slice name that does not exist is refused naming the nearest ones."""
+    import difflib
+    import re
+
+    match = re.fullmatch(r"(v4|v5p|v5e|v5litepod|v6e)-(\d+)", name.strip().lower())
+    if ":" in name or not re.fullmatch(r"[a-z0-9]+-\d+", name.strip().lower()):
+        return name, None
+    if match is None:
+        known = [f"{g}-{n * cores}" for g, (_, cores, _) in _SLICE_GENERATIONS.items() for n in _SLICE_SIZES[2:8]]
+        close = difflib.get_close_matches(name.lower(), known, n=3, cutoff=0.5)
+        raise TopologyError(f"TPU slice {name!r} (--topology) is not a Cloud TPU name shardlib knows (v4-N, v5p-N, "
+                            f"v5e-N, v6e-N, or JAX's GENERATION:SHAPE such as v5p:4x4x4)"
+                            + (f"; did you mean {' or '.join(close)}?" if close else ""))
+    generation, count = match.group(1), int(match.group(2))
+    jax_generation, cores, dims = _SLICE_GENERATIONS[generation]
+    chips, rest = divmod(count, cores)
+    if rest or chips not in _SLICE_SIZES or (dims == 3 and chips < 4):
+        sizes = [n * cores for n in _SLICE_SIZES if (dims == 2 or n >= 4)]
+        nearest = sorted(sizes, key=lambda n: abs(n - count))[:2]
+        raise TopologyError(f"TPU slice {name!r}: {generation} slices come in {', '.join(map(str, sizes[:8]))}, ... "
+                            f"({'TensorCores' if cores == 2 else 'chips'}); did you mean "
+                            f"{' or '.join(f'{generation}-{n}' for n in nearest)}?")
+    shape = [1] * dims
+    while math.prod(shape) < chips:  # double the last of the smallest dims: 2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4
+        smallest = min(shape)
+        last = max(i for i, d in enumerate(shape) if d == smallest)
+        shape[last] *= 2
+    if dims == 3 and shape == [1, 2, 2]:
+        shape = [2, 2, 1]
+    jax_name = f"{jax_generation}:{'x'.join(map(str, shape))}"
+    counted = f", {count} TensorCores" if cores == 2 else ""
+    return jax_name, f"{name} is {jax_name} ({chips} chips{counted})"
+
+
 def topology_devices(name: str, slices: int = 1) -> list:
     """The chips of a TPU topology (JAX's names: ``v5e:2x4``, ``v5p:4x4x4``, ``v6e:8x8``), for compiling
     a real TPU program on a host without TPUs (`jax.experimental.topologies`; nothing runs on them).
@@ -78,6 +123,7 @@ def topology_devices(name: str, slices: int = 1) -> list:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
+    name = cloud_tpu_topology(name)[0]
     try:
         description = topologies.get_topology_desc(topology_name=name, platform="tpu", num_slices=slices)
     except Exception as err:  # libtpu's error for an unknown name is a bare RuntimeError / JaxRuntimeError

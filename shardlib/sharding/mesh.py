@@ -97,21 +97,26 @@ def make_mesh(
     devices = list(devices if devices is not None else jax.devices())
     full = resolve_axis_sizes(sizes, len(devices))
     shape = tuple(full[name] for name in MESH_AXES)
-    # The slow-link granule: TPU slices when there are several (multi-slice), else processes.
-    # (create_hybrid_device_mesh groups by slice_index by default, and CPU / single-slice devices
-    # all share one slice, so without process_is_granule it fails with "Number of slices 1".)
+    from jax.experimental import mesh_utils
+
+    # The slow-link granule: TPU slices when there are several (multi-slice); else, off TPU, the
+    # processes (hosts joined by a network). The hosts of one TPU slice share its ICI torus, so
+    # there the devices follow the torus (create_device_mesh), not the hosts. (create_hybrid_device_mesh
+    # groups by slice_index by default, and CPU / single-slice devices all share one slice, so
+    # without process_is_granule it fails with "Number of slices 1".)
     slices = {getattr(d, "slice_index", 0) for d in devices}
     by_slice = len(slices) > 1
-    n_granules = len(slices) if by_slice else len({d.process_index for d in devices})
+    on_tpu = devices[0].platform == "tpu"
+    n_granules = len(slices) if by_slice else 1 if on_tpu else len({d.process_index for d in devices})
     if n_granules > 1:
         dcn = host_axis_sizes(full, n_granules, across_hosts)
         ici = tuple(full[name] // dcn[name] for name in MESH_AXES)
-        from jax.experimental import mesh_utils
-
         device_array = mesh_utils.create_hybrid_device_mesh(
             ici, tuple(dcn[name] for name in MESH_AXES), devices,
             process_is_granule=not by_slice, allow_split_physical_axes=True,
         )
+    elif on_tpu and len(devices) > 1:
+        device_array = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     else:
         device_array = np.asarray(devices, dtype=object).reshape(shape)
     return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

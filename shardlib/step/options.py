@@ -164,6 +164,7 @@ OPTIONS: dict[str, Option] = {
     "staleness": Option("overlap", "staleness", lambda c: c.staleness > 0),
     "layerwise": Option("overlap", None, lambda c: c.layerwise is True),
     "axis_name": Option("model"),
+    "compiler_options": Option("compiler", "xla_options"),
 }
 
 

@@ -145,6 +145,7 @@ def build(
     layerwise: bool | None = None,
     axis_name: str | None = None,
     communication: options_lib.Communication | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> TrainProgram:
     """Compile-ready init, train step and eval step for ``model`` under ``layout``.
 
@@ -198,6 +199,10 @@ def build(
     ``jax.pmap`` (``nn.BatchNorm(axis_name="batch")``); their collectives run over the step's
     batch axes, so BatchNorm statistics cover the global batch (`shardlib.step.axis_names`).
 
+    ``compiler_options``: XLA options for the train and eval steps' compiles, over the backend
+    policy's own (`shardlib.backend.step_compiler_options`: on TPU, the collective options of
+    docs/tpu.md) and over ``LIBTPU_INIT_ARGS``.
+
     ``communication``: ``grad_compression``, ``weight_gather``, ``bucket_bytes``,
     ``gather_bucket_bytes`` and a ``reduce_dtype`` as one `shardlib.step.options.Communication`,
     in place of those keywords (given both, build refuses).
@@ -242,10 +247,13 @@ def build(
     if layerwise is not False and not options_lib.conflicts(chosen, "layerwise"):
         provider = layerwise_lib.attach(provider, layout)
     queued = dataclasses.replace(sharding, pending=staleness_lib.queue_sharding(tau, layout, reducer))
-    step = (staleness_lib.train_step if tau else _train_step)(layout, provider, reducer, update, queued, donate)
+    step_options = backend_lib.step_compiler_options(layout.mesh, reducer.reduce_dtype, compiler_options)
+    step = (staleness_lib.train_step if tau else _train_step)(layout, provider, reducer, update, queued, donate,
+                                                               step_options)
     init = initializer(model, tx, layout, policy, reducer, sharding)
+    eval_step = _eval_step(layout, provider, model, backend_lib.step_compiler_options(layout.mesh, None, compiler_options))
     return TrainProgram(model, tx, layout, staleness_lib.with_queue(init, tau, layout, reducer, queued),
-                        _CheckedStep(step, layout, microbatches, queued, donate), _eval_step(layout, provider, model), queued,
+                        _CheckedStep(step, layout, microbatches, queued, donate), eval_step, queued,
                         transient_initializer(model, layout, policy, reducer, sharding))
 
 
@@ -317,8 +325,8 @@ def _mapped_grads(layout: Layout, provider: grads_lib.Provider, reducer: reduce_
 
 
 def _train_step(layout: Layout, provider: grads_lib.Provider, reducer: reduce_lib.Reducer,
-                update: update_lib.Update, sharding: TrainState, donate: bool):
-    """The jitted ``step(state, batch) -> (state, metrics)``."""
+                update: update_lib.Update, sharding: TrainState, donate: bool, options: dict[str, str] | None):
+    """The jitted ``step(state, batch) -> (state, metrics)``, compiled with XLA ``options``."""
     grads_fn = _mapped_grads(layout, provider, reducer)
 
     def step_fn(state: TrainState, batch):
@@ -330,11 +338,10 @@ def _train_step(layout: Layout, provider: grads_lib.Provider, reducer: reduce_li
         return new_state, update.metrics(state, loss, aux, grad_norm, finite)
 
     return jax.jit(step_fn, in_shardings=(sharding, None), out_shardings=(sharding, NamedSharding(layout.mesh, P())),
-                   donate_argnums=(0,) if donate else (),
-                   compiler_options=backend_lib.step_compiler_options(layout.mesh, reducer.reduce_dtype))
+                   donate_argnums=(0,) if donate else (), compiler_options=options)
 
 
-def _eval_step(layout: Layout, provider: grads_lib.Provider, model: Model):
+def _eval_step(layout: Layout, provider: grads_lib.Provider, model: Model, options: dict[str, str] | None):
     """The jitted ``evaluate(params, batch, model_state=None) -> {"loss", **aux}``; the model runs in
     eval mode (no dropout, BatchNorm's running averages). Each value is every data-parallel device's
     value over its rows, averaged over the devices: the global batch's mean for a mean over the rows
@@ -355,7 +362,8 @@ def _eval_step(layout: Layout, provider: grads_lib.Provider, model: Model):
         )(params, batch, model_state)
 
     replicated = NamedSharding(layout.mesh, P())
-    jitted = jax.jit(eval_fn, in_shardings=(layout.param_shardings(), None, replicated), out_shardings=replicated)
+    jitted = jax.jit(eval_fn, in_shardings=(layout.param_shardings(), None, replicated), out_shardings=replicated,
+                     compiler_options=options)
     abstract_params = functools.cache(model.abstract)  # traced once, on the first evaluation
     abstract_state_of_model = functools.cache(lambda: abstract_model_state(model))
 

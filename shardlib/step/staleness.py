@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from shardlib import backend as backend_lib
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import restrict
 from shardlib.step import batch as batch_lib
@@ -137,7 +136,8 @@ def _adopt(fresh_ok: jax.Array, produced: dict[str, Any], state: Any) -> dict[st
     return jax.lax.cond(fresh_ok, lambda _: produced, lambda _: old, None)
 
 
-def train_step(layout: Any, provider: Any, reducer: Any, update: Any, sharding: Any, donate: bool):
+def train_step(layout: Any, provider: Any, reducer: Any, update: Any, sharding: Any, donate: bool,
+               options: dict[str, str] | None = None):
     """The jitted ``step(state, batch) -> (state, metrics)`` under staleness.
 
     Metrics: ``loss`` is this step's, ``grad_norm`` the applied gradient's, ``applied`` 1 when a
@@ -165,5 +165,4 @@ def train_step(layout: Any, provider: Any, reducer: Any, update: Any, sharding: 
         return new_state, metrics
 
     return jax.jit(step_fn, in_shardings=(sharding, None), out_shardings=(sharding, NamedSharding(layout.mesh, P())),
-                   donate_argnums=(0,) if donate else (),
-                   compiler_options=backend_lib.step_compiler_options(layout.mesh, reducer.reduce_dtype))
+                   donate_argnums=(0,) if donate else (), compiler_options=options)

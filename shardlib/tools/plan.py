@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from shardlib.backend import platform_of, policy_for
+from shardlib.backend import parse_options, platform_of, policy_for, step_compiler_options
 from shardlib.tools import hardware as hw
 from shardlib.tools.compiled_cache import compile_cached
 from shardlib.tools.hlo import collective_stats
@@ -163,9 +163,24 @@ def resolve_config(model: Any, precision: str = "f32", remat: bool | None = None
     else:
         raise PlanError(f"plan needs a model config name or a models.GPTConfig, got {type(model).__name__}")
     changes: dict[str, Any] = {"compute_dtype": PRECISIONS[precision]}
-    if remat is not None:
-        changes["remat"] = remat
+    changes.update(remat_fields(remat))
     return dataclasses.replace(config, **changes)
+
+
+def remat_fields(remat: bool | str | None) -> dict[str, Any]:
+    """`GPTConfig` fields of a remat setting: None keeps the model's, False / "none" turns it off,
+    True / a policy name (`models.configs.REMAT_POLICIES`) rematerialises with that policy."""
+    from shardlib.models.configs import REMAT_POLICIES
+
+    if remat is None:
+        return {}
+    if remat in (False, "none"):
+        return {"remat": False}
+    if remat is True:
+        return {"remat": True}
+    if remat not in REMAT_POLICIES:
+        raise PlanError(f"unknown remat policy {remat!r} (--remat); choose none or one of {', '.join(REMAT_POLICIES)}")
+    return {"remat": True, "remat_policy": remat}
 
 
 def check_strategy(name: str) -> str:
@@ -329,8 +344,9 @@ class Planner:
                  hbm: str | int | None = None, remat: bool | None = None,
                  pipeline_stages: int = 1, microbatches: int | None = None, schedule: str = "1f1b",
                  offload: str = "none", stage_layers: Any = None, topology: str | None = None, slices: int = 1,
-                 cache_dir: str | None = None):
+                 cache_dir: str | None = None, compiler_options: Mapping[str, Any] | None = None):
         from shardlib.models import param_count, trainable
+        from shardlib.runtime.devices import TopologyError, cloud_tpu_topology
         from shardlib.step.offload import get_offload
         from shardlib.step.pipeline import get_schedule
 
@@ -342,6 +358,12 @@ class Planner:
         self.precision = precision
         self.config = resolve_config(model, precision, remat)
         self.model_name = model if isinstance(model, str) else "custom"
+        self.topology_note = None
+        if topology is not None:
+            try:
+                topology, self.topology_note = cloud_tpu_topology(topology)  # v5p-128 -> v5p:4x4x4
+            except TopologyError as err:
+                raise PlanError(str(err)) from None
         self.topology, self.slices = topology, slices
         if topology is not None:
             self.devices = select_topology(topology, slices, devices)
@@ -357,7 +379,13 @@ class Planner:
         # persistent cache: that one cannot load a topology's executables, and turning it on is a
         # process-wide setting that would also serve (and skip the dumps of) every later compile.
         self.cache_dir = cache_dir
-        self._compiler = json.dumps([topology, slices, compiler_versions(platform_of(self.devices))])
+        # The compiler's identity for the cache: versions, the options every step compiles with (the
+        # policy's, the user's) and the environment's, so other options never read a stale program.
+        self.compiler_options = dict(compiler_options or {})
+        self.progress: Any = None  # a callable that gets one line per compiled candidate (the CLI: stderr)
+        self._compiler = json.dumps([topology, slices, compiler_versions(platform_of(self.devices)),
+                                     step_compiler_options(self.devices, None, self.compiler_options),
+                                     os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", "")])
         self.seq_len = seq_len or self.config.max_seq_len
         if pipeline_stages < 1 or self.n % pipeline_stages:
             raise PlanError(f"--pipeline-stages {pipeline_stages} must be positive and divide the {self.n} devices")
@@ -403,7 +431,8 @@ class Planner:
         # The precision reaches the step as `shardlib train` passes it: weights cast where the step casts them.
         program = build(self.model, optax.adamw(1e-4), layout, precision=self.precision,
                         microbatches=self.microbatches if pipelined else None, schedule=self.schedule,
-                        offload=self.offload, stage_layers=self.stage_layers if pipelined else None)
+                        offload=self.offload, stage_layers=self.stage_layers if pipelined else None,
+                        compiler_options=self.compiler_options or None)
         shape = ((batch_size, self.seq_len), jnp.int32)
         batch = program.abstract_batch({"inputs": shape, "targets": shape})
         lowered = program.step.lower(program.abstract_state(), batch)  # checks the batch divides
@@ -577,13 +606,15 @@ class Planner:
         if mesh is None and strategies is None:
             tries += self.context_candidates()
         rows = []
-        for name, sizes in tries:
+        for k, (name, sizes) in enumerate(tries, 1):
             try:
                 rows.append(self.candidate(name, sizes))
             except PlanError as err:  # e.g. no tensor size divides the heads
                 rows.append(PlanRow(strategy=name, mesh={}, devices=self.n, batch_size=self.batch_size,
                                     seq_len=self.seq_len, precision=self.precision, hbm_bytes=self.hbm_bytes,
                                     error=str(err)))
+            if self.progress is not None:  # compiles take minutes at scale: say what each gave as it lands
+                self.progress(progress_line(k, len(tries), rows[-1]))
         return self.decide(rows)
 
     def context_candidates(self) -> list[tuple[str, dict[str, int]]]:
@@ -802,7 +833,8 @@ def plan_document(planner: Planner, rows: Sequence[PlanRow], advice: Sequence[Ma
         "links": ({"intra_domain_bytes": "ICI", "inter_domain_bytes": "DCN"} if planner.topology else
                   {"intra_domain_bytes": "fast domain (NVLink node / ICI slice)", "inter_domain_bytes": "across domains"}),
         "candidates": [r.to_dict() for r in rows],
-        "best": None if best is None else {"strategy": best.strategy, "mesh": best.mesh},
+        "best": None if best is None else {"strategy": best.strategy, "mesh": best.mesh,
+                                           "command": train_command(planner, best)},
         "suggestions": list(advice),
         "model_notes": MODEL_NOTES,
     }
@@ -877,7 +909,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                       "(default: the hardware's)")
     parser.add_argument("--hardware", help=f"profile for the time estimate: {', '.join(hw.HARDWARE)} (default: "
                                            "the --topology's generation, else h100)")
-    parser.add_argument("--no-remat", action="store_true", help="plan without rematerialisation")
+    parser.add_argument("--no-remat", action="store_true", help="plan without rematerialisation (--remat none)")
+    parser.add_argument("--remat", choices=["none", "full", "save_dots_except_mlp_in", "save_dots", "offload_dots"],
+                        help="what each block keeps for the backward pass (docs/tpu.md, \"Remat policies\"; default: "
+                             "the model's, full)")
+    parser.add_argument("--xla-options", metavar="NAME=VALUE,...",
+                        help="XLA options every step compiles with, over the backend's own (on TPU the collective "
+                             "options of docs/tpu.md) and over LIBTPU_INIT_ARGS")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
 
 
@@ -915,10 +953,13 @@ def run(args: argparse.Namespace) -> int:
     for topology in args.topology or [None]:
         planner = Planner(args.model, args.devices, batch_size=args.batch_size, seq_len=args.seq_len,
                           precision=args.precision, hardware=args.hardware, hbm=args.hbm,
-                          remat=False if args.no_remat else None, pipeline_stages=args.pipeline_stages,
+                          remat=False if args.no_remat else args.remat, pipeline_stages=args.pipeline_stages,
                           microbatches=args.microbatches, schedule=args.schedule, offload=args.offload,
                           stage_layers=_stage_layers_flag(args.stage_layers), topology=topology, slices=args.slices,
-                          cache_dir=cache_dir)
+                          cache_dir=cache_dir, compiler_options=_options_flag(args.xla_options))
+        if planner.topology_note:
+            print(f"shardlib plan: note: {planner.topology_note}", file=sys.stderr, flush=True)
+        planner.progress = lambda line: print(f"shardlib plan: {line}", file=sys.stderr, flush=True)
         rows = planner.run(None if args.all else args.strategy, args.mesh)
         advice = planner.advise(rows)
         documents.append(plan_document(planner, rows, advice))
@@ -944,6 +985,43 @@ def plan_cache_dir(cache_dir: str | None) -> str | None:
     return None if folder == "none" else folder
 
 
+DEFAULT_TRAIN_BATCH = 32  # shardlib.run.config.DEFAULT_BATCH (run is a layer above; tests/test_tpu_scale.py checks they agree)
+
+
+def progress_line(k: int, total: int, row: PlanRow) -> str:
+    """``[2/7] zero3 fsdp=8: peak 21.03 GiB, 40.28 GiB/step, fits (96 s)``, or the candidate's error."""
+    where = f"[{k}/{total}] {row.strategy} {row.mesh_text if row.mesh else ''}".rstrip()
+    if row.error:
+        return f"{where}: {row.error[:160]}"
+    return (f"{where}: peak {format_bytes(row.peak_bytes)}, {format_bytes(row.collective_total_bytes)}/step, "
+            f"{'fits' if row.fits else 'does not fit'} ({row.compile_s:.0f} s)")
+
+
+def train_command(planner: Planner, row: PlanRow) -> str:
+    """The `shardlib train` command that runs ``row``'s candidate: its model, strategy, mesh, batch,
+    sequence length, precision and remat (flags a default already gives are left out)."""
+    c = planner.config
+    model = planner.model_name
+    source = ("" if model == "custom" else
+              f"--init-from {Path(model).parent if Path(model).name == 'config.json' else model}" if _is_hf_config(model)
+              else f"--model {model}")
+    words = ["shardlib train", source,
+             f"--strategy {row.strategy}", f"--mesh {','.join(f'{k}={v}' for k, v in row.mesh.items())}",
+             f"--batch-size {row.batch_size}", f"--seq-len {row.seq_len}", f"--precision {row.precision}",
+             "" if not c.remat else "" if c.remat_policy == "full" else f"--remat {c.remat_policy}",
+             "--remat none" if not c.remat else "", f"--offload {planner.offload}" if planner.offload != "none" else ""]
+    if row.pipeline_stages > 1:
+        words.append(f"--pipeline-stages {row.pipeline_stages} --microbatches {row.microbatches}")
+    return " ".join(w for w in words if w)
+
+
+def _options_flag(text: str | None) -> dict[str, str]:
+    try:
+        return parse_options(text)
+    except ValueError as err:
+        raise PlanError(f"--xla-options: {err}") from None
+
+
 def _stage_layers_flag(text: str | None) -> Any:
     from shardlib.step.stage_balance import parse_stage_layers
 
@@ -963,6 +1041,8 @@ def render(planner: Planner, rows: Sequence[PlanRow], advice: Sequence[Mapping[s
         f"on {planner.n} devices, batch {planner.batch_size} x {planner.seq_len} tokens, {planner.precision}, "
         f"remat {'on' if c.remat else 'off'}, offload {planner.offload}",
         f"hardware: {p.description}; HBM limit {format_bytes(planner.hbm_bytes)} per device",
+        *([f"batch: one sequence a device by default, the smallest batch every strategy splits (shardlib train's "
+           f"default is {DEFAULT_TRAIN_BATCH}); --batch-size plans another"] if not planner._batch_given else []),
         "",
     ]
     table = []
@@ -998,6 +1078,8 @@ def render(planner: Planner, rows: Sequence[PlanRow], advice: Sequence[Mapping[s
     lines.append("")
     lines.append(f"best: {best.strategy} on {best.mesh_text} (* above)" if best else
                  f"nothing fits in {format_bytes(planner.hbm_bytes)} per device. What would:")
+    if best is not None:
+        lines.append(f"run it: {train_command(planner, best)}")
     lines += [f"  - {a['text']}" for a in advice]
     lines += ["", "model: " + MODEL_NOTES["step_s"] + "; peak = " + MODEL_NOTES["peak_bytes"]]
     return "\n".join(lines)
