@@ -146,3 +146,16 @@ def test_plan_names_its_default_batch_and_ends_with_the_command_that_runs_its_pi
     add_arguments(parser)
     config = from_args(parser.parse_args(command.split()[2:]))  # the command parses as train's flags
     assert config.remat == "save_dots" and config.model == "tiny"
+
+
+def test_four_slices_put_hsdp_replica_all_reduce_on_dcn_at_the_ring_volume():
+    """Four v5e 2x2 slices: hsdp's data axis (4) crosses them. Only all-reduces cross (no all-gather
+    whose send/recv sizes show the count), so the reader takes K = 4 from the topology: DCN bytes
+    are 2 (K-1)/K of a chip's f32 gradient shard (4 Psi / F), not the 2-slice guess's 2/3 of that."""
+    from shardlib.tools.plan import Planner
+
+    planner = Planner(CONFIG, topology="v5e:2x2", slices=4, precision="bf16", batch_size=16)
+    row = planner.candidate("hsdp", {"data": 4, "fsdp": 4})
+    assert row.error is None, row.error
+    psi = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainable(CONFIG).abstract()))
+    assert row.inter_domain_bytes == pytest.approx(2 * 3 / 4 * 4 * psi / 4, rel=0.01)

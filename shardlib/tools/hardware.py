@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from shardlib.tools.hlo import CollectiveRecord, replica_groups
@@ -219,11 +219,14 @@ def crosses_domains(groups: Sequence[Sequence[int]] | None, group_size: int | No
 
 @dataclasses.dataclass(frozen=True)
 class LinkBytes:
-    """Bytes one device sends per step, split by the link they travel on."""
+    """Bytes one device sends per step, split by the link they travel on. ``intra_priced``: the
+    intra-domain bytes divided by the links each collective's group can drive at once (`link_bytes`
+    with ``links_of``), what the roofline times; None: one link for every collective."""
 
     intra: float
     inter: float
     unknown_groups: int  # collectives whose replica-group form was not understood
+    intra_priced: float | None = None
 
     @property
     def total(self) -> float:
@@ -231,12 +234,15 @@ class LinkBytes:
 
 
 def link_bytes(records: Sequence[CollectiveRecord], n_devices: int, domain_size: int,
-               scale: Mapping[str, float] | None = None) -> LinkBytes:
+               scale: Mapping[str, float] | None = None,
+               links_of: Callable[[Sequence[Sequence[int]]], int] | None = None) -> LinkBytes:
     """Split collective ``records`` into intra/inter-domain bytes by the devices their groups join.
 
     ``scale`` optionally multiplies each record's bytes by name (used for the bf16 correction).
+    ``links_of(replica_groups)``: how many links a chip can drive at once for such a group
+    (`torus_links`); the intra-domain bytes are then also priced per link (``intra_priced``).
     """
-    intra = inter = 0.0
+    intra = inter = priced = 0.0
     unknown = 0
     for r in records:
         nbytes = r.bytes_per_step * (scale or {}).get(r.name, 1.0)
@@ -248,7 +254,22 @@ def link_bytes(records: Sequence[CollectiveRecord], n_devices: int, domain_size:
             inter += nbytes
         else:
             intra += nbytes
-    return LinkBytes(intra, inter, unknown)
+            priced += nbytes / (links_of(r.replica_groups) if links_of and r.replica_groups else 1)
+    return LinkBytes(intra, inter, unknown, priced if links_of else None)
+
+
+def torus_links(coords: Sequence[Sequence[int]]) -> Callable[[Sequence[Sequence[int]]], int]:
+    """For chips at ``coords`` (indexed by the program's device ids, a mesh's flat order): a
+    group's link count is the number of torus dimensions its chips span. A ring along one
+    dimension drives that dimension's links; a collective over a 2-D or 3-D block of the torus can
+    run a ring along each of them at once (the bucket / multi-dimensional algorithms of TPU and
+    NCCL's trees), so it is priced at that many times the one-dimension bandwidth. An assumption
+    of the roofline, not a measurement (docs/tpu.md)."""
+    def links(groups: Sequence[Sequence[int]]) -> int:
+        group = groups[0]
+        spans = sum(len({coords[i][d] for i in group}) > 1 for d in range(len(coords[group[0]])))
+        return max(1, spans)
+    return links
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,7 +299,7 @@ def step_time(profile: HardwareProfile, flops_per_device: float, links: LinkByte
         raise HardwareError(f"hardware {profile.name} has no peak for precision {precision!r}; "
                          f"known: {', '.join(profile.peak_flops)}")
     compute = flops_per_device / profile.peak_flops[precision]
-    comm = links.intra / profile.intra_bandwidth
+    comm = (links.intra if links.intra_priced is None else links.intra_priced) / profile.intra_bandwidth
     if links.inter:
         if profile.inter_bandwidth is None:
             raise HardwareError(
@@ -298,6 +319,7 @@ __all__ = [
     "crosses_domains",
     "get_hardware",
     "link_bytes",
+    "torus_links",
     "parse_bytes",
     "profile_for_device",
     "profile_for_topology",

@@ -775,13 +775,15 @@ def hlo_text(program: Any) -> str:
     return program.as_text()
 
 
-def collective_stats(hlo: str | Any, num_devices: int | None = None) -> CollectiveStats:
+def collective_stats(hlo: str | Any, num_devices: int | None = None, num_slices: int | None = None) -> CollectiveStats:
     """Collectives of an HLO module with per-device ring volumes and per-step multiplicities.
 
     ``hlo``: ``compiled.as_text()`` (optimised; note XLA:CPU upcasts bf16 collectives to f32
     there) or ``lowered.compiler_ir("hlo").as_hlo_text()`` (pre-optimisation, original dtypes),
     or the Compiled/Lowered object itself. ``num_devices`` is used only for ``replica_groups={}``
-    when the module header does not say how many partitions there are.
+    when the module header does not say how many partitions there are. ``num_slices``: the TPU
+    slices a multi-slice program spans (the topology's), for its DCN transfers; without it the
+    count is read from the transfers' send/recv sizes, where an all-gather shows it (else 2).
     """
     module = parse_hlo_module(hlo_text(hlo))
     mults = computation_multiplicities(module)
@@ -803,7 +805,7 @@ def collective_stats(hlo: str | Any, num_devices: int | None = None) -> Collecti
             elif record.kind == "all-reduce" and users.zero_filled(instr):
                 record = dataclasses.replace(record, gathered=True)
             records.append(record)
-    records += _dcn_transfers(module, mults)
+    records += _dcn_transfers(module, mults, num_slices)
     return CollectiveStats(tuple(records))
 
 
@@ -813,7 +815,8 @@ _MEGASCALE_KINDS = {"ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatte
                     "ALL_TO_ALL": "all-to-all"}
 
 
-def _dcn_transfers(module: HloModule, mults: dict[str, Multiplicity]) -> list[CollectiveRecord]:
+def _dcn_transfers(module: HloModule, mults: dict[str, Multiplicity], num_slices: int | None = None
+                   ) -> list[CollectiveRecord]:
     """A multi-slice TPU program's collectives across slices: XLA:TPU compiles each slice's part of
     a collective over ICI and hands the part between slices to the Megascale runtime over DCN, as
     a ``send`` / ``recv`` pair named by ``_xla_megascale_transfer_type``. Each send is counted as
@@ -833,7 +836,9 @@ def _dcn_transfers(module: HloModule, mults: dict[str, Multiplicity]) -> list[Co
                 sends.append((name, instr, kind.group(1), key.group(1), data))
     ratios = [round(max(a, b) / min(a, b)) for _, _, _, k, d in sends if k in recvs
               for a, b in [(math.prod(d.dims), math.prod(recvs[k].dims))] if min(a, b) > 0 and a != b]
-    slices = max(ratios, default=2)  # every transfer of one program spans the same slices
+    # Every transfer of one program spans the same slices: the topology's count when known, else
+    # what an all-gather's recv / send size ratio says (all-reduces alone show no ratio: 2).
+    slices = num_slices or max(ratios, default=2)
     out = []
     for name, instr, transfer, _, data in sends:
         kind = _MEGASCALE_KINDS.get(transfer, "collective-permute")

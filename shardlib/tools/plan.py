@@ -48,6 +48,22 @@ PRECISIONS: dict[str, str] = {"f32": "float32", "bf16": "bfloat16"}
 ALL_STRATEGIES: tuple[str, ...] = ("dp", "zero1", "zero2", "zero3", "tp", "fsdp_tp", "hsdp")
 HPZ_STRATEGIES: tuple[str, ...] = ("zero3_hpz",)  # planned by default only across link domains
 REMAT_FLOPS = 4 / 3  # a rematerialised step runs the forward twice: (2 + 4 + 2) / (2 + 4)
+
+
+def remat_flops_factor(config: Any, seq_len: int) -> float:
+    """Executed over model FLOPs for ``config``'s remat policy (docs/tpu.md, "Remat policies"): the
+    whole forward again under "full"; the MLP's input projections again under
+    "save_dots_except_mlp_in" (2 matmuls of 2 d d_ff FLOPs a token a layer); nothing counted in the
+    6N model FLOPs under "save_dots" / "offload_dots" (norms and attention scores are recomputed,
+    which the estimate leaves out, as it does for attention's causal half)."""
+    from shardlib.models import flops_per_token
+
+    if not config.remat or config.remat_policy in ("save_dots", "offload_dots"):
+        return 1.0
+    if config.remat_policy == "full":
+        return REMAT_FLOPS
+    again = 2 * 2 * config.d_model * config.d_ff * config.n_layers
+    return 1.0 + again / flops_per_token(config, seq_len)
 # XLA pass before which the CPU pipeline starts changing dtypes; the module dumped there is the
 # SPMD-partitioned program with its collectives still in their original element types.
 _PARTITIONED_DUMP_PASS = "batched_gather_scatter_normalizer"
@@ -344,7 +360,8 @@ class Planner:
                  hbm: str | int | None = None, remat: bool | None = None,
                  pipeline_stages: int = 1, microbatches: int | None = None, schedule: str = "1f1b",
                  offload: str = "none", stage_layers: Any = None, topology: str | None = None, slices: int = 1,
-                 cache_dir: str | None = None, compiler_options: Mapping[str, Any] | None = None):
+                 cache_dir: str | None = None, compiler_options: Mapping[str, Any] | None = None,
+                 batch_per_device: int | None = None):
         from shardlib.models import param_count, trainable
         from shardlib.runtime.devices import TopologyError, cloud_tpu_topology
         from shardlib.step.offload import get_offload
@@ -393,6 +410,8 @@ class Planner:
         self.microbatches = microbatches or 2 * pipeline_stages
         self.schedule = get_schedule(schedule).name
         self.stage_layers = stage_layers  # None, "auto" or layers per stage
+        if batch_per_device is not None:
+            batch_size = batch_per_device * self.n
         self._batch_given = batch_size is not None
         self.batch_size = batch_size or self.n
         if self.seq_len < 1 or self.batch_size < 1:
@@ -525,9 +544,11 @@ class Planner:
 
     def _read_collectives(self, row: PlanRow, built: _Compiled) -> hw.LinkBytes:
         """Collective bytes per step by kind and by link, bf16 collectives counted at 2 bytes."""
-        stats = collective_stats(built.compiled.as_text(), num_devices=self.n)
+        stats = collective_stats(built.compiled.as_text(), num_devices=self.n,
+                                 num_slices=self.slices if self.topology else None)
         by_kind = dict(stats.bytes_by_kind())
-        links = hw.link_bytes(stats.records, self.n, self.profile.domain_size)
+        links_of = self._links_of(built)
+        links = hw.link_bytes(stats.records, self.n, self.profile.domain_size, links_of=links_of)
         if built.partitioned_hlo is not None:  # count bf16 collectives at 2 bytes, not XLA:CPU's 4
             narrow = [r for r in collective_stats(built.partitioned_hlo, num_devices=self.n).records
                       if r.dtype == "bf16"]
@@ -535,12 +556,16 @@ class Planner:
                 by_kind[r.kind] = max(0, round(by_kind[r.kind] - r.bytes_per_step))
             upcast = hw.link_bytes(narrow, self.n, self.profile.domain_size)
             links = hw.LinkBytes(max(0.0, links.intra - upcast.intra), max(0.0, links.inter - upcast.inter),
-                                 links.unknown_groups)
+                                 links.unknown_groups)  # (CPU devices: no torus, one link a collective)
             row.notes.append(f"{len(narrow)} bf16 collective(s) counted at 2 bytes/element "
                              "(XLA:CPU runs them in f32)")
         elif self.precision == "bf16" and policy_for(self.devices).widens_bf16_collectives:
             row.notes.append("XLA's partitioned HLO was not found: bf16 collectives are counted as XLA:CPU "
                              "runs them (f32), an upper bound")
+        if links.intra_priced is not None and links.intra_priced < links.intra * 0.999:
+            row.notes.append(f"comm time prices collectives over 2-D / 3-D blocks of the torus at one link per "
+                             f"dimension they span ({_gib(links.intra)} on ICI timed as {_gib(links.intra_priced)} on "
+                             "one link): an assumption, not a measurement; the pick between candidates depends on it")
         scattered = [r for r in stats.records if r.scattered]
         if scattered:
             row.notes.append(f"{len(scattered)} all-reduce(s) of {_gib(sum(r.bytes_per_step for r in scattered))} "
@@ -561,13 +586,20 @@ class Planner:
         row.intra_domain_bytes, row.inter_domain_bytes = round(links.intra), round(links.inter)
         return links
 
+    def _links_of(self, built: _Compiled) -> Any:
+        """`hardware.torus_links` of the candidate's mesh on a TPU topology (None elsewhere)."""
+        devices = list(built.program.layout.mesh.devices.flat)
+        if not self.topology or not all(hasattr(d, "coords") for d in devices):
+            return None
+        return hw.torus_links([tuple(d.coords) for d in devices])
+
     def _estimate_time(self, row: PlanRow, links: hw.LinkBytes) -> None:
         """Analytic FLOPs and the roofline step time on the profile (compute stretched by the bubble)."""
         from shardlib.models import flops_per_token
 
         tokens = row.batch_size * self.seq_len
         row.model_flops = flops_per_token(self.config, self.seq_len) * tokens
-        row.flops_per_device = row.model_flops * (REMAT_FLOPS if self.config.remat else 1.0) / self.n
+        row.flops_per_device = row.model_flops * remat_flops_factor(self.config, self.seq_len) / self.n
         # A stage is idle for the bubble: its share of the work takes 1 / (1 - bubble) as long.
         estimate = hw.step_time(self.profile, row.flops_per_device / (1 - row.bubble), links, self.precision)
         row.compute_s, row.comm_s = estimate.compute_s, estimate.comm_s
@@ -895,6 +927,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--all", action="store_true", help="every strategy on its default mesh for N devices")
     parser.add_argument("--mesh", help="one mesh for every strategy, e.g. data=2,fsdp=4 (default: per strategy)")
     parser.add_argument("--batch-size", type=int, help="global sequences per step (default: one per device)")
+    parser.add_argument("--batch-per-device", type=int, metavar="B",
+                        help="sequences per device per step (the global batch is B x devices), as published runs state it")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's max_seq_len)")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default="f32", help="compute dtype")
     parser.add_argument("--pipeline-stages", type=int, default=1, metavar="S",
@@ -947,11 +981,14 @@ def run(args: argparse.Namespace) -> int:
         raise PlanError("give --devices N (simulated CPU devices) or --topology NAME (a TPU slice, e.g. v5e:2x4)")
     if args.hardware is not None:
         hw.get_hardware(args.hardware)  # unknown hardware: fail before JAX starts
+    if args.batch_per_device is not None and args.batch_size is not None:
+        raise PlanError("give --batch-size or --batch-per-device, not both")
     setup_devices(1 if args.topology else args.devices)
     cache_dir = plan_cache_dir(args.cache_dir)
     documents = []
     for topology in args.topology or [None]:
         planner = Planner(args.model, args.devices, batch_size=args.batch_size, seq_len=args.seq_len,
+                          batch_per_device=args.batch_per_device,
                           precision=args.precision, hardware=args.hardware, hbm=args.hbm,
                           remat=False if args.no_remat else args.remat, pipeline_stages=args.pipeline_stages,
                           microbatches=args.microbatches, schedule=args.schedule, offload=args.offload,
