@@ -52,7 +52,9 @@ def test_plan_json_is_one_document_with_stable_keys(capsys):
     assert row["step_s"] == max(row["compute_s"], row["comm_s"]) > 0
     assert row["persistent_bytes"] == row["params_bytes"] + row["opt_state_bytes"] + 4  # + the step counter
     assert row["peak_bytes"] == row["persistent_bytes"] + row["transient_bytes"]
+    command = doc["best"].pop("command")  # the `shardlib train` line that runs the pick
     assert doc["best"] == {"strategy": "zero3", "mesh": {"fsdp": 8}} and doc["suggestions"] == []
+    assert command.startswith("shardlib train --model tiny --strategy zero3 --mesh fsdp=8 --batch-size")
     assert doc["hardware"]["name"] == "h100" and doc["hbm_bytes"] == doc["hardware"]["hbm_bytes"]
     assert doc["topology"] is None and doc["compiler"]["platform"] == "cpu"
 

@@ -47,12 +47,13 @@ def _zero3_stats(chips, compiler_options=None):
 def test_zero3_gathers_are_all_gathers_on_64_chips(chips):
     """With the TPU policy's options XLA:TPU gathers zero3's weights with all-gathers; with those
     options switched off (the compiler's defaults) every gather is an all-reduce of a zero-filled buffer."""
+    gathered = lambda stats: sum(r.bytes_per_step for r in stats.records if r.gathered)
     policy = _zero3_stats(chips)
-    assert policy.bytes_by_kind()["all-gather"] > 0
-    assert not [r for r in policy.records if r.gathered]
+    # (the norm scales' 512-element gathers stay an all-reduce: a rounding error beside the weights)
+    assert policy.bytes_by_kind()["all-gather"] > 0 and gathered(policy) < 0.01 * policy.bytes_by_kind()["all-gather"]
     default = _zero3_stats(chips, OFF)
     assert default.bytes_by_kind()["all-gather"] == 0
-    assert [r for r in default.records if r.gathered]
+    assert gathered(default) > 0.9 * policy.bytes_by_kind()["all-gather"]
 
 
 def _scatter_stats(chips, mesh_shape, axes):
@@ -136,7 +137,7 @@ def test_plan_names_its_default_batch_and_ends_with_the_command_that_runs_its_pi
     captured = capsys.readouterr()
     assert "one sequence a device by default" in captured.out
     progress = [line for line in captured.err.splitlines() if line.startswith("shardlib plan: [")]
-    assert [line.split()[2] for line in progress] == ["zero3", "dp"]  # one line per candidate, as it compiles
+    assert [line.split()[3] for line in progress] == ["zero3", "dp"]  # one line per candidate, as it compiles
     command = next(line for line in captured.out.splitlines() if line.startswith("run it: "))[len("run it: "):]
     assert command.startswith("shardlib train --model tiny --strategy ") and "--remat save_dots" in command
     from shardlib.cli import _Parser

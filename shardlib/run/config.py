@@ -126,6 +126,9 @@ class TrainConfig:
                                  "scaling)", choices=list(PRECISIONS))
     reduce_dtype: str = flag("f32", "dtype the gradients are reduced in over the batch axes (reduce-scatter / "
                                     "all-reduce; default f32; bf16 halves those bytes)", choices=["f32", "bf16"])
+    xla_options: str | None = flag(None, "XLA options every step compiles with, NAME=VALUE,..., over the backend's "
+                                         "own (on TPU the collective options of docs/tpu.md) and LIBTPU_INIT_ARGS",
+                                   metavar="NAME=VALUE,...")
     remat: str = flag("full", "what each block keeps for its backward pass: none (everything, no recompute), full "
                               "(nothing, recompute the block), save_dots_except_mlp_in, save_dots, offload_dots (the "
                               "projections' outputs in host memory); reference decoders only (default %(default)s)",

@@ -324,15 +324,21 @@ def build_program(config: TrainConfig, model, layout, schedule):
     from shardlib.step.options import OPTIONS, OptionError
     from shardlib.step.stage_balance import parse_stage_layers
 
+    from shardlib.backend import parse_options
+
     if config.bucket_mb < 0:
         raise TrainConfigError("bucket_mb", f"--bucket-mb must be >= 0 (0: one collective per tensor), got {config.bucket_mb}")
+    try:
+        compiler_options = parse_options(config.xla_options) or None
+    except ValueError as err:
+        raise TrainConfigError("xla_options", str(err)) from None
     try:
         return build(model, optimizer(config, model, schedule), layout, lr_schedule=schedule,
                      precision=_precision(config), grad_accum=config.grad_accum,
                      grad_compression=config.grad_compression, microbatches=config.microbatches,
                      schedule=config.pipeline_schedule, bucket_bytes=int(config.bucket_mb * 2**20),
                      offload=config.offload, weight_gather=config.weight_gather, staleness=config.staleness,
-                     stage_layers=parse_stage_layers(config.stage_layers))
+                     stage_layers=parse_stage_layers(config.stage_layers), compiler_options=compiler_options)
     except OptionError as err:  # a refused combination: the flag of the option its row names
         raise TrainConfigError(OPTIONS[err.option].flag or "strategy", str(err)) from None
     except ValueError as err:

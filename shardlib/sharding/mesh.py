@@ -23,6 +23,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from shardlib.backend import platform_of
+
 MESH_AXES: tuple[str, ...] = ("data", "pipe", "fsdp", "expert", "context", "tensor")
 
 # The axis an MoE layer dispatches its tokens over (`shardlib.model.experts`).
@@ -106,7 +108,7 @@ def make_mesh(
     # without process_is_granule it fails with "Number of slices 1".)
     slices = {getattr(d, "slice_index", 0) for d in devices}
     by_slice = len(slices) > 1
-    on_tpu = devices[0].platform == "tpu"
+    on_tpu = platform_of(devices) == "tpu"
     n_granules = len(slices) if by_slice else 1 if on_tpu else len({d.process_index for d in devices})
     if n_granules > 1:
         dcn = host_axis_sizes(full, n_granules, across_hosts)
