@@ -160,3 +160,20 @@ def test_four_slices_put_hsdp_replica_all_reduce_on_dcn_at_the_ring_volume():
     assert row.error is None, row.error
     psi = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainable(CONFIG).abstract()))
     assert row.inter_domain_bytes == pytest.approx(2 * 3 / 4 * 4 * psi / 4, rel=0.01)
+
+
+def test_a_gpu_plan_builds_the_gpu_step(monkeypatch):
+    """`plan --hardware h100` on simulated devices builds zero3 as the GPU backend does: bf16 weights
+    cast before the gather, so the all-gathers carry 2 bytes an element, at most half of what the
+    CPU policy's step (gather in f32, then cast) sends; the reduce-scatters stay f32 in both."""
+    import contextlib
+
+    from shardlib.tools.plan import Planner
+
+    gpu = Planner("tiny", 8, precision="bf16", hardware="h100").candidate("zero3", {"fsdp": 8})
+    monkeypatch.setattr(Planner, "_hardware_policy", lambda self: contextlib.nullcontext())
+    cpu = Planner("tiny", 8, precision="bf16", hardware="h100").candidate("zero3", {"fsdp": 8})
+    # (at most half: a bf16 gather is half an f32 one, and the GPU step gathers no tensor more often)
+    assert 0.4 * cpu.collective_bytes["all-gather"] <= gpu.collective_bytes["all-gather"] <= 0.5 * cpu.collective_bytes["all-gather"]
+    assert gpu.collective_bytes["reduce-scatter"] == cpu.collective_bytes["reduce-scatter"]
+    assert any("cuDNN" in note for note in gpu.notes)

@@ -59,6 +59,11 @@ class HardwareProfile:
     sources: tuple[str, ...]
     notes: str = ""
 
+    @property
+    def platform(self) -> str:
+        """The backend this hardware is: "tpu" for the tpu-* profiles, else "gpu"."""
+        return "tpu" if self.name.startswith("tpu-") else "gpu"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,

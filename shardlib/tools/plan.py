@@ -417,6 +417,12 @@ class Planner:
         if self.seq_len < 1 or self.batch_size < 1:
             raise PlanError(f"--batch-size and --seq-len must be positive, got {self.batch_size} and {self.seq_len}")
         self.params = param_count(self.config)
+        self.attention_note = None
+        if not topology and self.profile.platform == "gpu" and self.config.attention == "auto":
+            # the GPU policy's attention is cuDNN's fused kernel, which XLA:CPU cannot compile
+            self.config = dataclasses.replace(self.config, attention="xla")
+            self.attention_note = ("attention compiled as XLA's (cuDNN's fused kernel, which a GPU run uses in bf16, "
+                                   "does not compile here): its T x T scores are counted, cuDNN keeps none")
         self.model = trainable(self.config)
         self._layouts: dict[tuple[str, str], Any] = {}
 
@@ -444,14 +450,15 @@ class Planner:
         from shardlib.step.program import build
 
         mesh = make_mesh(dict(sizes), devices=self.devices)
-        layout = make_layout(self.model, strategy, mesh)
-        self._layouts[(strategy, json.dumps(dict(sizes), sort_keys=True))] = layout
-        pipelined = layout.pipeline_stages > 1
-        # The precision reaches the step as `shardlib train` passes it: weights cast where the step casts them.
-        program = build(self.model, optax.adamw(1e-4), layout, precision=self.precision,
-                        microbatches=self.microbatches if pipelined else None, schedule=self.schedule,
-                        offload=self.offload, stage_layers=self.stage_layers if pipelined else None,
-                        compiler_options=self.compiler_options or None)
+        with self._hardware_policy():
+            layout = make_layout(self.model, strategy, mesh)
+            self._layouts[(strategy, json.dumps(dict(sizes), sort_keys=True))] = layout
+            pipelined = layout.pipeline_stages > 1
+            # The precision reaches the step as `shardlib train` passes it: weights cast where the step casts them.
+            program = build(self.model, optax.adamw(1e-4), layout, precision=self.precision,
+                            microbatches=self.microbatches if pipelined else None, schedule=self.schedule,
+                            offload=self.offload, stage_layers=self.stage_layers if pipelined else None,
+                            compiler_options=self.compiler_options or None)
         shape = ((batch_size, self.seq_len), jnp.int32)
         batch = program.abstract_batch({"inputs": shape, "targets": shape})
         lowered = program.step.lower(program.abstract_state(), batch)  # checks the batch divides
@@ -480,6 +487,8 @@ class Planner:
             row.error = text[:500]
             return row
         row.compile_s = time.perf_counter() - start
+        if self.attention_note:
+            row.notes.append(self.attention_note)
         self._read_memory(row, built)
         links = self._read_collectives(row, built)
         self._estimate_time(row, links)
@@ -585,6 +594,18 @@ class Planner:
         row.collective_total_bytes = sum(by_kind.values())
         row.intra_domain_bytes, row.inter_domain_bytes = round(links.intra), round(links.inter)
         return links
+
+    def _hardware_policy(self) -> Any:
+        """On simulated CPU devices, build the step as the ``--hardware``'s backend builds it
+        (`shardlib.backend.forced`: bf16 weights gathered in bf16 on GPU and TPU), so the plan
+        counts that program's collectives; a topology's chips are the backend already."""
+        import contextlib
+
+        from shardlib.backend import forced
+
+        if self.topology or platform_of(self.devices) != "cpu":
+            return contextlib.nullcontext()
+        return forced(self.profile.platform)
 
     def _links_of(self, built: _Compiled) -> Any:
         """`hardware.torus_links` of the candidate's mesh on a TPU topology (None elsewhere)."""
