@@ -73,10 +73,18 @@ def flag(default: Any, help: str, **kwargs: Any) -> Any:
     return dataclasses.field(default=default, metadata={"flag": Flag(help, **kwargs)})
 
 
-def _models() -> list[str]:
+def _model_name(name: str) -> str:
+    """``--model``: a built-in config's name, or ``package.module:factory`` (`shardlib.run.user_model`)."""
+    import difflib
+
     from shardlib.models import CONFIGS
 
-    return list(CONFIGS)
+    if ":" in name or name in CONFIGS:
+        return name
+    close = difflib.get_close_matches(name, list(CONFIGS), n=1, cutoff=0.6)
+    hint = f"; did you mean --model {close[0]}?" if close else ""
+    raise TrainConfigError("model", f"unknown model config {name!r} (built-in: {', '.join(CONFIGS)}; or your own as "
+                                    f"package.module:factory){hint}")
 
 
 def _strategies() -> list[str]:
@@ -97,7 +105,9 @@ class TrainConfig:
     Fields without a `Flag` (``min_lr_ratio``, ``eval_batches``, ``verbose``, ...) are library-only.
     """
 
-    model: str = flag("small", "model config (default %(default)s)", choices=_models)
+    model: str = flag("small", "a built-in model config (tiny, small, ...; default %(default)s), or your own as "
+                               "package.module:factory returning a shardlib Model (docs/your-model.md)",
+                      metavar="NAME|MODULE:FACTORY", parse=_model_name)
     strategy: str = flag("zero3", "parallelism strategy (default %(default)s)", choices=_strategies)
     mesh: str | Mapping[str, int] | None = flag(
         None, "mesh axis sizes, e.g. data=2,fsdp=4 or fsdp=-1 (default: the strategy's)", metavar="SIZES")

@@ -41,7 +41,7 @@ def banner(run: Prepared, note: str | None) -> str:
 
     config, mesh, microbatches = run.config, run.mesh, run.program.step.microbatches
     lines = [
-        f"shardlib train: {config.model} ({run.n_params / 1e6:.2f}M params, compute {config.precision}) "
+        f"shardlib train: {run.model_name} ({run.n_params / 1e6:.2f}M params, compute {config.precision}) "
         f"for {plural(config.steps, 'step')}",
         device_line(note),
     ]

@@ -30,8 +30,9 @@ class Prepared:
 
     config: TrainConfig
     strategy: Any
-    model_config: Any
+    model_config: Any  # None for the user's own model (`shardlib.run.user_model`)
     model: Any
+    model_name: str
     mesh: Any
     layout: Any
     out_dir: Path
@@ -90,10 +91,12 @@ class Prepared:
         return evaluate
 
 
-def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = None) -> Prepared:
+def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = None, model: Any = None) -> Prepared:
     """Build the run of ``config``; the step is compiled once (memory figures come from it).
 
     ``data``: a Grain pipeline read instead of ``config.data`` (`shardlib.run.train.train`).
+    ``model``: a `shardlib.Model` trained instead of ``config.model``; a ``config.model`` of the
+    form ``package.module:factory`` is one too (`shardlib.run.user_model`).
 
     ``out_dir``: the run directory when the caller already chose (and claimed) it; else
     `run_directory`'s choice.
@@ -102,16 +105,20 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
 
     from shardlib.sharding.layout import make_layout
     from shardlib.models import param_count, trainable
+    from shardlib.run import user_model
     from shardlib.tools.report import collective_stats, memory_stats
 
     config = with_model_defaults(config)
     strategy = _strategy(config)
-    model_config = _model_config(config)
+    model, model_name = _own_model(config, model)
+    model_config = _model_config(config) if model is None else None
     no_bytes = np.zeros(0, np.uint8)
-    train_bytes, val_bytes = _load_data(config, model_config.vocab_size) if data is None else (no_bytes, no_bytes)
+    vocab_size = model_config.vocab_size if model is None else _own_vocab(config)
+    train_bytes, val_bytes = _load_data(config, vocab_size) if data is None else (no_bytes, no_bytes)
     mesh = _mesh(config, strategy)
     _check_pipeline_flags(config, mesh)
-    model = trainable(model_config)
+    if model is None:
+        model = trainable(model_config)
     layout = _with_context_options(config, make_layout(model, strategy, mesh))
     if out_dir is None:
         out_dir = run_directory(config)
@@ -125,12 +132,35 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
     _check_batch_split(layout, program, abstract_batch)
     step_fn = program.compile_step(program.abstract_state(), abstract_batch)
     mem = memory_stats(step_fn)
-    return Prepared(config=config, strategy=strategy, model_config=model_config, model=model, mesh=mesh,
+    return Prepared(config=config, strategy=strategy, model_config=model_config, model=model, model_name=model_name,
+                    mesh=mesh,
                     layout=layout, out_dir=out_dir, loader=loader, val_local=val_local, schedule=schedule,
                     program=program, abstract_batch=abstract_batch, step_fn=step_fn, mem=mem,
-                    comm=collective_stats(step_fn), n_params=param_count(model_config),
+                    comm=collective_stats(step_fn),
+                    n_params=param_count(model_config) if model_config is not None else user_model.param_count(model),
                     state_bytes=mem.argument_bytes - _per_device_bytes(abstract_batch),
                     data_bytes=(len(train_bytes), len(val_bytes)))
+
+
+def _own_model(config: TrainConfig, model: Any) -> tuple[Any, str]:
+    """(the user's `Model` or None, the name the header prints): ``train(model=...)`` or ``--model pkg.mod:make``."""
+    from shardlib.run import user_model
+
+    if model is not None:
+        return model, user_model.LIBRARY_MODEL
+    if user_model.is_factory(config.model):
+        return user_model.load(config.model), config.model
+    return None, config.model
+
+
+def _own_vocab(config: TrainConfig) -> int | None:
+    """The vocabulary a token file is checked against: only ``--vocab-size`` knows it for the user's model."""
+    from shardlib.runtime.tokens import is_token_file
+
+    if is_token_file(config.data) and config.vocab_size is None:
+        raise TrainConfigError("vocab_size", "with your own --model and a token file, give the tokenizer's vocabulary "
+                                             "size (--vocab-size V), which every token id is checked against")
+    return config.vocab_size if config.vocab_size is not None else 256
 
 
 def _with_context_options(config: TrainConfig, layout):
@@ -257,8 +287,9 @@ def optimizer(config: TrainConfig, model, schedule):
     import optax
 
     def decay_mask(params):
-        is_axes = lambda x: isinstance(x, tuple)
-        flags = jax.tree.map(lambda axes: sum(a != "layers" for a in axes) >= 2, model.logical_axes, is_leaf=is_axes)
+        is_axes = lambda x: x is None or isinstance(x, tuple)  # None: a user's model left it unannotated
+        flags = jax.tree.map(lambda axes: axes is not None and sum(a != "layers" for a in axes) >= 2,
+                             model.logical_axes, is_leaf=is_axes)
         return jax.tree.map(lambda flag, _: flag, flags, params)
 
     return optax.chain(

@@ -148,8 +148,12 @@ def _device_count_error(n: int) -> TrainConfigError:
 # --------------------------------------------------------------------------------------------
 
 
-def train(config: TrainConfig, data: Any = None) -> TrainResult:
+def train(config: TrainConfig, data: Any = None, *, model: Any = None) -> TrainResult:
     """Train ``config.model`` under ``config.strategy``; write metrics, plots and a sample.
+
+    ``model``: your own `shardlib.Model` (what `from_nnx`, `from_linen` or `from_functions`
+    return) instead of ``config.model``, as ``shardlib train --model package.module:factory`` does;
+    its loss reads ``{"inputs": int32[B, T], "targets": int32[B, T]}``.
 
     ``data``: a Grain pipeline instead of ``config.data`` (docs/data.md): a function
     ``Shard -> grain.IterDataset | grain.DataLoader`` (any process count can resume it), a
@@ -173,14 +177,15 @@ def train(config: TrainConfig, data: Any = None) -> TrainResult:
     out_dir = run_directory(config)
     refuse_silent_restart(config, out_dir)
     with claim_run_directory(config, out_dir, main=jax.process_index() == 0):
-        return _train(config, out_dir, note, t_begin, data)
+        return _train(config, out_dir, note, t_begin, data, model)
 
 
-def _train(config: TrainConfig, out_dir: Path, note: str | None, t_begin: float, data: Any = None) -> TrainResult:
+def _train(config: TrainConfig, out_dir: Path, note: str | None, t_begin: float, data: Any = None,
+           model: Any = None) -> TrainResult:
     from shardlib.run.metrics_io import MetricsLog
     from shardlib.run.setup import prepare
 
-    run = prepare(config, out_dir, data=data)
+    run = prepare(config, out_dir, data=data, model=model)
     if run.is_main and config.verbose:
         print(console.banner(run, note), flush=True)
     ckpt, state, start, resume_step = _initial_state(run)
@@ -285,7 +290,9 @@ def _speed(run, step_times: list[float]) -> tuple[float, float, float | None]:
         return math.nan, math.nan, None
     step_time = float(np.mean(steady))
     peak = peak_flops_for(jax.devices()[0])
-    flops = flops_per_token(run.model_config, run.config.seq_len) * run.tokens_per_step
+    per_token = (flops_per_token(run.model_config, run.config.seq_len) if run.model_config is not None
+                 else 6 * run.n_params)  # the user's model: the 6N estimate (attention not counted)
+    flops = per_token * run.tokens_per_step
     return step_time, run.tokens_per_step / step_time, mfu(flops, step_time, len(jax.devices()), peak) if peak else None
 
 
@@ -300,7 +307,11 @@ def _finish(run, state, start: int, tally, log, config_path, *, preempted: bool,
     if config.sample_tokens and is_token_file(config.data):  # ids of a tokenizer shardlib does not have
         if run.is_main and config.verbose and not preempted:
             print("no text sample: the data are token ids, and decoding them needs their tokenizer", flush=True)
-    elif config.sample_tokens and run.model.apply is not None and not preempted:
+    elif config.sample_tokens and not run.model.apply and not preempted:
+        if run.is_main and config.verbose:
+            print("no text sample: the model has no apply function (from_functions(..., apply=fn) gives it one); "
+                  "--sample-tokens 0 skips this", flush=True)
+    elif config.sample_tokens and not preempted:
         sample = sample_text(run.model, state.params, config.prompt, config.sample_tokens,
                              context=config.seq_len, seed=config.seed)
     steps = len(tally.step_times) + start
@@ -325,7 +336,7 @@ def _write_outputs(run, log, summary: str, sample: str | None, steps: int, *, pr
 
     config, out_dir = run.config, run.out_dir
     curve = plot_loss_curve(log.records, out_dir / "loss_curve.png",
-                            title=f"{config.model} / {run.strategy.name} / {describe(run.mesh)}")
+                            title=f"{run.model_name} / {run.strategy.name} / {describe(run.mesh)}")
     if sample is not None:
         log.add_text("sample", sample, steps)
         (out_dir / "sample.txt").write_text(sample + "\n", encoding="utf-8")

@@ -1,0 +1,81 @@
+"""`shardlib train --model package.module:factory`: a model the CLI imports from a test file
+(`tests/own_model.py`) trains through the CLI's loop, against a plain jax.jit + optax reference."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from shardlib.cli import main
+from shardlib.run.metrics_io import read_metrics
+from shardlib.run.train import TrainConfig, train
+from shardlib.runtime.data import ByteBatches, load_text, split_train_val
+from tests import own_model, zoo
+
+SPEC = "tests.own_model:make"
+FLAGS = ["--batch-size", "16", "--seq-len", "32", "--no-progress", "--eval-every", "0", "--sample-tokens", "0"]
+
+
+def reference_losses(steps: int, lr: float = 3e-3) -> list[float]:
+    """The CLI's optimizer written out (clip 1.0, AdamW b2 0.95, decay on matrices, warmup 10% then
+    cosine to 10%), stepped by `zoo.plain_steps` on the CLI loader's batches."""
+    params, _, loss = zoo.nnx_functional(own_model.ByteLM, own_model.loss, seed=jax.random.key(0))
+    schedule = optax.warmup_cosine_decay_schedule(lr * 0.1, lr, max(1, steps // 10), max(steps, 2), lr * 0.1)
+    matrices = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=matrices))
+    train_bytes, _ = split_train_val(load_text(None))
+    source = ByteBatches(train_bytes, 16, 32, seed=0, process_index=0, process_count=1)
+    _, losses = zoo.plain_steps(lambda p, b: loss(p, None, b)[0], params, tx, [source.batch(i) for i in range(steps)])
+    return losses
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("own") / "run"
+    code = main(["train", "--model", SPEC, "--strategy", "zero3", "--steps", "5", "--ckpt-every", "5",
+                 "--out", str(out), *FLAGS])
+    return code, out
+
+
+def test_factory_model_trains_under_zero3_like_plain_optax(cli_run, capfd):
+    code, out = cli_run
+    assert code == 0
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    np.testing.assert_allclose([r["loss"] for r in records], reference_losses(5), rtol=1e-5)
+    assert (out / "checkpoints" / "5").is_dir() and (out / "config.json").exists()
+
+
+def test_header_names_the_factory_and_a_rerun_resumes_its_checkpoint(cli_run, capsys):
+    code, out = cli_run
+    assert code == 0
+    capsys.readouterr()
+    assert main(["train", "--model", SPEC, "--strategy", "zero3", "--steps", "6", "--ckpt-every", "5",
+                 "--out", str(out), *FLAGS]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"shardlib train: {SPEC} (0.02M params") and "resumed    step 5" in printed, printed
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_library_train_takes_the_same_model_object(tmp_path, capsys):
+    config = TrainConfig(steps=2, batch_size=16, seq_len=32, out=str(tmp_path / "lib"), eval_every=0,
+                         sample_tokens=0, progress=False, strategy="dp")
+    result = train(config, model=own_model.make())
+    np.testing.assert_allclose([r["loss"] for r in result.records], reference_losses(2), rtol=1e-5)
+    assert capsys.readouterr().out.startswith("shardlib train: model passed to train() (0.02M params")
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("tests.own_model:nope", "has no function 'nope'"),
+    ("tests.own_model:not_a_model", "returned a ModuleMeta, not a shardlib Model"),
+    ("tests.no_such_module:make", "cannot import 'tests.no_such_module'"),
+    ("tinny", "did you mean --model tiny?"),
+])
+def test_a_bad_model_is_one_line_naming_the_flag(spec, says, capsys):
+    assert main(["train", "--model", spec, *FLAGS]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("shardlib train: error: --model: ") and says in err, err
