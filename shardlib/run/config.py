@@ -180,6 +180,8 @@ class TrainConfig:
     resume_from: str | None = flag(
         None, "continue from the latest checkpoint of this run directory (and keep writing there); with "
               "--ckpt-every, a run whose --out already holds checkpoints resumes from them by itself", metavar="DIR")
+    force: bool = flag(False, "start even when the compiled step needs more memory than a device has (refused "
+                              "otherwise, with the largest --batch-size or the --grad-accum that fits)")
     max_skips: int = flag(10, f"stop (exit {EXIT_DIVERGED}) after K consecutive steps with a non-finite loss or "
                               "gradient, which are skipped; 0: never stop (default %(default)s)", metavar="K")
     record_examples: bool = flag(False, "write DIR/examples.jsonl: the window start offsets each step read (audits "

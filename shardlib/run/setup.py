@@ -22,6 +22,7 @@ from typing import Any
 
 from shardlib.run.checkpointing import checkpoint_dir
 from shardlib.run.config import DEFAULT_SEQ_LEN, PRECISIONS, TrainConfig, TrainConfigError
+from shardlib.run.fits import check_fits
 
 
 @dataclasses.dataclass
@@ -127,11 +128,12 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
                          else (_grain_loader(config, layout, data), []))
     schedule = lr_schedule(config)
     program = build_program(config, model, layout, schedule)
-    shapes = {k: ((config.batch_size, config.seq_len), np.int32) for k in ("inputs", "targets")}
-    abstract_batch = program.abstract_batch(shapes)
+    abstract_batch = program.abstract_batch(_batch_shapes(config))
     _check_batch_split(layout, program, abstract_batch)
     step_fn = program.compile_step(program.abstract_state(), abstract_batch)
     mem = memory_stats(step_fn)
+    check_fits(config, mem, layout.batch_size_multiple, program.step.microbatches, layout.pipeline_stages > 1,
+               lambda other: _compiled_peak(other, model, layout, schedule))
     return Prepared(config=config, strategy=strategy, model_config=model_config, model=model, model_name=model_name,
                     mesh=mesh,
                     layout=layout, out_dir=out_dir, loader=loader, val_local=val_local, schedule=schedule,
@@ -161,6 +163,21 @@ def _own_vocab(config: TrainConfig) -> int | None:
         raise TrainConfigError("vocab_size", "with your own --model and a token file, give the tokenizer's vocabulary "
                                              "size (--vocab-size V), which every token id is checked against")
     return config.vocab_size if config.vocab_size is not None else 256
+
+
+def _batch_shapes(config: TrainConfig) -> dict[str, Any]:
+    import numpy as np
+
+    return {k: ((config.batch_size, config.seq_len), np.int32) for k in ("inputs", "targets")}
+
+
+def _compiled_peak(config: TrainConfig, model, layout, schedule) -> int:
+    """Peak bytes a device of ``config``'s step, compiled (for `check_fits`'s other batch sizes)."""
+    from shardlib.tools.memory import memory_stats, peak_bytes
+
+    program = build_program(config, model, layout, schedule)
+    return peak_bytes(memory_stats(program.compile_step(program.abstract_state(),
+                                                        program.abstract_batch(_batch_shapes(config)))))
 
 
 def _with_context_options(config: TrainConfig, layout):

@@ -109,6 +109,22 @@ def peak_bytes(mem: MemoryStats) -> int:
     return max(xla_peak, assigned + mem.temp_bytes)
 
 
+def device_capacity() -> tuple[int, str] | None:
+    """(bytes one local device can hold, in words) to judge a compiled step against; None where
+    the backend does not say. Simulated CPU devices share the host's RAM; an accelerator reports
+    its own limit (``memory_stats()["bytes_limit"]``)."""
+    import os
+
+    import jax
+
+    devices = jax.local_devices()
+    if devices[0].platform == "cpu":
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total // len(devices), f"{len(devices)} CPU device(s) sharing {format_bytes(total)} of host RAM"
+    limit = (devices[0].memory_stats() or {}).get("bytes_limit")
+    return (int(limit), f"{format_bytes(int(limit))} on each {devices[0].device_kind}") if limit else None
+
+
 def _has_host_inputs(compiled: Any) -> bool:
     """Whether any argument of ``compiled`` was placed in host memory (so reading the HLO is worth it)."""
     import jax
@@ -162,4 +178,4 @@ def host_layout_bytes(hlo_text: str) -> dict[str, int]:
                                     if o < len(results) and p < len(params) and params[p][1] and results[o][1])}
 
 
-__all__ = ["MemoryStats", "host_layout_bytes", "memory_stats", "peak_bytes"]
+__all__ = ["MemoryStats", "device_capacity", "host_layout_bytes", "memory_stats", "peak_bytes"]
