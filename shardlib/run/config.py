@@ -172,7 +172,8 @@ class TrainConfig:
     log_every: int = flag(10, "refresh the printed numbers every N steps (default %(default)s)", metavar="N")
     prompt: str = flag("The ", "prompt for the final text sample (default %(default)r)", metavar="TEXT")
     sample_tokens: int = flag(300, "bytes to sample at the end (default %(default)s; 0: no sample)", metavar="N")
-    progress: bool = flag(True, "plain log lines instead of a progress bar", negate=True)
+    progress: bool = flag(True, "plain log lines instead of a progress bar (the default where the output is not a "
+                                "terminal)", negate=True)
     tensorboard: bool = flag(True, "do not write TensorBoard event files", negate=True)
     verbose: bool = True
     ckpt_every: int = flag(0, "save a checkpoint every N steps and at the end (default 0: off)", metavar="N")

@@ -243,7 +243,7 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate):
     """The steps with their actions; returns (state, the `Tally`, the `Preemption` or None)."""
     import jax
 
-    from shardlib.run.actions import Evaluate, Every, Progress, StepClock, Tally
+    from shardlib.run.actions import Evaluate, Every, Progress, StepClock, Tally, interactive
     from shardlib.run.checkpointing import SaveCheckpoint, resume_hint
     from shardlib.run.examples import ExampleLog, examples_path
     from shardlib.run.loop import Recorder, run_steps
@@ -256,8 +256,9 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate):
     validation = Evaluate(evaluate, Every(config.eval_every, last=config.steps), clock)
     examples = ExampleLog(examples_path(run.out_dir, jax.process_index(), jax.process_count()), run.loader,
                           enabled=config.record_examples, resume_step=resume_step)
+    bar = config.progress and interactive()  # in a file: plain lines
     progress = Progress(total=config.steps, initial=first, log_every=config.log_every,
-                        bar=run.is_main and config.progress, lines=run.is_main and config.verbose and not config.progress)
+                        bar=run.is_main and bar, lines=run.is_main and config.verbose and not bar)
     # Order matters: validation adds val_loss; the guard raises last, once its step is logged.
     stragglers = straggler_action(config, clock)  # before the log: it adds the window's per-process times
     record = Recorder([validation, tally, stragglers, log, progress, NonFiniteGuard(config.max_skips, ckpt)],
