@@ -50,15 +50,20 @@ def test_factory_model_trains_under_zero3_like_plain_optax(cli_run, capfd):
     assert (out / "checkpoints" / "5").is_dir() and (out / "config.json").exists()
 
 
-def test_header_names_the_factory_and_a_rerun_resumes_its_checkpoint(cli_run, capsys):
+def test_header_names_the_factory_and_an_extended_rerun_keeps_its_lr_schedule(cli_run, capsys):
     code, out = cli_run
     assert code == 0
     capsys.readouterr()
-    assert main(["train", "--model", SPEC, "--strategy", "zero3", "--steps", "6", "--ckpt-every", "5",
+    assert main(["train", "--model", SPEC, "--strategy", "zero3", "--steps", "8", "--ckpt-every", "5",
                  "--out", str(out), *FLAGS]) == 0
-    printed = capsys.readouterr().out
-    assert printed.startswith(f"shardlib train: {SPEC} (0.02M params") and "resumed    step 5" in printed, printed
-    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    printed = capsys.readouterr()
+    assert printed.out.startswith(f"shardlib train: {SPEC} (0.02M params") and "resumed    step 5" in printed.out
+    assert "the lr schedule stays the one this run started with, planned over 5 steps" in printed.err, printed.err
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7, 8]
+    # The 5-step schedule (warmup 1, cosine to 10% at step 5) evaluated at each update's count.
+    planned = optax.warmup_cosine_decay_schedule(3e-4, 3e-3, 1, 5, 3e-4)
+    np.testing.assert_allclose([r["lr"] for r in records], [float(planned(i)) for i in range(8)], rtol=1e-6)
 
 
 def test_library_train_takes_the_same_model_object(tmp_path, capsys):

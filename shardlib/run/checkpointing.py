@@ -7,6 +7,7 @@ directory a run uses and when a step is saved.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,32 @@ def refuse_silent_restart(config: TrainConfig, out_dir: Path) -> None:
         raise TrainConfigError("out", f"{out_dir} already holds a run checkpointed at step {step}, and this run "
                                       "does not checkpoint, so it would start over beside it; add --ckpt-every N "
                                       "to resume that run, or pick another --out")
+
+
+def keep_schedule(config: TrainConfig, out_dir: Path) -> TrainConfig:
+    """A run resumed with another ``--steps`` keeps the lr schedule it started with (re-planned over
+    the new count, the rate would jump at the resumed step: 0.00038 to 0.0019), and says so."""
+    import dataclasses
+
+    if config.schedule_steps is not None:
+        return config
+    ckpt, resume = open_checkpointer(config, out_dir)
+    if ckpt is None:
+        return config
+    try:
+        saved = ckpt.saved_config() if resume and ckpt.latest_step() is not None else {}
+    finally:
+        ckpt.close()
+    planned = saved.get("schedule_steps") or saved.get("steps")
+    if planned is None or planned == config.steps:
+        return config
+    import jax
+
+    if jax.process_index() == 0 and config.verbose:
+        print(f"shardlib: note: the lr schedule stays the one this run started with, planned over {planned} steps "
+              f"(after step {planned}: {config.lr * config.min_lr_ratio:g}, its final rate); --schedule-steps "
+              f"{config.steps} re-plans it over the new count", file=sys.stderr, flush=True)
+    return dataclasses.replace(config, schedule_steps=planned)
 
 
 def model_mismatch(config: TrainConfig, ckpt: Any, target: Any, err: Exception) -> Exception:

@@ -129,6 +129,8 @@ class TrainConfig:
                      metavar="LR")
     warmup_steps: int | None = flag(None, "warmup steps (default 10%% of --steps)", metavar="N")
     min_lr_ratio: float = 0.1
+    schedule_steps: int | None = flag(None, "steps the lr schedule spans (default: --steps; a run resumed with "
+                                            "another --steps keeps the one it started with)", metavar="N")
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     seed: int = flag(0, "seed for init and data order", metavar="S")
@@ -238,7 +240,8 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
 
 def check_numbers(config: TrainConfig) -> None:
     """Counts and rates in range; each error names its flag."""
-    for field in ("steps", "batch_size", "seq_len", "log_every", "eval_batches", "grad_accum", "pipeline_stages"):
+    for field in ("steps", "batch_size", "seq_len", "log_every", "eval_batches", "grad_accum", "pipeline_stages",
+                  "schedule_steps"):
         if getattr(config, field) is not None and getattr(config, field) < 1:  # seq_len None: the model's default
             raise TrainConfigError(field, f"must be at least 1, got {getattr(config, field)}")
     for field in ("eval_every", "ckpt_every", "sample_tokens", "seed", "max_skips"):

@@ -284,16 +284,18 @@ def _check_batch_split(layout, program, abstract_batch: Mapping[str, Any]) -> No
 
 
 def lr_schedule(config: TrainConfig):
-    """Linear warmup from 10% of ``lr``, then cosine decay to ``lr * min_lr_ratio``."""
+    """Linear warmup from 10% of ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``schedule_steps``
+    (default ``steps``), and that rate after."""
     import optax
 
-    warmup = config.warmup_steps if config.warmup_steps is not None else max(1, config.steps // 10)
-    warmup = min(warmup, config.steps)
+    steps = config.schedule_steps or config.steps
+    warmup = config.warmup_steps if config.warmup_steps is not None else max(1, steps // 10)
+    warmup = min(warmup, steps)
     return optax.warmup_cosine_decay_schedule(
         init_value=config.lr * 0.1,
         peak_value=config.lr,
         warmup_steps=warmup,
-        decay_steps=max(config.steps, warmup + 1),
+        decay_steps=max(steps, warmup + 1),
         end_value=config.lr * config.min_lr_ratio,
     )
 

@@ -165,7 +165,7 @@ def train(config: TrainConfig, data: Any = None, *, model: Any = None) -> TrainR
     """
     import jax
 
-    from shardlib.run.checkpointing import refuse_silent_restart
+    from shardlib.run.checkpointing import keep_schedule, refuse_silent_restart
     from shardlib.run.setup import check_out_path, claim_run_directory, run_directory, with_model_defaults
 
     t_begin = time.perf_counter()
@@ -176,6 +176,7 @@ def train(config: TrainConfig, data: Any = None, *, model: Any = None) -> TrainR
     check_numbers(config)
     out_dir = run_directory(config)
     refuse_silent_restart(config, out_dir)
+    config = keep_schedule(config, out_dir)
     with claim_run_directory(config, out_dir, main=jax.process_index() == 0):
         return _train(config, out_dir, note, t_begin, data, model)
 
