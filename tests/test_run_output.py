@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from shardlib.cli import main
 from shardlib.run.metrics_io import read_metrics
+from shardlib.runtime.devices import NO_TPU_ENV, tpu_attached
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_output_to_a_file_is_plain_lines_with_lr_grad_norm_and_time_left(tmp_path, capsys):
@@ -27,3 +37,26 @@ def test_output_to_a_file_is_plain_lines_with_lr_grad_norm_and_time_left(tmp_pat
         assert [float(x) for x in found.groups()] == [float(f"{records[step][k]:{f}}") for k, f in
                                                       (("loss", ".3f"), ("lr", ".3g"), ("grad_norm", ".3g"))]
     assert lines[-1].endswith("left 0:00")
+
+
+def _without_tpu_answers() -> dict[str, str]:
+    """The environment of a fresh process on this host, libtpu free to load (as on a machine where
+    no other process holds its lockfile), none of `NO_TPU_ENV` set."""
+    env = {k: v for k, v in os.environ.items() if k not in NO_TPU_ENV and k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).strip(os.pathsep)
+    return env
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None or tpu_attached(), reason="libtpu on a host without TPUs")
+@pytest.mark.parametrize("code", [
+    "import shardlib, jax; print(jax.devices())",  # a user's script
+    "from shardlib.cli import main; main(['train', '--model', 'tiny', '--steps', '1', '--batch-size', '8', '--seq-len', "
+    "'16', '--sample-tokens', '0', '--eval-every', '0', '--no-tensorboard', '--out', OUT])",
+])
+def test_no_libtpu_noise_without_tpus(code, tmp_path):
+    code = code.replace("OUT", repr(str(tmp_path / "run")))
+    proc = subprocess.run([sys.executable, "-c", code], env=_without_tpu_answers(), capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0 and proc.stdout, proc.stderr
+    assert proc.stderr == "", proc.stderr
