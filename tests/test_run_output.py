@@ -60,3 +60,27 @@ def test_no_libtpu_noise_without_tpus(code, tmp_path):
                           timeout=120, cwd=REPO)
     assert proc.returncode == 0 and proc.stdout, proc.stderr
     assert proc.stderr == "", proc.stderr
+
+
+BUILD_ANNOTATED = """
+from flax import nnx
+init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+model = nnx.Linear(4, 8, kernel_init=init, rngs=nnx.Rngs(0))  # logical names, no mesh
+params = shardlib.from_nnx(model, lambda m, b: m(b).mean()).init(None)
+print(float(abs(params["kernel"] - model.kernel.value).max()))
+"""
+
+
+@pytest.mark.parametrize("order", ["import shardlib\n", "import flax\nimport shardlib\n"])
+def test_an_nnx_instance_with_logical_names_builds_without_a_mesh(order):
+    # Flax's eager sharding would ask for a mesh ("An auto mesh context or metadata is required");
+    # shardlib turns it off on import, whether Flax was imported before it or after.
+    env = _without_tpu_answers()
+    env.pop("FLAX_ALWAYS_SHARD_VARIABLE", None)
+    proc = subprocess.run([sys.executable, "-c", order + BUILD_ANNOTATED], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0 and proc.stdout.strip() == "0.0", proc.stderr[-1500:]
+    env["FLAX_ALWAYS_SHARD_VARIABLE"] = "true"  # the user's choice wins: Flax's own error
+    proc = subprocess.run([sys.executable, "-c", order + BUILD_ANNOTATED], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 1 and "An auto mesh context or metadata is required" in proc.stderr
