@@ -117,6 +117,7 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
     vocab_size = model_config.vocab_size if model is None else _own_vocab(config)
     train_bytes, val_bytes = _load_data(config, vocab_size) if data is None else (no_bytes, no_bytes)
     mesh = _mesh(config, strategy)
+    _note_collapse(strategy, mesh)
     _check_pipeline_flags(config, mesh)
     if model is None:
         model = trainable(model_config)
@@ -243,6 +244,16 @@ def _mesh(config: TrainConfig, strategy):
     except MeshError as err:
         hint = "" if config.mesh is not None else f" (the default mesh of strategy {strategy.name}; pass --mesh)"
         raise TrainConfigError("mesh", f"{err}{hint}") from None
+
+
+def _note_collapse(strategy, mesh) -> None:
+    """``--strategy hsdp --mesh fsdp=8`` is zero3: say so (`Strategy.collapses`)."""
+    import jax
+
+    if strategy.collapses and mesh.shape[strategy.collapses[0]] == 1 and jax.process_index() == 0:
+        axis, other = strategy.collapses
+        print(f"shardlib: note: --strategy {strategy.name} with {axis}=1 is {other} (nothing to replicate over "
+              f"{axis}); give --mesh a {axis} axis, e.g. {axis}=2, or say --strategy {other}", file=sys.stderr, flush=True)
 
 
 def _record_restart(out_dir: Path, mesh) -> None:

@@ -394,10 +394,12 @@ def _check_requirements(strategy: Strategy, mesh: Mesh) -> None:
     unmet = unmet_requirements(strategy, mesh.shape)
     if not unmet:
         return
-    axes = " and ".join("x".join(group) for group in unmet)
+    several = len(unmet) > 1 or len(unmet[0]) > 1
+    axes = " and ".join(" x ".join(group) for group in unmet)
     suits = [name for name, s in STRATEGIES.items() if s.requires and not unmet_requirements(s, mesh.shape)]
     raise rules_lib.RuleError(
-        f"strategy {strategy.name!r} shards over mesh axis {axes}, which has one device on the mesh "
+        f"strategy {strategy.name!r} shards over mesh {'axes' if several else 'axis'} {axes}, which "
+        f"{'have one device in all' if several else 'has one device'} on the mesh "
         f"{describe(mesh)}: nothing would be split; use a mesh such as {_suggested_mesh(strategy, mesh)}"
         + (f", or a strategy for this mesh: {', '.join(suits)}" if suits else ", or strategy 'dp'")
     )
