@@ -4,7 +4,9 @@
 (nanoGPT's, enough for vocabularies up to 65,536 such as GPT-2's 50,257), uint32 when asked
 (``--token-dtype uint32``). ``.npy`` carries its own dtype (any unsigned integer type). Both are
 memory-mapped, never read whole; the training windows are the same stateless random windows as
-for text (`shardlib.runtime.data.ByteBatches`), so a resumed run reads each example exactly once.
+for text (`shardlib.runtime.data.ByteBatches`): drawn at random with replacement, each a function
+of the seed and the step, so a resumed run reads the windows the uninterrupted run would have
+read (none twice, none skipped, compared with it), not each example of the file exactly once.
 """
 
 from __future__ import annotations
