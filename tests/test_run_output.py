@@ -84,3 +84,12 @@ def test_an_nnx_instance_with_logical_names_builds_without_a_mesh(order):
     proc = subprocess.run([sys.executable, "-c", order + BUILD_ANNOTATED], env=env, capture_output=True, text=True,
                           timeout=120, cwd=REPO)
     assert proc.returncode == 1 and "An auto mesh context or metadata is required" in proc.stderr
+
+
+def test_a_read_only_checkpointer_opens_without_orbax_warning(tmp_path, caplog):
+    from shardlib.runtime.checkpoint import Checkpointer
+
+    (tmp_path / "checkpoints").mkdir()
+    with caplog.at_level("WARNING"):
+        Checkpointer(tmp_path / "checkpoints", create=False).close()
+    assert not [r for r in caplog.records if "read only" in r.getMessage()], caplog.text
