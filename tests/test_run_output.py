@@ -93,3 +93,37 @@ def test_a_read_only_checkpointer_opens_without_orbax_warning(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         Checkpointer(tmp_path / "checkpoints", create=False).close()
     assert not [r for r in caplog.records if "read only" in r.getMessage()], caplog.text
+
+
+def test_profile_traces_the_steps_asked_and_metrics_carry_tokens_per_device(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--model", "tiny", "--batch-size", "16", "--seq-len", "32", "--steps", "4", "--eval-every",
+                 "0", "--sample-tokens", "0", "--no-progress", "--profile", "2:3", "--out", str(out)]) == 0
+    assert "profile    steps 2-3: " in capsys.readouterr().out
+    traces = list((out / "profile").rglob("*.xplane.pb"))
+    assert len(traces) == 1 and list((out / "profile").rglob("*.trace.json.gz"))
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["tokens_per_s_per_device"] for r in records] == [r["tokens_per_s"] / 8 for r in records]
+    assert not any("memory_peak_bytes" in r for r in records)  # XLA:CPU reports no device memory
+
+
+def test_metrics_carry_device_memory_where_the_backend_reports_it(monkeypatch):
+    import jax
+
+    from shardlib.run.loop import device_memory
+
+    class Device:
+        def __init__(self, used, peak):
+            self.stats = {"bytes_in_use": used, "peak_bytes_in_use": peak, "bytes_limit": 10**9}
+
+        def memory_stats(self):
+            return self.stats
+
+    monkeypatch.setattr(jax, "local_devices", lambda: [Device(5, 9), Device(7, 8)])
+    assert device_memory() == {"memory_in_use_bytes": 7, "memory_peak_bytes": 9}
+
+
+@pytest.mark.parametrize("spec, says", [("5", "'5' is not START:STOP"), ("2:4", "2:4 ends past the run's last step (3)")])
+def test_a_bad_profile_range_is_one_line(spec, says, capsys):
+    assert main(["train", "--profile", spec, "--steps", "3"]) == 2
+    assert f"--profile: {says}" in capsys.readouterr().err

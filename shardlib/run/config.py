@@ -87,6 +87,14 @@ def _model_name(name: str) -> str:
                                     f"package.module:factory){hint}")
 
 
+def _step_range(text: str) -> str:
+    """``--profile 5:8``: two step numbers, 1 <= START <= STOP."""
+    start, sep, stop = text.partition(":")
+    if not (sep and start.isdigit() and stop.isdigit() and 1 <= int(start) <= int(stop)):
+        raise TrainConfigError("profile", f"{text!r} is not START:STOP, two steps with 1 <= START <= STOP (e.g. 5:8)")
+    return text
+
+
 def _strategies() -> list[str]:
     from shardlib.sharding.strategies import ALIASES, STRATEGIES
 
@@ -187,6 +195,9 @@ class TrainConfig:
                               "otherwise, with the largest --batch-size or the --grad-accum that fits)")
     max_skips: int = flag(10, f"stop (exit {EXIT_DIVERGED}) after K consecutive steps with a non-finite loss or "
                               "gradient, which are skipped; 0: never stop (default %(default)s)", metavar="K")
+    profile: str | None = flag(None, "write a jax.profiler trace of steps START to STOP into DIR/profile (TensorBoard's "
+                                     "profile plugin, or Perfetto for its trace.json.gz; docs/cli.md)",
+                               metavar="START:STOP", parse=lambda text: text if text is None else _step_range(text))
     record_examples: bool = flag(False, "write DIR/examples.jsonl: the window start offsets each step read (audits "
                                         "exactly-once data)")
     straggler_every: int | None = flag(None, "with several processes, compare their step times every N steps and "
@@ -253,6 +264,9 @@ def check_numbers(config: TrainConfig) -> None:
         raise TrainConfigError("keep", f"must keep at least 1 checkpoint, got {config.keep}")
     if config.straggler_every is not None and config.straggler_every < 0:
         raise TrainConfigError("straggler_every", f"must be non-negative (0: off), got {config.straggler_every}")
+    if config.profile is not None and int(_step_range(config.profile).split(":")[1]) > config.steps:
+        raise TrainConfigError("profile", f"{config.profile} ends past the run's last step ({config.steps}); profile "
+                                          f"steps within --steps")
     if not config.straggler_factor > 1:
         raise TrainConfigError("straggler_factor", f"must be above 1 (a process this many times slower than the median "
                                                    f"of the others is named), got {config.straggler_factor}")

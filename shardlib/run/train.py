@@ -250,6 +250,7 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate):
     from shardlib.run.loop import Recorder, run_steps
     from shardlib.run.nonfinite import NonFiniteGuard
     from shardlib.run.preemption import preemption
+    from shardlib.run.profile import ProfileSteps
     from shardlib.run.stragglers import straggler_action
 
     config, (first, resume_step) = run.config, start
@@ -263,17 +264,18 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate):
     # Order matters: validation adds val_loss; the guard raises last, once its step is logged.
     stragglers = straggler_action(config, clock)  # before the log: it adds the window's per-process times
     record = Recorder([validation, tally, stragglers, log, progress, NonFiniteGuard(config.max_skips, ckpt)],
-                      clock, tokens_per_step=run.tokens_per_step, at_once=validation.due)
+                      clock, tokens_per_step=run.tokens_per_step, at_once=validation.due, devices=len(jax.devices()))
+    profile = ProfileSteps(config.profile, run.out_dir, first, enabled=run.is_main)
     saver = None if ckpt is None else SaveCheckpoint(
         ckpt, Every(config.ckpt_every, last=config.steps if config.ckpt_every else None),
         seed=run.loader.seed, config=dataclasses.asdict(config), data_state=getattr(run.loader, "state_at", None))
     try:
         with preemption(saver, config.steps, resume_hint(config, run.out_dir)) as stop:
             state = run_steps(state, first, config.steps, _step_fn(run), run.load, record=record,
-                              after_step=[examples, *([saver] if saver is not None else [])], preemption=stop,
+                              after_step=[examples, profile, *([saver] if saver is not None else [])], preemption=stop,
                               steps_in_flight=run.steps_in_flight)
     finally:
-        for action in (saver, progress, examples):
+        for action in (saver, progress, examples, profile):
             if action is not None:
                 action.close()
     return state, tally, stop
