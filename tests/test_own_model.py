@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import numpy as np
 import optax
 import pytest
-from flax import nnx
-
+import shardlib
 from shardlib.cli import main
 from shardlib.run.metrics_io import read_metrics
 from shardlib.run.train import TrainConfig, train
@@ -84,3 +85,21 @@ def test_a_bad_model_is_one_line_naming_the_flag(spec, says, capsys):
     assert main(["train", "--model", spec, *FLAGS]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("shardlib train: error: --model: ") and says in err, err
+
+
+def test_zero3_of_a_model_that_does_not_gather_its_layers_warns_once_naming_its_largest_part():
+    from shardlib import build, make_layout, make_mesh
+    from shardlib.models import get_config, trainable
+    from shardlib.step.compute import WholeGatherWarning
+
+    stack = shardlib.from_nnx(lambda rngs: zoo.NnxTransformer(rngs=rngs, n_layers=8), zoo.nnx_transformer_loss)
+    with pytest.warns(WholeGatherWarning, match=r"zero3 stores .* not one block's; its largest part is 'blocks' "
+                                                r"\(8 submodules of up to .*gathers_params=True"):
+        build(stack, optax.adamw(1e-3), make_layout(stack, "zero3", make_mesh({"fsdp": 8})))
+    with pytest.warns(WholeGatherWarning, match=r"its largest part is 'head' \(33.00 KiB\)"):  # 256 x 32 + 256 floats
+        build(own_model.make(), optax.adamw(1e-3), make_layout(own_model.make(), "zero3", make_mesh({"fsdp": 8})))
+    gpt = trainable(get_config("tiny"))  # gathers its own layers: nothing to say; nor under dp
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", WholeGatherWarning)
+        build(gpt, optax.adamw(1e-3), make_layout(gpt, "zero3", make_mesh({"fsdp": 8})))
+        build(stack, optax.adamw(1e-3), make_layout(stack, "dp", make_mesh({"data": 8})))

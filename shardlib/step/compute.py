@@ -201,6 +201,50 @@ def sharded_paths(layout: Layout) -> tuple[str, ...]:
                  if spec_axes(restrict(l.spec, gathered_axes(layout))))
 
 
+class WholeGatherWarning(UserWarning):
+    """ZeRO-3 of a model that does not gather its own layers: the step's peak can hold all its weights."""
+
+
+def warn_whole_gather(layout: Layout, specs: Any) -> None:
+    """Warn (once per model and mesh) when parameters stored over a batch axis (ZeRO-3) belong to a
+    model that does not pass them through `hooks.gather_layer`: the step gathers them where XLA
+    places the gathers, and autodiff keeps each for the backward pass, so the peak can hold the
+    whole model instead of one block (docs/your-model.md, "Not supported yet"). Names the part
+    of the model with the most parameters, where ``gather_layer`` + remat pays most."""
+    leaves = jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout)
+    stored = [l for l, spec in zip(leaves, jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))) if spec_axes(spec)]
+    if not stored:
+        return
+    from shardlib.text import format_bytes
+
+    part, parts = _largest_part([(l.path.split("/"), l.bytes()) for l in leaves])
+    total = sum(l.bytes() for l in leaves)
+    shape = f"{len(parts)} submodules of up to {format_bytes(max(parts))}" if len(parts) > 1 else format_bytes(parts[0])
+    warnings.warn(
+        f"{layout.strategy.name} stores {format_bytes(total)} of parameters sharded, but this model does not gather "
+        f"them itself (gathers_params=False), so the step's peak can hold all of them at once, not one block's; its "
+        f"largest part is {'/'.join(part) or 'the model'!r} ({shape}). To hold one block at a time, pass each block "
+        "through shardlib.gather_layer under remat (nnx.remat / nn.remat, or a scan) and build with "
+        "gathers_params=True (docs/nnx.md, 'Scanned layers under ZeRO-3')", WholeGatherWarning, stacklevel=4)
+
+
+def _largest_part(paths: list[tuple[list[str], int]]) -> tuple[list[str], list[int]]:
+    """(the path of the subtree to name, its children's bytes): from the root, into the child with
+    the most bytes while one child holds most of its parent (a list of equal blocks stops there)."""
+    prefix: list[str] = []
+    while True:
+        children: dict[str, int] = {}
+        for path, size in paths:
+            if path[:len(prefix)] == prefix and len(path) > len(prefix) + 1:
+                children[path[len(prefix)]] = children.get(path[len(prefix)], 0) + size
+        if not children:
+            return prefix, [sum(s for p, s in paths if p[:len(prefix)] == prefix)]
+        name, size = max(children.items(), key=lambda kv: kv[1])
+        if size * 2 < sum(children.values()) and prefix:
+            return prefix, list(children.values())
+        prefix = [*prefix, name]
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelCall:
     """The model as one device computes it: parameters cast to the compute dtype and gathered
@@ -242,6 +286,8 @@ class ModelCall:
                                                    jax.tree.leaves(auto))}
         secondary = hierarchical.for_layout(layout, model.gathers_params)
         specs = secondary.intra_specs if secondary else layout.manual(layout.params, gathered_axes(layout))
+        if not model.gathers_params:
+            warn_whole_gather(layout, specs)
         return cls(model, specs, auto, by_path, sharded_paths(layout), activation_spec(layout),
                    policy.compute_dtype, cast_first, rows_split, active_axes(layout, exclude), secondary,
                    logical_rules=logical_rules(layout), mean_axes=active_axes(layout, exclude + mean_exclude),
