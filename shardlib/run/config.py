@@ -95,6 +95,12 @@ def _step_range(text: str) -> str:
     return text
 
 
+def _tracker_names(value: str | tuple[str, ...]) -> tuple[str, ...]:
+    from shardlib.run.trackers import parse
+
+    return parse(value) if isinstance(value, str) else tuple(value)
+
+
 def _strategies() -> list[str]:
     from shardlib.sharding.strategies import ALIASES, STRATEGIES
 
@@ -198,6 +204,9 @@ class TrainConfig:
     profile: str | None = flag(None, "write a jax.profiler trace of steps START to STOP into DIR/profile (TensorBoard's "
                                      "profile plugin, or Perfetto for its trace.json.gz; docs/cli.md)",
                                metavar="START:STOP", parse=lambda text: text if text is None else _step_range(text))
+    log_to: tuple[str, ...] = flag((), "also write each step's scalars and the config to wandb and/or mlflow (comma-"
+                                       "separated; offline: WANDB_MODE=offline, mlflow into DIR/mlruns)",
+                                   metavar="wandb,mlflow", parse=lambda value: _tracker_names(value))
     record_examples: bool = flag(False, "write DIR/examples.jsonl: the window start offsets each step read (audits "
                                         "exactly-once data)")
     straggler_every: int | None = flag(None, "with several processes, compare their step times every N steps and "

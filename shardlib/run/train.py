@@ -251,6 +251,7 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate):
     from shardlib.run.nonfinite import NonFiniteGuard
     from shardlib.run.preemption import preemption
     from shardlib.run.profile import ProfileSteps
+    from shardlib.run.trackers import open_trackers
     from shardlib.run.stragglers import straggler_action
 
     config, (first, resume_step) = run.config, start
@@ -263,7 +264,8 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate):
                         bar=run.is_main and bar, lines=run.is_main and config.verbose and not bar)
     # Order matters: validation adds val_loss; the guard raises last, once its step is logged.
     stragglers = straggler_action(config, clock)  # before the log: it adds the window's per-process times
-    record = Recorder([validation, tally, stragglers, log, progress, NonFiniteGuard(config.max_skips, ckpt)],
+    trackers = open_trackers(config.log_to, run.out_dir, dataclasses.asdict(config), enabled=run.is_main)
+    record = Recorder([validation, tally, stragglers, log, *trackers, progress, NonFiniteGuard(config.max_skips, ckpt)],
                       clock, tokens_per_step=run.tokens_per_step, at_once=validation.due, devices=len(jax.devices()))
     profile = ProfileSteps(config.profile, run.out_dir, first, enabled=run.is_main)
     saver = None if ckpt is None else SaveCheckpoint(
@@ -275,7 +277,7 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate):
                               after_step=[examples, profile, *([saver] if saver is not None else [])], preemption=stop,
                               steps_in_flight=run.steps_in_flight)
     finally:
-        for action in (saver, progress, examples, profile):
+        for action in (saver, progress, examples, profile, *trackers):
             if action is not None:
                 action.close()
     return state, tally, stop
