@@ -87,6 +87,19 @@ def test_a_bad_model_is_one_line_naming_the_flag(spec, says, capsys):
     assert err.count("\n") == 1 and err.startswith("shardlib train: error: --model: ") and says in err, err
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--vocab-size", "300"], "--vocab-size: sets the vocabulary of a token file"),  # text is bytes: not ignored
+    (["--data", "TOKENS"], "--vocab-size: with your own --model and a token file, give the tokenizer's"),
+])
+def test_the_vocabulary_of_your_own_model_comes_from_vocab_size(flags, says, tmp_path, capsys):
+    tokens = tmp_path / "tokens.bin"
+    np.arange(1000, dtype=np.uint16).tofile(tokens)
+    flags = [str(tokens) if f == "TOKENS" else f for f in flags]
+    assert main(["train", "--model", SPEC, *FLAGS, *flags, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+
+
 def test_zero3_of_a_model_that_does_not_gather_its_layers_warns_once_naming_its_largest_part():
     from shardlib import build, make_layout, make_mesh
     from shardlib.models import get_config, trainable

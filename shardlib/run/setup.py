@@ -156,14 +156,28 @@ def _own_model(config: TrainConfig, model: Any) -> tuple[Any, str]:
     return None, config.model
 
 
-def _own_vocab(config: TrainConfig) -> int | None:
+def _own_vocab(config: TrainConfig) -> int:
     """The vocabulary a token file is checked against: only ``--vocab-size`` knows it for the user's model."""
     from shardlib.runtime.tokens import is_token_file
 
-    if is_token_file(config.data) and config.vocab_size is None:
+    if config.vocab_size is not None:
+        _check_vocab_flag(config)
+        return config.vocab_size
+    if is_token_file(config.data):
         raise TrainConfigError("vocab_size", "with your own --model and a token file, give the tokenizer's vocabulary "
                                              "size (--vocab-size V), which every token id is checked against")
-    return config.vocab_size if config.vocab_size is not None else 256
+    return 256
+
+
+def _check_vocab_flag(config: TrainConfig) -> None:
+    """``--vocab-size`` sets a token file's vocabulary: refused with text, or below 2."""
+    from shardlib.runtime.tokens import is_token_file
+
+    if not is_token_file(config.data):
+        raise TrainConfigError("vocab_size", "sets the vocabulary of a token file (--data FILE.bin or .npy); text "
+                                             "is read as bytes (256 ids), so drop --vocab-size or pass a token file")
+    if config.vocab_size < 2:
+        raise TrainConfigError("vocab_size", f"must be at least 2, got {config.vocab_size}")
 
 
 def _batch_shapes(config: TrainConfig) -> dict[str, Any]:
@@ -218,13 +232,7 @@ def _model_config(config: TrainConfig):
             f"{config.seq_len} exceeds model {config.model!r}'s max_seq_len {model_config.max_seq_len}; use at most that",
         )
     if config.vocab_size is not None:
-        from shardlib.runtime.tokens import is_token_file
-
-        if not is_token_file(config.data):
-            raise TrainConfigError("vocab_size", "sets the vocabulary of a token file (--data FILE.bin or .npy); text "
-                                                 "is read as bytes (256 ids), so drop --vocab-size or pass a token file")
-        if config.vocab_size < 2:
-            raise TrainConfigError("vocab_size", f"must be at least 2, got {config.vocab_size}")
+        _check_vocab_flag(config)
         model_config = dataclasses.replace(model_config, vocab_size=config.vocab_size)
     return dataclasses.replace(model_config, compute_dtype=PRECISIONS[config.precision])
 
