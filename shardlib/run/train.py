@@ -176,13 +176,13 @@ def train(config: TrainConfig, data: Any = None, *, model: Any = None) -> TrainR
     check_numbers(config)
     out_dir = run_directory(config)
     refuse_silent_restart(config, out_dir)
-    config = keep_schedule(config, out_dir)
+    config, schedule_note = keep_schedule(config, out_dir)
     with claim_run_directory(config, out_dir, main=jax.process_index() == 0):
-        return _train(config, out_dir, note, t_begin, data, model)
+        return _train(config, out_dir, note, t_begin, data, model, schedule_note)
 
 
 def _train(config: TrainConfig, out_dir: Path, note: str | None, t_begin: float, data: Any = None,
-           model: Any = None) -> TrainResult:
+           model: Any = None, schedule_note: str | None = None) -> TrainResult:
     from shardlib.run.metrics_io import MetricsLog
     from shardlib.run.setup import prepare
 
@@ -190,6 +190,8 @@ def _train(config: TrainConfig, out_dir: Path, note: str | None, t_begin: float,
     if run.is_main and config.verbose:
         print(console.banner(run, note), flush=True)
     ckpt, state, start, resume_step = _initial_state(run)
+    if schedule_note and run.is_main and config.verbose:  # once resumed: a refused resume says only why
+        print(schedule_note, file=sys.stderr, flush=True)
     log = MetricsLog(run.out_dir, enabled=run.is_main, tensorboard=config.tensorboard, resume_step=resume_step)
     with contextlib.closing(log):
         config_path = _write_config(run)
