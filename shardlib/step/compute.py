@@ -210,7 +210,8 @@ def warn_whole_gather(layout: Layout, specs: Any) -> None:
     model that does not pass them through `hooks.gather_layer`: the step gathers them where XLA
     places the gathers, and autodiff keeps each for the backward pass, so the peak can hold the
     whole model instead of one block (docs/your-model.md, "Not supported yet"). Names the part
-    of the model with the most parameters, where ``gather_layer`` + remat pays most."""
+    of the model with the most parameters when it is a stack of submodules (blocks), where
+    ``gather_layer`` + remat pays; a model without one (an MLP) is not warned about."""
     leaves = jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout)
     stored = [l for l, spec in zip(leaves, jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))) if spec_axes(spec)]
     if not stored:
@@ -218,12 +219,14 @@ def warn_whole_gather(layout: Layout, specs: Any) -> None:
     from shardlib.text import format_bytes
 
     part, parts = _largest_part([(l.path.split("/"), l.bytes()) for l in leaves])
+    if len(parts) < 2:  # no stack of blocks to gather one at a time (an MLP, a head larger than the rest)
+        return
     total = sum(l.bytes() for l in leaves)
-    shape = f"{len(parts)} submodules of up to {format_bytes(max(parts))}" if len(parts) > 1 else format_bytes(parts[0])
     warnings.warn(
         f"{layout.strategy.name} stores {format_bytes(total)} of parameters sharded, but this model does not gather "
         f"them itself (gathers_params=False), so the step's peak can hold all of them at once, not one block's; its "
-        f"largest part is {'/'.join(part) or 'the model'!r} ({shape}). To hold one block at a time, pass each block "
+        f"largest part is {'/'.join(part) or 'the model'!r} ({len(parts)} submodules of up to "
+        f"{format_bytes(max(parts))}). To hold one block at a time, pass each block "
         "through shardlib.gather_layer under remat (nnx.remat / nn.remat, or a scan) and build with "
         "gathers_params=True (docs/nnx.md, 'Scanned layers under ZeRO-3')", WholeGatherWarning, stacklevel=4)
 
