@@ -120,7 +120,7 @@ def interactive() -> bool:
     file its carriage returns make one line of every refresh (20 kB over 100 steps)."""
     import sys
 
-    return "ipykernel" in sys.modules or all(s.isatty() for s in (sys.stdout, sys.stderr))
+    return "ipykernel" in sys.modules or all(getattr(s, "isatty", lambda: False)() for s in (sys.stdout, sys.stderr))
 
 
 class Progress:
