@@ -43,3 +43,18 @@ def test_a_step_too_large_is_refused_in_one_line_with_what_fits(limit, monkeypat
     assert memory.peak_bytes(_peak(tmp_path, grad_accum=accum)) <= limit
     # --force starts it.
     assert main(["train", *FLAGS, "--batch-size", str(BATCH), "--force", "--out", str(tmp_path / "forced")]) == 0
+
+
+def test_what_the_compile_logs_is_held_back_only_when_the_step_is_refused(capfd):
+    import os
+
+    from shardlib.run.config import TrainConfigError
+    from shardlib.run.fits import held_output
+
+    with held_output():
+        os.write(2, b"XLA: compiled\n")  # file descriptor 2, as XLA's C++ log writes
+    assert capfd.readouterr().err == "XLA: compiled\n"
+    with pytest.raises(TrainConfigError), held_output():
+        os.write(2, b"XLA: constant folding is taking > 1s\n")
+        raise TrainConfigError("batch_size", "does not fit")
+    assert capfd.readouterr().err == ""

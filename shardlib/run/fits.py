@@ -9,8 +9,12 @@ gradients). ``--force`` starts it anyway.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from shardlib.run.config import TrainConfig, TrainConfigError
@@ -47,6 +51,35 @@ def check_fits(config: TrainConfig, mem: Any, multiple: int, microbatches: int, 
     raise TrainConfigError("batch_size", f"{batch} sequences need {format_bytes(peak)} per device "
                                          f"({format_bytes(mem.temp_bytes)} of temporaries), and the devices have "
                                          f"{format_bytes(limit)} each ({what}): {fix}; --force starts it anyway")
+
+
+@contextlib.contextmanager
+def held_output() -> Iterator[None]:
+    """Hold what this process writes to its stderr (file descriptor 2: XLA's own C++ log too) while
+    the step compiles, and let it out after, unless the step is refused: compiling a batch of
+    100,000 rows makes XLA log its slow constant folding over several lines, which would bury the
+    one-line refusal."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no descriptor 2 to hold
+        yield
+        return
+    refused = False
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except TrainConfigError:
+            refused = True
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if not refused:
+                held.seek(0)
+                os.write(2, held.read())
 
 
 def _largest_batch(config: TrainConfig, batch: int, peak: int, limit: int, step: int,

@@ -22,7 +22,7 @@ from typing import Any
 
 from shardlib.run.checkpointing import checkpoint_dir
 from shardlib.run.config import DEFAULT_SEQ_LEN, PRECISIONS, TrainConfig, TrainConfigError
-from shardlib.run.fits import check_fits
+from shardlib.run.fits import check_fits, held_output
 
 
 @dataclasses.dataclass
@@ -131,10 +131,11 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
     program = build_program(config, model, layout, schedule)
     abstract_batch = program.abstract_batch(_batch_shapes(config))
     _check_batch_split(layout, program, abstract_batch)
-    step_fn = program.compile_step(program.abstract_state(), abstract_batch)
-    mem = memory_stats(step_fn)
-    check_fits(config, mem, layout.batch_size_multiple, program.step.microbatches, layout.pipeline_stages > 1,
-               lambda other: _compiled_peak(other, model, layout, schedule))
+    with held_output():  # XLA's logs while compiling a step it then refuses would bury the one line
+        step_fn = program.compile_step(program.abstract_state(), abstract_batch)
+        mem = memory_stats(step_fn)
+        check_fits(config, mem, layout.batch_size_multiple, program.step.microbatches, layout.pipeline_stages > 1,
+                   lambda other: _compiled_peak(other, model, layout, schedule))
     return Prepared(config=config, strategy=strategy, model_config=model_config, model=model, model_name=model_name,
                     mesh=mesh,
                     layout=layout, out_dir=out_dir, loader=loader, val_local=val_local, schedule=schedule,
