@@ -155,8 +155,7 @@ class Progress:
         """The printed line's numbers: the bar's, with lr and grad_norm, and the time left at the pace so far."""
         pace = (time.perf_counter() - self.started) / max(step - self.initial, 1)
         left = round(pace * (self.total - step))
-        extra = [("lr", f"{record['lr']:.3g}")] if record.get("lr") is not None else []
-        extra += [("grad_norm", f"{record['grad_norm']:.3g}")]
+        extra = [(key, f"{record[key]:.3g}") for key in ("lr", "grad_norm") if record.get(key) is not None]
         return [("loss", shown.pop("loss")), *extra, *shown.items(), ("left", f"{left // 60}:{left % 60:02d}")]
 
     def close(self) -> None:
