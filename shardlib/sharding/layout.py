@@ -144,7 +144,7 @@ class Layout:
             size = x.shape[0]
             self._check_sequence(name, x.shape)
             if size % n:
-                axes = "x".join(a for a in self.batch_axes if self.mesh.shape[a] > 1) or "none"
+                axes = " x ".join(a for a in self.batch_axes if self.mesh.shape[a] > 1) or "none"
                 what = f"the {self.batch_size_multiple} data-parallel devices (mesh axes {axes})"
                 if microbatches > 1:
                     what += f" times {microbatches} microbatches"
