@@ -100,17 +100,23 @@ def test_the_vocabulary_of_your_own_model_comes_from_vocab_size(flags, says, tmp
     assert err.count("\n") == 1 and says in err, err
 
 
-def test_zero3_of_a_model_that_does_not_gather_its_layers_warns_once_naming_its_largest_part():
+def test_zero3_of_an_unrolled_stack_of_blocks_warns_once_naming_it_and_the_fix():
     from shardlib import build, make_layout, make_mesh
     from shardlib.models import get_config, trainable
     from shardlib.step.compute import WholeGatherWarning
 
     stack = shardlib.from_nnx(lambda rngs: zoo.NnxTransformer(rngs=rngs, n_layers=8), zoo.nnx_transformer_loss)
-    with pytest.warns(WholeGatherWarning, match=r"zero3 stores .* not one block's; its largest part is 'blocks' "
-                                                r"\(8 submodules of up to .*gathers_params=True"):
+    with pytest.warns(WholeGatherWarning, match=r"zero3 stores .* not one block's; most of them are 'blocks/0' to "
+                                                r"'blocks/7' \(8 identical blocks of .*gathers_params=True"):
         build(stack, optax.adamw(1e-3), make_layout(stack, "zero3", make_mesh({"fsdp": 8})))
+    rows = {k: np.zeros((16, zoo.SEQ), np.int32) for k in ("tokens", "positions", "targets")}
+    linen = shardlib.from_linen(zoo.LinenTransformer(n_layers=8), zoo.linen_transformer_loss, rows,
+                                inputs=lambda b, train: ((b["tokens"], b["positions"]), {"train": train}))
+    with pytest.warns(WholeGatherWarning, match=r"from_linen gathers each weight where it is read .* 'LinenBlock_0' "
+                                                r"to 'LinenBlock_7' \(8 identical blocks .* nn.scan under nn.remat"):
+        build(linen, optax.adamw(1e-3), make_layout(linen, "zero3", make_mesh({"fsdp": 8})))
     gpt = trainable(get_config("tiny"))  # gathers its own layers: nothing to say; nor under dp; nor for a model
-    with warnings.catch_warnings():       # whose largest part is one module (own_model's head: 256 x 32 + 256 floats)
+    with warnings.catch_warnings():       # whose stack of blocks holds less than half (own_model: 2 x 2,112 of 20,800)
         warnings.simplefilter("error", WholeGatherWarning)
         build(gpt, optax.adamw(1e-3), make_layout(gpt, "zero3", make_mesh({"fsdp": 8})))
         build(own_model.make(), optax.adamw(1e-3), make_layout(own_model.make(), "zero3", make_mesh({"fsdp": 8})))
