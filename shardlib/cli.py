@@ -52,9 +52,16 @@ class _Parser(argparse.ArgumentParser):
             return ""
         choice = re.match(r"argument (\S+): invalid choice: '?([^'\s]*)'?", message)
         action = self._option_string_actions.get(choice.group(1).split("/")[0]) if choice else None
-        close = difflib.get_close_matches(choice.group(2), [str(c) for c in action.choices or ()], n=1,
-                                          cutoff=0.6) if action else []
+        close = _close(choice.group(2), [str(c) for c in action.choices or ()]) if action else []
         return f"; did you mean {choice.group(1).split('/')[0]} {close[0]}?" if close else ""
+
+
+def _close(word: str, options: list[str]) -> list[str]:
+    """The option ``word`` most likely meant: the same word in another case (``FSDP``), else a near spelling."""
+    import difflib
+
+    same = [o for o in options if o.lower() == word.lower()]
+    return same or difflib.get_close_matches(word, options, n=1, cutoff=0.6)
 
 
 def _one_line(text: str) -> str:
@@ -78,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        return _fail("", UsageError(f"unknown command {name!r}; choose one of {', '.join(COMMANDS)}"))
+        close = _close(name, list(COMMANDS))
+        hint = f"; did you mean 'shardlib {close[0]}'?" if close else ""
+        return _fail("", UsageError(f"unknown command {name!r} (the commands: {', '.join(COMMANDS)}){hint}"))
     try:
         module = importlib.import_module(COMMANDS[name][0])
     except ModuleNotFoundError as err:

@@ -157,7 +157,7 @@ def test_numpy_one_device_user_sharded_and_resized_batches_train_like_one_device
     ({"x": np.zeros((16, 4)), "class_weight": np.ones((10,))},
      r"different row counts: batch 'class_weight' \(10,\), batch 'x' \(16, 4\); .* pass a per-step constant as a scalar"),
     ((np.zeros((12, 4)), np.zeros((12,))),
-     r"batch '0' has 12 rows, which the 8 data-parallel devices \(mesh axes dataxfsdp\) cannot split evenly; "
+     r"batch '0' has 12 rows, which the 8 data-parallel devices \(mesh axes data x fsdp\) cannot split evenly; "
      r"use a multiple of 8: 8 or 16"),
     ({"inputs": {"tokens": np.zeros((8, 4)), "name": "abc"}},
      r"batch 'inputs/name' is a str; a batch holds arrays"),

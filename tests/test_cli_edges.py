@@ -29,7 +29,7 @@ from tests.test_token_data import VOCAB, token_ids
 def _one_error_line(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    assert err[0].startswith("shardlib ") and "Traceback" not in err[0]
+    assert err[0].startswith(("shardlib ", "shardlib:")) and "Traceback" not in err[0]
     return err[0]
 
 
@@ -56,6 +56,8 @@ def test_out_naming_a_file_is_one_line_before_anything_starts(tmp_path, capsys, 
     (["train", "--strategy", "zero4"], "did you mean --strategy zero3?"),
     (["train", "--model", "tinny"], "did you mean --model tiny?"),
     (["plan", "--model", "tiny", "--devices", "8", "--precison", "bf16"], "did you mean --precision?"),
+    (["train", "--strategy", "FSDP"], "did you mean --strategy fsdp?"),
+    (["trian", "--steps", "3"], "did you mean 'shardlib train'?"),
 ])
 def test_a_typo_gets_did_you_mean(argv, suggestion, capsys):
     assert main(argv) == 2
@@ -67,6 +69,23 @@ def test_an_unknown_name_in_the_library_suggests_the_close_one():
 
     with pytest.raises(ValueError, match="did you mean 'zero3'"):
         get_strategy("zer03")
+
+
+def test_mesh_accepts_the_spelling_the_header_prints():
+    from shardlib.sharding.mesh import describe, make_mesh, parse_mesh
+
+    printed = describe(make_mesh({"fsdp": 4, "tensor": 2}))
+    assert " " in printed and parse_mesh(printed) == parse_mesh("fsdp=4,tensor=2") == {"fsdp": 4, "tensor": 2}
+
+
+def test_hsdp_without_data_replicas_says_it_is_zero3(capsys):
+    from shardlib.run.setup import _note_collapse
+    from shardlib.sharding.mesh import make_mesh
+
+    _note_collapse(STRATEGIES["hsdp"], make_mesh({"data": 2, "fsdp": 4}))
+    assert capsys.readouterr().err == ""
+    _note_collapse(STRATEGIES["hsdp"], make_mesh({"fsdp": 8}))
+    assert "--strategy hsdp with data=1 is zero3" in capsys.readouterr().err
 
 
 def test_strategy_fsdp_is_zero3_with_a_note(capsys):

@@ -100,10 +100,10 @@ def _matrix_model():
                         r"zero1, zero2, zero3, hsdp"),
     ("fsdp_tp", {"fsdp": 8}, r"'fsdp_tp' shards over mesh axis tensor, .* --mesh fsdp=4,tensor=2"),
     ("fsdp_tp", {"tensor": 8}, r"'fsdp_tp' shards over mesh axis fsdp, .* --mesh fsdp=4,tensor=2, or a strategy for this mesh: tp"),
-    ("zero3", {"tensor": 8}, r"'zero3' shards over mesh axis dataxfsdp, .* on the mesh tensor=8: .* --mesh fsdp=8, "
+    ("zero3", {"tensor": 8}, r"'zero3' shards over mesh axes data x fsdp, which have one device in all on the mesh tensor=8: .* --mesh fsdp=8, "
                              r"or a strategy for this mesh: tp$"),
     ("hsdp", {"data": 8}, r"'hsdp' shards over mesh axis fsdp, .* on the mesh data=8: .* --mesh data=2,fsdp=4"),
-    ("zero1", {"tensor": 8}, r"'zero1' shards over mesh axis dataxfsdp, .* --mesh data=8"),
+    ("zero1", {"tensor": 8}, r"'zero1' shards over mesh axes data x fsdp, .* --mesh data=8"),
 ])
 def test_strategy_on_a_mesh_without_its_axes_names_the_mesh_to_use(strategy, sizes, message):
     with pytest.raises(RuleError, match=message):

@@ -36,9 +36,12 @@ def test_layers_hold():
     ("shardlib/sharding/layout.py", "from shardlib.model import adapters", "shardlib.sharding.layout -> shardlib.model"),
     # a module reaching the facade, which imports every layer
     ("shardlib/step/grads.py", "from shardlib import build", "shardlib.step.grads -> shardlib (l."),
+    # the reference models (`models/`, installed as shardlib.models) importing the run loop that uses them
+    ("models/mlp.py", "import shardlib.run.train", "models.mlp -> shardlib.run.train"),
 ])
 def test_a_backward_import_fails(tmp_path, module, line, broken):
-    shutil.copytree(ROOT / "shardlib", tmp_path / "shardlib", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("shardlib", "models"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     with open(tmp_path / module, "a") as f:
         f.write(f"\n{line}\n")

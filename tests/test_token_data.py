@@ -76,3 +76,25 @@ def test_vocab_size_and_token_dtype_without_a_token_file_are_refused(tmp_path, c
     assert main(["train", "--model", "tiny", "--data", str(tmp_path / "t.npy"), "--vocab-size", "300",
                  "--token-dtype", "uint32", "--out", str(tmp_path / "b")]) == 2
     assert "--token-dtype: " in _one_error_line(capsys)
+
+
+def test_the_largest_id_is_scanned_once_and_cached_beside_the_file(tmp_path):
+    import json
+    import os
+
+    from shardlib.runtime.tokens import CACHE_SUFFIX, check_vocab
+
+    ids = token_ids()
+    path = tmp_path / "tokens.bin"
+    ids.astype(np.uint16).tofile(path)
+    check_vocab(load_tokens(path), VOCAB, str(path))
+    cache = tmp_path / ("tokens.bin" + CACHE_SUFFIX)
+    assert json.loads(cache.read_text())["max_id"] == int(ids.max())
+    # A later run reads the cache, not the file: a cached id past the vocabulary is what it sees.
+    cache.write_text(json.dumps({**json.loads(cache.read_text()), "max_id": VOCAB}))
+    with pytest.raises(ValueError, match=f"holds token id {VOCAB}"):
+        check_vocab(load_tokens(path), VOCAB, str(path))
+    # A file written since (another modification time) is scanned again.
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
+    check_vocab(load_tokens(path), VOCAB, str(path))
+    assert json.loads(cache.read_text())["max_id"] == int(ids.max())

@@ -21,7 +21,7 @@ from shardlib.sharding.mesh import EXPERT_AXIS
 
 def expert_devices() -> int:
     """How many devices the step splits the experts over (1 outside a step, or with ``expert`` = 1)."""
-    ctx = hooks._CONTEXT.get()
+    ctx = hooks.current()
     if ctx is None or EXPERT_AXIS not in ctx.row_axes:
         return 1
     return jax.lax.axis_size(EXPERT_AXIS)
@@ -31,7 +31,7 @@ def dispatch(x: jax.Array) -> jax.Array:
     """``[E, slots, d]`` per device -> ``[E/P, P * slots, d]``: each device's tokens for the experts it holds."""
     if expert_devices() == 1:
         return x
-    hooks._CONTEXT.get().experts_dispatched = True
+    hooks.current().experts_dispatched = True
     return jax.lax.all_to_all(x, EXPERT_AXIS, split_axis=0, concat_axis=1, tiled=True)
 
 

@@ -18,6 +18,31 @@ from shardlib.model import hooks
 from shardlib.model.hooks import SPEC_METADATA
 from shardlib.sharding import rules as rules_lib
 
+EAGER_SHARDING_ENV = "FLAX_ALWAYS_SHARD_VARIABLE"
+
+
+def place_parameters_in_the_step() -> None:
+    """Turn Flax's eager sharding off, unless ``FLAX_ALWAYS_SHARD_VARIABLE`` says otherwise.
+
+    Flax 0.12 places each annotated parameter as it is created, on a mesh whose axes are the
+    annotation's names, so ``Model(nnx.Rngs(0))`` annotated with logical names fails with "An auto
+    mesh context or metadata is required" before `from_nnx` is reached. shardlib places the
+    parameters itself (the rule tables map logical names to mesh axes), so `import shardlib`
+    calls this; ``FLAX_ALWAYS_SHARD_VARIABLE=true`` keeps Flax's placement (docs/nnx.md).
+    """
+    import os
+    import sys
+
+    if EAGER_SHARDING_ENV in os.environ:
+        return
+    if "flax" in sys.modules:  # imported before shardlib: its config already read the environment
+        import flax
+
+        flax.config.update("flax_always_shard_variable", False)
+    else:
+        os.environ[EAGER_SHARDING_ENV] = "false"
+
+
 # What shardlib does with each kind of NNX variable; the first kind a variable is an instance of
 # wins. "carried" is the model state (TrainState.model_state): BatchNorm statistics, nnx.Cache,
 # plain nnx.Variable buffers and user subclasses such as a step counter.

@@ -115,9 +115,18 @@ PROGRESS_EXTRAS = (
 )
 
 
+def interactive() -> bool:
+    """Whether a progress bar can redraw in place: a terminal on both streams, or a notebook. In a
+    file its carriage returns make one line of every refresh (20 kB over 100 steps)."""
+    import sys
+
+    return "ipykernel" in sys.modules or all(getattr(s, "isatty", lambda: False)() for s in (sys.stdout, sys.stderr))
+
+
 class Progress:
     """Action: a tqdm bar, whose numbers refresh every ``log_every`` steps, at each validation
-    and at the last step; with the bar off, those numbers as printed lines instead."""
+    and at the last step; with the bar off, those numbers as printed lines instead, with the
+    learning rate, gradient norm and the time left."""
 
     def __init__(self, *, total: int, initial: int, log_every: int, bar: bool, lines: bool) -> None:
         from tqdm import tqdm  # plain text bar: works in terminals, logs and notebooks without ipywidgets
@@ -125,6 +134,7 @@ class Progress:
         self.bar = tqdm(total=total, initial=initial, disable=not bar, desc="train", unit="step", dynamic_ncols=True)
         self.total, self.log_every, self.lines = total, log_every, lines
         self.last_val: float | None = None
+        self.started, self.initial = time.perf_counter(), initial
 
     def __call__(self, step: int, state: Any, record: dict[str, Any]) -> None:
         self.bar.update(1)
@@ -138,7 +148,15 @@ class Progress:
         shown.update({label: f"{record[key]:{fmt}}" for key, label, fmt in PROGRESS_EXTRAS if key in record})
         self.bar.set_postfix(shown, refresh=True)
         if self.lines:
-            print(f"step {step}: " + " ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
+            print(f"step {step}/{self.total}: " + " ".join(f"{k} {v}" for k, v in self._line(step, record, shown)),
+                  flush=True)
+
+    def _line(self, step: int, record: dict[str, Any], shown: dict[str, str]) -> list[tuple[str, str]]:
+        """The printed line's numbers: the bar's, with lr and grad_norm, and the time left at the pace so far."""
+        pace = (time.perf_counter() - self.started) / max(step - self.initial, 1)
+        left = round(pace * (self.total - step))
+        extra = [(key, f"{record[key]:.3g}") for key in ("lr", "grad_norm") if record.get(key) is not None]
+        return [("loss", shown.pop("loss")), *extra, *shown.items(), ("left", f"{left // 60}:{left % 60:02d}")]
 
     def close(self) -> None:
         self.bar.close()

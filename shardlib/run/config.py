@@ -73,10 +73,32 @@ def flag(default: Any, help: str, **kwargs: Any) -> Any:
     return dataclasses.field(default=default, metadata={"flag": Flag(help, **kwargs)})
 
 
-def _models() -> list[str]:
+def _model_name(name: str) -> str:
+    """``--model``: a built-in config's name, or ``package.module:factory`` (`shardlib.run.user_model`)."""
+    import difflib
+
     from shardlib.models import CONFIGS
 
-    return list(CONFIGS)
+    if ":" in name or name in CONFIGS:
+        return name
+    close = difflib.get_close_matches(name, list(CONFIGS), n=1, cutoff=0.6)
+    hint = f"; did you mean --model {close[0]}?" if close else ""
+    raise TrainConfigError("model", f"unknown model config {name!r} (built-in: {', '.join(CONFIGS)}; or your own as "
+                                    f"package.module:factory){hint}")
+
+
+def _step_range(text: str) -> str:
+    """``--profile 5:8``: two step numbers, 1 <= START <= STOP."""
+    start, sep, stop = text.partition(":")
+    if not (sep and start.isdigit() and stop.isdigit() and 1 <= int(start) <= int(stop)):
+        raise TrainConfigError("profile", f"{text!r} is not START:STOP, two steps with 1 <= START <= STOP (e.g. 5:8)")
+    return text
+
+
+def _tracker_names(value: str | tuple[str, ...]) -> tuple[str, ...]:
+    from shardlib.run.trackers import parse
+
+    return parse(value) if isinstance(value, str) else tuple(value)
 
 
 def _strategies() -> list[str]:
@@ -97,7 +119,9 @@ class TrainConfig:
     Fields without a `Flag` (``min_lr_ratio``, ``eval_batches``, ``verbose``, ...) are library-only.
     """
 
-    model: str = flag("small", "model config (default %(default)s)", choices=_models)
+    model: str = flag("small", "a built-in model config (tiny, small, ...; default %(default)s), or your own as "
+                               "package.module:factory returning a shardlib Model (docs/your-model.md)",
+                      metavar="NAME|MODULE:FACTORY", parse=_model_name)
     strategy: str = flag("zero3", "parallelism strategy (default %(default)s)", choices=_strategies)
     mesh: str | Mapping[str, int] | None = flag(
         None, "mesh axis sizes, e.g. data=2,fsdp=4 or fsdp=-1 (default: the strategy's)", metavar="SIZES")
@@ -119,6 +143,8 @@ class TrainConfig:
                      metavar="LR")
     warmup_steps: int | None = flag(None, "warmup steps (default 10%% of --steps)", metavar="N")
     min_lr_ratio: float = 0.1
+    schedule_steps: int | None = flag(None, "steps the lr schedule spans (default: --steps; a run resumed with "
+                                            "another --steps keeps the one it started with)", metavar="N")
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     seed: int = flag(0, "seed for init and data order", metavar="S")
@@ -176,7 +202,8 @@ class TrainConfig:
     log_every: int = flag(10, "refresh the printed numbers every N steps (default %(default)s)", metavar="N")
     prompt: str = flag("The ", "prompt for the final text sample (default %(default)r)", metavar="TEXT")
     sample_tokens: int = flag(300, "bytes to sample at the end (default %(default)s; 0: no sample)", metavar="N")
-    progress: bool = flag(True, "plain log lines instead of a progress bar", negate=True)
+    progress: bool = flag(True, "plain log lines instead of a progress bar (the default where the output is not a "
+                                "terminal)", negate=True)
     tensorboard: bool = flag(True, "do not write TensorBoard event files", negate=True)
     verbose: bool = True
     ckpt_every: int = flag(0, "save a checkpoint every N steps and at the end (default 0: off)", metavar="N")
@@ -184,8 +211,16 @@ class TrainConfig:
     resume_from: str | None = flag(
         None, "continue from the latest checkpoint of this run directory (and keep writing there); with "
               "--ckpt-every, a run whose --out already holds checkpoints resumes from them by itself", metavar="DIR")
+    force: bool = flag(False, "start even when the compiled step needs more memory than a device has (refused "
+                              "otherwise, with the largest --batch-size or the --grad-accum that fits)")
     max_skips: int = flag(10, f"stop (exit {EXIT_DIVERGED}) after K consecutive steps with a non-finite loss or "
                               "gradient, which are skipped; 0: never stop (default %(default)s)", metavar="K")
+    profile: str | None = flag(None, "write a jax.profiler trace of steps START to STOP into DIR/profile (TensorBoard's "
+                                     "profile plugin, or Perfetto for its trace.json.gz; docs/cli.md)",
+                               metavar="START:STOP", parse=lambda text: text if text is None else _step_range(text))
+    log_to: tuple[str, ...] = flag((), "also write each step's scalars and the config to wandb and/or mlflow (comma-"
+                                       "separated; offline: WANDB_MODE=offline, mlflow into DIR/mlruns)",
+                                   metavar="wandb,mlflow", parse=lambda value: _tracker_names(value))
     record_examples: bool = flag(False, "write DIR/examples.jsonl: the window start offsets each step read (audits "
                                         "exactly-once data)")
     straggler_every: int | None = flag(None, "with several processes, compare their step times every N steps and "
@@ -239,7 +274,8 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
 
 def check_numbers(config: TrainConfig) -> None:
     """Counts and rates in range; each error names its flag."""
-    for field in ("steps", "batch_size", "seq_len", "log_every", "eval_batches", "grad_accum", "pipeline_stages"):
+    for field in ("steps", "batch_size", "seq_len", "log_every", "eval_batches", "grad_accum", "pipeline_stages",
+                  "schedule_steps"):
         if getattr(config, field) is not None and getattr(config, field) < 1:  # seq_len None: the model's default
             raise TrainConfigError(field, f"must be at least 1, got {getattr(config, field)}")
     for field in ("eval_every", "ckpt_every", "sample_tokens", "seed", "max_skips"):
@@ -251,6 +287,9 @@ def check_numbers(config: TrainConfig) -> None:
         raise TrainConfigError("keep", f"must keep at least 1 checkpoint, got {config.keep}")
     if config.straggler_every is not None and config.straggler_every < 0:
         raise TrainConfigError("straggler_every", f"must be non-negative (0: off), got {config.straggler_every}")
+    if config.profile is not None and int(_step_range(config.profile).split(":")[1]) > config.steps:
+        raise TrainConfigError("profile", f"{config.profile} ends past the run's last step ({config.steps}); profile "
+                                          f"steps within --steps")
     if not config.straggler_factor > 1:
         raise TrainConfigError("straggler_factor", f"must be above 1 (a process this many times slower than the median "
                                                    f"of the others is named), got {config.straggler_factor}")

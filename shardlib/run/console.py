@@ -40,7 +40,7 @@ def banner(run: Prepared, note: str | None) -> str:
     from shardlib.text import format_bytes
 
     config, mesh, microbatches = run.config, run.mesh, run.program.step.microbatches
-    name = config.model if run.pretrained is None else run.pretrained.architecture.name
+    name = run.model_name if run.pretrained is None else run.pretrained.architecture.name
     lines = [
         f"shardlib train: {name} ({run.n_params / 1e6:.2f}M params, compute {config.precision}) "
         f"for {plural(config.steps, 'step')}",

@@ -25,8 +25,9 @@ class Recorder:
     """Turns a step's metrics into its record, once they are ready, and hands it to the actions in order."""
 
     def __init__(self, actions: Sequence[Action], clock: StepClock, *, tokens_per_step: int,
-                 at_once: Callable[[int], bool]) -> None:
+                 at_once: Callable[[int], bool], devices: int = 1) -> None:
         self.actions, self.clock, self.tokens_per_step, self.at_once = actions, clock, tokens_per_step, at_once
+        self.devices = devices
 
     def __call__(self, step: int, metrics: dict[str, Any], state: Any) -> None:
         import jax
@@ -36,11 +37,22 @@ class Recorder:
         step_time = self.clock.lap()
         record = {"step": step, "loss": values["loss"], "lr": values.get("lr"), "grad_norm": values["grad_norm"],
                   "accuracy": values.get("accuracy"), "skipped": int(values["skipped"]),
-                  "tokens_per_s": self.tokens_per_step / step_time, "step_time_s": step_time,
+                  "tokens_per_s": self.tokens_per_step / step_time,
+                  "tokens_per_s_per_device": self.tokens_per_step / step_time / self.devices, "step_time_s": step_time,
                   **({"loss_scale": values["loss_scale"]} if "loss_scale" in values else {}),
-                  **model_metrics(values)}
+                  **device_memory(), **model_metrics(values)}
         for action in self.actions:
             action(step, state, record)
+
+
+def device_memory() -> dict[str, int]:
+    """The largest ``bytes_in_use`` and ``peak_bytes_in_use`` over this process's devices, as the
+    backend reports them (GPU, TPU); XLA:CPU reports none, and the record then has neither."""
+    import jax
+
+    stats = [s for s in (d.memory_stats() for d in jax.local_devices()) if s]
+    fields = (("memory_in_use_bytes", "bytes_in_use"), ("memory_peak_bytes", "peak_bytes_in_use"))
+    return {name: max(s[key] for s in stats) for name, key in fields if stats and all(key in s for s in stats)}
 
 
 # What the step reports besides the model's own aux metrics (`shardlib.step.update.Update.metrics`).

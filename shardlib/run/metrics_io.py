@@ -175,8 +175,10 @@ def _tb_tag(key: str) -> str:
     """Group the curves in TensorBoard: losses together, throughput together."""
     if key.endswith("loss"):
         return f"loss/{key}"
-    if key in ("tokens_per_s", "step_time_s"):
+    if key in ("tokens_per_s", "tokens_per_s_per_device", "step_time_s"):
         return f"speed/{key}"
+    if key.startswith("memory_"):
+        return f"memory/{key}"
     return f"train/{key}"
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from shardlib.run.checkpointing import checkpoint_dir
 from shardlib.run.config import DEFAULT_SEQ_LEN, PRECISIONS, TrainConfig, TrainConfigError
+from shardlib.run.fits import check_fits, held_output
 
 
 @dataclasses.dataclass
@@ -30,8 +31,9 @@ class Prepared:
 
     config: TrainConfig
     strategy: Any
-    model_config: Any
+    model_config: Any  # None for the user's own model (`shardlib.run.user_model`)
     model: Any
+    model_name: str
     mesh: Any
     layout: Any
     out_dir: Path
@@ -92,10 +94,12 @@ class Prepared:
         return evaluate
 
 
-def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = None) -> Prepared:
+def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = None, model: Any = None) -> Prepared:
     """Build the run of ``config``; the step is compiled once (memory figures come from it).
 
     ``data``: a Grain pipeline read instead of ``config.data`` (`shardlib.run.train.train`).
+    ``model``: a `shardlib.Model` trained instead of ``config.model``; a ``config.model`` of the
+    form ``package.module:factory`` is one too (`shardlib.run.user_model`).
 
     ``out_dir``: the run directory when the caller already chose (and claimed) it; else
     `run_directory`'s choice.
@@ -104,19 +108,25 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
 
     from shardlib.sharding.layout import make_layout
     from shardlib.models import param_count, trainable
+    from shardlib.run import user_model
     from shardlib.tools.report import collective_stats, memory_stats
 
     config = with_model_defaults(config)
     strategy = _strategy(config)
-    pretrained = _pretrained(config)
-    model_config = _model_config(config, pretrained)
+    pretrained = _pretrained(config)  # refuses --init-from beside a --model of any kind
+    model, model_name = _own_model(config, model)
+    model_config = _model_config(config, pretrained) if model is None else None
     tokenizer = _tokenizer(config, model_config)
     no_bytes = np.zeros(0, np.uint8)
-    train_bytes, val_bytes = (_load_data(config, model_config.vocab_size, tokenizer) if data is None
+    vocab_size = model_config.vocab_size if model is None else _own_vocab(config)
+    train_bytes, val_bytes = (_load_data(config, vocab_size, tokenizer) if data is None
                               else (no_bytes, no_bytes))
+    masked = isinstance(train_bytes, tuple)  # instruction rows: the loss counts the completions (a mask)
     mesh = _mesh(config, strategy)
+    _note_collapse(strategy, mesh)
     _check_pipeline_flags(config, mesh)
-    model = trainable(model_config)
+    if model is None:
+        model = trainable(model_config)
     layout = _with_context_options(config, make_layout(model, strategy, mesh))
     if out_dir is None:
         out_dir = run_directory(config)
@@ -125,21 +135,77 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
                          else (_grain_loader(config, layout, data), []))
     schedule = lr_schedule(config)
     program = build_program(config, model, layout, schedule)
-    shapes = {k: ((config.batch_size, config.seq_len), np.int32) for k in ("inputs", "targets")}
-    if isinstance(train_bytes, tuple):  # instruction rows: the loss counts the completions (a mask)
-        shapes["loss_mask"] = ((config.batch_size, config.seq_len), np.float32)
-    abstract_batch = program.abstract_batch(shapes)
+    abstract_batch = program.abstract_batch(_batch_shapes(config, masked))
     _check_batch_split(layout, program, abstract_batch)
-    step_fn = program.compile_step(program.abstract_state(), abstract_batch)
-    mem = memory_stats(step_fn)
-    return Prepared(config=config, strategy=strategy, model_config=model_config, model=model, mesh=mesh,
+    with held_output():  # XLA's logs while compiling a step it then refuses would bury the one line
+        step_fn = program.compile_step(program.abstract_state(), abstract_batch)
+        mem = memory_stats(step_fn)
+        check_fits(config, mem, layout.batch_size_multiple, program.step.microbatches, layout.pipeline_stages > 1,
+                   lambda other: _compiled_peak(other, model, layout, schedule, masked))
+    return Prepared(config=config, strategy=strategy, model_config=model_config, model=model, model_name=model_name,
+                    mesh=mesh,
                     layout=layout, out_dir=out_dir, loader=loader, val_local=val_local, schedule=schedule,
                     program=program, abstract_batch=abstract_batch, step_fn=step_fn, mem=mem,
-                    comm=collective_stats(step_fn), n_params=param_count(model_config),
+                    comm=collective_stats(step_fn),
+                    n_params=param_count(model_config) if model_config is not None else user_model.param_count(model),
                     state_bytes=mem.argument_bytes - _per_device_bytes(abstract_batch),
                     data_bytes=(len(train_bytes[0] if isinstance(train_bytes, tuple) else train_bytes),
                                 len(val_bytes[0] if isinstance(val_bytes, tuple) else val_bytes)),
                     pretrained=pretrained, tokenizer=tokenizer)
+
+
+def _own_model(config: TrainConfig, model: Any) -> tuple[Any, str]:
+    """(the user's `Model` or None, the name the header prints): ``train(model=...)`` or ``--model pkg.mod:make``."""
+    from shardlib.run import user_model
+
+    if model is not None:
+        return model, user_model.LIBRARY_MODEL
+    if user_model.is_factory(config.model):
+        return user_model.load(config.model), config.model
+    return None, config.model
+
+
+def _own_vocab(config: TrainConfig) -> int:
+    """The vocabulary a token file is checked against: only ``--vocab-size`` knows it for the user's model."""
+    from shardlib.runtime.tokens import is_token_file
+
+    if config.vocab_size is not None:
+        _check_vocab_flag(config)
+        return config.vocab_size
+    if is_token_file(config.data):
+        raise TrainConfigError("vocab_size", "with your own --model and a token file, give the tokenizer's vocabulary "
+                                             "size (--vocab-size V), which every token id is checked against")
+    return 256
+
+
+def _check_vocab_flag(config: TrainConfig) -> None:
+    """``--vocab-size`` sets a token file's vocabulary: refused with text, or below 2."""
+    from shardlib.runtime.tokens import is_token_file
+
+    if not is_token_file(config.data):
+        raise TrainConfigError("vocab_size", "sets the vocabulary of a token file (--data FILE.bin or .npy); text "
+                                             "is read as bytes (256 ids), so drop --vocab-size or pass a token file")
+    if config.vocab_size < 2:
+        raise TrainConfigError("vocab_size", f"must be at least 2, got {config.vocab_size}")
+
+
+def _batch_shapes(config: TrainConfig, masked: bool = False) -> dict[str, Any]:
+    """The batch the loader yields: inputs and targets, and with instruction rows a ``loss_mask``."""
+    import numpy as np
+
+    shapes = {k: ((config.batch_size, config.seq_len), np.int32) for k in ("inputs", "targets")}
+    if masked:
+        shapes["loss_mask"] = ((config.batch_size, config.seq_len), np.float32)
+    return shapes
+
+
+def _compiled_peak(config: TrainConfig, model, layout, schedule, masked: bool = False) -> int:
+    """Peak bytes a device of ``config``'s step, compiled (for `check_fits`'s other batch sizes)."""
+    from shardlib.tools.memory import memory_stats, peak_bytes
+
+    program = build_program(config, model, layout, schedule)
+    return peak_bytes(memory_stats(program.compile_step(program.abstract_state(),
+                                                        program.abstract_batch(_batch_shapes(config, masked)))))
 
 
 def _with_context_options(config: TrainConfig, layout):
@@ -188,6 +254,9 @@ def _tokenizer(config: TrainConfig, model_config):
 
     if is_token_file(config.data):
         raise TrainConfigError("tokenizer", "tokenizes text, and --data is a token file (already ids): drop one")
+    if model_config is None:
+        raise TrainConfigError("tokenizer", "checks its vocabulary against a reference decoder's (--init-from or a "
+                                            "config name); with your own --model pass a token file and --vocab-size")
     try:
         tokenizer = load_tokenizer(config.tokenizer)
         check_vocab(tokenizer, model_config.vocab_size, config.init_from or f"model {config.model!r}")
@@ -213,15 +282,9 @@ def _model_config(config: TrainConfig, pretrained=None):
             "use at most that",
         )
     if config.vocab_size is not None:
-        from shardlib.runtime.tokens import is_token_file
-
         if config.init_from is not None:
             raise TrainConfigError("vocab_size", f"the vocabulary is {config.init_from}'s; drop --vocab-size")
-        if not is_token_file(config.data):
-            raise TrainConfigError("vocab_size", "sets the vocabulary of a token file (--data FILE.bin or .npy); text "
-                                                 "is read as bytes (256 ids), so drop --vocab-size or pass a token file")
-        if config.vocab_size < 2:
-            raise TrainConfigError("vocab_size", f"must be at least 2, got {config.vocab_size}")
+        _check_vocab_flag(config)
         model_config = dataclasses.replace(model_config, vocab_size=config.vocab_size)
     from shardlib.models import MoEConfig
 
@@ -247,6 +310,16 @@ def _mesh(config: TrainConfig, strategy):
     except MeshError as err:
         hint = "" if config.mesh is not None else f" (the default mesh of strategy {strategy.name}; pass --mesh)"
         raise TrainConfigError("mesh", f"{err}{hint}") from None
+
+
+def _note_collapse(strategy, mesh) -> None:
+    """``--strategy hsdp --mesh fsdp=8`` is zero3: say so (`Strategy.collapses`)."""
+    import jax
+
+    if strategy.collapses and mesh.shape[strategy.collapses[0]] == 1 and jax.process_index() == 0:
+        axis, other = strategy.collapses
+        print(f"shardlib: note: --strategy {strategy.name} with {axis}=1 is {other} (nothing to replicate over "
+              f"{axis}); give --mesh a {axis} axis, e.g. {axis}=2, or say --strategy {other}", file=sys.stderr, flush=True)
 
 
 def _record_restart(out_dir: Path, mesh) -> None:
@@ -288,16 +361,18 @@ def _check_batch_split(layout, program, abstract_batch: Mapping[str, Any]) -> No
 
 
 def lr_schedule(config: TrainConfig):
-    """Linear warmup from 10% of ``lr``, then cosine decay to ``lr * min_lr_ratio``."""
+    """Linear warmup from 10% of ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``schedule_steps``
+    (default ``steps``), and that rate after."""
     import optax
 
-    warmup = config.warmup_steps if config.warmup_steps is not None else max(1, config.steps // 10)
-    warmup = min(warmup, config.steps)
+    steps = config.schedule_steps or config.steps
+    warmup = config.warmup_steps if config.warmup_steps is not None else max(1, steps // 10)
+    warmup = min(warmup, steps)
     return optax.warmup_cosine_decay_schedule(
         init_value=config.lr * 0.1,
         peak_value=config.lr,
         warmup_steps=warmup,
-        decay_steps=max(config.steps, warmup + 1),
+        decay_steps=max(steps, warmup + 1),
         end_value=config.lr * config.min_lr_ratio,
     )
 
@@ -308,8 +383,9 @@ def optimizer(config: TrainConfig, model, schedule):
     import optax
 
     def decay_mask(params):
-        is_axes = lambda x: isinstance(x, tuple)
-        flags = jax.tree.map(lambda axes: sum(a != "layers" for a in axes) >= 2, model.logical_axes, is_leaf=is_axes)
+        is_axes = lambda x: x is None or isinstance(x, tuple)  # None: a user's model left it unannotated
+        flags = jax.tree.map(lambda axes: axes is not None and sum(a != "layers" for a in axes) >= 2,
+                             model.logical_axes, is_leaf=is_axes)
         return jax.tree.map(lambda flag, _: flag, flags, params)
 
     return optax.chain(

@@ -148,8 +148,12 @@ def _device_count_error(n: int) -> TrainConfigError:
 # --------------------------------------------------------------------------------------------
 
 
-def train(config: TrainConfig, data: Any = None) -> TrainResult:
+def train(config: TrainConfig, data: Any = None, *, model: Any = None) -> TrainResult:
     """Train ``config.model`` under ``config.strategy``; write metrics, plots and a sample.
+
+    ``model``: your own `shardlib.Model` (what `from_nnx`, `from_linen` or `from_functions`
+    return) instead of ``config.model``, as ``shardlib train --model package.module:factory`` does;
+    its loss reads ``{"inputs": int32[B, T], "targets": int32[B, T]}``.
 
     ``data``: a Grain pipeline instead of ``config.data`` (docs/data.md): a function
     ``Shard -> grain.IterDataset | grain.DataLoader`` (any process count can resume it), a
@@ -161,7 +165,7 @@ def train(config: TrainConfig, data: Any = None) -> TrainResult:
     """
     import jax
 
-    from shardlib.run.checkpointing import refuse_silent_restart
+    from shardlib.run.checkpointing import keep_schedule, refuse_silent_restart
     from shardlib.run.setup import check_out_path, claim_run_directory, run_directory, with_model_defaults
 
     t_begin = time.perf_counter()
@@ -172,18 +176,22 @@ def train(config: TrainConfig, data: Any = None) -> TrainResult:
     check_numbers(config)
     out_dir = run_directory(config)
     refuse_silent_restart(config, out_dir)
+    config, schedule_note = keep_schedule(config, out_dir)
     with claim_run_directory(config, out_dir, main=jax.process_index() == 0):
-        return _train(config, out_dir, note, t_begin, data)
+        return _train(config, out_dir, note, t_begin, data, model, schedule_note)
 
 
-def _train(config: TrainConfig, out_dir: Path, note: str | None, t_begin: float, data: Any = None) -> TrainResult:
+def _train(config: TrainConfig, out_dir: Path, note: str | None, t_begin: float, data: Any = None,
+           model: Any = None, schedule_note: str | None = None) -> TrainResult:
     from shardlib.run.metrics_io import MetricsLog
     from shardlib.run.setup import prepare
 
-    run = prepare(config, out_dir, data=data)
+    run = prepare(config, out_dir, data=data, model=model)
     if run.is_main and config.verbose:
         print(console.banner(run, note), flush=True)
     ckpt, state, start, resume_step = _initial_state(run)
+    if schedule_note and run.is_main and config.verbose:  # once resumed: a refused resume says only why
+        print(schedule_note, file=sys.stderr, flush=True)
     log = MetricsLog(run.out_dir, enabled=run.is_main, tensorboard=config.tensorboard, resume_step=resume_step)
     with contextlib.closing(log):
         config_path = _write_config(run)
@@ -255,12 +263,14 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate):
     """The steps with their actions; returns (state, the `Tally`, the `Preemption` or None)."""
     import jax
 
-    from shardlib.run.actions import Evaluate, Every, Progress, StepClock, Tally
+    from shardlib.run.actions import Evaluate, Every, Progress, StepClock, Tally, interactive
     from shardlib.run.checkpointing import SaveCheckpoint, resume_hint
     from shardlib.run.examples import ExampleLog, examples_path
     from shardlib.run.loop import Recorder, run_steps
     from shardlib.run.nonfinite import NonFiniteGuard
     from shardlib.run.preemption import preemption
+    from shardlib.run.profile import ProfileSteps
+    from shardlib.run.trackers import open_trackers
     from shardlib.run.stragglers import straggler_action
 
     config, (first, resume_step) = run.config, start
@@ -268,22 +278,25 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate):
     validation = Evaluate(evaluate, Every(config.eval_every, last=config.steps), clock)
     examples = ExampleLog(examples_path(run.out_dir, jax.process_index(), jax.process_count()), run.loader,
                           enabled=config.record_examples, resume_step=resume_step)
+    bar = config.progress and interactive()  # in a file: plain lines
     progress = Progress(total=config.steps, initial=first, log_every=config.log_every,
-                        bar=run.is_main and config.progress, lines=run.is_main and config.verbose and not config.progress)
+                        bar=run.is_main and bar, lines=run.is_main and config.verbose and not bar)
     # Order matters: validation adds val_loss; the guard raises last, once its step is logged.
     stragglers = straggler_action(config, clock)  # before the log: it adds the window's per-process times
-    record = Recorder([validation, tally, stragglers, log, progress, NonFiniteGuard(config.max_skips, ckpt)],
-                      clock, tokens_per_step=run.tokens_per_step, at_once=validation.due)
+    trackers = open_trackers(config.log_to, run.out_dir, dataclasses.asdict(config), enabled=run.is_main)
+    record = Recorder([validation, tally, stragglers, log, *trackers, progress, NonFiniteGuard(config.max_skips, ckpt)],
+                      clock, tokens_per_step=run.tokens_per_step, at_once=validation.due, devices=len(jax.devices()))
+    profile = ProfileSteps(config.profile, run.out_dir, first, enabled=run.is_main)
     saver = None if ckpt is None else SaveCheckpoint(
         ckpt, Every(config.ckpt_every, last=config.steps if config.ckpt_every else None),
         seed=run.loader.seed, config=saved_config(run), data_state=getattr(run.loader, "state_at", None))
     try:
         with preemption(saver, config.steps, resume_hint(config, run.out_dir)) as stop:
             state = run_steps(state, first, config.steps, _step_fn(run), run.load, record=record,
-                              after_step=[examples, *([saver] if saver is not None else [])], preemption=stop,
+                              after_step=[examples, profile, *([saver] if saver is not None else [])], preemption=stop,
                               steps_in_flight=run.steps_in_flight)
     finally:
-        for action in (saver, progress, examples):
+        for action in (saver, progress, examples, profile, *trackers):
             if action is not None:
                 action.close()
     return state, tally, stop
@@ -302,7 +315,9 @@ def _speed(run, step_times: list[float]) -> tuple[float, float, float | None]:
         return math.nan, math.nan, None
     step_time = float(np.mean(steady))
     peak = peak_flops_for(jax.devices()[0])
-    flops = flops_per_token(run.model_config, run.config.seq_len) * run.tokens_per_step
+    per_token = (flops_per_token(run.model_config, run.config.seq_len) if run.model_config is not None
+                 else 6 * run.n_params)  # the user's model: the 6N estimate (attention not counted)
+    flops = per_token * run.tokens_per_step
     return step_time, run.tokens_per_step / step_time, mfu(flops, step_time, len(jax.devices()), peak) if peak else None
 
 
@@ -317,7 +332,11 @@ def _finish(run, state, start: int, tally, log, config_path, *, preempted: bool,
     if config.sample_tokens and is_token_file(config.data) and run.tokenizer is None:  # ids of a tokenizer it lacks
         if run.is_main and config.verbose and not preempted:
             print("no text sample: the data are token ids, and decoding them needs their tokenizer", flush=True)
-    elif config.sample_tokens and run.model.apply is not None and not preempted:
+    elif config.sample_tokens and not run.model.apply and not preempted:
+        if run.is_main and config.verbose:
+            print("no text sample: the model has no apply function (from_functions(..., apply=fn) gives it one); "
+                  "--sample-tokens 0 skips this", flush=True)
+    elif config.sample_tokens and not preempted:
         sample = sample_text(run.model, state.params, config.prompt, config.sample_tokens,
                              context=config.seq_len, seed=config.seed, tokenizer=run.tokenizer)
     steps = len(tally.step_times) + start
@@ -342,7 +361,7 @@ def _write_outputs(run, log, summary: str, sample: str | None, steps: int, *, pr
 
     config, out_dir = run.config, run.out_dir
     curve = plot_loss_curve(log.records, out_dir / "loss_curve.png",
-                            title=f"{config.model} / {run.strategy.name} / {describe(run.mesh)}")
+                            title=f"{run.model_name} / {run.strategy.name} / {describe(run.mesh)}")
     if sample is not None:
         log.add_text("sample", sample, steps)
         (out_dir / "sample.txt").write_text(sample + "\n", encoding="utf-8")

@@ -63,6 +63,17 @@ from shardlib.step.state import TRANSIENT_FIELDS
 
 log = logging.getLogger("shardlib.runtime.checkpoint")
 
+
+class _ReadOnlyNotice(logging.Filter):
+    """Drops Orbax's ``WARNING:absl:Given directory is read only``: a read-only Checkpointer
+    (``create=False``: export, evaluation, inspection) is what was asked for, not a problem."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only")
+
+
+_READ_ONLY_NOTICE = _ReadOnlyNotice()
+
 FORMAT = "shardlib.runtime.checkpoint/2"
 LEGACY_FORMATS = ("shardlib.runtime.checkpoint/1",)  # saved before digests: restored unverified, with a warning
 DIGEST_ITEM = "digests"
@@ -563,6 +574,8 @@ class Checkpointer:
             cleanup_tmp_directories=create,  # remove the tmp dirs of saves a crash interrupted
             step_name_format=self._name_format,
         )
+        if not create:
+            logging.getLogger("absl").addFilter(_READ_ONLY_NOTICE)  # once: the same filter is added once
         handlers = {
             "state": ocp.StandardCheckpointHandler(),
             "data": ocp.JsonCheckpointHandler(),

@@ -4,7 +4,9 @@
 (nanoGPT's, enough for vocabularies up to 65,536 such as GPT-2's 50,257), uint32 when asked
 (``--token-dtype uint32``). ``.npy`` carries its own dtype (any unsigned integer type). Both are
 memory-mapped, never read whole; the training windows are the same stateless random windows as
-for text (`shardlib.runtime.data.ByteBatches`), so a resumed run reads each example exactly once.
+for text (`shardlib.runtime.data.ByteBatches`): drawn at random with replacement, each a function
+of the seed and the step, so a resumed run reads the windows the uninterrupted run would have
+read (none twice, none skipped, compared with it), not each example of the file exactly once.
 """
 
 from __future__ import annotations
@@ -46,9 +48,47 @@ def load_tokens(path: str | os.PathLike[str], dtype: str = "uint16") -> np.ndarr
     return tokens
 
 
-def check_vocab(tokens: np.ndarray, vocab_size: int, path: str) -> None:
-    """Every id must have an embedding row: the largest id is below the vocabulary size (one pass over the file)."""
+CACHE_SUFFIX = ".max-id.json"
+
+
+def largest_id(tokens: np.ndarray, path: str | os.PathLike[str]) -> int:
+    """The largest id of the token file ``path``: one pass over it (18 GB for a large corpus) on
+    process 0 only, the others receive it; the result is cached beside the file (``PATH.max-id.json``,
+    keyed by its size, modification time and dtype), so later runs read no token at all."""
+    import jax
+
+    largest = _cached_largest(tokens, path) if jax.process_index() == 0 else 0
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        largest = int(multihost_utils.broadcast_one_to_all(np.int64(largest)))
+    return largest
+
+
+def _cached_largest(tokens: np.ndarray, path: str | os.PathLike[str]) -> int:
+    import json
+
+    target = Path(path).expanduser()
+    stat = target.stat()
+    key = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": str(tokens.dtype)}
+    cache = target.with_name(target.name + CACHE_SUFFIX)
+    try:
+        saved = json.loads(cache.read_text())
+        if {k: saved.get(k) for k in key} == key and isinstance(saved.get("max_id"), int):
+            return saved["max_id"]
+    except (OSError, ValueError):
+        pass  # no cache yet, or an unreadable one: scan
     largest = int(tokens.max())
+    try:
+        cache.write_text(json.dumps({**key, "max_id": largest}) + "\n")
+    except OSError:  # a read-only data directory: the next run scans again
+        pass
+    return largest
+
+
+def check_vocab(tokens: np.ndarray, vocab_size: int, path: str) -> None:
+    """Every id must have an embedding row: the largest id is below the vocabulary size (`largest_id`)."""
+    largest = largest_id(tokens, path)
     if largest >= vocab_size:
         raise ValueError(f"{path} holds token id {largest}, but the vocabulary has {vocab_size} ids; pass "
                          f"--vocab-size V with V > {largest} (the tokenizer's vocabulary size), or check --token-dtype")

@@ -144,7 +144,7 @@ class Layout:
             size = x.shape[0]
             self._check_sequence(name, x.shape)
             if size % n:
-                axes = "x".join(a for a in self.batch_axes if self.mesh.shape[a] > 1) or "none"
+                axes = " x ".join(a for a in self.batch_axes if self.mesh.shape[a] > 1) or "none"
                 what = f"the {self.batch_size_multiple} data-parallel devices (mesh axes {axes})"
                 if microbatches > 1:
                     what += f" times {microbatches} microbatches"
@@ -394,10 +394,12 @@ def _check_requirements(strategy: Strategy, mesh: Mesh) -> None:
     unmet = unmet_requirements(strategy, mesh.shape)
     if not unmet:
         return
-    axes = " and ".join("x".join(group) for group in unmet)
+    several = len(unmet) > 1 or len(unmet[0]) > 1
+    axes = " and ".join(" x ".join(group) for group in unmet)
     suits = [name for name, s in STRATEGIES.items() if s.requires and not unmet_requirements(s, mesh.shape)]
     raise rules_lib.RuleError(
-        f"strategy {strategy.name!r} shards over mesh axis {axes}, which has one device on the mesh "
+        f"strategy {strategy.name!r} shards over mesh {'axes' if several else 'axis'} {axes}, which "
+        f"{'have one device in all' if several else 'has one device'} on the mesh "
         f"{describe(mesh)}: nothing would be split; use a mesh such as {_suggested_mesh(strategy, mesh)}"
         + (f", or a strategy for this mesh: {', '.join(suits)}" if suits else ", or strategy 'dp'")
     )

@@ -39,9 +39,12 @@ class MeshError(ValueError):
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """``"data=2,fsdp=-1"`` -> ``{"data": 2, "fsdp": -1}``."""
+    """``"data=2,fsdp=-1"`` -> ``{"data": 2, "fsdp": -1}``; spaces separate too (``"fsdp=4 tensor=2"``, as
+    `describe` and the run header write a mesh)."""
+    import re
+
     sizes: dict[str, int] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
+    for item in filter(None, re.split(r"[,\s]+", re.sub(r"\s*=\s*", "=", text))):
         name, sep, value = item.partition("=")
         if not sep:
             raise MeshError(f"mesh entry {item!r} is not of the form axis=size (e.g. --mesh data=2,fsdp=4)")

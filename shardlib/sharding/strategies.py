@@ -133,6 +133,9 @@ class Strategy:
     # matmul's result (`shardlib.step.reduce.reduced_transposed`, docs/design.md). Only where the
     # backend policy wants it too (`BackendPolicy.state_from_last`: XLA:CPU): `Layout.state_from_last`.
     state_from_last: bool = False
+    # (axis, strategy): with that mesh axis of size 1 this strategy is that one (hsdp without data
+    # replicas is zero3), which a run says rather than accept it without comment.
+    collapses: tuple[str, str] | None = None
 
     @property
     def shards_params(self) -> bool:
@@ -237,7 +240,7 @@ STRATEGIES: dict[str, Strategy] = {
                  summary="FSDP over fsdp x tensor parallelism over tensor"),
         Strategy("hsdp", param_rules=HSDP_RULES, state_rules=HSDP_RULES, default_mesh={"data": 2, "fsdp": -1},
                  shard_grad_buffer=True, param_fallback=("fsdp",), state_fallback=("fsdp",), requires=(("fsdp",),),
-                 summary="FSDP within fsdp, replicated across data"),
+                 collapses=("data", "zero3"), summary="FSDP within fsdp, replicated across data"),
         Strategy("as_annotated", param_rules=MESH_AXIS_RULES, state_rules=MESH_AXIS_RULES,
                  default_mesh={"fsdp": -1}, shard_grad_buffer=True,
                  summary="the model's own mesh-axis annotations (MaxText / Flax NNX style)"),

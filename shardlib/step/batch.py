@@ -255,7 +255,7 @@ def _check_per_device(layout: Layout, devices: list[tuple[str, Any]], microbatch
     n = layout.batch_size_multiple * microbatches
     for name, x in devices:
         if not np.ndim(x) or np.shape(x)[0] != n:
-            axes = "x".join(a for a in layout.batch_axes if layout.mesh.shape[a] > 1) or "none"
+            axes = " x ".join(a for a in layout.batch_axes if layout.mesh.shape[a] > 1) or "none"
             times = f" x {microbatches} microbatches (device d's microbatch i is entry d*{microbatches}+i)" if microbatches > 1 else ""
             raise ValueError(
                 f"per_device batch {name!r} has shape {np.shape(x)}; a per_device batch leads with one entry per "

@@ -201,6 +201,59 @@ def sharded_paths(layout: Layout) -> tuple[str, ...]:
                  if spec_axes(restrict(l.spec, gathered_axes(layout))))
 
 
+class WholeGatherWarning(UserWarning):
+    """ZeRO-3 of a model that does not gather its own layers: the step's peak can hold all its weights."""
+
+
+def warn_whole_gather(layout: Layout, specs: Any, reads_gather: bool) -> None:
+    """Warn (once per model and mesh) when ZeRO-3 stores the parameters of a model built from a
+    stack of identical blocks that holds most of them, and the model does not gather one block at
+    a time itself: XLA places each gather where its weight is used (or linen gathers on read,
+    ``reads_gather``), but autodiff keeps every gathered weight for the backward pass, so the
+    peak can hold the whole model instead of one block (docs/your-model.md, "Not supported yet";
+    `scripts/measure_zero3_peak.py`). A model without such a stack (an MLP) is not warned about,
+    nor a scanned stack (its parameters carry the 'layers' axis)."""
+    leaves = jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout)
+    if not any(spec_axes(spec) for spec in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+        return
+    if any(l.logical and "layers" in l.logical for l in leaves):
+        return
+    total = sum(l.bytes() for l in leaves)
+    name, blocks = _largest_stack([(tuple(l.path.split("/")), l.shape, l.bytes()) for l in leaves])
+    if len(blocks) < 2 or 2 * sum(blocks) < total:
+        return
+    from shardlib.text import format_bytes
+
+    why = ("from_linen gathers each weight where it is read while autodiff keeps every gathered weight for the "
+           "backward pass" if reads_gather else "this model does not gather them itself (gathers_params=False)")
+    fix = ("stack the blocks with nn.scan under nn.remat (docs/linen.md)" if reads_gather else
+           "pass each block through shardlib.gather_layer under nnx.remat (or scan them) and build with "
+           "gathers_params=True (docs/nnx.md, 'Scanned layers under ZeRO-3')")
+    warnings.warn(
+        f"{layout.strategy.name} stores {format_bytes(total)} of parameters sharded, but {why}, so the step's peak "
+        f"can hold all of them at once, not one block's; most of them are {name} ({len(blocks)} identical blocks "
+        f"of {format_bytes(blocks[0])}). To hold one block at a time, {fix}", WholeGatherWarning, stacklevel=4)
+
+
+def _largest_stack(leaves: list[tuple[tuple[str, ...], tuple[int, ...], int]]) -> tuple[str, list[int]]:
+    """(its name, each block's bytes) of the largest group of sibling submodules with the same
+    parameters (relative paths and shapes): an unrolled stack of blocks; ``("", [])`` when none."""
+    found: dict[tuple[tuple[str, ...], Any], list[tuple[str, int]]] = {}
+    subtrees: dict[tuple[str, ...], list[tuple[tuple[str, ...], tuple[int, ...], int]]] = {}
+    for path, shape, size in leaves:
+        for depth in range(len(path) - 1):  # every submodule above the leaf
+            subtrees.setdefault(path[:depth + 1], []).append((path[depth + 1:], shape, size))
+    for node, content in subtrees.items():
+        signature = tuple(sorted((rest, shape) for rest, shape, _ in content))
+        found.setdefault((node[:-1], signature), []).append((node[-1], sum(size for *_, size in content)))
+    groups = [(parent, members) for (parent, _), members in found.items() if len(members) > 1]
+    if not groups:
+        return "", []
+    parent, members = max(groups, key=lambda g: sum(size for _, size in g[1]))
+    first, last = ("/".join((*parent, members[i][0])) for i in (0, -1))
+    return f"{first!r} to {last!r}", [size for _, size in members]
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelCall:
     """The model as one device computes it: parameters cast to the compute dtype and gathered
@@ -242,6 +295,8 @@ class ModelCall:
                                                    jax.tree.leaves(auto))}
         secondary = hierarchical.for_layout(layout, model.gathers_params)
         specs = secondary.intra_specs if secondary else layout.manual(layout.params, gathered_axes(layout))
+        if not model.gathers_params or model.gathers_on_read:
+            warn_whole_gather(layout, specs, model.gathers_on_read)
         return cls(model, specs, auto, by_path, sharded_paths(layout), activation_spec(layout),
                    policy.compute_dtype, cast_first, rows_split, active_axes(layout, exclude), secondary,
                    logical_rules=logical_rules(layout), mean_axes=active_axes(layout, exclude + mean_exclude),

@@ -1,0 +1,129 @@
+"""What a run prints where its output is not a terminal (a file, a pipe, CI's log): plain lines."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardlib.cli import main
+from shardlib.run.metrics_io import read_metrics
+from shardlib.runtime.devices import NO_TPU_ENV, tpu_attached
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_output_to_a_file_is_plain_lines_with_lr_grad_norm_and_time_left(tmp_path, capsys):
+    # 30 steps: tqdm's carriage-return refreshes would make one line of ~3,000 characters.
+    out = tmp_path / "run"
+    assert main(["train", "--model", "tiny", "--batch-size", "16", "--seq-len", "32", "--steps", "30",
+                 "--eval-every", "0", "--sample-tokens", "0", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    printed = captured.out + captured.err
+    assert "\r" not in printed and max(map(len, printed.splitlines())) < 2000
+    lines = [line for line in captured.out.splitlines() if re.match(r"step \d", line)]
+    assert [line.split(":")[0] for line in lines] == ["step 10/30", "step 20/30", "step 30/30"], lines
+    records = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
+    for line in lines:
+        step = int(line.split("/")[0].split()[1])
+        found = re.fullmatch(r"step \d+/30: loss (\S+) lr (\S+) grad_norm (\S+) tok/s \d+ step \S+s(?: val \S+)? "
+                             r"left \d+:\d\d", line)
+        assert found, line
+        assert [float(x) for x in found.groups()] == [float(f"{records[step][k]:{f}}") for k, f in
+                                                      (("loss", ".3f"), ("lr", ".3g"), ("grad_norm", ".3g"))]
+    assert lines[-1].endswith("left 0:00")
+
+
+def _without_tpu_answers() -> dict[str, str]:
+    """The environment of a fresh process on this host, libtpu free to load (as on a machine where
+    no other process holds its lockfile), none of `NO_TPU_ENV` set."""
+    env = {k: v for k, v in os.environ.items() if k not in NO_TPU_ENV and k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).strip(os.pathsep)
+    return env
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None or tpu_attached(), reason="libtpu on a host without TPUs")
+@pytest.mark.parametrize("code", [
+    "import shardlib, jax; print(jax.devices())",  # a user's script
+    "from shardlib.cli import main; main(['train', '--model', 'tiny', '--steps', '1', '--batch-size', '8', '--seq-len', "
+    "'16', '--sample-tokens', '0', '--eval-every', '0', '--no-tensorboard', '--out', OUT])",
+])
+def test_no_libtpu_noise_without_tpus(code, tmp_path):
+    code = code.replace("OUT", repr(str(tmp_path / "run")))
+    proc = subprocess.run([sys.executable, "-c", code], env=_without_tpu_answers(), capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0 and proc.stdout, proc.stderr
+    assert proc.stderr == "", proc.stderr
+
+
+BUILD_ANNOTATED = """
+from flax import nnx
+init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+model = nnx.Linear(4, 8, kernel_init=init, rngs=nnx.Rngs(0))  # logical names, no mesh
+params = shardlib.from_nnx(model, lambda m, b: m(b).mean()).init(None)
+print(float(abs(params["kernel"] - model.kernel.value).max()))
+"""
+
+
+@pytest.mark.parametrize("order", ["import shardlib\n", "import flax\nimport shardlib\n"])
+def test_an_nnx_instance_with_logical_names_builds_without_a_mesh(order):
+    # Flax's eager sharding would ask for a mesh ("An auto mesh context or metadata is required");
+    # shardlib turns it off on import, whether Flax was imported before it or after.
+    env = _without_tpu_answers()
+    env.pop("FLAX_ALWAYS_SHARD_VARIABLE", None)
+    proc = subprocess.run([sys.executable, "-c", order + BUILD_ANNOTATED], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0 and proc.stdout.strip() == "0.0", proc.stderr[-1500:]
+    env["FLAX_ALWAYS_SHARD_VARIABLE"] = "true"  # the user's choice wins: Flax's own error
+    proc = subprocess.run([sys.executable, "-c", order + BUILD_ANNOTATED], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 1 and "An auto mesh context or metadata is required" in proc.stderr
+
+
+def test_a_read_only_checkpointer_opens_without_orbax_warning(tmp_path, caplog):
+    from shardlib.runtime.checkpoint import Checkpointer
+
+    (tmp_path / "checkpoints").mkdir()
+    with caplog.at_level("WARNING"):
+        Checkpointer(tmp_path / "checkpoints", create=False).close()
+    assert not [r for r in caplog.records if "read only" in r.getMessage()], caplog.text
+
+
+def test_profile_traces_the_steps_asked_and_metrics_carry_tokens_per_device(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--model", "tiny", "--batch-size", "16", "--seq-len", "32", "--steps", "4", "--eval-every",
+                 "0", "--sample-tokens", "0", "--no-progress", "--profile", "2:3", "--out", str(out)]) == 0
+    assert "profile    steps 2-3: " in capsys.readouterr().out
+    traces = list((out / "profile").rglob("*.xplane.pb"))
+    assert len(traces) == 1 and list((out / "profile").rglob("*.trace.json.gz"))
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["tokens_per_s_per_device"] for r in records] == [r["tokens_per_s"] / 8 for r in records]
+    assert not any("memory_peak_bytes" in r for r in records)  # XLA:CPU reports no device memory
+
+
+def test_metrics_carry_device_memory_where_the_backend_reports_it(monkeypatch):
+    import jax
+
+    from shardlib.run.loop import device_memory
+
+    class Device:
+        def __init__(self, used, peak):
+            self.stats = {"bytes_in_use": used, "peak_bytes_in_use": peak, "bytes_limit": 10**9}
+
+        def memory_stats(self):
+            return self.stats
+
+    monkeypatch.setattr(jax, "local_devices", lambda: [Device(5, 9), Device(7, 8)])
+    assert device_memory() == {"memory_in_use_bytes": 7, "memory_peak_bytes": 9}
+
+
+@pytest.mark.parametrize("spec, says", [("5", "'5' is not START:STOP"), ("2:4", "2:4 ends past the run's last step (3)")])
+def test_a_bad_profile_range_is_one_line(spec, says, capsys):
+    assert main(["train", "--profile", spec, "--steps", "3"]) == 2
+    assert f"--profile: {says}" in capsys.readouterr().err
