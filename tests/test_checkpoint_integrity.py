@@ -21,6 +21,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from shardlib import build, make_layout, make_mesh
@@ -30,6 +31,7 @@ from shardlib.runtime import checkpoint as ckpt_mod
 from shardlib.runtime.checkpoint import (
     CheckpointDamagedError,
     Checkpointer,
+    CheckpointReadError,
     CheckpointSaveError,
     digest_arrays,
     digest_hex,
@@ -195,6 +197,30 @@ def test_no_intact_checkpoint_left_says_so(work):
     with pytest.raises(CheckpointDamagedError, match="no older checkpoint is intact"):
         Checkpointer(directory).restore(program.abstract_state())
     assert sorted(p.name for p in directory.iterdir()) == [f"{s}.damaged-metadata" for s in STEPS]
+
+
+@pytest.mark.parametrize("fault", [
+    ValueError("UNAVAILABLE: Error reading from GCS: connection reset (a storage outage)"),
+    PermissionError(13, "Permission denied"),
+    ValueError("Requested shape (2, 64) does not match the restore target (an error about the target)"),
+], ids=["unavailable", "permission", "target"])
+def test_a_transient_read_error_sets_nothing_aside_and_the_rerun_restores_the_newest(work, monkeypatch, fault):
+    directory, copies, program = work
+    real, calls = ocp.CheckpointManager.restore, []
+
+    def fails_once(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise Exception("Encountered error while reading array index") from fault  # as Orbax wraps it
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", fails_once)
+    with pytest.raises(CheckpointReadError, match="step 6 could not be read .*nothing was set aside"):
+        Checkpointer(directory).restore(program.abstract_state())
+    assert sorted(p.name for p in directory.iterdir()) == ["2", "4", "6"]
+    state, _, _ = Checkpointer(directory).restore(program.abstract_state())  # the rerun: the fault has passed
+    assert int(state.step) == 6
+    assert_bitwise(state, copies[6])
 
 
 def test_checkpoint_saved_before_digests_restores_unverified(work, caplog):

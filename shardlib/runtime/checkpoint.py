@@ -42,6 +42,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -99,6 +100,17 @@ class CheckpointDamagedError(CheckpointError):
     def __init__(self, directory: str, step: int, reason: str, detail: str) -> None:
         self.directory, self.step, self.reason, self.detail = directory, int(step), reason, detail
         super().__init__(f"checkpoint {directory} step {step} is damaged ({reason}): {detail}")
+
+
+class CheckpointReadError(CheckpointError):
+    """A checkpoint could not be read for a reason its bytes do not show (storage outage,
+    permissions, credentials, an error about the restore target): nothing is set aside."""
+
+    def __init__(self, directory: str, step: int, detail: str) -> None:
+        self.directory, self.step, self.detail = directory, int(step), detail
+        super().__init__(f"checkpoint {directory} step {step} could not be read ({detail}); this says nothing about "
+                         "its files, so nothing was set aside: fix the cause (storage, permissions, credentials) and "
+                         "run again")
 
 
 class CheckpointSaveError(CheckpointError):
@@ -810,8 +822,8 @@ class Checkpointer:
             raw = path.read_bytes()
         except FileNotFoundError:
             raise CheckpointDamagedError(self.directory, step, "missing-file", f"{path} is missing") from None
-        except OSError as err:
-            raise CheckpointDamagedError(self.directory, step, "unreadable", f"{path}: {err}") from None
+        except OSError as err:  # permissions, an outage: no evidence against the bytes
+            raise CheckpointReadError(self.directory, step, f"{path}: {err}") from None
         try:
             value = json.loads(raw.decode("utf-8"))
         except ValueError as err:
@@ -893,17 +905,22 @@ class Checkpointer:
                 f"the restored values of {listed(bad)} differ from the digests saved with them (a changed bit in "
                 "a data file)")
 
-    def _agree(self, step: int, err: CheckpointDamagedError | None) -> CheckpointDamagedError | None:
-        """Every process takes the same view of ``step``: damaged if any process found it so."""
+    def _agree(self, step: int, err: CheckpointError | None) -> CheckpointError | None:
+        """Every process takes the same view of ``step``: unread if any process could not read it
+        (nothing is set aside then), else damaged if any process found it so."""
         if jax.process_count() == 1:
             return err
         from jax.experimental import multihost_utils
 
-        flags = np.asarray(multihost_utils.process_allgather(np.array([err is not None], np.int32))).reshape(-1)
-        if err is None and flags.any():
-            bad = [int(i) for i in np.flatnonzero(flags)]
-            return CheckpointDamagedError(self.directory, step, "unreadable", f"process(es) {bad} could not read it")
-        return err
+        code = 2 if isinstance(err, CheckpointReadError) else int(err is not None)
+        codes = np.asarray(multihost_utils.process_allgather(np.array([code], np.int32))).reshape(-1)
+        worst = int(codes.max())
+        if worst == code:
+            return err
+        bad = [int(i) for i in np.flatnonzero(codes == worst)]
+        if worst == 2:
+            return CheckpointReadError(self.directory, step, f"process(es) {bad} could not read it")
+        return CheckpointDamagedError(self.directory, step, "unreadable", f"process(es) {bad} found it damaged")
 
     def _set_aside(self, err: CheckpointDamagedError, *, sync: bool = True) -> str | None:
         """Rename the damaged ``DIR/<step>`` to ``DIR/<step>.damaged-<reason>`` (process 0; never
@@ -1041,7 +1058,7 @@ class Checkpointer:
         err = None
         try:
             digests = self.inspect(step)
-        except CheckpointDamagedError as found:
+        except (CheckpointDamagedError, CheckpointReadError) as found:
             err = found
         err = self._agree(step, err)
         if err is not None:
@@ -1061,7 +1078,7 @@ class Checkpointer:
                         config=ocp.args.JsonRestore(),
                     ),
                 )
-        except CheckpointDamagedError as found:
+        except (CheckpointDamagedError, CheckpointReadError) as found:
             err = found
         err = self._agree(step, err)
         if err is not None:
@@ -1124,7 +1141,7 @@ class Checkpointer:
                     self.state_path(step),
                     args=ocp.args.PyTreeRestore(item=dict(target), restore_args=restore_args, partial_restore=True),
                 )
-        except CheckpointDamagedError as found:
+        except (CheckpointDamagedError, CheckpointReadError) as found:
             err = found
         err = self._agree(step, err)
         if err is not None:
@@ -1174,13 +1191,28 @@ class _Reading:
         if any(mark in text for mark in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")):
             return False  # the devices are full, the checkpoint may be fine
         _quiet_abandoned_reads()
-        missing = any(isinstance(e, FileNotFoundError) for e in chain) or "NOT_FOUND" in text
-        reason = "missing-file" if missing else "unreadable"
         cause = chain[-1]
         brief = " ".join(str(cause).split())
-        brief = brief.split(" See full TensorStore details")[0]
-        raise CheckpointDamagedError(self.ckpt.directory, self.step, reason,
-                                     f"reading {self.what}: {type(cause).__name__}: {brief[:300]}") from err
+        detail = f"reading {self.what}: {type(cause).__name__}: {brief.split(' See full TensorStore details')[0][:300]}"
+        reason = damage_shown(chain, text)
+        if reason is None:
+            raise CheckpointReadError(self.ckpt.directory, self.step, detail) from err
+        raise CheckpointDamagedError(self.ckpt.directory, self.step, reason, detail) from err
+
+
+# TensorStore's status codes for bytes that are absent, short or do not decode; the others
+# (UNAVAILABLE, PERMISSION_DENIED, UNAUTHENTICATED, DEADLINE_EXCEEDED, ...) say nothing about them.
+_DAMAGE_CODES = re.compile(r"\b(NOT_FOUND|OUT_OF_RANGE|DATA_LOSS|FAILED_PRECONDITION): ")
+
+
+def damage_shown(chain: Sequence[BaseException], text: str) -> str | None:
+    """The damage reason an error reading a checkpoint is evidence of, or None when it is not:
+    only a missing file, or bytes that are short or do not decode, may mark a checkpoint damaged."""
+    if any(isinstance(e, FileNotFoundError) for e in chain) or "NOT_FOUND: " in text:
+        return "missing-file"
+    if any(isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) for e in chain) or _DAMAGE_CODES.search(text):
+        return "unreadable"
+    return None
 
 
 def _finish_before_exit(manager: ocp.CheckpointManager, directory: str) -> None:
