@@ -199,6 +199,45 @@ def test_lock_contention_in_process_keeps_the_holders_name(tmp_path):
         assert (out / LOCK_NAME).read_text() == held  # the refused claim did not touch the holder's record
 
 
+def _tree(directory: Path) -> dict[str, bytes | None]:
+    """Every path below ``directory`` with its bytes (None for a directory): what "unchanged" compares."""
+    return {str(p.relative_to(directory)): None if p.is_dir() else p.read_bytes() for p in sorted(directory.rglob("*"))}
+
+
+def test_resume_from_a_running_runs_directory_is_refused_and_leaves_it_untouched(tmp_path):
+    """The run saves (sets aside, deletes) in ``--resume-from``'s checkpoints, so it must hold that lock too."""
+    a, b = tmp_path / "A", tmp_path / "B"
+    (a / "checkpoints" / "4").mkdir(parents=True)  # a save in progress: no commit marker yet
+    (a / "checkpoints" / "6.orbax-checkpoint-tmp-1").mkdir()
+    (a / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    with claim_run_directory(TrainConfig(out=str(a)), a, main=True):  # run A, still going
+        before = _tree(a)
+        proc = subprocess.run(_train("--steps", "4", "--ckpt-every", "2", "--keep", "2", "--out", str(b),
+                                     "--resume-from", str(a)), env=_env(), capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        errors = _error_lines(proc.stderr)
+        assert len(errors) == 1 and "--resume-from" in errors[0], proc.stderr
+        assert f"{a} is in use by another run (pid {os.getpid()} on host {socket.gethostname()}" in errors[0], errors[0]
+        assert _tree(a) == before
+
+
+def test_a_symlinked_or_special_lock_file_is_refused_and_its_target_untouched(tmp_path):
+    out, victim = tmp_path / "run", tmp_path / "precious.txt"
+    out.mkdir()
+    victim.write_text("keep me\n")
+    (out / LOCK_NAME).symlink_to(victim)
+    config = TrainConfig(out=str(out))
+    with pytest.raises(TrainConfigError, match=f"--out: {out / LOCK_NAME} is a symbolic link \\(to {victim}\\); .*remove it"):
+        with claim_run_directory(config, out, main=True):
+            pass
+    assert victim.read_text() == "keep me\n"
+    (out / LOCK_NAME).unlink()
+    os.mkfifo(out / LOCK_NAME)
+    with pytest.raises(TrainConfigError, match="is not a regular file"):
+        with claim_run_directory(config, out, main=True):
+            pass
+
+
 def test_out_below_a_file_is_one_line_before_the_compile(tmp_path):
     blocker = tmp_path / "afile"
     blocker.write_text("not a directory\n")
