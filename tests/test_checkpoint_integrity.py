@@ -182,6 +182,20 @@ def test_edited_metadata_that_still_parses_is_refused(work, caplog):
     assert "config/metadata differs from the SHA-256 saved with it" in caplog.text
 
 
+def test_a_linked_step_directory_is_set_aside_without_writing_into_its_target(work, caplog):
+    directory, copies, program = work
+    elsewhere = directory.parent / "elsewhere"
+    elsewhere.mkdir()
+    shutil.move(directory / "6", elsewhere / "6")
+    (directory / "6").symlink_to(elsewhere / "6")
+    (elsewhere / "6" / "config" / "metadata").write_text('{"step": 6, garbage')
+    with Checkpointer(directory) as ckpt:
+        state, _, _ = ckpt.restore(program.abstract_state())
+    assert int(state.step) == 4
+    assert (directory / "6.damaged-metadata").is_symlink()  # the link was renamed, its target left as it was
+    assert sorted(p.name for p in (elsewhere / "6").iterdir()) == sorted(p.name for p in (directory / "4").iterdir())
+
+
 def test_a_requested_step_that_is_damaged_raises_and_is_left_in_place(work):
     directory, _, program = work
     _flip_bit(_largest_data_file(directory / "6"))
@@ -215,10 +229,11 @@ def test_a_transient_read_error_sets_nothing_aside_and_the_rerun_restores_the_ne
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(ocp.CheckpointManager, "restore", fails_once)
-    with pytest.raises(CheckpointReadError, match="step 6 could not be read .*nothing was set aside"):
-        Checkpointer(directory).restore(program.abstract_state())
+    with Checkpointer(directory) as ckpt, pytest.raises(CheckpointReadError, match="step 6 could not be read .*nothing was set aside"):
+        ckpt.restore(program.abstract_state())
     assert sorted(p.name for p in directory.iterdir()) == ["2", "4", "6"]
-    state, _, _ = Checkpointer(directory).restore(program.abstract_state())  # the rerun: the fault has passed
+    with Checkpointer(directory) as ckpt:  # the rerun: the fault has passed
+        state, _, _ = ckpt.restore(program.abstract_state())
     assert int(state.step) == 6
     assert_bitwise(state, copies[6])
 

@@ -59,6 +59,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlib import compat
+from shardlib.runtime.files import write_new_file
 from shardlib.sharding.rules import describe_mismatches, listed, path_str
 from shardlib.step.state import TRANSIENT_FIELDS
 
@@ -938,10 +939,7 @@ class Checkpointer:
         source = self._step_path(err.step)
         if jax.process_index() == 0 and source.exists():
             source.rename(target)
-            try:
-                (target / "DAMAGED.txt").write_text(str(err) + "\n")
-            except OSError:
-                pass
+            _note_damage(target, err)
         if sync and jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -1213,6 +1211,18 @@ def damage_shown(chain: Sequence[BaseException], text: str) -> str | None:
     if any(isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) for e in chain) or _DAMAGE_CODES.search(text):
         return "unreadable"
     return None
+
+
+def _note_damage(step_dir: Any, err: CheckpointDamagedError) -> None:
+    """``DAMAGED.txt`` in a set-aside step directory: into that directory only, never through a
+    link (a linked step directory's target is someone else's); the log names the reason anyway."""
+    try:
+        if "://" in str(step_dir):
+            (step_dir / "DAMAGED.txt").write_text(str(err) + "\n")
+        else:
+            write_new_file(step_dir, "DAMAGED.txt", str(err) + "\n")
+    except OSError:
+        pass
 
 
 def _finish_before_exit(manager: ocp.CheckpointManager, directory: str) -> None:
