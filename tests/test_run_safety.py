@@ -29,6 +29,9 @@ import pytest
 
 from shardlib.runtime import distributed, launch
 from shardlib.run.config import TrainConfig, TrainConfigError
+from shardlib.cli import main
+from shardlib.run.checkpointing import refuse_silent_restart
+from shardlib.run.metrics_io import MetricsLog, read_metrics
 from shardlib.run.setup import LOCK_NAME, claim_run_directory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -236,6 +239,50 @@ def test_a_symlinked_or_special_lock_file_is_refused_and_its_target_untouched(tm
     with pytest.raises(TrainConfigError, match="is not a regular file"):
         with claim_run_directory(config, out, main=True):
             pass
+
+
+@pytest.mark.parametrize("history", ["metrics", "damaged", "incomplete"])
+def test_a_run_directory_with_history_but_nothing_to_resume_is_refused_unless_fresh(tmp_path, capsys, history):
+    """No silent start from step 0 over an earlier run; ``--fresh`` does it on purpose, keeping the old metrics."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    old = '{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n'
+    if history == "metrics":
+        (out / "metrics.jsonl").write_text(old)
+    else:
+        (out / "checkpoints" / ("6.damaged-digest" if history == "damaged" else "6")).mkdir()  # "6": no commit marker
+    before = _tree(out)
+    flags = ["train", "--model", "tiny", "--steps", "2", "--ckpt-every", "2", "--out", str(out)]
+    assert main(flags) == 2
+    errors = _error_lines(capsys.readouterr().err)
+    named = {"metrics": "metrics.jsonl", "damaged": "6.damaged-digest", "incomplete": "cannot resume from: 6"}[history]
+    assert len(errors) == 1 and named in errors[0] and "--fresh" in errors[0], errors
+    assert _tree(out) == before
+    refuse_silent_restart(TrainConfig(out=str(out), ckpt_every=2, fresh=True), out)  # on purpose: let through
+
+
+def test_metrics_jsonl_is_never_rewritten_but_moved_aside(tmp_path):
+    lines = [{"step": k, "loss": 5.0 - k} for k in (1, 2, 3)]
+    text = "".join(json.dumps(r) + "\n" for r in lines)
+    (tmp_path / "metrics.jsonl").write_text(text)
+    MetricsLog(tmp_path, tensorboard=False, resume_step=3).close()  # nothing to drop: appended to, as it is
+    assert (tmp_path / "metrics.jsonl").read_text() == text and not (tmp_path / "metrics.jsonl.1").exists()
+    MetricsLog(tmp_path, tensorboard=False, resume_step=2).close()  # step 3 dropped: the whole file kept aside
+    assert (tmp_path / "metrics.jsonl.1").read_text() == text
+    assert read_metrics(tmp_path / "metrics.jsonl") == lines[:2]
+    MetricsLog(tmp_path, tensorboard=False).close()  # a fresh start (--fresh): never over the first one aside
+    assert (tmp_path / "metrics.jsonl.1").read_text() == text
+    assert read_metrics(tmp_path / "metrics.jsonl.2") == lines[:2] and read_metrics(tmp_path / "metrics.jsonl") == []
+
+
+def test_metrics_are_never_written_through_a_planted_link(tmp_path):
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me\n")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").symlink_to(victim)
+    with pytest.raises(TrainConfigError, match="metrics.jsonl is a symbolic link; .*remove it"):
+        MetricsLog(tmp_path / "run", tensorboard=False, resume_step=0).close()
+    assert victim.read_text() == "keep me\n"
 
 
 def test_out_below_a_file_is_one_line_before_the_compile(tmp_path):

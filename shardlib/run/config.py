@@ -170,6 +170,9 @@ class TrainConfig:
     resume_from: str | None = flag(
         None, "continue from the latest checkpoint of this run directory (and keep writing there); with "
               "--ckpt-every, a run whose --out already holds checkpoints resumes from them by itself", metavar="DIR")
+    fresh: bool = flag(False, "start at step 0 in an --out that holds an earlier run's metrics or damaged checkpoints "
+                              "but no checkpoint to resume (without it such a run is refused); the old metrics.jsonl "
+                              "is moved aside")
     max_skips: int = flag(10, f"stop (exit {EXIT_DIVERGED}) after K consecutive steps with a non-finite loss or "
                               "gradient, which are skipped; 0: never stop (default %(default)s)", metavar="K")
     record_examples: bool = flag(False, "write DIR/examples.jsonl: the window start offsets each step read (audits "
