@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -61,9 +62,9 @@ def _error_lines(stderr: str) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def _listening(port: int) -> list[str]:
-    """Local addresses of sockets in LISTEN state on ``port`` (from /proc/net/tcp and tcp6)."""
-    found = []
+def _all_listening() -> set[tuple[str, int]]:
+    """(local address, port) of every socket in LISTEN state (from /proc/net/tcp and tcp6)."""
+    found = set()
     for table, size in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
         try:
             rows = Path(table).read_text().splitlines()[1:]
@@ -72,13 +73,18 @@ def _listening(port: int) -> list[str]:
         for row in rows:
             fields = row.split()
             address, hex_port = fields[1].split(":")
-            if fields[3] != "0A" or int(hex_port, 16) != port:  # 0A: TCP_LISTEN
+            if fields[3] != "0A":  # 0A: TCP_LISTEN
                 continue
             raw = bytes.fromhex(address)
             # /proc prints each 32-bit word in host (little-endian) order
             raw = b"".join(raw[i:i + 4][::-1] for i in range(0, size, 4))
-            found.append(socket.inet_ntop(socket.AF_INET if size == 4 else socket.AF_INET6, raw))
+            found.add((socket.inet_ntop(socket.AF_INET if size == 4 else socket.AF_INET6, raw), int(hex_port, 16)))
     return found
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses of sockets in LISTEN state on ``port``."""
+    return [address for address, p in _all_listening() if p == port]
 
 
 def _is_loopback(address: str) -> bool:
@@ -109,6 +115,44 @@ def test_launch_coordinator_listens_on_loopback_only(tmp_path):
         assert listening, f"nothing listens on port {port}"
         assert all(_is_loopback(a) for a in listening), f"the coordinator listens on {listening}, not loopback only"
         assert proc.wait(timeout=60) == 0
+    finally:
+        release.touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+COLLECTS = ("import sys, time; from pathlib import Path; import numpy as np; from shardlib.runtime import distributed; "
+            "distributed.initialize(); from jax.experimental import multihost_utils; "
+            "multihost_utils.process_allgather(np.array([1])); print('collected', flush=True); deadline = time.time() + 60\n"
+            "while not Path(sys.argv[1]).exists() and time.time() < deadline: time.sleep(0.1)")
+
+
+def test_launch_collectives_listen_on_loopback_where_the_hostname_is_a_lan_address(tmp_path):
+    """JAX's gloo collectives listen where the host name resolves; /etc/hosts is pointed at a LAN address
+    of this machine in a mount namespace, as on most machines, and they must still listen on loopback."""
+    lan = next((a for a in subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+                if "." in a and not a.startswith("127.")), None)
+    if lan is None or subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs a non-loopback IPv4 address and a mount namespace (unshare --mount, as root)")
+    hosts, release = tmp_path / "hosts", tmp_path / "release"
+    hosts.write_text(f"127.0.0.1 localhost\n{lan} {socket.gethostname()}\n")
+    launch_cmd = [sys.executable, "-m", "shardlib.cli", "launch", "-n", "2", "-d", "1", "--grace", "5", "--",
+                  sys.executable, "-c", COLLECTS, str(release)]
+    script = f"mount --bind {shlex.quote(str(hosts))} /etc/hosts && exec {shlex.join(launch_cmd)}"
+    before = _all_listening()
+    proc = subprocess.Popen(["unshare", "--mount", "bash", "-c", script], env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        seen: list[str] = []
+        done = (line for line in proc.stdout if seen.append(line) or line.rstrip().endswith("] collected"))
+        collected = [line for _, line in zip(range(2), done)]  # range first: zip must not wait for a third
+        assert len(collected) == 2, "".join(seen)
+        opened = _all_listening() - before
+        release.touch()
+        assert opened and all(_is_loopback(a) for a, _ in opened), f"the job listens on {sorted(opened)}"
+        rest = proc.stdout.read()
+        assert proc.wait(timeout=60) == 0, "".join(seen) + rest
     finally:
         release.touch()
         if proc.poll() is None:

@@ -60,6 +60,7 @@ ENV_HEARTBEAT_TIMEOUT = "SHARDLIB_HEARTBEAT_TIMEOUT"
 ENV_INIT_TIMEOUT = "SHARDLIB_INIT_TIMEOUT"
 ENV_SHUTDOWN_TIMEOUT = "SHARDLIB_SHUTDOWN_TIMEOUT"
 ENV_COORDINATOR_BIND = "SHARDLIB_COORDINATOR_BIND"
+ENV_COLLECTIVES_INTERFACE = "SHARDLIB_COLLECTIVES_INTERFACE"  # multi-host CPU jobs: the NIC gloo listens on
 
 # Seconds. Heartbeat: a dead process is noticed within this; 30 s rides out GC pauses and network
 # blips on a real cluster yet frees a failed allocation quickly (JAX's default is 100 s).
@@ -420,6 +421,16 @@ def _process_id_of_cluster(source: str) -> int | None:
     return int(value) if value.isdigit() else None
 
 
+def _bind_collectives(coordinator: str | None) -> None:
+    """Where the CPU collectives (gloo) listen: the interface ``SHARDLIB_COLLECTIVES_INTERFACE``
+    names; else loopback when the coordinator is (a local job, as ``shardlib launch`` runs); else
+    JAX's default, the address this host's name resolves to."""
+    interface = os.environ.get(ENV_COLLECTIVES_INTERFACE) or None
+    local = coordinator is not None and _is_loopback(_split_host_port(coordinator)[0])
+    if interface or local:
+        compat.bind_cpu_collectives(None if interface else "127.0.0.1", interface)
+
+
 def _join(p: Plan, heartbeat_s: int, init_s: int, shutdown_s: int) -> None:
     timeouts = dict(
         initialization_timeout=init_s, heartbeat_timeout_seconds=heartbeat_s, shutdown_timeout_seconds=shutdown_s
@@ -428,12 +439,14 @@ def _join(p: Plan, heartbeat_s: int, init_s: int, shutdown_s: int) -> None:
         bind = _bind_for(p.coordinator) if p.process_id == 0 else None
         jax.distributed.initialize(p.coordinator, p.num_processes, p.process_id, coordinator_bind_address=bind,
                                    **timeouts)
+        _bind_collectives(p.coordinator)
         return
     ids = list(p.device_ids) if p.device_ids is not None else None
     bind = None
     if _process_id_of_cluster(p.source) == 0:
         bind = _bind_for(_cluster_coordinator(ids, init_s))
     jax.distributed.initialize(local_device_ids=ids, coordinator_bind_address=bind, **timeouts)
+    _bind_collectives(None)
     if p.source in ("slurm", "ompi") and ids is None and not p.keep_jax_device_choice:
         # JAX narrowed this task to the GPU at its local rank; shardlib's rule is "all visible".
         jax.config.update("jax_cuda_visible_devices", "all")
