@@ -78,6 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         return _fail("", UsageError(f"unknown command {name!r}; choose one of {', '.join(COMMANDS)}"))
+    try:  # Ctrl-C while the command's modules import (JAX takes seconds) is as quiet as during its run
+        return _dispatch(name, rest)
+    except KeyboardInterrupt as err:
+        print(f"shardlib {name}: interrupted", file=sys.stderr)
+        return _finish(exit_interrupted(err))
+
+
+def _dispatch(name: str, rest: list[str]) -> int:
+    """Import the command, parse its flags and run it; its errors as one line (bugs excepted)."""
     try:
         module = importlib.import_module(COMMANDS[name][0])
     except ModuleNotFoundError as err:
@@ -100,9 +109,6 @@ def main(argv: list[str] | None = None) -> int:
         if not _is_user_facing(err):
             return _crash()
         return _finish(_fail(name, err))
-    except KeyboardInterrupt as err:
-        print(f"shardlib {name}: interrupted", file=sys.stderr)
-        return _finish(exit_interrupted(err))
     except Exception:
         return _crash()
 
