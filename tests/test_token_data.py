@@ -8,6 +8,8 @@ checkpoint reading each window once, is tests/test_cli_edges.py's (it shares tha
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -76,3 +78,18 @@ def test_vocab_size_and_token_dtype_without_a_token_file_are_refused(tmp_path, c
     assert main(["train", "--model", "tiny", "--data", str(tmp_path / "t.npy"), "--vocab-size", "300",
                  "--token-dtype", "uint32", "--out", str(tmp_path / "b")]) == 2
     assert "--token-dtype: " in _one_error_line(capsys)
+
+
+def test_a_pipe_or_device_given_as_data_is_named_for_what_it_is(tmp_path):
+    from shardlib.runtime.data import load_text
+
+    os.mkfifo(tmp_path / "t.bin")
+    with pytest.raises(ValueError, match=r"t.bin' is a FIFO \(named pipe\); give --data a regular"):
+        load_tokens(tmp_path / "t.bin")
+    (tmp_path / "d.bin").symlink_to(os.devnull)
+    with pytest.raises(ValueError, match="d.bin' is a character device"):
+        load_tokens(tmp_path / "d.bin")
+    with pytest.raises(ValueError, match=r"t.bin' is a FIFO \(named pipe\); give --data PATH a text file"):
+        load_text(str(tmp_path / "t.bin"))
+    with pytest.raises(ValueError, match="missing.bin' does not exist"):
+        load_tokens(tmp_path / "missing.bin")
