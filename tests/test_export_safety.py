@@ -24,6 +24,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from shardlib.cli import main
 from shardlib.runtime.checkpoint import CheckpointError
 from shardlib.tools import export
 from shardlib.tools.export import METADATA_ENTRY, export_params, load_exported, read_export_metadata
@@ -133,6 +134,16 @@ def test_export_interrupted_mid_write_leaves_no_partial_file_and_keeps_the_previ
     export_params("unused", out)
     _assert_same(load_exported(out), _host(_params(2.0)))
     assert [p.name for p in out.parent.iterdir()] == [out.name]
+
+
+def test_export_onto_a_full_disk_is_one_line_and_exit_2(fake_restore, tmp_path, monkeypatch, capsys) -> None:
+    out, real_writer = tmp_path / "w.npz", export._writer
+    monkeypatch.setattr(export, "_writer", lambda file, sfx, record: real_writer(_DiskFull(file, 600), sfx, record))
+    assert main(["export", "--ckpt", "unused", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert err[0].startswith(f"shardlib export: error: cannot write {out}: No space left on device;"), err[0]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_killed_exports_partial_file_is_removed_by_the_next_export(fake_restore, tmp_path) -> None:

@@ -67,6 +67,10 @@ _SAFETENSORS_DTYPES = {
 _FROM_SAFETENSORS = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
 
 
+class ExportWriteError(OSError):
+    """Writing the exported file failed (a full disk, permissions); ``strerror`` names the file and the fix."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ExportSummary:
     """What `export_params` wrote."""
@@ -612,12 +616,12 @@ def export_params(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str],
     leaves, tensors = _tensor_records({part: parts[part] for part in ("params", "model_state") if part in parts})
     record = {"format": EXPORT_FORMAT, "step": step, "config": config, "tensors": tensors}
     output = writer = None
-    if jax.process_index() == 0:  # written under a temporary name, renamed onto out_path once complete
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        output = _AtomicFile(out_path)
     total = largest = 0
     try:
-        writer = _writer(output.file, out_path.suffix, record) if output is not None else None
+        if jax.process_index() == 0:  # written under a temporary name, renamed onto out_path once complete
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            output = _AtomicFile(out_path)
+            writer = _writer(output.file, out_path.suffix, record)
         for leaf, t in zip(leaves, tensors):
             host = _to_host(leaf)  # may alias the device buffer on CPU: free the leaf only after writing
             total += host.nbytes
@@ -629,11 +633,14 @@ def export_params(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str],
         if output is not None:
             writer.close()
             output.commit()
-    except BaseException:
+    except BaseException as err:
         if writer is not None:
             writer.abandon()
         if output is not None:
             output.discard()
+        if isinstance(err, OSError) and jax.process_index() == 0:
+            raise ExportWriteError(err.errno, f"cannot write {out_path}: {err.strerror or err}; nothing was left there, "
+                                              "and a previous file is kept as it was: free space or pick another --out") from err
         raise
     state_tensors = sum(t["part"] == "model_state" for t in tensors)
     return ExportSummary(str(out_path), step, len(tensors), total, largest, config.get("model"), state_tensors)
@@ -652,7 +659,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = export_params(args.ckpt, args.out, step=args.step)
+    try:
+        summary = export_params(args.ckpt, args.out, step=args.step)
+    except ExportWriteError as err:  # a full disk is the user's to fix: one line, exit 2
+        raise CheckpointError(err.strerror) from None
     if jax.process_index() == 0:
         print(
             f"exported {summary.tensors} tensors ({summary.bytes / 2**20:.2f} MiB, largest "
