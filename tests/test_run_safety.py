@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -155,6 +156,32 @@ def test_launch_collectives_listen_on_loopback_where_the_hostname_is_a_lan_addre
         assert proc.wait(timeout=60) == 0, "".join(seen) + rest
     finally:
         release.touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_processes_stop_when_the_launcher_is_killed(tmp_path):
+    """SIGKILL leaves the launcher no chance to stop the job; each process notices it is gone."""
+    cmd = [sys.executable, "-m", "shardlib.cli", "launch", "-n", "2", "-d", "1", "--", sys.executable, "-c",
+           JOINS.replace("time.time() + 60", "time.time() + 600"), str(tmp_path / "never")]
+    proc = subprocess.Popen(cmd, env=_env(SHARDLIB_HEARTBEAT_TIMEOUT="5"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if sum(" joined " in seen for seen in lines) == 2:
+                break
+        pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", "".join(lines))]
+        assert len(pids) == 2, "".join(lines)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60  # a timeout, not a speed: without the watch they wait 600 s
+        while any(launch.process_state(pid) not in (None, "Z") for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(launch.process_state(pid) in (None, "Z") for pid in pids), "the processes outlived the launcher"
+    finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()

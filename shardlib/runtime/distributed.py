@@ -60,6 +60,7 @@ ENV_HEARTBEAT_TIMEOUT = "SHARDLIB_HEARTBEAT_TIMEOUT"
 ENV_INIT_TIMEOUT = "SHARDLIB_INIT_TIMEOUT"
 ENV_SHUTDOWN_TIMEOUT = "SHARDLIB_SHUTDOWN_TIMEOUT"
 ENV_COORDINATOR_BIND = "SHARDLIB_COORDINATOR_BIND"
+ENV_LAUNCHER_PID = "SHARDLIB_LAUNCHER_PID"
 ENV_COLLECTIVES_INTERFACE = "SHARDLIB_COLLECTIVES_INTERFACE"  # multi-host CPU jobs: the NIC gloo listens on
 
 # Seconds. Heartbeat: a dead process is noticed within this; 30 s rides out GC pauses and network
@@ -521,6 +522,7 @@ def initialize(
                 )
     if jax.distributed.is_initialized():
         install_fail_fast()  # before the device check, so a process that fails it does not linger
+        watch_launcher()
     local, total = check_devices(p.local_devices)
     return ProcessInfo(
         process_id=jax.process_index(),
@@ -569,6 +571,40 @@ def finish(exit_code: int) -> int:
             time.sleep(COORDINATOR_EXIT_DELAY_S)
         os._exit(exit_code)
     return exit_code
+
+
+LAUNCHER_POLL_S = 1.0
+
+
+def watch_launcher(environ: Mapping[str, str] | None = None) -> None:
+    """Under ``shardlib launch``: stop this process once the launcher is gone. A launcher killed
+    with SIGKILL cannot stop its processes, and they would wait in a collective for minutes.
+    The process gets SIGTERM (a checkpointing run saves and stops), then exits after the
+    heartbeat timeout if it has not. Polls the launcher's pid: a parent-death signal would not
+    reach processes that a wrapper (``bash -c``) started."""
+    from shardlib.runtime.launch import process_state
+
+    text = (os.environ if environ is None else environ).get(ENV_LAUNCHER_PID, "")
+    if not text.isdigit() or process_state(os.getpid()) is None:  # no /proc to read it from
+        return
+    import signal
+    import threading
+
+    pid, grace = int(text), _timeout(os.environ, ENV_HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_S)
+
+    def watch() -> None:
+        while process_state(pid) not in (None, "Z", "X"):
+            time.sleep(LAUNCHER_POLL_S)
+        try:  # its output went to the launcher: the pipe is likely broken
+            print(f"shardlib: process {jax.process_index()}: the launcher (pid {pid}) is gone; stopping "
+                  f"(SIGTERM, exit in {grace} s at the latest)", file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="shardlib-launcher-watch", daemon=True).start()
 
 
 _installed = False

@@ -123,6 +123,7 @@ def process_env(base: dict[str, str], index: int, count: int, devices: int, coor
         SHARDLIB_NUM_PROCESSES=str(count),
         SHARDLIB_PROCESS_ID=str(index),
         SHARDLIB_LOCAL_DEVICES=str(devices),
+        SHARDLIB_LAUNCHER_PID=str(os.getpid()),  # each process stops when the launcher dies (distributed.watch_launcher)
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
     )
@@ -272,13 +273,19 @@ def _wait_first_failure(exits: queue.Queue[tuple[int, int]], processes: int, int
     return None
 
 
-def _stopped(pid: int) -> bool:
-    """True when ``pid`` is stopped (SIGSTOP, Ctrl-Z, a debugger): state T or t in /proc (Linux only)."""
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (``R``, ``S``, ``T`` stopped, ``Z`` dead, not yet reaped);
+    None when there is no such process (or no /proc: not Linux)."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+            return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
+        return None
+
+
+def _stopped(pid: int) -> bool:
+    """True when ``pid`` is stopped (SIGSTOP, Ctrl-Z, a debugger): state T or t (Linux only)."""
+    return process_state(pid) in ("T", "t")
 
 
 def _diagnose(children: list[_Child], failed: int, coordinator: str, init_timeout_s: str | None) -> list[str]:
