@@ -279,6 +279,21 @@ def test_failed_background_save_is_reported_at_once_and_stops_the_next_step(save
     assert ckpt.all_steps() == [2]
 
 
+def test_retention_skips_a_linked_step_directory_and_the_save_succeeds(work, caplog):
+    directory, copies, program = work
+    elsewhere = directory.parent / "elsewhere"
+    elsewhere.mkdir()
+    shutil.move(directory / "2", elsewhere / "2")
+    (directory / "2").symlink_to(elsewhere / "2")
+    state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), copies[6], program.abstract_state())
+    with caplog.at_level(logging.WARNING, logger="shardlib.runtime.checkpoint"), Checkpointer(directory, keep=2) as ckpt:
+        assert ckpt.save(8, state, data_state={"step": 8, "seed": 0}, force=True)
+        ckpt.wait()  # raised CheckpointSaveError ("Cannot call rmtree on a symbolic link") before
+    assert sorted(p.name for p in directory.iterdir()) == ["2", "6", "8"]
+    assert (elsewhere / "2" / "state").is_dir()
+    assert "checkpoint step 2 is a symbolic link: retention (keep=2) skipped it" in caplog.text
+
+
 def test_train_rerun_after_a_bit_flip_resumes_from_the_newest_intact_checkpoint(tmp_path, capfd, caplog):
     out = tmp_path / "run"
     flags = ["train", "--model", "tiny", "--batch-size", "16", "--seq-len", "32", "--no-progress", "--no-tensorboard",

@@ -533,6 +533,28 @@ def pick_data_state(saved: Mapping[str, Any], directory: str, step: int) -> dict
 # --------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class _LatestSkippingLinks(ocp.checkpoint_managers.LatestN):
+    """Orbax's ``max_to_keep`` (the newest ``n`` steps), except that a step directory that is a
+    symbolic link is kept, with a warning: Orbax's delete refuses a link, and the save whose
+    retention tried would be reported failed though it committed."""
+
+    is_link: Callable[[int], bool] = lambda step: False
+    _warned: set[int] = dataclasses.field(default_factory=set)
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        keep = list(super().should_preserve(checkpoints, context=context))
+        for i, info in enumerate(checkpoints):
+            if not keep[i] and self.is_link(info.step):
+                keep[i] = True
+                if info.step not in self._warned:
+                    self._warned.add(info.step)
+                    log.warning("checkpoint step %d is a symbolic link: retention (keep=%d) skipped it, since "
+                                "shardlib deletes nothing through a link; remove it yourself when it is not needed",
+                                info.step, self.n)
+        return keep
+
+
 class Checkpointer:
     """Async, retained, sharded Orbax checkpoints of a `TrainState`, data state and run config.
 
@@ -568,7 +590,8 @@ class Checkpointer:
             )
         self._name_format = ocp.path.step.standard_name_format()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep if create else None,  # read-only managers neither save nor delete
+            # read-only managers neither save nor delete
+            preservation_policy=_LatestSkippingLinks(keep, self._is_link) if create else None,
             save_interval_steps=(self.every or 1) if create else 0,
             enable_async_checkpointing=async_save,
             create=create,
@@ -596,6 +619,9 @@ class Checkpointer:
             self._set_aside_incomplete()
 
     # ---- steps ------------------------------------------------------------------------
+
+    def _is_link(self, step: int) -> bool:
+        return "://" not in self.directory and os.path.islink(str(self._step_path(step)))
 
     def _step_path(self, step: int) -> Any:
         """The committed directory of ``step`` (an ``epath.Path``: local or cloud storage)."""
