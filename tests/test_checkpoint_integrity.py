@@ -182,12 +182,18 @@ def test_edited_metadata_that_still_parses_is_refused(work, caplog):
     assert "config/metadata differs from the SHA-256 saved with it" in caplog.text
 
 
-def test_a_linked_step_directory_is_set_aside_without_writing_into_its_target(work, caplog):
-    directory, copies, program = work
+def _link_step_elsewhere(directory: Path, step: int) -> Path:
+    """Move ``DIR/<step>`` to a sibling folder and leave a symbolic link to it in its place; the folder."""
     elsewhere = directory.parent / "elsewhere"
     elsewhere.mkdir()
-    shutil.move(directory / "6", elsewhere / "6")
-    (directory / "6").symlink_to(elsewhere / "6")
+    shutil.move(directory / str(step), elsewhere / str(step))
+    (directory / str(step)).symlink_to(elsewhere / str(step))
+    return elsewhere
+
+
+def test_a_linked_step_directory_is_set_aside_without_writing_into_its_target(work, caplog):
+    directory, copies, program = work
+    elsewhere = _link_step_elsewhere(directory, 6)
     (elsewhere / "6" / "config" / "metadata").write_text('{"step": 6, garbage')
     with Checkpointer(directory) as ckpt:
         state, _, _ = ckpt.restore(program.abstract_state())
@@ -281,10 +287,7 @@ def test_failed_background_save_is_reported_at_once_and_stops_the_next_step(save
 
 def test_retention_skips_a_linked_step_directory_and_the_save_succeeds(work, caplog):
     directory, copies, program = work
-    elsewhere = directory.parent / "elsewhere"
-    elsewhere.mkdir()
-    shutil.move(directory / "2", elsewhere / "2")
-    (directory / "2").symlink_to(elsewhere / "2")
+    elsewhere = _link_step_elsewhere(directory, 2)
     state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), copies[6], program.abstract_state())
     with caplog.at_level(logging.WARNING, logger="shardlib.runtime.checkpoint"), Checkpointer(directory, keep=2) as ckpt:
         assert ckpt.save(8, state, data_state={"step": 8, "seed": 0}, force=True)
