@@ -226,6 +226,24 @@ def test_stopped_process_fails_start_up_after_the_init_timeout():
     assert "process 1 (pid" in proc.stderr and "is stopped (SIGSTOP" in proc.stderr, proc.stderr[-3000:]
 
 
+def test_a_process_stopped_mid_run_is_named_as_stopped_responding_not_as_never_joined(tmp_path):
+    out = tmp_path / "run"
+    script = ("import json, os, signal, sys; from pathlib import Path; import numpy as np; "
+              "from shardlib.runtime import distributed; from jax.experimental import multihost_utils; "
+              "info = distributed.initialize(); multihost_utils.process_allgather(np.array([1])); out = Path(sys.argv[2])\n"
+              "if info.process_id == 0: out.mkdir(); (out / 'metrics.jsonl').write_text(json.dumps({'step': 7, 'loss': 1.0}) + '\\n')\n"
+              "multihost_utils.process_allgather(np.array([2]))\n"
+              "if info.process_id == 1: os.kill(os.getpid(), signal.SIGSTOP)\n"
+              "multihost_utils.process_allgather(np.array([3]))")
+    cmd = [sys.executable, "-m", "shardlib.cli", "launch", "-n", "2", "-d", "1", "--grace", "1", "--",
+           sys.executable, "-c", script, "--out", str(out)]
+    proc = subprocess.run(cmd, env=_env(SHARDLIB_HEARTBEAT_TIMEOUT="4"), capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    assert "is stopped (SIGSTOP, Ctrl-Z or a debugger), and stopped responding mid-run, after step 7" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "never joined" not in proc.stderr
+
+
 # --------------------------------------------------------------------------------------------
 # 3. One run per --out; 4. --out checked before the compile
 # --------------------------------------------------------------------------------------------

@@ -245,7 +245,8 @@ def run_job(command: list[str], processes: int, devices_per_process: int, *, por
         if first_failure is not None:
             index, code = first_failure
             _say(f"process {index} (pid {children[index].proc.pid}) failed first: {describe_exit(code)}")
-            for line in _diagnose(children, index, coordinator, (extra_env or {}).get(ENV_INIT_TIMEOUT)):
+            for line in _diagnose(children, index, coordinator, (extra_env or {}).get(ENV_INIT_TIMEOUT),
+                                  elastic.command_logged_step(command)):
                 _say(line)
         elif interrupted:
             _say(f"received {signal.Signals(interrupted[0]).name}")
@@ -288,21 +289,26 @@ def _stopped(pid: int) -> bool:
     return process_state(pid) in ("T", "t")
 
 
-def _diagnose(children: list[_Child], failed: int, coordinator: str, init_timeout_s: str | None) -> list[str]:
-    """What the first failure's output and the others' states say, in words (JAX's are a C++ abort)."""
-    lines = []
+def _diagnose(children: list[_Child], failed: int, coordinator: str, init_timeout_s: str | None,
+              step: int | None = None) -> list[str]:
+    """What the first failure's output and the others' states say, in words (JAX's are a C++ abort);
+    ``step``: the last one the run logged, where a process stopped mid-run stopped responding."""
+    lines, joining = [], False
     tail = "".join(children[failed].tail)
     if "Failed to add port" in tail or "Failed to start RPC server" in tail:
         port = coordinator.rpartition(":")[2]
         lines.append(f"the coordinator could not listen on {coordinator}: port {port} is in use; pick another "
                      "--port (or leave it out for a free one), or free this port")
     elif "RegisterTask" in tail or ("DEADLINE_EXCEEDED" in tail and "Connect" in tail):
+        joining = True
         within = f" within {init_timeout_s} s" if init_timeout_s else ""
         lines.append(f"process {failed} gave up waiting for every process to join the job{within} (--init-timeout)")
     for child in children:
         if child.index != failed and child.proc.poll() is None and _stopped(child.proc.pid):
+            why = ("so it never joined" if joining else "and stopped responding mid-run"
+                   + (f", after step {step}" if step is not None else ""))
             lines.append(f"process {child.index} (pid {child.proc.pid}) is stopped (SIGSTOP, Ctrl-Z or a debugger), "
-                         "so it never joined; continue it (kill -CONT) or find what stopped it")
+                         f"{why}; continue it (kill -CONT) or find what stopped it")
     return lines
 
 
