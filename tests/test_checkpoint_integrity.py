@@ -131,8 +131,10 @@ def test_truncated_data_file(work, caplog):
 
 def test_deleted_data_file(work, caplog):
     directory, copies, program = work
-    _largest_data_file(directory / "6").unlink()
-    _restores_step_4(directory, copies, program, caplog, "unreadable")
+    deleted = _largest_data_file(directory / "6")
+    deleted.unlink()
+    _restores_step_4(directory, copies, program, caplog, "missing-file")
+    assert f"its data file(s) {deleted.relative_to(directory / '6' / 'state')} are missing" in caplog.text
 
 
 def test_random_bytes_in_a_data_file(work, caplog):

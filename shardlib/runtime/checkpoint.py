@@ -1221,7 +1221,41 @@ class _Reading:
         reason = damage_shown(chain, text)
         if reason is None:
             raise CheckpointReadError(self.ckpt.directory, self.step, detail) from err
+        missing = missing_data_files(self.ckpt._step_path(self.step) / "state") if reason == "unreadable" else []
+        if missing:  # OCDBT reads a deleted data file as empty bytes, "truncated": name what is gone
+            reason, detail = "missing-file", f"reading {self.what}: its data file(s) {listed(missing)} are missing"
         raise CheckpointDamagedError(self.ckpt.directory, self.step, reason, detail) from err
+
+
+def missing_data_files(state_dir: Any) -> list[str]:
+    """The data files that the OCDBT b-tree of a local ``state`` item refers to and that are not on
+    disk, relative to it; [] when none are, or the tree cannot be read (cloud storage: not checked)."""
+    if "://" in str(state_dir):
+        return []
+    import tensorstore as ts
+
+    try:
+        kv = ts.KvStore.open(f"file://{state_dir}/").result()
+        versions = ts.ocdbt.dump(kv).result().get("versions") or []
+        nodes, files = [versions[-1]["root"]["location"]] if versions else [], set()
+        while nodes:
+            node = nodes.pop()
+            files.add(_ocdbt_file(node))
+            for entry in ts.ocdbt.dump(kv, node).result().get("entries", []):
+                for value in entry.values():
+                    if isinstance(value, str) and value.startswith("value:"):
+                        files.add(_ocdbt_file(value))
+                    elif isinstance(value, str) and value.startswith("btreenode:"):
+                        nodes.append(value)
+    except Exception:  # noqa: BLE001 - a best-effort diagnosis of a read that already failed
+        return []
+    return sorted(f for f in files if not (Path(str(state_dir)) / f).is_file())
+
+
+def _ocdbt_file(location: str) -> str:
+    """``value:ocdbt.process_0/:d/e3bc...:0:3837`` -> ``ocdbt.process_0/d/e3bc...``."""
+    base, relative = location.split(":", 1)[1].rsplit(":", 2)[0].split(":", 1)
+    return base + relative
 
 
 # TensorStore's status codes for bytes that are absent, short or do not decode; the others
