@@ -88,6 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         close = _close(name, list(COMMANDS))
         hint = f"; did you mean 'shardlib {close[0]}'?" if close else ""
         return _fail("", UsageError(f"unknown command {name!r} (the commands: {', '.join(COMMANDS)}){hint}"))
+    try:  # Ctrl-C while the command's modules import (JAX takes seconds) is as quiet as during its run
+        return _dispatch(name, rest)
+    except KeyboardInterrupt as err:
+        print(f"shardlib {name}: interrupted", file=sys.stderr)
+        return _finish(exit_interrupted(err))
+
+
+def _dispatch(name: str, rest: list[str]) -> int:
+    """Import the command, parse its flags and run it; its errors as one line (bugs excepted)."""
     try:
         module = importlib.import_module(COMMANDS[name][0])
     except ModuleNotFoundError as err:
@@ -110,9 +119,6 @@ def main(argv: list[str] | None = None) -> int:
         if not _is_user_facing(err):
             return _crash()
         return _finish(_fail(name, err))
-    except KeyboardInterrupt as err:
-        print(f"shardlib {name}: interrupted", file=sys.stderr)
-        return _finish(exit_interrupted(err))
     except Exception:
         return _crash()
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["at_exit_before_threads", "backends_initialized", "cluster_env", "distributed_state", "on_cloud_tpu_vm",
+__all__ = ["at_exit_before_threads", "backends_initialized", "bind_cpu_collectives", "cluster_env", "distributed_state", "on_cloud_tpu_vm",
            "varying_axes"]
 
 
@@ -46,6 +46,24 @@ def backends_initialized() -> bool:
     """True once a JAX backend started in this process; after that the CPU device count and the
     platform can no longer change. JAX has no public call for this (private in 0.10.2-0.12.0.1)."""
     return bool(_private("xla_bridge", "backends_are_initialized")())
+
+
+def bind_cpu_collectives(hostname: str | None, interface: str | None) -> bool:
+    """Make the CPU backend's gloo collectives listen on ``hostname`` or ``interface``; False when
+    JAX does not use gloo. JAX creates them with neither (``jax._src.xla_bridge.make_cpu_client``),
+    so they listen wherever this host's name resolves, a LAN address on most machines. Call after
+    ``jax.distributed.initialize`` and before the backend starts (private in 0.10.2)."""
+    if jax.config.jax_cpu_collectives_implementation != "gloo":
+        return False
+    make_gloo = _private("lib", "_jax").make_gloo_tcp_collectives
+    make_cpu_client = _private("xla_bridge", "make_cpu_client")
+
+    def factory() -> Any:
+        collectives = make_gloo(distributed_client=distributed_state().client, hostname=hostname, interface=interface)
+        return make_cpu_client(collectives=collectives)
+
+    _private("xla_bridge", "register_backend_factory")("cpu", factory, priority=0, fail_quietly=False)
+    return True
 
 
 def distributed_state() -> Any:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from shardlib import build, make_layout, make_mesh
@@ -30,6 +31,7 @@ from shardlib.runtime import checkpoint as ckpt_mod
 from shardlib.runtime.checkpoint import (
     CheckpointDamagedError,
     Checkpointer,
+    CheckpointReadError,
     CheckpointSaveError,
     digest_arrays,
     digest_hex,
@@ -129,8 +131,10 @@ def test_truncated_data_file(work, caplog):
 
 def test_deleted_data_file(work, caplog):
     directory, copies, program = work
-    _largest_data_file(directory / "6").unlink()
-    _restores_step_4(directory, copies, program, caplog, "unreadable")
+    deleted = _largest_data_file(directory / "6")
+    deleted.unlink()
+    _restores_step_4(directory, copies, program, caplog, "missing-file")
+    assert f"its data file(s) {deleted.relative_to(directory / '6' / 'state')} are missing" in caplog.text
 
 
 def test_random_bytes_in_a_data_file(work, caplog):
@@ -180,6 +184,26 @@ def test_edited_metadata_that_still_parses_is_refused(work, caplog):
     assert "config/metadata differs from the SHA-256 saved with it" in caplog.text
 
 
+def _link_step_elsewhere(directory: Path, step: int) -> Path:
+    """Move ``DIR/<step>`` to a sibling folder and leave a symbolic link to it in its place; the folder."""
+    elsewhere = directory.parent / "elsewhere"
+    elsewhere.mkdir()
+    shutil.move(directory / str(step), elsewhere / str(step))
+    (directory / str(step)).symlink_to(elsewhere / str(step))
+    return elsewhere
+
+
+def test_a_linked_step_directory_is_set_aside_without_writing_into_its_target(work, caplog):
+    directory, copies, program = work
+    elsewhere = _link_step_elsewhere(directory, 6)
+    (elsewhere / "6" / "config" / "metadata").write_text('{"step": 6, garbage')
+    with Checkpointer(directory) as ckpt:
+        state, _, _ = ckpt.restore(program.abstract_state())
+    assert int(state.step) == 4
+    assert (directory / "6.damaged-metadata").is_symlink()  # the link was renamed, its target left as it was
+    assert sorted(p.name for p in (elsewhere / "6").iterdir()) == sorted(p.name for p in (directory / "4").iterdir())
+
+
 def test_a_requested_step_that_is_damaged_raises_and_is_left_in_place(work):
     directory, _, program = work
     _flip_bit(_largest_data_file(directory / "6"))
@@ -195,6 +219,31 @@ def test_no_intact_checkpoint_left_says_so(work):
     with pytest.raises(CheckpointDamagedError, match="no older checkpoint is intact"):
         Checkpointer(directory).restore(program.abstract_state())
     assert sorted(p.name for p in directory.iterdir()) == [f"{s}.damaged-metadata" for s in STEPS]
+
+
+@pytest.mark.parametrize("fault", [
+    ValueError("UNAVAILABLE: Error reading from GCS: connection reset (a storage outage)"),
+    PermissionError(13, "Permission denied"),
+    ValueError("Requested shape (2, 64) does not match the restore target (an error about the target)"),
+], ids=["unavailable", "permission", "target"])
+def test_a_transient_read_error_sets_nothing_aside_and_the_rerun_restores_the_newest(work, monkeypatch, fault):
+    directory, copies, program = work
+    real, calls = ocp.CheckpointManager.restore, []
+
+    def fails_once(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise Exception("Encountered error while reading array index") from fault  # as Orbax wraps it
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", fails_once)
+    with Checkpointer(directory) as ckpt, pytest.raises(CheckpointReadError, match="step 6 could not be read .*nothing was set aside"):
+        ckpt.restore(program.abstract_state())
+    assert sorted(p.name for p in directory.iterdir()) == ["2", "4", "6"]
+    with Checkpointer(directory) as ckpt:  # the rerun: the fault has passed
+        state, _, _ = ckpt.restore(program.abstract_state())
+    assert int(state.step) == 6
+    assert_bitwise(state, copies[6])
 
 
 def test_checkpoint_saved_before_digests_restores_unverified(work, caplog):
@@ -236,6 +285,18 @@ def test_failed_background_save_is_reported_at_once_and_stops_the_next_step(save
         ckpt.save(6, state, data_state={"step": 6, "seed": 0}, force=True)
     ckpt.close()  # already reported: closing adds no second error
     assert ckpt.all_steps() == [2]
+
+
+def test_retention_skips_a_linked_step_directory_and_the_save_succeeds(work, caplog):
+    directory, copies, program = work
+    elsewhere = _link_step_elsewhere(directory, 2)
+    state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), copies[6], program.abstract_state())
+    with caplog.at_level(logging.WARNING, logger="shardlib.runtime.checkpoint"), Checkpointer(directory, keep=2) as ckpt:
+        assert ckpt.save(8, state, data_state={"step": 8, "seed": 0}, force=True)
+        ckpt.wait()  # raised CheckpointSaveError ("Cannot call rmtree on a symbolic link") before
+    assert sorted(p.name for p in directory.iterdir()) == ["2", "6", "8"]
+    assert (elsewhere / "2" / "state").is_dir()
+    assert "checkpoint step 2 is a symbolic link: retention (keep=2) skipped it" in caplog.text
 
 
 def test_train_rerun_after_a_bit_flip_resumes_from_the_newest_intact_checkpoint(tmp_path, capfd, caplog):

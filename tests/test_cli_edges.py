@@ -101,6 +101,15 @@ def test_help_lists_every_strategy_of_the_table(command, capsys):
     assert not missing, missing
 
 
+def test_ctrl_c_while_the_command_imports_is_one_line_and_exit_130(capsys, monkeypatch):
+    def interrupted(name):
+        raise KeyboardInterrupt  # Ctrl-C lands in the seconds JAX takes to import
+
+    monkeypatch.setattr("shardlib.cli.importlib.import_module", interrupted)
+    assert main(["train", "--model", "tiny"]) == 130
+    assert _one_error_line(capsys) == "shardlib train: interrupted"
+
+
 def test_launch_hides_gloo_lines_unless_verbose():
     lines = b"[Gloo] Rank 0 is connected to 1 peer ranks.\nstep 1 loss 5.5\n[Gloo] Rank 1 is connected\n"
     for verbose, shown in ((False, [b"[p0] step 1 loss 5.5"]), (True, [b"[p0] " + x for x in lines.splitlines()])):

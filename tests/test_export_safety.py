@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import struct
+import subprocess
+import sys
 import time
 import tracemalloc
 import zipfile
@@ -21,6 +24,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from shardlib.cli import main
 from shardlib.runtime.checkpoint import CheckpointError
 from shardlib.tools import export
 from shardlib.tools.export import METADATA_ENTRY, export_params, load_exported, read_export_metadata
@@ -132,6 +136,28 @@ def test_export_interrupted_mid_write_leaves_no_partial_file_and_keeps_the_previ
     assert [p.name for p in out.parent.iterdir()] == [out.name]
 
 
+def test_export_onto_a_full_disk_is_one_line_and_exit_2(fake_restore, tmp_path, monkeypatch, capsys) -> None:
+    out, real_writer = tmp_path / "w.npz", export._writer
+    monkeypatch.setattr(export, "_writer", lambda file, sfx, record: real_writer(_DiskFull(file, 600), sfx, record))
+    assert main(["export", "--ckpt", "unused", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert err[0].startswith(f"shardlib export: error: cannot write {out}: No space left on device;"), err[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_exports_partial_file_is_removed_by_the_next_export(fake_restore, tmp_path) -> None:
+    out = tmp_path / "w.npz"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".w.npz.{dead.pid}.0badc0de.partial"  # what kill -9 during an export leaves
+    running = tmp_path / f".w.npz.{os.getppid()}.0badc0de.partial"  # another export, still going
+    stale.write_bytes(b"PK half a zip")
+    running.write_bytes(b"PK half a zip")
+    export_params("unused", out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, running.name])
+
+
 # ---------------------------------------------------------------- tensors of another dtype or shape
 
 
@@ -221,6 +247,19 @@ def _bomb(path: Path, member: str) -> None:
                     entry.write(chunk)
 
 
+def _refused_in_little_memory(bomb: Path) -> str:
+    """`load_exported` refuses ``bomb`` in one line naming it, having allocated under 16 MiB."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError) as err:
+            load_exported(bomb)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20, f"peak {peak} bytes"
+    return _one_line_naming(err, bomb)
+
+
 @pytest.mark.parametrize("member", ["w.npy", f"{METADATA_ENTRY}.npy"])
 def test_npz_zip_bomb_is_refused_before_it_is_inflated(tmp_path, member) -> None:
     bomb = tmp_path / "bomb.npz"
@@ -229,29 +268,104 @@ def test_npz_zip_bomb_is_refused_before_it_is_inflated(tmp_path, member) -> None
     with zipfile.ZipFile(bomb) as zf:
         assert zf.getinfo(member).file_size > BOMB  # declares 200 MiB
 
-    tracemalloc.start()
     start = time.perf_counter()
-    try:
-        with pytest.raises(CheckpointError) as err:
-            load_exported(bomb)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    message = _refused_in_little_memory(bomb)
     assert time.perf_counter() - start < 5  # inflating 200 MiB would take longer than reading headers
-    assert peak < 16 * 2**20, f"peak {peak} bytes"
-    message = _one_line_naming(err, bomb)
-    assert f"{member!r} declares {BOMB + 128} bytes uncompressed" in message, message
-    if member == "w.npy":
-        assert "needs 64" in message  # float32[4, 4]
+    assert member in message and "are compressed" in message and "refusing to inflate it" in message, message
+
+
+def _stored_npz(path: Path, tensors: list[dict], arrays: dict[str, np.ndarray]) -> Path:
+    """An .npz laid out as `shardlib export` writes one (stored entries), with a hand-written record."""
+    record = {"format": export.EXPORT_FORMAT, "step": 0, "config": {}, "tensors": tensors}
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
+        zf.writestr(f"{METADATA_ENTRY}.npy", _npy(np.frombuffer(json.dumps(record).encode(), np.uint8)))
+        for name, array in arrays.items():
+            zf.writestr(f"{name}.npy", _npy(array))
+    return path
+
+
+def _entry(name: str, path=None, shape=(2,)) -> dict:
+    return {"name": name, "part": "params", "path": [name] if path is None else path, "shape": list(shape),
+            "dtype": "float32"}
+
+
+def test_npz_whose_own_record_declares_a_huge_tensor_is_refused_before_it_is_inflated(tmp_path) -> None:
+    """Without like= nothing but the file vouches for the sizes: only stored entries (their bytes are in the file)."""
+    count = 64 * 2**20 // 4
+    bomb = tmp_path / "bomb.npz"
+    record = {"format": export.EXPORT_FORMAT, "step": 0, "config": {}, "tensors": [_entry("w", shape=(count,))]}
+    with zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr(f"{METADATA_ENTRY}.npy", _npy(np.frombuffer(json.dumps(record).encode(), np.uint8)))
+        with zf.open("w.npy", "w", force_zip64=True) as entry:
+            big = np.lib.format.header_data_from_array_1_0(np.zeros(0, np.float32)) | {"shape": (count,)}
+            np.lib.format.write_array_header_1_0(entry, big)
+            for _ in range(8):
+                entry.write(bytes(8 * 2**20))
+    assert bomb.stat().st_size < 2**20
+    assert "are compressed" in _refused_in_little_memory(bomb)
+
+
+LYING_RECORDS = {  # each passes a check on names alone (like= sees a, b), but builds another tree from its paths
+    "swapped": [_entry("a", ["b"]), _entry("b", ["a"])],
+    "dropped": [_entry("a"), _entry("b", ["a"])],
+    "added": [_entry("a"), _entry("b", ["__evil__"])],
+    "empty_path": [_entry("a"), _entry("b", [])],
+    "dict_path": [_entry("a"), _entry("b", {"b": 1})],
+}
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+@pytest.mark.parametrize("fault", list(LYING_RECORDS))
+def test_a_record_whose_names_are_not_its_paths_is_refused(tmp_path, fault, suffix) -> None:
+    tensors = LYING_RECORDS[fault]
+    arrays = {"a": np.array([1.0, 2.0], np.float32), "b": np.array([3.0, 4.0], np.float32)}
+    if suffix == ".npz":
+        path = _stored_npz(tmp_path / "w.npz", tensors, arrays)
+    else:
+        header = {n: {"dtype": "F32", "shape": [2], "data_offsets": [8 * i, 8 * i + 8]} for i, n in enumerate(arrays)}
+        path = _safetensors(tmp_path / "w.safetensors", header, b"".join(a.tobytes() for a in arrays.values()),
+                            record_tensors=tensors)
+    like = {n: jax.ShapeDtypeStruct((2,), np.float32) for n in arrays}
+    with pytest.raises(CheckpointError) as err:
+        load_exported(path, like=like)
+    assert "is malformed or repeated, or its name is not its path" in _one_line_naming(err, path)
+
+
+def test_tensor_paths_that_cannot_make_one_tree_are_one_line(tmp_path) -> None:
+    inner = [_entry("a"), {**_entry("a/b", ["a", "b"])}]
+    path = _stored_npz(tmp_path / "w.npz", inner, {"a": np.zeros(2, np.float32), "a/b": np.zeros(2, np.float32)})
+    with pytest.raises(CheckpointError) as err:
+        load_exported(path)
+    assert "sit where other tensors' paths go on below them" in _one_line_naming(err, path)
+
+
+def test_deeply_nested_records_and_zip_entries_are_one_line(tmp_path) -> None:
+    nested = tmp_path / "nested.npz"
+    with zipfile.ZipFile(nested, "w") as zf:
+        zf.writestr(f"{METADATA_ENTRY}.npy", _npy(np.frombuffer(b"[" * 200_000, np.uint8)))
+    with pytest.raises(CheckpointError) as err:
+        load_exported(nested)
+    assert "the export record is not JSON" in _one_line_naming(err, nested)
+    inner = tmp_path / "inner.npz"
+    _stored_npz(inner, [_entry("w")], {"w": np.zeros(2, np.float32)})
+    disguised = tmp_path / "disguised.npz"  # a zip file where a tensor's .npy should be
+    with zipfile.ZipFile(disguised, "w") as zf:
+        with zipfile.ZipFile(inner) as src:
+            zf.writestr(f"{METADATA_ENTRY}.npy", src.read(f"{METADATA_ENTRY}.npy"))
+        zf.writestr("w.npy", inner.read_bytes())
+    with pytest.raises(CheckpointError) as err:
+        load_exported(disguised)
+    assert "is not a valid .npy entry" in _one_line_naming(err, disguised)
 
 
 # ---------------------------------------------------------------- forged safetensors files
 
 
-def _safetensors(path: Path, tensors: dict, data: bytes, length: int | None = None) -> Path:
+def _safetensors(path: Path, tensors: dict, data: bytes, length: int | None = None,
+                 record_tensors: list[dict] | None = None) -> Path:
     record = {"format": export.EXPORT_FORMAT, "step": 0, "config": {},
-              "tensors": [{"name": name, "part": "params", "path": [name], "shape": spec["shape"], "dtype": "float32"}
-                          for name, spec in tensors.items()]}
+              "tensors": record_tensors or [{"name": name, "part": "params", "path": [name], "shape": spec["shape"],
+                                             "dtype": "float32"} for name, spec in tensors.items()]}
     blob = json.dumps({"__metadata__": {METADATA_ENTRY: json.dumps(record)}, **tensors}).encode()
     path.write_bytes(struct.pack("<Q", len(blob) if length is None else length) + blob + data)
     return path

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import socket
@@ -29,6 +31,9 @@ import pytest
 
 from shardlib.runtime import distributed, launch
 from shardlib.run.config import TrainConfig, TrainConfigError
+from shardlib.cli import main
+from shardlib.run.checkpointing import refuse_silent_restart
+from shardlib.run.metrics_io import MetricsLog, read_metrics
 from shardlib.run.setup import LOCK_NAME, claim_run_directory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,9 +63,9 @@ def _error_lines(stderr: str) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def _listening(port: int) -> list[str]:
-    """Local addresses of sockets in LISTEN state on ``port`` (from /proc/net/tcp and tcp6)."""
-    found = []
+def _all_listening() -> set[tuple[str, int]]:
+    """(local address, port) of every socket in LISTEN state (from /proc/net/tcp and tcp6)."""
+    found = set()
     for table, size in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
         try:
             rows = Path(table).read_text().splitlines()[1:]
@@ -69,13 +74,18 @@ def _listening(port: int) -> list[str]:
         for row in rows:
             fields = row.split()
             address, hex_port = fields[1].split(":")
-            if fields[3] != "0A" or int(hex_port, 16) != port:  # 0A: TCP_LISTEN
+            if fields[3] != "0A":  # 0A: TCP_LISTEN
                 continue
             raw = bytes.fromhex(address)
             # /proc prints each 32-bit word in host (little-endian) order
             raw = b"".join(raw[i:i + 4][::-1] for i in range(0, size, 4))
-            found.append(socket.inet_ntop(socket.AF_INET if size == 4 else socket.AF_INET6, raw))
+            found.add((socket.inet_ntop(socket.AF_INET if size == 4 else socket.AF_INET6, raw), int(hex_port, 16)))
     return found
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses of sockets in LISTEN state on ``port``."""
+    return [address for address, p in _all_listening() if p == port]
 
 
 def _is_loopback(address: str) -> bool:
@@ -108,6 +118,70 @@ def test_launch_coordinator_listens_on_loopback_only(tmp_path):
         assert proc.wait(timeout=60) == 0
     finally:
         release.touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+COLLECTS = ("import sys, time; from pathlib import Path; import numpy as np; from shardlib.runtime import distributed; "
+            "distributed.initialize(); from jax.experimental import multihost_utils; "
+            "multihost_utils.process_allgather(np.array([1])); print('collected', flush=True); deadline = time.time() + 60\n"
+            "while not Path(sys.argv[1]).exists() and time.time() < deadline: time.sleep(0.1)")
+
+
+def test_launch_collectives_listen_on_loopback_where_the_hostname_is_a_lan_address(tmp_path):
+    """JAX's gloo collectives listen where the host name resolves; /etc/hosts is pointed at a LAN address
+    of this machine in a mount namespace, as on most machines, and they must still listen on loopback."""
+    lan = next((a for a in subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+                if "." in a and not a.startswith("127.")), None)
+    if lan is None or subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs a non-loopback IPv4 address and a mount namespace (unshare --mount, as root)")
+    hosts, release = tmp_path / "hosts", tmp_path / "release"
+    hosts.write_text(f"127.0.0.1 localhost\n{lan} {socket.gethostname()}\n")
+    launch_cmd = [sys.executable, "-m", "shardlib.cli", "launch", "-n", "2", "-d", "1", "--grace", "5", "--",
+                  sys.executable, "-c", COLLECTS, str(release)]
+    script = f"mount --bind {shlex.quote(str(hosts))} /etc/hosts && exec {shlex.join(launch_cmd)}"
+    before = _all_listening()
+    proc = subprocess.Popen(["unshare", "--mount", "bash", "-c", script], env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        seen: list[str] = []
+        done = (line for line in proc.stdout if seen.append(line) or line.rstrip().endswith("] collected"))
+        collected = [line for _, line in zip(range(2), done)]  # range first: zip must not wait for a third
+        assert len(collected) == 2, "".join(seen)
+        opened = _all_listening() - before
+        release.touch()
+        assert opened and all(_is_loopback(a) for a, _ in opened), f"the job listens on {sorted(opened)}"
+        rest = proc.stdout.read()
+        assert proc.wait(timeout=60) == 0, "".join(seen) + rest
+    finally:
+        release.touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_processes_stop_when_the_launcher_is_killed(tmp_path):
+    """SIGKILL leaves the launcher no chance to stop the job; each process notices it is gone."""
+    cmd = [sys.executable, "-m", "shardlib.cli", "launch", "-n", "2", "-d", "1", "--", sys.executable, "-c",
+           JOINS.replace("time.time() + 60", "time.time() + 600"), str(tmp_path / "never")]
+    proc = subprocess.Popen(cmd, env=_env(SHARDLIB_HEARTBEAT_TIMEOUT="5"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if sum(" joined " in seen for seen in lines) == 2:
+                break
+        pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", "".join(lines))]
+        assert len(pids) == 2, "".join(lines)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60  # a timeout, not a speed: without the watch they wait 600 s
+        while any(launch.process_state(pid) not in (None, "Z") for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(launch.process_state(pid) in (None, "Z") for pid in pids), "the processes outlived the launcher"
+    finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
@@ -150,6 +224,24 @@ def test_stopped_process_fails_start_up_after_the_init_timeout():
     assert took < 45, f"took {took:.0f} s: the 4 s start-up timeout did not apply (the default is 60 s)"
     assert "process 0 gave up waiting for every process to join the job within 4 s (--init-timeout)" in proc.stderr
     assert "process 1 (pid" in proc.stderr and "is stopped (SIGSTOP" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_process_stopped_mid_run_is_named_as_stopped_responding_not_as_never_joined(tmp_path):
+    out = tmp_path / "run"
+    script = ("import json, os, signal, sys; from pathlib import Path; import numpy as np; "
+              "from shardlib.runtime import distributed; from jax.experimental import multihost_utils; "
+              "info = distributed.initialize(); multihost_utils.process_allgather(np.array([1])); out = Path(sys.argv[2])\n"
+              "if info.process_id == 0: out.mkdir(); (out / 'metrics.jsonl').write_text(json.dumps({'step': 7, 'loss': 1.0}) + '\\n')\n"
+              "multihost_utils.process_allgather(np.array([2]))\n"
+              "if info.process_id == 1: os.kill(os.getpid(), signal.SIGSTOP)\n"
+              "multihost_utils.process_allgather(np.array([3]))")
+    cmd = [sys.executable, "-m", "shardlib.cli", "launch", "-n", "2", "-d", "1", "--grace", "1", "--",
+           sys.executable, "-c", script, "--out", str(out)]
+    proc = subprocess.run(cmd, env=_env(SHARDLIB_HEARTBEAT_TIMEOUT="4"), capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    assert "is stopped (SIGSTOP, Ctrl-Z or a debugger), and stopped responding mid-run, after step 7" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "never joined" not in proc.stderr
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,6 +289,89 @@ def test_lock_contention_in_process_keeps_the_holders_name(tmp_path):
             with claim_run_directory(config, out, main=True):
                 pass
         assert (out / LOCK_NAME).read_text() == held  # the refused claim did not touch the holder's record
+
+
+def _tree(directory: Path) -> dict[str, bytes | None]:
+    """Every path below ``directory`` with its bytes (None for a directory): what "unchanged" compares."""
+    return {str(p.relative_to(directory)): None if p.is_dir() else p.read_bytes() for p in sorted(directory.rglob("*"))}
+
+
+def test_resume_from_a_running_runs_directory_is_refused_and_leaves_it_untouched(tmp_path):
+    """The run saves (sets aside, deletes) in ``--resume-from``'s checkpoints, so it must hold that lock too."""
+    a, b = tmp_path / "A", tmp_path / "B"
+    (a / "checkpoints" / "4").mkdir(parents=True)  # a save in progress: no commit marker yet
+    (a / "checkpoints" / "6.orbax-checkpoint-tmp-1").mkdir()
+    (a / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    with claim_run_directory(TrainConfig(out=str(a)), a, main=True):  # run A, still going
+        before = _tree(a)
+        proc = subprocess.run(_train("--steps", "4", "--ckpt-every", "2", "--keep", "2", "--out", str(b),
+                                     "--resume-from", str(a)), env=_env(), capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        errors = _error_lines(proc.stderr)
+        assert len(errors) == 1 and "--resume-from" in errors[0], proc.stderr
+        assert f"{a} is in use by another run (pid {os.getpid()} on host {socket.gethostname()}" in errors[0], errors[0]
+        assert _tree(a) == before
+
+
+def test_a_symlinked_or_special_lock_file_is_refused_and_its_target_untouched(tmp_path):
+    out, victim = tmp_path / "run", tmp_path / "precious.txt"
+    out.mkdir()
+    victim.write_text("keep me\n")
+    (out / LOCK_NAME).symlink_to(victim)
+    config = TrainConfig(out=str(out))
+    with pytest.raises(TrainConfigError, match=f"--out: {out / LOCK_NAME} is a symbolic link \\(to {victim}\\); .*remove it"):
+        with claim_run_directory(config, out, main=True):
+            pass
+    assert victim.read_text() == "keep me\n"
+    (out / LOCK_NAME).unlink()
+    os.mkfifo(out / LOCK_NAME)
+    with pytest.raises(TrainConfigError, match="is not a regular file"):
+        with claim_run_directory(config, out, main=True):
+            pass
+
+
+@pytest.mark.parametrize("history", ["metrics", "damaged", "incomplete"])
+def test_a_run_directory_with_history_but_nothing_to_resume_is_refused_unless_fresh(tmp_path, capsys, history):
+    """No silent start from step 0 over an earlier run; ``--fresh`` does it on purpose, keeping the old metrics."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    old = '{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n'
+    if history == "metrics":
+        (out / "metrics.jsonl").write_text(old)
+    else:
+        (out / "checkpoints" / ("6.damaged-digest" if history == "damaged" else "6")).mkdir()  # "6": no commit marker
+    before = _tree(out)
+    flags = ["train", "--model", "tiny", "--steps", "2", "--ckpt-every", "2", "--out", str(out)]
+    assert main(flags) == 2
+    errors = _error_lines(capsys.readouterr().err)
+    named = {"metrics": "metrics.jsonl", "damaged": "6.damaged-digest", "incomplete": "cannot resume from: 6"}[history]
+    assert len(errors) == 1 and named in errors[0] and "--fresh" in errors[0], errors
+    assert _tree(out) == before
+    refuse_silent_restart(TrainConfig(out=str(out), ckpt_every=2, fresh=True), out)  # on purpose: let through
+
+
+def test_metrics_jsonl_is_never_rewritten_but_moved_aside(tmp_path):
+    lines = [{"step": k, "loss": 5.0 - k} for k in (1, 2, 3)]
+    text = "".join(json.dumps(r) + "\n" for r in lines)
+    (tmp_path / "metrics.jsonl").write_text(text)
+    MetricsLog(tmp_path, tensorboard=False, resume_step=3).close()  # nothing to drop: appended to, as it is
+    assert (tmp_path / "metrics.jsonl").read_text() == text and not (tmp_path / "metrics.jsonl.1").exists()
+    MetricsLog(tmp_path, tensorboard=False, resume_step=2).close()  # step 3 dropped: the whole file kept aside
+    assert (tmp_path / "metrics.jsonl.1").read_text() == text
+    assert read_metrics(tmp_path / "metrics.jsonl") == lines[:2]
+    MetricsLog(tmp_path, tensorboard=False).close()  # a fresh start (--fresh): never over the first one aside
+    assert (tmp_path / "metrics.jsonl.1").read_text() == text
+    assert read_metrics(tmp_path / "metrics.jsonl.2") == lines[:2] and read_metrics(tmp_path / "metrics.jsonl") == []
+
+
+def test_metrics_are_never_written_through_a_planted_link(tmp_path):
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me\n")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").symlink_to(victim)
+    with pytest.raises(TrainConfigError, match="metrics.jsonl is a symbolic link; .*remove it"):
+        MetricsLog(tmp_path / "run", tensorboard=False, resume_step=0).close()
+    assert victim.read_text() == "keep me\n"
 
 
 def test_out_below_a_file_is_one_line_before_the_compile(tmp_path):

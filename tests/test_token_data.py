@@ -8,6 +8,8 @@ checkpoint reading each window once, is tests/test_cli_edges.py's (it shares tha
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -98,3 +100,18 @@ def test_the_largest_id_is_scanned_once_and_cached_beside_the_file(tmp_path):
     os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
     check_vocab(load_tokens(path), VOCAB, str(path))
     assert json.loads(cache.read_text())["max_id"] == int(ids.max())
+
+
+def test_a_pipe_or_device_given_as_data_is_named_for_what_it_is(tmp_path):
+    from shardlib.runtime.data import load_text
+
+    os.mkfifo(tmp_path / "t.bin")
+    with pytest.raises(ValueError, match=r"t.bin' is a FIFO \(named pipe\); give --data a regular"):
+        load_tokens(tmp_path / "t.bin")
+    (tmp_path / "d.bin").symlink_to(os.devnull)
+    with pytest.raises(ValueError, match="d.bin' is a character device"):
+        load_tokens(tmp_path / "d.bin")
+    with pytest.raises(ValueError, match=r"t.bin' is a FIFO \(named pipe\); give --data PATH a text file"):
+        load_text(str(tmp_path / "t.bin"))
+    with pytest.raises(ValueError, match="missing.bin' does not exist"):
+        load_tokens(tmp_path / "missing.bin")

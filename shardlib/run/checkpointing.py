@@ -40,19 +40,42 @@ def open_checkpointer(config: TrainConfig, out_dir: Path):
 
 
 def refuse_silent_restart(config: TrainConfig, out_dir: Path) -> None:
-    """A run without ``--ckpt-every`` into an ``--out`` that holds checkpoints would start over at
-    step 0 beside them (and its metrics would follow theirs); refuse before anything compiles."""
-    if config.ckpt_every or config.resume_from is not None or config.out is None:
+    """Refuse, before anything compiles, a run that would start over at step 0 in an ``--out``
+    holding an earlier run: beside its checkpoints (a run that does not checkpoint), or over its
+    history (metrics, checkpoints it cannot resume from) with nothing to resume, unless ``--fresh``
+    says so on purpose. ``--fresh`` beside a checkpoint that resumes is refused too."""
+    if config.resume_from is not None or config.out is None:
         return
-    if not (out_dir / "checkpoints").is_dir():  # the usual case, without loading Orbax
-        return
-    from shardlib.runtime.elastic import latest_checkpoint
+    from shardlib.runtime.elastic import latest_checkpoint, restart_from_env
 
-    step = latest_checkpoint(out_dir)
-    if step is not None:
-        raise TrainConfigError("out", f"{out_dir} already holds a run checkpointed at step {step}, and this run "
-                                      "does not checkpoint, so it would start over beside it; add --ckpt-every N "
-                                      "to resume that run, or pick another --out")
+    step = latest_checkpoint(out_dir) if (out_dir / "checkpoints").is_dir() else None  # no Orbax load without one
+    if step is not None and (config.fresh or not config.ckpt_every):
+        why = "--fresh would train from step 0" if config.fresh else "this run does not checkpoint, so it would start over"
+        raise TrainConfigError("fresh" if config.fresh else "out",
+                               f"{out_dir} already holds a run checkpointed at step {step}, and {why} beside it; "
+                               + ("" if config.fresh else "add --ckpt-every N to resume that run, or ") + "pick another --out")
+    if step is not None or config.fresh or restart_from_env() is not None:  # an elastic restart starts over on purpose
+        return
+    history = run_history(out_dir)
+    if history:
+        raise TrainConfigError("out", f"{out_dir} holds an earlier run ({'; '.join(history)}) and no checkpoint to resume "
+                                      "from, so this run would start over at step 0 over it; pass --fresh to start "
+                                      "afresh on purpose (the old metrics.jsonl is moved aside), or pick another --out")
+
+
+def run_history(out_dir: Path) -> list[str]:
+    """What in ``out_dir`` shows that a run trained there: its metrics, and step directories that
+    are not complete checkpoints (damaged, incomplete, interrupted saves)."""
+    found = []
+    if (out_dir / "metrics.jsonl").exists():
+        found.append("metrics.jsonl")
+    ckpt_dir = out_dir / "checkpoints"
+    steps = sorted(p.name for p in ckpt_dir.iterdir() if p.name[:1].isdigit()) if ckpt_dir.is_dir() else []
+    if steps:
+        from shardlib.sharding.rules import listed
+
+        found.append(f"checkpoints it cannot resume from: {listed(steps, limit=4)}")
+    return found
 
 
 def keep_schedule(config: TrainConfig, out_dir: Path) -> tuple[TrainConfig, str | None]:

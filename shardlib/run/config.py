@@ -213,6 +213,9 @@ class TrainConfig:
               "--ckpt-every, a run whose --out already holds checkpoints resumes from them by itself", metavar="DIR")
     force: bool = flag(False, "start even when the compiled step needs more memory than a device has (refused "
                               "otherwise, with the largest --batch-size or the --grad-accum that fits)")
+    fresh: bool = flag(False, "start at step 0 in an --out that holds an earlier run's metrics or damaged checkpoints "
+                              "but no checkpoint to resume (without it such a run is refused); the old metrics.jsonl "
+                              "is moved aside")
     max_skips: int = flag(10, f"stop (exit {EXIT_DIVERGED}) after K consecutive steps with a non-finite loss or "
                               "gradient, which are skipped; 0: never stop (default %(default)s)", metavar="K")
     profile: str | None = flag(None, "write a jax.profiler trace of steps START to STOP into DIR/profile (TensorBoard's "

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from shardlib.runtime.files import no_follow
+
 
 def _jsonable(value: Any) -> Any:
     """Plain Python numbers for JSON; non-finite floats become None (JSON has no NaN)."""
@@ -50,6 +52,20 @@ def _restart_events(path: Path) -> list[dict[str, Any]]:
     return [r for r in read_metrics(path) if r.get("event") == "restart" and r.get("step") == 0]
 
 
+def _move_aside(path: Path) -> Path:
+    """Rename ``path`` to the first free ``<name>.<n>``, never over an existing file."""
+    n = 1
+    while True:
+        aside = path.with_name(f"{path.name}.{n}")
+        try:
+            os.link(path, aside)  # fails if ``aside`` exists, where a rename would replace it
+        except FileExistsError:
+            n += 1
+            continue
+        os.unlink(path)
+        return aside
+
+
 class MetricsLog:
     """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
 
@@ -79,13 +95,21 @@ class MetricsLog:
         if not enabled:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None and self.path.exists():
-            self.records = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records), encoding="utf-8")
-        elif self.path.exists():  # a fresh run in an old directory must not mix two runs' steps
-            self.records = _restart_events(self.path)
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records), encoding="utf-8")
-        self._file = open(self.path, "a", encoding="utf-8")
+        if self.path.is_symlink():
+            from shardlib.run.config import TrainConfigError
+
+            raise TrainConfigError("out", f"{self.path} is a symbolic link; shardlib writes metrics only into a regular "
+                                          "file in the run directory, never through a link: remove it and run again")
+        if self.path.exists():  # a resumed run keeps the steps up to its checkpoint; a fresh one none
+            old = read_metrics(self.path)
+            self.records = ([r for r in old if r.get("step", 0) <= resume_step] if resume_step is not None
+                            else _restart_events(self.path))
+            if self.records != old:  # never rewritten: the old file is kept whole beside the new one
+                _note(f"moved {self.path} aside to {_move_aside(self.path).name}: its records after step "
+                      f"{resume_step or 0} belong to a run that did not carry on from there")
+                with open(self.path, "x", encoding="utf-8", opener=no_follow) as f:
+                    f.write("".join(json.dumps(r) + "\n" for r in self.records))
+        self._file = open(self.path, "a", encoding="utf-8", opener=no_follow)
         if tensorboard:
             self._writer = _event_writer(self.out_dir)
 

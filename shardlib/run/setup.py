@@ -14,6 +14,7 @@ import json
 import math
 import os
 import socket
+import stat
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -558,9 +559,41 @@ def _describe_holder(holder: dict) -> str:
     return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{since}"
 
 
+def _resumed_run(config: TrainConfig, out_dir: Path) -> Path | None:
+    """The run directory of ``--resume-from`` when it is not ``out_dir``: its checkpoints are
+    where this run saves, sets aside and deletes (`saves_to`), so it needs the same lock."""
+    if config.resume_from is None:
+        return None
+    resumed = checkpoint_dir(config.resume_from).parent
+    return None if resumed.resolve() == out_dir.expanduser().resolve() else resumed
+
+
+def _open_lock(lock: Path) -> int:
+    """``lock`` opened for reading and writing, never through a symbolic link (a planted
+    ``.lock -> file`` would otherwise be truncated) and only if it is a regular file."""
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise IsADirectoryError(errno.EISDIR, "not a regular file", str(lock))
+    return fd
+
+
+def _lock_refused(field: str, lock: Path, err: OSError) -> TrainConfigError | None:
+    """The error for a ``.lock`` that is a symbolic link or no regular file; None for other errors."""
+    if err.errno == errno.ELOOP:
+        what = f"a symbolic link (to {os.readlink(lock)})"
+    elif err.errno == errno.EISDIR:
+        what = "not a regular file"
+    else:
+        return None
+    return TrainConfigError(field, f"{lock} is {what}; shardlib writes its lock only into a regular file in the run "
+                                   "directory, never through a link: remove it and run again")
+
+
 @contextlib.contextmanager
 def claim_run_directory(config: TrainConfig, out_dir: Path, *, main: bool) -> Iterator[None]:
-    """Create ``out_dir`` and, on process 0, hold ``OUT/.lock`` for the whole run.
+    """Create ``out_dir`` and, on process 0, hold ``OUT/.lock`` for the whole run; and the lock of
+    the ``--resume-from`` run directory when that is another one, since the run saves there.
 
     Two runs writing one directory interleave ``metrics.jsonl`` and delete each other's
     checkpoints, so a second run stops at once, naming the holder's host and PID (a
@@ -568,31 +601,44 @@ def claim_run_directory(config: TrainConfig, out_dir: Path, *, main: bool) -> It
     process dies, so a lock file that still names a holder but is not locked was left by a
     dead run: it is taken over with a note. A directory that cannot be created or written is
     reported here too, before anything compiles. Other processes only create the directory
-    when they write into it (``--record-examples``).
+    when they write into it (``--record-examples``). A resumed directory is never created.
     """
+    resumed = _resumed_run(config, out_dir)
+    with contextlib.ExitStack() as held:
+        held.enter_context(_claim(config, _out_field(config), out_dir, main=main))
+        if resumed is not None and main and resumed.is_dir():
+            held.enter_context(_claim(config, "resume_from", resumed, main=True))
+        yield
+
+
+@contextlib.contextmanager
+def _claim(config: TrainConfig, field: str, out_dir: Path, *, main: bool) -> Iterator[None]:
+    """`claim_run_directory` of one directory; ``field`` is the flag that named it."""
     if not main and not config.record_examples:
         yield
         return
+    lock = out_dir / LOCK_NAME
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         if not main and not os.access(out_dir, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, "permission denied", str(out_dir))
-        fd = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644) if main else None
+        fd = _open_lock(lock) if main else None
     except OSError as err:
-        raise _unusable(config, out_dir, err) from None
+        raise (_lock_refused(field, lock, err) or _unusable(config, out_dir, err)) from None
     if fd is None:  # another process: checked, nothing to hold
         yield
         return
-    lock, ours = out_dir / LOCK_NAME, False
+    ours = False
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
             raise TrainConfigError(
-                _out_field(config),
+                field,
                 f"{out_dir} is in use by another run ({_describe_holder(holder)}): two runs in one directory mix their "
-                "metrics and delete each other's checkpoints; wait for that run to finish, stop it, or pick another --out",
+                "metrics and delete each other's checkpoints; wait for that run to finish, stop it, or pick another "
+                + ("--out" if field == "out" else "--resume-from (a run that has stopped)"),
             ) from None
         except OSError as err:  # a file system without locks (some network mounts): run unguarded, say so
             print(f"shardlib: note: cannot lock {lock} ({err.strerror}); nothing stops a second run from writing "

@@ -35,6 +35,7 @@ from shardlib.run.config import (  # noqa: F401  (re-exported: the CLI and noteb
 from shardlib.exits import EXIT_DIVERGED, EXIT_INTERRUPTED
 from shardlib.run.nonfinite import DivergedError  # light: imports neither JAX nor NumPy
 from shardlib.run.sampling import sample_text
+from shardlib.runtime.files import no_follow
 
 
 @dataclasses.dataclass
@@ -250,7 +251,8 @@ def _write_config(run) -> Path | None:
     if not run.is_main:
         return None
     path = run.out_dir / "config.json"
-    path.write_text(json.dumps(saved_config(run), indent=2, default=str) + "\n", encoding="utf-8")
+    with open(path, "w", encoding="utf-8", opener=no_follow) as f:
+        f.write(json.dumps(saved_config(run), indent=2, default=str) + "\n")
     return path
 
 
@@ -364,7 +366,8 @@ def _write_outputs(run, log, summary: str, sample: str | None, steps: int, *, pr
                             title=f"{run.model_name} / {run.strategy.name} / {describe(run.mesh)}")
     if sample is not None:
         log.add_text("sample", sample, steps)
-        (out_dir / "sample.txt").write_text(sample + "\n", encoding="utf-8")
+        with open(out_dir / "sample.txt", "w", encoding="utf-8", opener=no_follow) as f:
+            f.write(sample + "\n")
     if config.verbose and not preempted:
         print(summary)
         if sample is not None:

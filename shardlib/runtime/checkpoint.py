@@ -42,6 +42,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -58,6 +59,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlib import compat
+from shardlib.runtime.files import write_new_file
 from shardlib.sharding.rules import describe_mismatches, listed, path_str
 from shardlib.step.state import TRANSIENT_FIELDS
 
@@ -110,6 +112,17 @@ class CheckpointDamagedError(CheckpointError):
     def __init__(self, directory: str, step: int, reason: str, detail: str) -> None:
         self.directory, self.step, self.reason, self.detail = directory, int(step), reason, detail
         super().__init__(f"checkpoint {directory} step {step} is damaged ({reason}): {detail}")
+
+
+class CheckpointReadError(CheckpointError):
+    """A checkpoint could not be read for a reason its bytes do not show (storage outage,
+    permissions, credentials, an error about the restore target): nothing is set aside."""
+
+    def __init__(self, directory: str, step: int, detail: str) -> None:
+        self.directory, self.step, self.detail = directory, int(step), detail
+        super().__init__(f"checkpoint {directory} step {step} could not be read ({detail}); this says nothing about "
+                         "its files, so nothing was set aside: fix the cause (storage, permissions, credentials) and "
+                         "run again")
 
 
 class CheckpointSaveError(CheckpointError):
@@ -531,6 +544,28 @@ def pick_data_state(saved: Mapping[str, Any], directory: str, step: int) -> dict
 # --------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class _LatestSkippingLinks(ocp.checkpoint_managers.LatestN):
+    """Orbax's ``max_to_keep`` (the newest ``n`` steps), except that a step directory that is a
+    symbolic link is kept, with a warning: Orbax's delete refuses a link, and the save whose
+    retention tried would be reported failed though it committed."""
+
+    is_link: Callable[[int], bool] = lambda step: False
+    _warned: set[int] = dataclasses.field(default_factory=set)
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        keep = list(super().should_preserve(checkpoints, context=context))
+        for i, info in enumerate(checkpoints):
+            if not keep[i] and self.is_link(info.step):
+                keep[i] = True
+                if info.step not in self._warned:
+                    self._warned.add(info.step)
+                    log.warning("checkpoint step %d is a symbolic link: retention (keep=%d) skipped it, since "
+                                "shardlib deletes nothing through a link; remove it yourself when it is not needed",
+                                info.step, self.n)
+        return keep
+
+
 class Checkpointer:
     """Async, retained, sharded Orbax checkpoints of a `TrainState`, data state and run config.
 
@@ -566,7 +601,8 @@ class Checkpointer:
             )
         self._name_format = ocp.path.step.standard_name_format()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep if create else None,  # read-only managers neither save nor delete
+            # read-only managers neither save nor delete
+            preservation_policy=_LatestSkippingLinks(keep, self._is_link) if create else None,
             save_interval_steps=(self.every or 1) if create else 0,
             enable_async_checkpointing=async_save,
             create=create,
@@ -596,6 +632,9 @@ class Checkpointer:
             self._set_aside_incomplete()
 
     # ---- steps ------------------------------------------------------------------------
+
+    def _is_link(self, step: int) -> bool:
+        return "://" not in self.directory and os.path.islink(str(self._step_path(step)))
 
     def _step_path(self, step: int) -> Any:
         """The committed directory of ``step`` (an ``epath.Path``: local or cloud storage)."""
@@ -823,8 +862,8 @@ class Checkpointer:
             raw = path.read_bytes()
         except FileNotFoundError:
             raise CheckpointDamagedError(self.directory, step, "missing-file", f"{path} is missing") from None
-        except OSError as err:
-            raise CheckpointDamagedError(self.directory, step, "unreadable", f"{path}: {err}") from None
+        except OSError as err:  # permissions, an outage: no evidence against the bytes
+            raise CheckpointReadError(self.directory, step, f"{path}: {err}") from None
         try:
             value = json.loads(raw.decode("utf-8"))
         except ValueError as err:
@@ -906,17 +945,22 @@ class Checkpointer:
                 f"the restored values of {listed(bad)} differ from the digests saved with them (a changed bit in "
                 "a data file)")
 
-    def _agree(self, step: int, err: CheckpointDamagedError | None) -> CheckpointDamagedError | None:
-        """Every process takes the same view of ``step``: damaged if any process found it so."""
+    def _agree(self, step: int, err: CheckpointError | None) -> CheckpointError | None:
+        """Every process takes the same view of ``step``: unread if any process could not read it
+        (nothing is set aside then), else damaged if any process found it so."""
         if jax.process_count() == 1:
             return err
         from jax.experimental import multihost_utils
 
-        flags = np.asarray(multihost_utils.process_allgather(np.array([err is not None], np.int32))).reshape(-1)
-        if err is None and flags.any():
-            bad = [int(i) for i in np.flatnonzero(flags)]
-            return CheckpointDamagedError(self.directory, step, "unreadable", f"process(es) {bad} could not read it")
-        return err
+        code = 2 if isinstance(err, CheckpointReadError) else int(err is not None)
+        codes = np.asarray(multihost_utils.process_allgather(np.array([code], np.int32))).reshape(-1)
+        worst = int(codes.max())
+        if worst == code:
+            return err
+        bad = [int(i) for i in np.flatnonzero(codes == worst)]
+        if worst == 2:
+            return CheckpointReadError(self.directory, step, f"process(es) {bad} could not read it")
+        return CheckpointDamagedError(self.directory, step, "unreadable", f"process(es) {bad} found it damaged")
 
     def _set_aside(self, err: CheckpointDamagedError, *, sync: bool = True) -> str | None:
         """Rename the damaged ``DIR/<step>`` to ``DIR/<step>.damaged-<reason>`` (process 0; never
@@ -934,10 +978,7 @@ class Checkpointer:
         source = self._step_path(err.step)
         if jax.process_index() == 0 and source.exists():
             source.rename(target)
-            try:
-                (target / "DAMAGED.txt").write_text(str(err) + "\n")
-            except OSError:
-                pass
+            _note_damage(target, err)
         if sync and jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -1054,7 +1095,7 @@ class Checkpointer:
         err = None
         try:
             digests = self.inspect(step)
-        except CheckpointDamagedError as found:
+        except (CheckpointDamagedError, CheckpointReadError) as found:
             err = found
         err = self._agree(step, err)
         if err is not None:
@@ -1074,7 +1115,7 @@ class Checkpointer:
                         config=ocp.args.JsonRestore(),
                     ),
                 )
-        except CheckpointDamagedError as found:
+        except (CheckpointDamagedError, CheckpointReadError) as found:
             err = found
         err = self._agree(step, err)
         if err is not None:
@@ -1137,7 +1178,7 @@ class Checkpointer:
                     self.state_path(step),
                     args=ocp.args.PyTreeRestore(item=dict(target), restore_args=restore_args, partial_restore=True),
                 )
-        except CheckpointDamagedError as found:
+        except (CheckpointDamagedError, CheckpointReadError) as found:
             err = found
         err = self._agree(step, err)
         if err is not None:
@@ -1187,13 +1228,74 @@ class _Reading:
         if any(mark in text for mark in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")):
             return False  # the devices are full, the checkpoint may be fine
         _quiet_abandoned_reads()
-        missing = any(isinstance(e, FileNotFoundError) for e in chain) or "NOT_FOUND" in text
-        reason = "missing-file" if missing else "unreadable"
         cause = chain[-1]
         brief = " ".join(str(cause).split())
-        brief = brief.split(" See full TensorStore details")[0]
-        raise CheckpointDamagedError(self.ckpt.directory, self.step, reason,
-                                     f"reading {self.what}: {type(cause).__name__}: {brief[:300]}") from err
+        detail = f"reading {self.what}: {type(cause).__name__}: {brief.split(' See full TensorStore details')[0][:300]}"
+        reason = damage_shown(chain, text)
+        if reason is None:
+            raise CheckpointReadError(self.ckpt.directory, self.step, detail) from err
+        missing = missing_data_files(self.ckpt._step_path(self.step) / "state") if reason == "unreadable" else []
+        if missing:  # OCDBT reads a deleted data file as empty bytes, "truncated": name what is gone
+            reason, detail = "missing-file", f"reading {self.what}: its data file(s) {listed(missing)} are missing"
+        raise CheckpointDamagedError(self.ckpt.directory, self.step, reason, detail) from err
+
+
+def missing_data_files(state_dir: Any) -> list[str]:
+    """The data files that the OCDBT b-tree of a local ``state`` item refers to and that are not on
+    disk, relative to it; [] when none are, or the tree cannot be read (cloud storage: not checked)."""
+    if "://" in str(state_dir):
+        return []
+    import tensorstore as ts
+
+    try:
+        kv = ts.KvStore.open(f"file://{state_dir}/").result()
+        versions = ts.ocdbt.dump(kv).result().get("versions") or []
+        nodes, files = [versions[-1]["root"]["location"]] if versions else [], set()
+        while nodes:
+            node = nodes.pop()
+            files.add(_ocdbt_file(node))
+            for entry in ts.ocdbt.dump(kv, node).result().get("entries", []):
+                for value in entry.values():
+                    if isinstance(value, str) and value.startswith("value:"):
+                        files.add(_ocdbt_file(value))
+                    elif isinstance(value, str) and value.startswith("btreenode:"):
+                        nodes.append(value)
+    except Exception:  # noqa: BLE001 - a best-effort diagnosis of a read that already failed
+        return []
+    return sorted(f for f in files if not (Path(str(state_dir)) / f).is_file())
+
+
+def _ocdbt_file(location: str) -> str:
+    """``value:ocdbt.process_0/:d/e3bc...:0:3837`` -> ``ocdbt.process_0/d/e3bc...``."""
+    base, relative = location.split(":", 1)[1].rsplit(":", 2)[0].split(":", 1)
+    return base + relative
+
+
+# TensorStore's status codes for bytes that are absent, short or do not decode; the others
+# (UNAVAILABLE, PERMISSION_DENIED, UNAUTHENTICATED, DEADLINE_EXCEEDED, ...) say nothing about them.
+_DAMAGE_CODES = re.compile(r"\b(NOT_FOUND|OUT_OF_RANGE|DATA_LOSS|FAILED_PRECONDITION): ")
+
+
+def damage_shown(chain: Sequence[BaseException], text: str) -> str | None:
+    """The damage reason an error reading a checkpoint is evidence of, or None when it is not:
+    only a missing file, or bytes that are short or do not decode, may mark a checkpoint damaged."""
+    if any(isinstance(e, FileNotFoundError) for e in chain) or "NOT_FOUND: " in text:
+        return "missing-file"
+    if any(isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) for e in chain) or _DAMAGE_CODES.search(text):
+        return "unreadable"
+    return None
+
+
+def _note_damage(step_dir: Any, err: CheckpointDamagedError) -> None:
+    """``DAMAGED.txt`` in a set-aside step directory: into that directory only, never through a
+    link (a linked step directory's target is someone else's); the log names the reason anyway."""
+    try:
+        if "://" in str(step_dir):
+            (step_dir / "DAMAGED.txt").write_text(str(err) + "\n")
+        else:
+            write_new_file(step_dir, "DAMAGED.txt", str(err) + "\n")
+    except OSError:
+        pass
 
 
 def _finish_before_exit(manager: ocp.CheckpointManager, directory: str) -> None:

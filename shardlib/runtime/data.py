@@ -26,6 +26,7 @@ from typing import Any, TypedDict
 import jax
 import numpy as np
 
+from shardlib.runtime.files import not_a_file
 from shardlib.text import nearest_multiples
 
 VOCAB_SIZE = 256  # byte-level: every token is one byte
@@ -105,10 +106,10 @@ def resolve_text_files(path: str) -> list[Path]:
         return _files_in_folder(target)
     if target.is_file():
         return [target]
-    if _GLOB_CHARS & set(path):
+    if _GLOB_CHARS & set(path) and not target.exists():
         return _files_for_glob(os.path.expanduser(path))
     raise ValueError(
-        f"load_text: path {path!r} does not exist; give --data PATH a text file, a folder of .txt files or a "
+        f"load_text: path {path!r} {not_a_file(target)}; give --data PATH a text file, a folder of .txt files or a "
         "glob, or leave --data out for the built-in corpus (load_text(None) from Python)"
     )
 

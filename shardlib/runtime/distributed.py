@@ -60,6 +60,8 @@ ENV_HEARTBEAT_TIMEOUT = "SHARDLIB_HEARTBEAT_TIMEOUT"
 ENV_INIT_TIMEOUT = "SHARDLIB_INIT_TIMEOUT"
 ENV_SHUTDOWN_TIMEOUT = "SHARDLIB_SHUTDOWN_TIMEOUT"
 ENV_COORDINATOR_BIND = "SHARDLIB_COORDINATOR_BIND"
+ENV_LAUNCHER_PID = "SHARDLIB_LAUNCHER_PID"
+ENV_COLLECTIVES_INTERFACE = "SHARDLIB_COLLECTIVES_INTERFACE"  # multi-host CPU jobs: the NIC gloo listens on
 
 # Seconds. Heartbeat: a dead process is noticed within this; 30 s rides out GC pauses and network
 # blips on a real cluster yet frees a failed allocation quickly (JAX's default is 100 s).
@@ -420,6 +422,16 @@ def _process_id_of_cluster(source: str) -> int | None:
     return int(value) if value.isdigit() else None
 
 
+def _bind_collectives(coordinator: str | None) -> None:
+    """Where the CPU collectives (gloo) listen: the interface ``SHARDLIB_COLLECTIVES_INTERFACE``
+    names; else loopback when the coordinator is (a local job, as ``shardlib launch`` runs); else
+    JAX's default, the address this host's name resolves to."""
+    interface = os.environ.get(ENV_COLLECTIVES_INTERFACE) or None
+    local = coordinator is not None and _is_loopback(_split_host_port(coordinator)[0])
+    if interface or local:
+        compat.bind_cpu_collectives(None if interface else "127.0.0.1", interface)
+
+
 def _join(p: Plan, heartbeat_s: int, init_s: int, shutdown_s: int) -> None:
     timeouts = dict(
         initialization_timeout=init_s, heartbeat_timeout_seconds=heartbeat_s, shutdown_timeout_seconds=shutdown_s
@@ -428,12 +440,14 @@ def _join(p: Plan, heartbeat_s: int, init_s: int, shutdown_s: int) -> None:
         bind = _bind_for(p.coordinator) if p.process_id == 0 else None
         jax.distributed.initialize(p.coordinator, p.num_processes, p.process_id, coordinator_bind_address=bind,
                                    **timeouts)
+        _bind_collectives(p.coordinator)
         return
     ids = list(p.device_ids) if p.device_ids is not None else None
     bind = None
     if _process_id_of_cluster(p.source) == 0:
         bind = _bind_for(_cluster_coordinator(ids, init_s))
     jax.distributed.initialize(local_device_ids=ids, coordinator_bind_address=bind, **timeouts)
+    _bind_collectives(None)
     if p.source in ("slurm", "ompi") and ids is None and not p.keep_jax_device_choice:
         # JAX narrowed this task to the GPU at its local rank; shardlib's rule is "all visible".
         jax.config.update("jax_cuda_visible_devices", "all")
@@ -508,6 +522,7 @@ def initialize(
                 )
     if jax.distributed.is_initialized():
         install_fail_fast()  # before the device check, so a process that fails it does not linger
+        watch_launcher()
     local, total = check_devices(p.local_devices)
     return ProcessInfo(
         process_id=jax.process_index(),
@@ -556,6 +571,40 @@ def finish(exit_code: int) -> int:
             time.sleep(COORDINATOR_EXIT_DELAY_S)
         os._exit(exit_code)
     return exit_code
+
+
+LAUNCHER_POLL_S = 1.0
+
+
+def watch_launcher(environ: Mapping[str, str] | None = None) -> None:
+    """Under ``shardlib launch``: stop this process once the launcher is gone. A launcher killed
+    with SIGKILL cannot stop its processes, and they would wait in a collective for minutes.
+    The process gets SIGTERM (a checkpointing run saves and stops), then exits after the
+    heartbeat timeout if it has not. Polls the launcher's pid: a parent-death signal would not
+    reach processes that a wrapper (``bash -c``) started."""
+    from shardlib.runtime.launch import process_state
+
+    text = (os.environ if environ is None else environ).get(ENV_LAUNCHER_PID, "")
+    if not text.isdigit() or process_state(os.getpid()) is None:  # no /proc to read it from
+        return
+    import signal
+    import threading
+
+    pid, grace = int(text), _timeout(os.environ, ENV_HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_S)
+
+    def watch() -> None:
+        while process_state(pid) not in (None, "Z", "X"):
+            time.sleep(LAUNCHER_POLL_S)
+        try:  # its output went to the launcher: the pipe is likely broken
+            print(f"shardlib: process {jax.process_index()}: the launcher (pid {pid}) is gone; stopping "
+                  f"(SIGTERM, exit in {grace} s at the latest)", file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="shardlib-launcher-watch", daemon=True).start()
 
 
 _installed = False

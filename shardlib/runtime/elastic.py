@@ -146,6 +146,12 @@ def last_logged_step(out_dir: Path) -> int | None:
     return max(steps) if steps else None
 
 
+def command_logged_step(command: Sequence[str]) -> int | None:
+    """The last step the ``metrics.jsonl`` of the command's ``--out`` recorded, or None (no --out)."""
+    out = _flag_value(command, "--out")
+    return last_logged_step(Path(out)) if out else None
+
+
 def _record(line: str) -> dict[str, Any]:
     try:
         value = json.loads(line)

@@ -123,6 +123,7 @@ def process_env(base: dict[str, str], index: int, count: int, devices: int, coor
         SHARDLIB_NUM_PROCESSES=str(count),
         SHARDLIB_PROCESS_ID=str(index),
         SHARDLIB_LOCAL_DEVICES=str(devices),
+        SHARDLIB_LAUNCHER_PID=str(os.getpid()),  # each process stops when the launcher dies (distributed.watch_launcher)
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
     )
@@ -244,7 +245,8 @@ def run_job(command: list[str], processes: int, devices_per_process: int, *, por
         if first_failure is not None:
             index, code = first_failure
             _say(f"process {index} (pid {children[index].proc.pid}) failed first: {describe_exit(code)}")
-            for line in _diagnose(children, index, coordinator, (extra_env or {}).get(ENV_INIT_TIMEOUT)):
+            for line in _diagnose(children, index, coordinator, (extra_env or {}).get(ENV_INIT_TIMEOUT),
+                                  elastic.command_logged_step(command)):
                 _say(line)
         elif interrupted:
             _say(f"received {signal.Signals(interrupted[0]).name}")
@@ -272,30 +274,41 @@ def _wait_first_failure(exits: queue.Queue[tuple[int, int]], processes: int, int
     return None
 
 
-def _stopped(pid: int) -> bool:
-    """True when ``pid`` is stopped (SIGSTOP, Ctrl-Z, a debugger): state T or t in /proc (Linux only)."""
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (``R``, ``S``, ``T`` stopped, ``Z`` dead, not yet reaped);
+    None when there is no such process (or no /proc: not Linux)."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+            return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
+        return None
 
 
-def _diagnose(children: list[_Child], failed: int, coordinator: str, init_timeout_s: str | None) -> list[str]:
-    """What the first failure's output and the others' states say, in words (JAX's are a C++ abort)."""
-    lines = []
+def _stopped(pid: int) -> bool:
+    """True when ``pid`` is stopped (SIGSTOP, Ctrl-Z, a debugger): state T or t (Linux only)."""
+    return process_state(pid) in ("T", "t")
+
+
+def _diagnose(children: list[_Child], failed: int, coordinator: str, init_timeout_s: str | None,
+              step: int | None = None) -> list[str]:
+    """What the first failure's output and the others' states say, in words (JAX's are a C++ abort);
+    ``step``: the last one the run logged, where a process stopped mid-run stopped responding."""
+    lines, joining = [], False
     tail = "".join(children[failed].tail)
     if "Failed to add port" in tail or "Failed to start RPC server" in tail:
         port = coordinator.rpartition(":")[2]
         lines.append(f"the coordinator could not listen on {coordinator}: port {port} is in use; pick another "
                      "--port (or leave it out for a free one), or free this port")
     elif "RegisterTask" in tail or ("DEADLINE_EXCEEDED" in tail and "Connect" in tail):
+        joining = True
         within = f" within {init_timeout_s} s" if init_timeout_s else ""
         lines.append(f"process {failed} gave up waiting for every process to join the job{within} (--init-timeout)")
     for child in children:
         if child.index != failed and child.proc.poll() is None and _stopped(child.proc.pid):
+            why = ("so it never joined" if joining else "and stopped responding mid-run"
+                   + (f", after step {step}" if step is not None else ""))
             lines.append(f"process {child.index} (pid {child.proc.pid}) is stopped (SIGSTOP, Ctrl-Z or a debugger), "
-                         "so it never joined; continue it (kill -CONT) or find what stopped it")
+                         f"{why}; continue it (kill -CONT) or find what stopped it")
     return lines
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shardlib.runtime.files import not_a_file
+
 SUFFIXES = (".bin", ".npy")
 BIN_DTYPES = ("uint16", "uint32")
 
@@ -28,8 +30,9 @@ def is_token_file(path: str | os.PathLike[str] | None) -> bool:
 def load_tokens(path: str | os.PathLike[str], dtype: str = "uint16") -> np.ndarray:
     """The token ids of ``path`` as a read-only, memory-mapped 1-D unsigned array; ``dtype`` is for ``.bin``."""
     target = Path(path).expanduser()
-    if not target.is_file():
-        raise ValueError(f"token file {str(target)!r} does not exist")
+    why = not_a_file(target)
+    if why is not None:
+        raise ValueError(f"token file {str(target)!r} {why}; give --data a regular .bin or .npy file of token ids")
     if target.suffix.lower() == ".npy":
         tokens = np.load(target, mmap_mode="r")
         if tokens.dtype.kind != "u" or tokens.ndim != 1:

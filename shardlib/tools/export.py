@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
 import logging
 import math
@@ -51,6 +52,8 @@ from shardlib.runtime.checkpoint import (
 )
 from shardlib.sharding.rules import describe_mismatches, listed, path_keys, path_str
 
+log = logging.getLogger("shardlib.tools.export")
+
 EXPORT_FORMAT = "shardlib.tools.export/2"  # /2 added the model state ("part" of each tensor)
 READABLE_FORMATS = ("shardlib.tools.export/1", EXPORT_FORMAT)  # /1: parameters only
 METADATA_ENTRY = "__shardlib_export__"  # npz entry / safetensors metadata key holding the JSON record
@@ -62,6 +65,10 @@ _SAFETENSORS_DTYPES = {
     "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
 }
 _FROM_SAFETENSORS = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+
+
+class ExportWriteError(OSError):
+    """Writing the exported file failed (a full disk, permissions); ``strerror`` names the file and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +108,22 @@ def _dtype(name: str) -> np.dtype:
 # --------------------------------------------------------------------------------------------
 
 
+def _remove_stale_partials(path: Path) -> None:
+    """Delete the ``.partial`` files of exports to ``path`` whose process is gone (kill -9 leaves
+    one behind); a partial of a process still running on this host is its export in progress."""
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.partial"):
+        pid = stale.name[len(path.name) + 2:].split(".")[0]
+        if not pid.isdigit() or stale.is_symlink() or not stale.is_file():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            stale.unlink(missing_ok=True)
+            log.warning("removed %s, left by an export that was killed (pid %s)", stale, pid)
+        except OSError:  # running, as another user
+            pass
+
+
 class _AtomicFile:
     """A temporary file next to ``path`` that becomes ``path`` (fsync, then ``os.replace``) only on
     `commit`: an export that fails (full disk, killed gather) leaves the previous file, if any,
@@ -108,6 +131,7 @@ class _AtomicFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        _remove_stale_partials(path)
         self.tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
         # 0o666 less the umask, as open() would give the final file (mkstemp would leave it 0o600)
         self.file = os.fdopen(os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb")
@@ -214,7 +238,7 @@ def _writer(file: BinaryIO, suffix: str, record: dict[str, Any]) -> _NpzWriter |
 # ``like``) before the data it describes is read
 # --------------------------------------------------------------------------------------------
 
-RECORD_LIMIT = 64 * 2**20  # bytes the JSON record may take (an .npz states it before it is inflated)
+RECORD_LIMIT = 16 * 2**20  # bytes the JSON record may take (about 80,000 tensors; checked before it is read)
 NPY_HEADER_LIMIT = 10_000 + 16  # an .npy header past its data (NumPy's own max_header_size, + magic)
 
 
@@ -283,13 +307,17 @@ def _open_npz(path: Path) -> zipfile.ZipFile:
 
 def _npz_record(path: Path, zf: zipfile.ZipFile) -> dict[str, Any]:
     name = f"{METADATA_ENTRY}.npy"
+    packed = [i.filename for i in zf.infolist() if i.compress_type != zipfile.ZIP_STORED]
+    if packed:  # what a compressed entry declares cannot be trusted until it is inflated
+        raise CheckpointError(f"{path}: entries {listed(packed)} are compressed; `shardlib export` stores every entry "
+                              "uncompressed, so this file was not written by it (or was re-packed): refusing to inflate it")
     try:
         info = zf.getinfo(name)
     except KeyError:
         raise CheckpointError(f"{path} was not written by `shardlib export` (no {METADATA_ENTRY} entry)") from None
-    if info.file_size > RECORD_LIMIT + NPY_HEADER_LIMIT:
-        raise CheckpointError(f"{path}: entry {name!r} declares {info.file_size} bytes uncompressed, more than the "
-                              f"{RECORD_LIMIT} an export record may take; refusing to inflate it")
+    if info.file_size > min(RECORD_LIMIT + NPY_HEADER_LIMIT, path.stat().st_size):
+        raise CheckpointError(f"{path}: entry {name!r} declares {info.file_size} bytes, more than the file holds or "
+                              f"the {RECORD_LIMIT} an export record may take; refusing to read it")
     with zf.open(info) as entry:
         shape, _, dtype = _npy_header(entry, f"{path}: entry {name!r}")
     if dtype != np.uint8 or len(shape) != 1:
@@ -298,7 +326,7 @@ def _npz_record(path: Path, zf: zipfile.ZipFile) -> dict[str, Any]:
     raw = _read_npy(zf, info, np.dtype(np.uint8), tuple(shape), f"{path}: entry {name!r}")
     try:
         return json.loads(raw.tobytes())
-    except (UnicodeDecodeError, ValueError) as err:
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise CheckpointError(f"{path}: the export record is not JSON ({err})") from None
 
 
@@ -314,13 +342,30 @@ def _check_record(path: Path, record: Any) -> dict[str, Any]:
         raise CheckpointError(f"{path}: the export record lists no tensors")
     for t in tensors:
         ok = (isinstance(t, dict) and isinstance(t.get("name"), str) and t["name"] not in seen
-              and isinstance(t.get("path"), list) and t.get("dtype") in _SAFETENSORS_DTYPES
-              and t.get("part", "params") in ("params", "model_state") and isinstance(t.get("shape"), list)
-              and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in t["shape"]))
+              and t.get("dtype") in _SAFETENSORS_DTYPES and t.get("part", "params") in ("params", "model_state")
+              and isinstance(t.get("shape"), list)
+              and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in t["shape"])
+              and _named_by_path(t))
         if not ok:
-            raise CheckpointError(f"{path}: the export record's tensor entry {str(t)[:200]} is malformed or repeated")
+            raise CheckpointError(f"{path}: the export record's tensor entry {str(t)[:200]} is malformed or repeated, "
+                                  "or its name is not its path")
         seen.add(t["name"])
+    inner = {tuple(t["path"][:k]) for t in tensors for k in range(1, len(t["path"]))}
+    clash = [t["name"] for t in tensors if tuple(t["path"]) in inner]
+    if clash:
+        raise CheckpointError(f"{path}: the export record's tensors {listed(clash)} sit where other tensors' paths "
+                              "go on below them; a tree cannot hold both")
     return record
+
+
+def _named_by_path(t: dict[str, Any]) -> bool:
+    """The entry's ``name`` (what ``like=`` and the file's keys check) is its ``path`` (what the tree is
+    built from) spelled out, so a file cannot pass the check under one name and land under another."""
+    keys = t.get("path")
+    if not (isinstance(keys, list) and keys and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in keys)):
+        return False
+    prefix = "model_state/" if t.get("part", "params") == "model_state" else ""
+    return t["name"] == prefix + path_str(keys)
 
 
 def _check_against_model(path: Path, record: dict[str, Any], like: Any, part: str) -> None:
@@ -354,6 +399,8 @@ def _check_npz_sizes(path: Path, zf: zipfile.ZipFile, record: dict[str, Any]) ->
                             f"{_describe(t['dtype'], t['shape'])} needs {_nbytes(t)}")
     needed = sum(map(_nbytes, record["tensors"])) + (len(record["tensors"]) + 1) * NPY_HEADER_LIMIT + RECORD_LIMIT
     declared = sum(info.file_size for info in zf.infolist())
+    if declared > path.stat().st_size:
+        problems.append(f"its entries declare {declared} bytes stored, the file has {path.stat().st_size}")
     if declared > needed:
         problems.append(f"its {len(zf.infolist())} entries declare {declared} bytes uncompressed in all, the "
                         f"recorded tensors need at most {needed}")
@@ -376,9 +423,12 @@ def read_export_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
         meta = f.metadata() or {}
     if METADATA_ENTRY not in meta:
         raise CheckpointError(f"{path} was not written by `shardlib export` (no {METADATA_ENTRY} metadata)")
+    if len(meta[METADATA_ENTRY]) > RECORD_LIMIT:
+        raise CheckpointError(f"{path}: the export record takes {len(meta[METADATA_ENTRY])} bytes, more than the "
+                              f"{RECORD_LIMIT} it may take")
     try:
         return json.loads(meta[METADATA_ENTRY])
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:
         raise CheckpointError(f"{path}: the export record is not JSON ({err})") from None
 
 
@@ -582,12 +632,12 @@ def export_params(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str],
     leaves, tensors = _tensor_records({part: parts[part] for part in ("params", "model_state") if part in parts})
     record = {"format": EXPORT_FORMAT, "step": step, "config": config, "tensors": tensors}
     output = writer = None
-    if jax.process_index() == 0:  # written under a temporary name, renamed onto out_path once complete
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        output = _AtomicFile(out_path)
     total = largest = 0
     try:
-        writer = _writer(output.file, out_path.suffix, record) if output is not None else None
+        if jax.process_index() == 0:  # written under a temporary name, renamed onto out_path once complete
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            output = _AtomicFile(out_path)
+            writer = _writer(output.file, out_path.suffix, record)
         for leaf, t in zip(leaves, tensors):
             host = _to_host(leaf)  # may alias the device buffer on CPU: free the leaf only after writing
             total += host.nbytes
@@ -599,11 +649,14 @@ def export_params(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str],
         if output is not None:
             writer.close()
             output.commit()
-    except BaseException:
+    except BaseException as err:
         if writer is not None:
             writer.abandon()
         if output is not None:
             output.discard()
+        if isinstance(err, OSError) and jax.process_index() == 0:
+            raise ExportWriteError(err.errno, f"cannot write {out_path}: {err.strerror or err}; nothing was left there, "
+                                              "and a previous file is kept as it was: free space or pick another --out") from err
         raise
     state_tensors = sum(t["part"] == "model_state" for t in tensors)
     return ExportSummary(str(out_path), step, len(tensors), total, largest, config.get("model"), state_tensors)
@@ -633,6 +686,12 @@ def export_hf(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, 
                                  tokenizer_file=config.get("tokenizer_file"))
 
 
+class ExportFlagError(ValueError):
+    """Flags that do not go together: one line, exit 2."""
+
+    user_facing = True
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt", required=True, help="run folder of `shardlib train` (its --out) or the checkpoints "
                                                     "directory inside it")
@@ -656,8 +715,11 @@ def run(args: argparse.Namespace) -> int:
                   f"to {written.directory}")
         return 0
     if args.dtype is not None or args.max_shard_mb is not None:
-        raise ValueError("--dtype and --max-shard-mb shape a Hugging Face export: add --hf, or drop them")
-    summary = export_params(args.ckpt, args.out, step=args.step)
+        raise ExportFlagError("--dtype and --max-shard-mb shape a Hugging Face export: add --hf, or drop them")
+    try:
+        summary = export_params(args.ckpt, args.out, step=args.step)
+    except ExportWriteError as err:  # a full disk is the user's to fix: one line, exit 2
+        raise CheckpointError(err.strerror) from None
     if jax.process_index() == 0:
         print(
             f"exported {summary.tensors} tensors ({summary.bytes / 2**20:.2f} MiB, largest "
