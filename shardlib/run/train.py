@@ -177,8 +177,9 @@ def train(config: TrainConfig, data: Any = None, *, model: Any = None) -> TrainR
     check_numbers(config)
     out_dir = run_directory(config)
     refuse_silent_restart(config, out_dir)
-    config, schedule_note = keep_schedule(config, out_dir)
     with claim_run_directory(config, out_dir, main=jax.process_index() == 0):
+        # Reading the checkpoints opens them, which sets aside incomplete steps: only under the lock.
+        config, schedule_note = keep_schedule(config, out_dir)
         return _train(config, out_dir, note, t_begin, data, model, schedule_note)
 
 
