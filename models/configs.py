@@ -29,9 +29,11 @@ class GPTConfig:
     # "einsum": scores written out in float32 (any backend); "blocked": the same, 32 queries at a time,
     # each block recomputed in the backward pass (a 32 x T slice of the scores live, not T x T);
     # "cudnn": jax.nn.dot_product_attention's fused kernel (GPU only; never materialises the T x T
-    # scores); "xla": that function's XLA path. "auto": the step's backend policy's
-    # (`shardlib.backend.BackendPolicy.attention`, docs/backends.md: cudnn on GPU where the activations
-    # are bf16 / fp16, the kernel's dtypes; einsum elsewhere and outside a shardlib step).
+    # scores); "xla": that function's XLA path; "flash": an online softmax over blocks of keys, forward
+    # and backward (`shardlib.model.attention.flash`, memory linear in T, any backend). "auto": the
+    # step's backend policy's (`shardlib.backend.BackendPolicy.attention`, docs/backends.md: cudnn on
+    # GPU where the activations are bf16 / fp16, the kernel's dtypes; einsum elsewhere and outside a
+    # shardlib step), but flash for sequences of `FLASH_MIN_SEQ` or more where that is the einsum.
     attention: str = "auto"
     # The variations of the published Llama-family checkpoints (`shardlib.hf`, docs/pretrained.md);
     # the defaults are the reference decoder's own choices.
@@ -78,7 +80,7 @@ class RopeScaling:
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
-ATTENTION = ("auto", "einsum", "blocked", "xla", "cudnn")
+ATTENTION = ("auto", "einsum", "blocked", "flash", "xla", "cudnn")
 
 CONFIGS: dict[str, GPTConfig] = {
     # For tests: every dimension is small and divisible by 4 or 8.
@@ -125,8 +127,6 @@ class MoEConfig(GPTConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.top_k not in (1, 2):
-            raise ValueError(f"top_k={self.top_k}: the MoE layer routes each token to 1 or 2 experts")
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k} needs at least that many experts, got n_experts={self.n_experts}")
         if self.capacity_factor <= 0:

@@ -137,6 +137,27 @@ def test_attention_memory_is_linear_in_the_sequence(mode, monkeypatch):
     assert _attention_temp_bytes(mode, 4096) <= 2.3 * _attention_temp_bytes(mode, 2048)
 
 
+def test_whole_sequence_flash_skips_hidden_blocks_and_matches_dense(monkeypatch):
+    """One device, 8 key blocks of 4 (the causal half skipped): values and gradients equal the
+    written-out scores, GQA included."""
+    monkeypatch.setattr(attention_lib, "KEY_BLOCK", 4)
+    q, w = (jax.random.normal(key, (2, 32, 4, 8)) for key in jax.random.split(jax.random.key(0), 2))
+    k, v = (jax.random.normal(key, (2, 32, 2, 8)) for key in jax.random.split(jax.random.key(1), 2))
+    got, pull = jax.vjp(jax.jit(attention_lib.causal_flash), q, k, v)
+    want, want_pull = jax.vjp(causal_reference, q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for g, r in zip(pull(w), want_pull(w)):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_attention_is_flash_from_the_measured_length():
+    from shardlib.models.gpt import resolve_attention
+
+    assert resolve_attention("auto", jnp.float32, attention_lib.FLASH_MIN_SEQ) == "flash"
+    assert resolve_attention("auto", jnp.float32, attention_lib.FLASH_MIN_SEQ - 1) == "einsum"
+    assert resolve_attention("einsum", jnp.float32, 10**6) == "einsum"  # asked for by name: kept
+
+
 # ---- the balance of the ring's schedule, and the sequence layout
 
 

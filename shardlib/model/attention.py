@@ -61,8 +61,7 @@ def choose(seq_len: int, size: int) -> tuple[str, str]:
     local = seq_len // size
     if local >= RING_MIN_LOCAL:
         return "ring", (f"ring: {local} tokens per device >= {RING_MIN_LOCAL}, so each of the {size - 1} hops' "
-                        f"[{local} x {local}] block hides its K/V transfer, and no device holds the full K/V or "
-                        f"[{local} x {seq_len}] scores")
+                        f"[{local} x {local}] block of work hides its K/V transfer, and no device holds the full K/V")
     return "allgather", (f"allgather: {local} tokens per device < {RING_MIN_LOCAL}, so {size - 1} ring hops would "
                          "each be latency bound; one all-gather of K/V per layer is cheaper")
 
@@ -163,6 +162,18 @@ def _flash_backward(causal, residuals, d_out):
 flash.defvjp(_flash_forward, _flash_backward)
 
 
+# A whole sequence at least this long runs `causal_flash` under ``attention="auto"`` where the
+# backend's own attention is the einsum: below it the [T x T] scores are small and one einsum is
+# faster on CPU; above it they dominate the step's memory (scripts/benchmark_context.py --local).
+FLASH_MIN_SEQ = 2048
+
+
+def causal_flash(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal `flash` attention over one whole sequence: memory linear in its length."""
+    pos = jnp.arange(q.shape[1])
+    return flash(q, k, v, pos, pos, True)
+
+
 # ---- the ring's schedule: which part of a [local x local] block each hop computes
 
 FULL, KV_FIRST, Q_SECOND, SKIP = range(4)
@@ -223,16 +234,20 @@ def _varying(x, *like):
     return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
-def _over_key_blocks(step, carry, k, v, pk):
+def _over_key_blocks(step, carry, k, v, pk, pq, causal):
     """``carry = step(carry, start, (k, v, pk) of the block at start)`` for each `key_block` of the
-    keys. A ``while_loop``, not a ``scan``: under remat, a scan's partial evaluation would save what
-    its body computes from positions alone (the causal masks) for every block, [T/C x T/C] again."""
+    keys, skipping those a causal mask hides from every query (half of a whole sequence's). A
+    ``while_loop``, not a ``scan``: under remat, a scan's partial evaluation would save what its
+    body computes from positions alone (the causal masks) for every block, [T/C x T/C] again."""
     size = key_block(k.shape[1])
+    last = pq.max()
 
     def body(state):
         i, carry = state
         start = i * size
         block = tuple(jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis) for x, axis in ((k, 1), (v, 1), (pk, 0)))
+        if causal:
+            return i + 1, jax.lax.cond(block[2].min() > last, lambda: carry, lambda: step(carry, start, block))
         return i + 1, step(carry, start, block)
 
     return jax.lax.while_loop(lambda state: state[0] < k.shape[1] // size, body, (jnp.int32(0), carry))[1]
@@ -277,7 +292,7 @@ def fold(acc, q5, k, v, pq, pk, causal):
                                                  preferred_element_type=jnp.float32)
         return o_new, m_new, keep * l + p.sum(-1)
 
-    return _over_key_blocks(step, tuple(_varying(a, q5, k, v, pq, pk) for a in acc), k, v, pk)
+    return _over_key_blocks(step, tuple(_varying(a, q5, k, v, pq, pk) for a in acc), k, v, pk, pq, causal)
 
 
 def unfold(q5, k, v, pq, pk, do5, lse, delta, causal):
@@ -301,7 +316,7 @@ def unfold(q5, k, v, pq, pk, do5, lse, delta, causal):
                 jax.lax.dynamic_update_slice_in_dim(dv, dv_block, start, axis=1))
 
     zeros = tuple(_varying(jnp.zeros(x.shape, jnp.float32), q5, k, v, pq, pk, do5, lse) for x in (q5, k, v))
-    return _over_key_blocks(step, zeros, k, v, pk)
+    return _over_key_blocks(step, zeros, k, v, pk, pq, causal)
 
 
 def _forward_part(which, acc, q5, k, v, pq, pk, causal):
