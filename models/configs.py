@@ -122,6 +122,9 @@ class MoEConfig(GPTConfig):
     n_experts: int = 4
     top_k: int = 1
     capacity_factor: float = 1.25
+    # True: no capacity and nothing dropped; each expert takes all its assignments, sorted into
+    # variable-sized groups for one grouped matmul (`jax.lax.ragged_dot`); one expert device only.
+    dropless: bool = False
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 1e-3
 

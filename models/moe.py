@@ -46,6 +46,13 @@ class Experts(nnx.Module):
         up = jnp.einsum("end,edf->enf", x, self.w_up[...].astype(dtype))
         return jnp.einsum("enf,efd->end", jax.nn.silu(gate) * up, self.w_down[...].astype(dtype))
 
+    def grouped(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """``[tokens, d]`` sorted by expert, ``group_sizes[e]`` of them expert e's -> the same shape:
+        one grouped matmul per weight, however unevenly the tokens fall."""
+        dtype = x.dtype
+        matmul = lambda a, w: jax.lax.ragged_dot(a, w[...].astype(dtype), group_sizes)
+        return matmul(jax.nn.silu(matmul(x, self.w_gate)) * matmul(x, self.w_up), self.w_down)
+
 
 class Routing(nnx.Module):
     """The router: float32 logits over the experts, top-k choices, and each assignment's slot in
@@ -61,7 +68,7 @@ class Routing(nnx.Module):
         then its second ...); ``slot`` is the assignment's place in its expert's capacity, equal to
         the capacity where it is dropped."""
         config = self.config
-        e, k, capacity = config.n_experts, config.top_k, config.capacity(x.shape[1])
+        e, k, capacity = config.n_experts, config.top_k, self.capacity(x.shape[1])
         logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.w_router[...])
         probs = jax.nn.softmax(logits, axis=-1)
         gates, choice = jax.lax.top_k(probs, k)  # [B, T, k]
@@ -78,6 +85,11 @@ class Routing(nnx.Module):
             "z": jax.nn.logsumexp(logits, axis=-1) ** 2,  # [B, T]
         }
         return expert, jnp.where(kept, position, capacity), gates.swapaxes(1, 2).reshape(expert.shape), stats
+
+    def capacity(self, seq_len: int) -> int:
+        """Slots per expert per row: `MoEConfig.capacity`, or the whole row when dropless (a token
+        takes an expert at most once, so nothing reaches it)."""
+        return seq_len if self.config.dropless else self.config.capacity(seq_len)
 
 
 def _rank_in_group(expert: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -101,16 +113,36 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         batch, seq, d = x.shape
         expert, slot, gate, stats = self.router(x)
-        e, capacity = self.router.config.n_experts, self.router.config.capacity(seq)
-        k = expert.shape[1] // seq
-        rows = jnp.broadcast_to(jnp.arange(batch)[:, None], expert.shape)
-        token = jnp.tile(jnp.arange(seq), k)  # the token of each assignment
-        # Scatter each kept assignment's token into its slot; a dropped one's slot is out of range.
-        buffer = jnp.zeros((e, batch, capacity, d), x.dtype).at[expert, rows, slot].set(x[:, token], mode="drop")
-        out = experts_lib.combine(self.experts(experts_lib.dispatch(buffer.reshape(e, batch * capacity, d))))
-        picked = out.reshape(e, batch, capacity, d).at[expert, rows, slot].get(mode="fill", fill_value=0)
-        weighted = (gate[..., None].astype(x.dtype) * picked).reshape(batch, k, seq, d)
+        run = self._dropless if self.router.config.dropless else self._capacity
+        picked = run(x[:, jnp.tile(jnp.arange(seq), expert.shape[1] // seq)], expert, slot)  # [B, k*T, d]
+        weighted = (gate[..., None].astype(x.dtype) * picked).reshape(batch, -1, seq, d)
         return weighted.sum(axis=1), stats
+
+    def _capacity(self, tokens: jax.Array, expert: jax.Array, slot: jax.Array) -> jax.Array:
+        """Each kept assignment's token scattered into its slot of ``[E, rows, capacity, d]`` (a
+        dropped one's slot is out of range), sent to its expert's device, and its output gathered
+        back (zero where dropped)."""
+        batch, assignments, d = tokens.shape
+        e, k = self.router.config.n_experts, self.router.config.top_k
+        capacity = self.router.capacity(assignments // k)
+        rows = jnp.broadcast_to(jnp.arange(batch)[:, None], expert.shape)
+        buffer = jnp.zeros((e, batch, capacity, d), tokens.dtype).at[expert, rows, slot].set(tokens, mode="drop")
+        out = experts_lib.combine(self.experts(experts_lib.dispatch(buffer.reshape(e, batch * capacity, d))))
+        return out.reshape(e, batch, capacity, d).at[expert, rows, slot].get(mode="fill", fill_value=0)
+
+    def _dropless(self, tokens: jax.Array, expert: jax.Array, slot: jax.Array) -> jax.Array:
+        """Every assignment of every row, sorted by expert into one ``[B k T, d]`` array, through
+        the experts' grouped matmul, and put back in order."""
+        if experts_lib.expert_devices() > 1:
+            raise ValueError("MoEConfig.dropless=True runs every expert on the device of its tokens; with the "
+                             "experts split over the 'expert' mesh axis it would need ragged_all_to_all, which "
+                             "XLA:CPU lacks: set dropless=False (capacity_factor drops past the capacity) or "
+                             "drop 'expert' from --mesh")
+        flat = expert.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        sizes = jnp.zeros(self.router.config.n_experts, jnp.int32).at[flat].add(1)
+        out = self.experts.grouped(tokens.reshape(-1, tokens.shape[-1])[order], sizes)
+        return jnp.zeros_like(out).at[order].set(out).reshape(tokens.shape)
 
 
 class MoEBlock(nnx.Module):

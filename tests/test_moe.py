@@ -145,6 +145,27 @@ def test_sorted_dispatch_equals_gshard_one_hot(config):
     assert int(stats["dropped"]) == dropped and (dropped > 0) == (config is not NO_DROP)
 
 
+def test_dropless_grouped_matmul_equals_a_capacity_of_the_whole_row():
+    """dropless=True (tokens sorted by expert, `jax.lax.ragged_dot`) computes GShard's one-hot
+    einsums at a capacity that drops nothing, top-2, and drops nothing; refused over 'expert'."""
+    from flax import nnx
+
+    from shardlib.models.moe import MoE
+
+    config = dataclasses.replace(TINY, top_k=2, capacity_factor=0.5, dropless=True)
+    with nnx.use_eager_sharding(False):
+        layer = MoE(config, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (3, SEQ, config.d_model))
+    got, stats = layer(x)
+    layer.router.config = dataclasses.replace(config, dropless=False, capacity_factor=config.n_experts / config.top_k)
+    want, dropped = _gshard_reference(layer, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert int(stats["dropped"]) == dropped == 0
+    program = _program(dataclasses.replace(config, n_layers=1), "dp", "expert=2")
+    with pytest.raises(ValueError, match="dropless=True.*'expert' mesh axis"):
+        program.step(program.init(jax.random.key(0)), batches(1, batch=4, seq=SEQ)[0])
+
+
 def _layer_temp_bytes(config, seq: int) -> int:
     """Temporaries of the compiled forward + backward of one MoE layer on 2 rows of ``seq`` tokens."""
     from flax import nnx
