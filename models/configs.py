@@ -147,6 +147,13 @@ CONFIGS.update({
     # A small byte-level MoE: 8 experts, top-2 routing (GShard), ~4M parameters.
     "moe-small": MoEConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=8, d_ff=512, max_seq_len=128,
                            n_experts=8, top_k=2),
+    # Mixtral-8x7B's shapes (Jiang et al., 2024): 8 experts of d_ff 14336, top-2, GQA with 8 kv heads.
+    "mixtral-8x7b": MoEConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
+                              max_seq_len=32768, rope_theta=1e6, n_experts=8, top_k=2),
+    # DeepSeekMoE-16B's routed experts (Dai et al., 2024): 64 small experts of d_ff 1408, top-6. Its 2
+    # shared experts and dense first layer are not built (every layer routed, 1.41B fewer params).
+    "deepseek-moe-16b": MoEConfig(vocab_size=102400, d_model=2048, n_layers=28, n_heads=16, d_ff=1408,
+                                  max_seq_len=4096, n_experts=64, top_k=6),
 })
 
 
