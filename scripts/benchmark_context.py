@@ -70,7 +70,7 @@ def measure(config: GPTConfig, seq_len: int, size: int, balanced: bool) -> tuple
 def lengths_table(lengths: list[int], size: int = 4) -> None:
     config = GPTConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=max(lengths))
     print(f"GPT d_model={config.d_model} layers={config.n_layers} heads={config.n_heads}, one sequence, "
-          f"context={size} (balanced ring), float32, key block {attention_lib.KEY_BLOCK}")
+          f"context={size} (balanced ring), float32, key block {getattr(attention_lib, 'KEY_BLOCK', None)}")
     print("| T | temporaries / device | x (vs previous T) | compiled GFLOPs / device | one hop's dense scores |")
     print("|---|---|---|---|---|")
     previous = None
