@@ -151,7 +151,7 @@ CONFIGS.update({
     "mixtral-8x7b": MoEConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
                               max_seq_len=32768, rope_theta=1e6, n_experts=8, top_k=2),
     # DeepSeekMoE-16B's routed experts (Dai et al., 2024): 64 small experts of d_ff 1408, top-6. Its 2
-    # shared experts and dense first layer are not built (every layer routed, 1.41B fewer params).
+    # shared experts and dense first layer are not built (every layer routed: 16.4B parameters).
     "deepseek-moe-16b": MoEConfig(vocab_size=102400, d_model=2048, n_layers=28, n_heads=16, d_ff=1408,
                                   max_seq_len=4096, n_experts=64, top_k=6),
 })
