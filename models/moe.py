@@ -131,17 +131,14 @@ class MoE(nnx.Module):
         return out.reshape(e, batch, capacity, d).at[expert, rows, slot].get(mode="fill", fill_value=0)
 
     def _dropless(self, tokens: jax.Array, expert: jax.Array, slot: jax.Array) -> jax.Array:
-        """Every assignment of every row, sorted by expert into one ``[B k T, d]`` array, through
-        the experts' grouped matmul, and put back in order."""
-        if experts_lib.expert_devices() > 1:
-            raise ValueError("MoEConfig.dropless=True runs every expert on the device of its tokens; with the "
-                             "experts split over the 'expert' mesh axis it would need ragged_all_to_all, which "
-                             "XLA:CPU lacks: set dropless=False (capacity_factor drops past the capacity) or "
-                             "drop 'expert' from --mesh")
+        """Every assignment of every row, sorted by expert, sent in variable-sized groups to its
+        expert's device (`experts.dispatch_sorted`), through the experts' grouped matmul, and
+        put back in order."""
         flat = expert.reshape(-1)
         order = jnp.argsort(flat, stable=True)
         sizes = jnp.zeros(self.router.config.n_experts, jnp.int32).at[flat].add(1)
-        out = self.experts.grouped(tokens.reshape(-1, tokens.shape[-1])[order], sizes)
+        rows, groups, plan = experts_lib.dispatch_sorted(tokens.reshape(-1, tokens.shape[-1])[order], sizes)
+        out = experts_lib.combine_sorted(self.experts.grouped(rows, groups), plan)
         return jnp.zeros_like(out).at[order].set(out).reshape(tokens.shape)
 
 
