@@ -170,8 +170,18 @@ def test_dropless_over_the_expert_axis_equals_one_device():
     """dropless top-2 with its experts over expert=4 (the padded all-to-all of sorted groups)
     trains like the one-device jax.jit + optax reference, with the same routing counts."""
     config = dataclasses.replace(TINY, top_k=2, capacity_factor=0.5, dropless=True)
-    first = _assert_parity(config, _train(_program(config, "dp", "expert=4")))
+    program = _program(config, "dp", "expert=4")
+    first = _assert_parity(config, _train(program))
     assert first["tokens_dropped"] == 0
+    # Per layer: the tokens [P, N, d] out and the outputs back, forward, and both transposed in the
+    # backward pass (float32), and the [P, E/P] int32 group sizes once; (P-1)/P of each leaves.
+    shapes = {k: ((BATCH, SEQ), np.int32) for k in ("inputs", "targets")}
+    records = collective_stats(program.compile_step(program.abstract_state(), program.abstract_batch(shapes)))
+    devices, n = 4, BATCH // 4 * config.top_k * SEQ
+    padded = devices * n * config.d_model * 4 * (devices - 1) / devices
+    sizes = config.n_experts * 4 * (devices - 1) / devices
+    all_to_all = records.of_kind("all-to-all")
+    assert sum(r.bytes_per_step for r in all_to_all) == config.n_layers * (4 * padded + sizes)
 
 
 def _layer_temp_bytes(config, seq: int) -> int:
