@@ -3,7 +3,10 @@
 Routing is per sequence (GShard's groups are the rows): each expert takes at most ``capacity``
 tokens of a row, first choices before second ones, earlier tokens first; the assignments past
 that are dropped and the token keeps only its residual. A row's routing depends on that row
-alone, so it is the same on one device and on any split of the batch. The experts' weights are
+alone, so it is the same on one device and on any split of the batch. The slots are found by
+sorting the assignments by expert and the tokens scattered into them (memory and work linear in
+tokens x top_k, not GShard's one-hot ``[T, E, C]``); ``dropless`` keeps every assignment and runs
+the experts as grouped matmuls over sorted groups. The experts' weights are
 stacked on a leading ``"experts"`` axis, which the ``expert`` mesh axis splits; tokens reach them
 by all-to-all (`shardlib.model.experts`). docs/moe.md has the formulas.
 
