@@ -34,9 +34,11 @@ class GPTConfig:
     # "einsum": scores written out in float32 (any backend); "blocked": the same, 32 queries at a time,
     # each block recomputed in the backward pass (a 32 x T slice of the scores live, not T x T);
     # "cudnn": jax.nn.dot_product_attention's fused kernel (GPU only; never materialises the T x T
-    # scores); "xla": that function's XLA path. "auto": the step's backend policy's
-    # (`shardlib.backend.BackendPolicy.attention`, docs/backends.md: cudnn on GPU where the activations
-    # are bf16 / fp16, the kernel's dtypes; einsum elsewhere and outside a shardlib step).
+    # scores); "xla": that function's XLA path; "flash": an online softmax over blocks of keys, forward
+    # and backward (`shardlib.model.attention.flash`, memory linear in T, any backend). "auto": the
+    # step's backend policy's (`shardlib.backend.BackendPolicy.attention`, docs/backends.md: cudnn on
+    # GPU where the activations are bf16 / fp16, the kernel's dtypes; einsum elsewhere and outside a
+    # shardlib step), but flash for sequences of `FLASH_MIN_SEQ` or more where that is the einsum.
     attention: str = "auto"
     # The variations of the published Llama-family checkpoints (`shardlib.hf`, docs/pretrained.md);
     # the defaults are the reference decoder's own choices.
@@ -89,7 +91,7 @@ REMAT_POLICIES = ("full", "save_dots_except_mlp_in", "save_dots", "offload_dots"
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
-ATTENTION = ("auto", "einsum", "blocked", "xla", "cudnn")
+ATTENTION = ("auto", "einsum", "blocked", "flash", "xla", "cudnn")
 
 CONFIGS: dict[str, GPTConfig] = {
     # For tests: every dimension is small and divisible by 4 or 8.
@@ -131,13 +133,14 @@ class MoEConfig(GPTConfig):
     n_experts: int = 4
     top_k: int = 1
     capacity_factor: float = 1.25
+    # True: no capacity and nothing dropped; each expert takes all its assignments, sorted into
+    # variable-sized groups for one grouped matmul (`jax.lax.ragged_dot`); one expert device only.
+    dropless: bool = False
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 1e-3
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.top_k not in (1, 2):
-            raise ValueError(f"top_k={self.top_k}: the MoE layer routes each token to 1 or 2 experts")
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k} needs at least that many experts, got n_experts={self.n_experts}")
         if self.capacity_factor <= 0:
@@ -155,6 +158,13 @@ CONFIGS.update({
     # A small byte-level MoE: 8 experts, top-2 routing (GShard), ~4M parameters.
     "moe-small": MoEConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=8, d_ff=512, max_seq_len=128,
                            n_experts=8, top_k=2),
+    # Mixtral-8x7B's shapes (Jiang et al., 2024): 8 experts of d_ff 14336, top-2, GQA with 8 kv heads.
+    "mixtral-8x7b": MoEConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
+                              max_seq_len=32768, rope_theta=1e6, n_experts=8, top_k=2),
+    # DeepSeekMoE-16B's routed experts (Dai et al., 2024): 64 small experts of d_ff 1408, top-6. Its 2
+    # shared experts and dense first layer are not built (every layer routed: 16.4B parameters).
+    "deepseek-moe-16b": MoEConfig(vocab_size=102400, d_model=2048, n_layers=28, n_heads=16, d_ff=1408,
+                                  max_seq_len=4096, n_experts=64, top_k=6),
 })
 
 

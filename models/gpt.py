@@ -160,7 +160,9 @@ class KVCache:
 
 def _local_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal attention over a whole sequence with ``GPTConfig.attention``'s implementation."""
-    implementation = resolve_attention(implementation, q.dtype)
+    implementation = resolve_attention(implementation, q.dtype, q.shape[1])
+    if implementation == "flash":
+        return attention_lib.causal_flash(q, k, v)
     if implementation == "einsum":
         return causal_attention(q, k, v)
     if implementation == "blocked":
@@ -172,11 +174,15 @@ def _local_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Arr
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def resolve_attention(attention: str, dtype: Any) -> str:
+def resolve_attention(attention: str, dtype: Any, seq_len: int = 0) -> str:
     """``GPTConfig.attention`` as the implementation to run: "auto" is the backend policy of the
     step being traced (`shardlib.model.hooks.backend_policy`, decided by the step's devices), but
-    einsum for activations cuDNN's kernel does not take (float32) and outside a shardlib step."""
-    return attention if attention != "auto" else attention_for(backend_policy(), dtype)
+    einsum for activations cuDNN's kernel does not take (float32) and outside a shardlib step, and
+    flash in place of the einsum from `shardlib.model.attention.FLASH_MIN_SEQ` tokens on."""
+    if attention != "auto":
+        return attention
+    chosen = attention_for(backend_policy(), dtype)
+    return "flash" if chosen == "einsum" and seq_len >= attention_lib.FLASH_MIN_SEQ else chosen
 
 
 def attention_for(policy: Any, dtype: Any) -> str:

@@ -3,7 +3,10 @@
 Routing is per sequence (GShard's groups are the rows): each expert takes at most ``capacity``
 tokens of a row, first choices before second ones, earlier tokens first; the assignments past
 that are dropped and the token keeps only its residual. A row's routing depends on that row
-alone, so it is the same on one device and on any split of the batch. The experts' weights are
+alone, so it is the same on one device and on any split of the batch. The slots are found by
+sorting the assignments by expert and the tokens scattered into them (memory and work linear in
+tokens x top_k, not GShard's one-hot ``[T, E, C]``); ``dropless`` keeps every assignment and runs
+the experts as grouped matmuls over sorted groups. The experts' weights are
 stacked on a leading ``"experts"`` axis, which the ``expert`` mesh axis splits; tokens reach them
 by all-to-all (`shardlib.model.experts`). docs/moe.md has the formulas.
 
@@ -46,40 +49,61 @@ class Experts(nnx.Module):
         up = jnp.einsum("end,edf->enf", x, self.w_up[...].astype(dtype))
         return jnp.einsum("enf,efd->end", jax.nn.silu(gate) * up, self.w_down[...].astype(dtype))
 
+    def grouped(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """``[tokens, d]`` sorted by expert, ``group_sizes[e]`` of them expert e's -> the same shape:
+        one grouped matmul per weight, however unevenly the tokens fall."""
+        dtype = x.dtype
+        matmul = lambda a, w: jax.lax.ragged_dot(a, w[...].astype(dtype), group_sizes)
+        return matmul(jax.nn.silu(matmul(x, self.w_gate)) * matmul(x, self.w_up), self.w_down)
+
 
 class Routing(nnx.Module):
-    """The router: float32 logits over the experts, top-k choices, capacity slots per row."""
+    """The router: float32 logits over the experts, top-k choices, and each assignment's slot in
+    its expert's capacity, found by sorting (never a one-hot ``[T, E, C]`` tensor)."""
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
         self.config = config
         self.w_router = _param(rngs, _fan_in(0, 1), (config.d_model, config.n_experts), ("embed", None))
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-        """x [B, T, d] -> (dispatch bool[B, T, E, C], combine float32[B, T, E, C], stats of the rows)."""
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, dict[str, jax.Array]]:
+        """x [B, T, d] -> (expert int32[B, k*T], slot int32[B, k*T], gate float32[B, k*T], stats of
+        the rows). The k*T assignments of a row are in priority order (every token's first choice,
+        then its second ...); ``slot`` is the assignment's place in its expert's capacity, equal to
+        the capacity where it is dropped."""
         config = self.config
-        e, k, capacity = config.n_experts, config.top_k, config.capacity(x.shape[1])
+        e, k, capacity = config.n_experts, config.top_k, self.capacity(x.shape[1])
         logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.w_router[...])
         probs = jax.nn.softmax(logits, axis=-1)
         gates, choice = jax.lax.top_k(probs, k)  # [B, T, k]
         if k > 1:  # GShard: the chosen experts' weights sum to 1
             gates = gates / gates.sum(axis=-1, keepdims=True)
-        chosen = jax.nn.one_hot(choice, e, dtype=jnp.int32)  # [B, T, k, E]
-        # Slots are taken in priority order: every token's first choice, then second choices.
-        ranked = chosen.swapaxes(1, 2).reshape(x.shape[0], k * x.shape[1], e)  # [B, k*T, E]
-        position = jnp.cumsum(ranked, axis=1) - 1
-        kept = ranked * (position < capacity)
-        slots = jax.nn.one_hot(jnp.where(kept > 0, position, -1), capacity, dtype=jnp.float32)  # [B, k*T, E, C]
-        slots = slots.reshape(x.shape[0], k, x.shape[1], e, capacity)
-        dispatch = slots.sum(axis=1)  # a token takes at most one slot of an expert
-        combine = jnp.einsum("bkt,bktec->btec", gates.swapaxes(1, 2), slots)
-        first = chosen[:, :, 0, :].astype(jnp.float32)  # [B, T, E]
+        expert = choice.swapaxes(1, 2).reshape(x.shape[0], -1)  # [B, k*T], priority order
+        position, counts = jax.vmap(lambda row: _rank_in_group(row, e))(expert)
+        kept = position < capacity
+        first = jax.nn.one_hot(choice[:, :, 0], e, dtype=jnp.float32)  # [B, T, E]
         stats = {
-            "routed": ranked.sum(axis=(0, 1)).astype(jnp.float32),  # [E] assignments before capacity
-            "dropped": (ranked - kept).sum().astype(jnp.float32),
+            "routed": counts.sum(axis=0).astype(jnp.float32),  # [E] assignments before capacity
+            "dropped": (~kept).sum().astype(jnp.float32),
             "aux": e * (first.mean(axis=1) * probs.mean(axis=1)).sum(axis=-1),  # [B] per row
             "z": jax.nn.logsumexp(logits, axis=-1) ** 2,  # [B, T]
         }
-        return dispatch, combine, stats
+        return expert, jnp.where(kept, position, capacity), gates.swapaxes(1, 2).reshape(expert.shape), stats
+
+    def capacity(self, seq_len: int) -> int:
+        """Slots per expert per row: `MoEConfig.capacity`, or the whole row when dropless (a token
+        takes an expert at most once, so nothing reaches it)."""
+        return seq_len if self.config.dropless else self.config.capacity(seq_len)
+
+
+def _rank_in_group(expert: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
+    """For assignments to ``expert`` (int[N], priority order): how many earlier ones chose the
+    same expert, and the count per expert. A stable sort groups them, O(N log N) time and O(N)
+    memory where GShard's cumsum of one-hots takes O(N E)."""
+    order = jnp.argsort(expert, stable=True)
+    counts = jnp.zeros(n_experts, jnp.int32).at[expert].add(1)
+    starts = jnp.cumsum(counts) - counts
+    ranked = jnp.arange(expert.shape[0], dtype=jnp.int32) - starts[expert[order]]
+    return jnp.zeros_like(expert).at[order].set(ranked), counts
 
 
 class MoE(nnx.Module):
@@ -90,13 +114,35 @@ class MoE(nnx.Module):
         self.experts = Experts(config, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        batch, _, d = x.shape
-        dispatch, combine, stats = self.router(x)
-        e, capacity = dispatch.shape[2], dispatch.shape[3]
-        tokens = jnp.einsum("btec,btd->ebcd", dispatch.astype(x.dtype), x).reshape(e, batch * capacity, d)
-        out = experts_lib.combine(self.experts(experts_lib.dispatch(tokens)))
-        out = out.reshape(e, batch, capacity, d)
-        return jnp.einsum("btec,ebcd->btd", combine.astype(x.dtype), out), stats
+        batch, seq, d = x.shape
+        expert, slot, gate, stats = self.router(x)
+        run = self._dropless if self.router.config.dropless else self._capacity
+        picked = run(x[:, jnp.tile(jnp.arange(seq), expert.shape[1] // seq)], expert, slot)  # [B, k*T, d]
+        weighted = (gate[..., None].astype(x.dtype) * picked).reshape(batch, -1, seq, d)
+        return weighted.sum(axis=1), stats
+
+    def _capacity(self, tokens: jax.Array, expert: jax.Array, slot: jax.Array) -> jax.Array:
+        """Each kept assignment's token scattered into its slot of ``[E, rows, capacity, d]`` (a
+        dropped one's slot is out of range), sent to its expert's device, and its output gathered
+        back (zero where dropped)."""
+        batch, assignments, d = tokens.shape
+        e, k = self.router.config.n_experts, self.router.config.top_k
+        capacity = self.router.capacity(assignments // k)
+        rows = jnp.broadcast_to(jnp.arange(batch)[:, None], expert.shape)
+        buffer = jnp.zeros((e, batch, capacity, d), tokens.dtype).at[expert, rows, slot].set(tokens, mode="drop")
+        out = experts_lib.combine(self.experts(experts_lib.dispatch(buffer.reshape(e, batch * capacity, d))))
+        return out.reshape(e, batch, capacity, d).at[expert, rows, slot].get(mode="fill", fill_value=0)
+
+    def _dropless(self, tokens: jax.Array, expert: jax.Array, slot: jax.Array) -> jax.Array:
+        """Every assignment of every row, sorted by expert, sent in variable-sized groups to its
+        expert's device (`experts.dispatch_sorted`), through the experts' grouped matmul, and
+        put back in order."""
+        flat = expert.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        sizes = jnp.zeros(self.router.config.n_experts, jnp.int32).at[flat].add(1)
+        rows, groups, plan = experts_lib.dispatch_sorted(tokens.reshape(-1, tokens.shape[-1])[order], sizes)
+        out = experts_lib.combine_sorted(self.experts.grouped(rows, groups), plan)
+        return jnp.zeros_like(out).at[order].set(out).reshape(tokens.shape)
 
 
 class MoEBlock(nnx.Module):

@@ -11,6 +11,12 @@ the train step and print per device:
   ring runs (`shardlib.model.attention.block_flops`), balanced and contiguous.
 
     python scripts/benchmark_context.py [--seq-len 2048]
+
+``--lengths 4096,8192,16384,32768`` instead prints, at C = 4 (balanced ring), the temporaries and
+the compiled FLOPs a device (XLA's ``cost_analysis``, which counts a ``while`` body once: the
+key-block loop's FLOPs are under-counted) against the sequence length, and the dense
+``[T/C x T/C]`` f32 scores of one hop that the ring held before its keys were blocked
+(`shardlib.model.attention.KEY_BLOCK`).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import optax  # noqa: E402
 from shardlib import build, make_layout, make_mesh  # noqa: E402
 from shardlib.model import attention as attention_lib  # noqa: E402
 from shardlib.models import GPTConfig, trainable  # noqa: E402
+from shardlib.tools.flops import flops_per_step  # noqa: E402
 from shardlib.tools.hlo import collective_stats  # noqa: E402
 
 
@@ -45,21 +52,45 @@ def ring_bytes_formula(config: GPTConfig, seq_len: int, size: int) -> float:
     return config.n_layers * per_layer
 
 
-def measure(config: GPTConfig, seq_len: int, size: int, balanced: bool) -> tuple[int, float]:
+def compile_step(config: GPTConfig, seq_len: int, size: int, balanced: bool):
     model = trainable(config)
     layout = make_layout(model, "dp", make_mesh({"context": size}, devices=jax.devices()[:size]))
     layout = dataclasses.replace(layout, context_balance=balanced, context_attention="ring")
     program = build(model, optax.sgd(0.1), layout)
     batch = program.abstract_batch({k: ((1, seq_len), np.int32) for k in ("inputs", "targets")})
-    compiled = program.compile_step(program.abstract_state(), batch)
+    return program.compile_step(program.abstract_state(), batch)
+
+
+def measure(config: GPTConfig, seq_len: int, size: int, balanced: bool) -> tuple[int, float]:
+    compiled = compile_step(config, seq_len, size, balanced)
     permutes = sum(r.bytes_per_step for r in collective_stats(compiled).records if r.kind == "collective-permute")
     return compiled.memory_analysis().temp_size_in_bytes, permutes
+
+
+def lengths_table(lengths: list[int], size: int = 4) -> None:
+    config = GPTConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=max(lengths))
+    print(f"GPT d_model={config.d_model} layers={config.n_layers} heads={config.n_heads}, one sequence, "
+          f"context={size} (balanced ring), float32, key block {getattr(attention_lib, 'KEY_BLOCK', None)}")
+    print("| T | temporaries / device | x (vs previous T) | compiled GFLOPs / device | one hop's dense scores |")
+    print("|---|---|---|---|---|")
+    previous = None
+    for seq_len in lengths:
+        compiled = compile_step(config, seq_len, size, balanced=True)
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        flops = flops_per_step(compiled) or float("nan")
+        dense = (seq_len // size) ** 2 * config.n_heads * 4
+        growth = f"{temp / previous:.2f}" if previous else "-"
+        print(f"| {seq_len} | {temp / 2**20:.1f} MiB | {growth} | {flops / 1e9:.1f} | {dense / 2**20:.0f} MiB |", flush=True)
+        previous = temp
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--lengths", help="comma-separated sequence lengths: memory and FLOPs against T at C=4")
     args = parser.parse_args()
+    if args.lengths:
+        return lengths_table([int(n) for n in args.lengths.split(",")])
     config = GPTConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=args.seq_len)
     print(f"GPT d_model={config.d_model} layers={config.n_layers} heads={config.n_heads}, one sequence of "
           f"T={args.seq_len}, ring attention, float32")

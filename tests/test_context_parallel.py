@@ -103,6 +103,61 @@ def test_split_attention_matches_dense(mode, balanced):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode,balanced", [("ring", True), ("ring", False), ("allgather", True)])
+def test_attention_in_key_blocks_matches_dense(mode, balanced, monkeypatch):
+    """With 2 keys a block (4 blocks per half-chunk), the online softmax over key blocks, forward
+    and backward, still equals one-device attention."""
+    monkeypatch.setattr(attention_lib, "KEY_BLOCK", 2)
+    test_split_attention_matches_dense(mode, balanced)
+
+
+def _attention_temp_bytes(mode: str, t: int, size: int = 4) -> int:
+    """Temporaries of one device's compiled forward + backward of split attention over t tokens,
+    under remat (whose partial evaluation once saved every key block's causal mask)."""
+    mesh = make_mesh({"context": size}, devices=jax.devices()[:size])
+
+    def body(q, k, v, w):
+        ctx = hooks.ComputeContext(lambda names, shape: P(), context_size=size, context_balance=True,
+                                   context_attention=mode)
+        with hooks.compute_context(ctx):
+            attend = jax.checkpoint(lambda q, k, v: attention_lib.attention(q, k, v, causal=True))
+            return jax.vjp(attend, q, k, v)[1](w)
+
+    spec = P(None, "context")
+    x = jax.ShapeDtypeStruct((1, t, 2, 8), jnp.float32)
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 3))
+    return step.lower(x, x, x, x).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("mode", ["ring", "allgather"])
+def test_attention_memory_is_linear_in_the_sequence(mode, monkeypatch):
+    """Twice the tokens at most 2.3x the temporaries (scores of [T/C x KEY_BLOCK], never
+    [T/C x T/C] or [T/C x T]); dense scores would take 4x."""
+    monkeypatch.setattr(attention_lib, "KEY_BLOCK", 64)
+    assert _attention_temp_bytes(mode, 4096) <= 2.3 * _attention_temp_bytes(mode, 2048)
+
+
+def test_whole_sequence_flash_skips_hidden_blocks_and_matches_dense(monkeypatch):
+    """One device, 8 key blocks of 4 (the causal half skipped): values and gradients equal the
+    written-out scores, GQA included."""
+    monkeypatch.setattr(attention_lib, "KEY_BLOCK", 4)
+    q, w = (jax.random.normal(key, (2, 32, 4, 8)) for key in jax.random.split(jax.random.key(0), 2))
+    k, v = (jax.random.normal(key, (2, 32, 2, 8)) for key in jax.random.split(jax.random.key(1), 2))
+    got, pull = jax.vjp(jax.jit(attention_lib.causal_flash), q, k, v)
+    want, want_pull = jax.vjp(causal_reference, q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for g, r in zip(pull(w), want_pull(w)):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_attention_is_flash_from_the_measured_length():
+    from shardlib.models.gpt import resolve_attention
+
+    assert resolve_attention("auto", jnp.float32, attention_lib.FLASH_MIN_SEQ) == "flash"
+    assert resolve_attention("auto", jnp.float32, attention_lib.FLASH_MIN_SEQ - 1) == "einsum"
+    assert resolve_attention("einsum", jnp.float32, 10**6) == "einsum"  # asked for by name: kept
+
+
 # ---- the balance of the ring's schedule, and the sequence layout
 
 

@@ -145,7 +145,7 @@ def test_grouped_query_attention_equals_repeated_kv_heads():
     np.testing.assert_allclose(gqa(inputs), nnx.merge(graphdef, merged)(inputs), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("attention, kv_heads", [("xla", 4), ("xla", 2), ("blocked", 2)])
+@pytest.mark.parametrize("attention, kv_heads", [("xla", 4), ("xla", 2), ("blocked", 2), ("flash", 2)])
 def test_other_attention_paths_equal_the_einsum_path(attention, kv_heads):
     """attention="xla" (jax.nn.dot_product_attention, whose "cudnn" kernel GPUs run) and "blocked"
     (query blocks recomputed in the backward pass) compute the same logits and gradients as the
@@ -173,8 +173,8 @@ def test_blocked_attention_takes_several_blocks_and_the_causal_mask_across_them(
 
 
 def test_unknown_attention_is_refused():
-    with pytest.raises(ValueError, match="attention='flash' is not one of"):
-        dataclasses.replace(TINY, attention="flash")
+    with pytest.raises(ValueError, match="attention='splash' is not one of"):
+        dataclasses.replace(TINY, attention="splash")
 
 
 def test_model_calls_the_shardlib_hooks(tiny):

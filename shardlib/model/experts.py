@@ -9,11 +9,16 @@ for its own experts. `combine` is the inverse exchange of the experts' outputs. 
 identity outside a step or with ``expert`` = 1, so the same layer runs on one device unchanged,
 and the autodiff transpose of an ``all_to_all`` is the reverse one, so the backward pass sends
 the gradients back the same way. docs/moe.md has the formulas.
+
+`dispatch_sorted` / `combine_sorted` are the dropless exchange: variable-sized groups of tokens
+sorted by expert, each device's group for device j padded to all of its tokens (one all_to_all
+of ``[P, N, d]``; XLA:CPU has no ``ragged_all_to_all``), re-sorted by local expert on arrival.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from shardlib.model import hooks
 from shardlib.sharding.mesh import EXPERT_AXIS
@@ -41,3 +46,40 @@ def combine(y: jax.Array) -> jax.Array:
     if expert_devices() == 1:
         return y
     return jax.lax.all_to_all(y, EXPERT_AXIS, split_axis=1, concat_axis=0, tiled=True)
+
+
+def _exchange(x: jax.Array) -> jax.Array:
+    """``[P, ...]``: block j to device j, the blocks received stacked by source."""
+    if expert_devices() == 1:
+        return x
+    hooks._CONTEXT.get().experts_dispatched = True
+    return jax.lax.all_to_all(x, EXPERT_AXIS, split_axis=0, concat_axis=0, tiled=True)
+
+
+def dispatch_sorted(x: jax.Array, sizes: jax.Array) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
+    """``x [N, d]`` sorted by expert, ``sizes [E]`` tokens per expert -> (the tokens for this
+    device's E/P experts from every device, ``[P N, d]`` sorted by local expert; their group
+    sizes ``[E/P]``, the padding rows counted in the last group; what `combine_sorted` needs)."""
+    p, n = expert_devices(), x.shape[0]
+    per_device = sizes.reshape(p, -1)  # [P, E/P]
+    totals = per_device.sum(axis=1)
+    i = jnp.arange(n)
+    valid = i[None, :] < totals[:, None]  # [P, N]: row i of the group for device j is a token
+    index = jnp.where(valid, (jnp.cumsum(totals) - totals)[:, None] + i[None, :], 0)
+    received = _exchange(jnp.where(valid[..., None], x[index], 0))  # [P sources, N, d]
+    received_sizes = _exchange(per_device)  # [P sources, E/P]
+    # each received row's local expert, by counting group ends (E/P for padding rows)
+    local = (i[None, None, :] >= jnp.cumsum(received_sizes, axis=1)[:, :, None]).sum(axis=1)
+    order = jnp.argsort(local.reshape(-1), stable=True)  # by local expert; padding (E/P) last
+    groups = received_sizes.sum(axis=0)
+    groups = groups.at[-1].add(p * n - groups.sum())
+    return received.reshape(p * n, -1)[order], groups, (valid, index, order)
+
+
+def combine_sorted(y: jax.Array, plan: tuple[jax.Array, ...]) -> jax.Array:
+    """The inverse of `dispatch_sorted`: outputs ``[P N, d]`` -> ``[N, d]`` in the sorted order
+    of this device's tokens."""
+    valid, index, order = plan
+    p, n = valid.shape
+    back = _exchange(jnp.zeros_like(y).at[order].set(y).reshape(p, n, -1))
+    return jnp.zeros((n, y.shape[-1]), y.dtype).at[index].add(jnp.where(valid[..., None], back, 0))
