@@ -52,8 +52,9 @@ def test_zero3_gathers_are_all_gathers_on_64_chips(chips):
     # (the norm scales' 512-element gathers stay an all-reduce: a rounding error beside the weights)
     assert policy.bytes_by_kind()["all-gather"] > 0 and gathered(policy) < 0.01 * policy.bytes_by_kind()["all-gather"]
     default = _zero3_stats(chips, OFF)
-    assert default.bytes_by_kind()["all-gather"] == 0
-    assert gathered(default) > 0.9 * policy.bytes_by_kind()["all-gather"]
+    assert default.bytes_by_kind()["all-gather"] == 0  # every gather became an all-reduce:
+    assert default.bytes_by_kind()["all-reduce"] >= policy.bytes_by_kind()["all-reduce"] + policy.bytes_by_kind()["all-gather"]
+    assert gathered(default) > 0
 
 
 def _scatter_stats(chips, mesh_shape, axes):

@@ -60,7 +60,7 @@ class HardwareProfile:
     notes: str = ""
 
     @property
-    def platform(self) -> str:
+    def backend(self) -> str:
         """The backend this hardware is: "tpu" for the tpu-* profiles, else "gpu"."""
         return "tpu" if self.name.startswith("tpu-") else "gpu"
 

@@ -117,8 +117,10 @@ def device_capacity() -> tuple[int, str] | None:
 
     import jax
 
+    from shardlib.backend import platform_of
+
     devices = jax.local_devices()
-    if devices[0].platform == "cpu":
+    if platform_of(devices) == "cpu":
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return total // len(devices), f"{len(devices)} CPU device(s) sharing {format_bytes(total)} of host RAM"
     limit = (devices[0].memory_stats() or {}).get("bytes_limit")

@@ -418,7 +418,7 @@ class Planner:
             raise PlanError(f"--batch-size and --seq-len must be positive, got {self.batch_size} and {self.seq_len}")
         self.params = param_count(self.config)
         self.attention_note = None
-        if not topology and self.profile.platform == "gpu" and self.config.attention == "auto":
+        if not topology and self.profile.backend == "gpu" and self.config.attention == "auto":
             # the GPU policy's attention is cuDNN's fused kernel, which XLA:CPU cannot compile
             self.config = dataclasses.replace(self.config, attention="xla")
             self.attention_note = ("attention compiled as XLA's (cuDNN's fused kernel, which a GPU run uses in bf16, "
@@ -605,7 +605,7 @@ class Planner:
 
         if self.topology or platform_of(self.devices) != "cpu":
             return contextlib.nullcontext()
-        return forced(self.profile.platform)
+        return forced(self.profile.backend)
 
     def _links_of(self, built: _Compiled) -> Any:
         """`hardware.torus_links` of the candidate's mesh on a TPU topology (None elsewhere)."""
