@@ -100,24 +100,27 @@ def test_the_vocabulary_of_your_own_model_comes_from_vocab_size(flags, says, tmp
     assert err.count("\n") == 1 and says in err, err
 
 
-def test_zero3_of_an_unrolled_stack_of_blocks_warns_once_naming_it_and_the_fix():
+def test_zero3_of_an_unrolled_stack_gathered_whole_warns_once_naming_it_and_the_fix():
     from shardlib import build, make_layout, make_mesh
     from shardlib.models import get_config, trainable
     from shardlib.step.compute import WholeGatherWarning
 
-    stack = shardlib.from_nnx(lambda rngs: zoo.NnxTransformer(rngs=rngs, n_layers=8), zoo.nnx_transformer_loss)
+    make = lambda rngs: zoo.NnxTransformer(rngs=rngs, n_layers=8)
+    stack = shardlib.from_nnx(make, zoo.nnx_transformer_loss, blocks=())
     with pytest.warns(WholeGatherWarning, match=r"zero3 stores .* not one block's; most of them are 'blocks/0' to "
-                                                r"'blocks/7' \(8 identical blocks of .*gathers_params=True"):
+                                                r"'blocks/7' \(8 identical blocks of .*blocks='auto'"):
         build(stack, optax.adamw(1e-3), make_layout(stack, "zero3", make_mesh({"fsdp": 8})))
     rows = {k: np.zeros((16, zoo.SEQ), np.int32) for k in ("tokens", "positions", "targets")}
     linen = shardlib.from_linen(zoo.LinenTransformer(n_layers=8), zoo.linen_transformer_loss, rows,
-                                inputs=lambda b, train: ((b["tokens"], b["positions"]), {"train": train}))
+                                inputs=lambda b, train: ((b["tokens"], b["positions"]), {"train": train}), blocks=())
     with pytest.warns(WholeGatherWarning, match=r"from_linen gathers each weight where it is read .* 'LinenBlock_0' "
-                                                r"to 'LinenBlock_7' \(8 identical blocks .* nn.scan under nn.remat"):
+                                                r"to 'LinenBlock_7' \(8 identical blocks .*blocks='auto'"):
         build(linen, optax.adamw(1e-3), make_layout(linen, "zero3", make_mesh({"fsdp": 8})))
-    gpt = trainable(get_config("tiny"))  # gathers its own layers: nothing to say; nor under dp; nor for a model
-    with warnings.catch_warnings():       # whose stack of blocks holds less than half (own_model: 2 x 2,112 of 20,800)
+    gpt = trainable(get_config("tiny"))  # gathers its own layers: nothing to say; nor with blocks gathered per
+    auto = shardlib.from_nnx(make, zoo.nnx_transformer_loss)  # call (the default); nor under dp
+    with warnings.catch_warnings():
         warnings.simplefilter("error", WholeGatherWarning)
         build(gpt, optax.adamw(1e-3), make_layout(gpt, "zero3", make_mesh({"fsdp": 8})))
+        build(auto, optax.adamw(1e-3), make_layout(auto, "zero3", make_mesh({"fsdp": 8})))
         build(own_model.make(), optax.adamw(1e-3), make_layout(own_model.make(), "zero3", make_mesh({"fsdp": 8})))
         build(stack, optax.adamw(1e-3), make_layout(stack, "dp", make_mesh({"data": 8})))

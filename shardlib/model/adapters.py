@@ -100,6 +100,9 @@ class Model:
     # never read (an eval-only branch, or one after the line that raised) was never computed with:
     # the step's ``gather_layer`` check has nothing to refuse.
     gathers_on_read: bool = False
+    # The submodules the adapter gathers one at a time, each when its call runs (`shardlib.model.blocks`):
+    # ZeRO-3 then holds one block's weights at a time in a model written without ``gather_layer``.
+    gathered_blocks: tuple[str, ...] = ()
     # A tree like the parameters, True where one is frozen (``from_nnx(wrt=...)``): no gradient
     # flows into it and `build` masks the optimizer to the others; None: every parameter trains.
     frozen: Params | None = None

@@ -493,6 +493,25 @@ def gather_layer(state: Any) -> Any:
     return jax.tree.map(lambda v: _gather_variable(v, ctx), state, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
+def gather_into(variables: Sequence[Any]) -> list[tuple[Any, Any]]:
+    """Each parameter shard among ``variables`` (NNX Variables) replaced in place by its gather
+    (`gather_layer`'s, cast included); returns ``(variable, shard)`` pairs for `restore`. For a
+    block gathered when its call runs (`shardlib.model.nnx_blocks`), which must hand the shards
+    back to its remat, not the gathered weights."""
+    replaced = []
+    for variable, new in zip(variables, gather_layer(list(variables))):
+        if new is not variable:
+            replaced.append((variable, variable.get_value()))
+            variable.set_value(new.get_value())
+    return replaced
+
+
+def restore(replaced: Sequence[tuple[Any, Any]]) -> None:
+    """Put back the shards `gather_into` replaced."""
+    for variable, shard in replaced:
+        variable.set_value(shard)
+
+
 # Where Flax exposes its logical constraint: `noting_flax_constraints` wraps each for a linen call.
 _FLAX_CONSTRAINTS = (("flax.linen", "with_logical_constraint"), ("flax.linen.spmd", "with_logical_constraint"),
                      ("flax.linen.partitioning", "with_sharding_constraint"))

@@ -20,11 +20,12 @@ import functools
 import inspect
 import re
 import warnings
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 
+from shardlib.model import blocks as blocks_lib
 from shardlib.model import hooks
 from shardlib.model.adapters import Batch, Model, _loss_out, _with_call, noting_no_step
 from shardlib.sharding import rules as rules_lib
@@ -146,6 +147,7 @@ def from_linen(
     capture: tuple[str, ...] = (),
     path_rules: rules_lib.PathRules = (),
     eval_module: Any = None,
+    blocks: str | Sequence[str] = blocks_lib.AUTO,
 ) -> Model:
     """Adapt a linen module whose parameters use ``nn.with_logical_partitioning``, t5x's
     ``param_with_axes`` (names read from ``params_axes``, which is not state), or no names.
@@ -181,7 +183,11 @@ def from_linen(
     ``(outputs, {collection: values})``, what ``module.apply(..., mutable=capture)`` returns.
     Inside the step, ``nn.with_logical_constraint`` maps through the strategy's activation rules,
     and each parameter stored split over the batch axes is gathered where a layer reads it
-    (`_gathered_on_read`), so ZeRO-3 holds one scanned layer's weights at a time.
+    (`_gathered_on_read`), so ZeRO-3 holds one scanned layer's weights at a time. An unrolled
+    stack's ``blocks`` (default ``"auto"``: the members of every stack of identical sibling
+    submodules, `shardlib.model.blocks`; or submodule paths such as ``("LBlock_0", "LBlock_1")``;
+    ``()``: none) each run under ``nn.remat`` when their parameters are stored split, so the
+    backward pass reads (gathers) them again instead of keeping every block's gathered weights.
     """
     from flax import linen as nn
     from flax.core import unfreeze
@@ -214,8 +220,14 @@ def from_linen(
     logical = _with_layer_axes(_with_path_rules(logical, nn.unbox(boxed)["params"], path_rules, scanned), scanned)
 
     call_loss = _loss_caller(loss_fn)
+    per_block = blocks_lib.resolve(blocks, [(tuple(rules_lib.path_str(p).split("/")), tuple(x.shape), x.size * x.dtype.itemsize)
+                                            for p, x in jax.tree_util.tree_leaves_with_path(nn.unbox(boxed)["params"])])
 
     def run(params, batch, specs, call):
+        with _remat_blocks(per_block, specs):
+            return unrolled(params, batch, specs, call)
+
+    def unrolled(params, batch, specs, call):
         args, kwargs = inputs(batch, call.train)
         # under the per-layer reduction, a scanned stack's whole parameters get their twins on read too
         stacked = scanned.keys() if hooks.reduces_per_layer() else ()
@@ -228,6 +240,7 @@ def from_linen(
 
     return Model(init=lambda key: nn.unbox(variables(key)["params"]), loss=_with_call(run, bool(collections)),
                  logical_axes=logical, apply=apply_call.outputs, gathers_params=True, gathers_on_read=True,
+                 gathered_blocks=per_block,
                  takes_call=True, uses_key=bool(rng_streams), init_state=init_state if collections else None)
 
 
@@ -626,6 +639,40 @@ def _noting_wrapped_layers(found: set[str]) -> Iterator[None]:
         return out
 
     with nn.intercept_methods(note):
+        yield
+
+
+@contextlib.contextmanager
+def _remat_blocks(blocks: tuple[str, ...], specs: Any) -> Iterator[None]:
+    """While the step's module runs: each submodule at ``blocks`` runs its ``__call__`` under
+    ``nn.remat`` when its parameters are stored split, so the weights it gathers on read live while
+    it runs and are gathered again in the backward pass (`shardlib.model.blocks`)."""
+    stored = {} if specs is None else {rules_lib.path_str(p): tuple(spec) for p, spec in
+                                       jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, tuple))}
+    if not blocks or not blocks_lib.sharded(blocks, stored):
+        yield
+        return
+    from flax import linen as nn
+
+    running: set[str] = set()  # the blocks inside their remat: their own call passes through
+
+    def remat(next_fun, args, kwargs, context):
+        path = "/".join(context.module.path) if context.module.scope is not None else None
+        if context.method_name != "__call__" or path not in blocks or path in running:
+            return next_fun(*args, **kwargs)
+        arrays, rebuild = blocks_lib.split_static((args, kwargs), lambda x: isinstance(x, nn.Module))
+
+        def body(block, arrays):
+            args, kwargs = rebuild(arrays)
+            running.add(path)
+            try:
+                return block(*args, **kwargs)
+            finally:
+                running.discard(path)
+
+        return nn.remat(body)(context.module, arrays)
+
+    with nn.intercept_methods(remat):
         yield
 
 

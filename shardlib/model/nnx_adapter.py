@@ -6,15 +6,17 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from shardlib import compat
 from shardlib.model.adapters import Batch, Call, Model, Stages, _loss_out, _with_call, noting_no_step, _with_eval_key
-from shardlib.model import hooks
+from shardlib.model import blocks as blocks_lib
+from shardlib.model import hooks, nnx_blocks
 from shardlib.model.hooks import SPEC_METADATA
 from shardlib.sharding import rules as rules_lib
 
@@ -66,6 +68,7 @@ def from_nnx(
     loss_fn: Callable[[Any, Batch], Any],
     *,
     gathers_params: bool = False,
+    blocks: str | Sequence[str] = blocks_lib.AUTO,
     pipeline: Stages | None = None,
     wrt: Any = None,
     path_rules: rules_lib.PathRules = (),
@@ -118,9 +121,14 @@ def from_nnx(
     ``tp`` without touching its code; an annotation wins over a rule. Names fewer than a parameter's
     dims name its leading dims, with a warning (an ``nnx.vmap`` stack that does not record its axis).
 
-    Set ``gathers_params=True`` when the module calls `shardlib.model.hooks.gather_layer` on all
-    its parameters (as `models.gpt` does: per layer inside its scan), so ZeRO-3 gathers one layer
-    at a time instead of the whole model. ``pipeline`` gives the module-level `Stages`
+    Under ZeRO-3 / FSDP the step holds one block's weights at a time: ``blocks`` (default
+    ``"auto"``: the members of every stack of identical sibling submodules, such as the blocks of
+    an unrolled ``for`` loop, `shardlib.model.blocks`; or your own submodule paths, as FSDP2's
+    ``fully_shard`` per block; ``()``: none) are each gathered when their ``__call__`` runs, under
+    ``nnx.remat`` so the backward pass gathers them again, and the other parameters once at the
+    top of the step. Set ``gathers_params=True`` instead when the module calls
+    `shardlib.model.hooks.gather_layer` on all its parameters itself (as `models.gpt` does: per
+    layer inside its scan). ``pipeline`` gives the module-level `Stages`
     (functions of the bound module) for pipeline parallelism.
     """
     source = _Source.of(make)
@@ -136,6 +144,7 @@ def from_nnx(
     frozen = _frozen_mask(parts.params, wrt)
     keyed = _with_eval_key if _checked_eval_streams(eval_rng_streams, parts.rngs, loss_extras) else (lambda c: c)
     evaluated = _eval_parts(eval_module, parts)
+    per_block = _blocks(blocks, parts, gathers_params, pipeline)
 
     def run(params, batch, specs, call):
         call = keyed(call)
@@ -144,6 +153,8 @@ def from_nnx(
         module = (parts if call.train or evaluated is None else evaluated).bind(params, specs, call.state, call.key)
         hooks.rebind_axis_name(module)
         hooks.vary_nnx_carries(module)
+        if per_block and specs is not None:
+            nnx_blocks.gather_per_block(module, per_block)
         if call.train:
             _train_undecided(module)
         else:
@@ -155,9 +166,23 @@ def from_nnx(
 
     uses_key = bool(jax.tree.leaves(parts.rngs)) or "rngs" in loss_extras
     return Model(init=source.params, loss=_with_call(run, uses_key or stateful), logical_axes=logical,
-                 gathers_params=gathers_params, apply=parts.apply,
+                 gathers_params=gathers_params or bool(per_block), gathered_blocks=per_block, apply=parts.apply,
                  pipeline=_stages(pipeline, parts), takes_call=uses_key or stateful or bool(loss_extras),
                  uses_key=uses_key, init_state=source.carried if stateful else None, frozen=frozen)
+
+
+def _blocks(blocks: str | Sequence[str], parts: _NnxParts, gathers_params: bool, pipeline: Any) -> tuple[str, ...]:
+    """The submodules gathered per call (`nnx_blocks`): none for a module that gathers its own
+    parameters or is pipelined (its stages are the units), where only ``"auto"`` is accepted."""
+    if gathers_params or pipeline is not None:
+        if blocks != blocks_lib.AUTO and tuple(blocks):
+            raise ValueError("from_nnx: blocks= names the submodules shardlib gathers per call, which a module "
+                             f"that {'gathers its own parameters (gathers_params=True)' if gathers_params else 'is pipelined'}"
+                             " does not use: drop blocks=")
+        return ()
+    leaves = [(tuple(rules_lib.path_str(path).split("/")), tuple(x.shape), int(np.prod(x.shape)) * x.dtype.itemsize)
+              for path, x in jax.tree_util.tree_leaves_with_path(nnx_pure_dict(parts.params))]
+    return blocks_lib.resolve(blocks, leaves)
 
 
 def _eval_parts(eval_module: Any, parts: _NnxParts) -> _NnxParts | None:

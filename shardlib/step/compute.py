@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from shardlib.model import Call, Model, Stages, hooks
+from shardlib.model import blocks as blocks_lib
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout, known_names, restrict, spec_axes
 from shardlib.sharding.mesh import EXPERT_AXIS
@@ -206,52 +208,42 @@ class WholeGatherWarning(UserWarning):
 
 
 def warn_whole_gather(layout: Layout, specs: Any, reads_gather: bool) -> None:
-    """Warn (once per model and mesh) when ZeRO-3 stores the parameters of a model built from a
-    stack of identical blocks that holds most of them, and the model does not gather one block at
-    a time itself: XLA places each gather where its weight is used (or linen gathers on read,
-    ``reads_gather``), but autodiff keeps every gathered weight for the backward pass, so the
-    peak can hold the whole model instead of one block (docs/your-model.md, "Not supported yet";
-    `scripts/measure_zero3_peak.py`). A model without such a stack (an MLP) is not warned about,
-    nor a scanned stack (its parameters carry the 'layers' axis)."""
+    """Warn (once per model and mesh) when ZeRO-3 stores the parameters sharded but the step's peak
+    will hold most of them at once: a model without ``gather_layer`` whose blocks are not gathered
+    per call (``blocks=()``) while an unrolled stack of identical blocks holds most of them, or
+    whose scanned stack (parameters carrying the 'layers' axis) the step gathers whole. Autodiff
+    keeps every gathered weight for the backward pass unless the gather sits inside a remat of its
+    block (`shardlib.model.blocks`). A model without a stack (an MLP) is not warned about."""
     leaves = jax.tree.leaves(layout.params, is_leaf=rules_lib.is_layout)
     if not any(spec_axes(spec) for spec in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
         return
-    if any(l.logical and "layers" in l.logical for l in leaves):
-        return
-    total = sum(l.bytes() for l in leaves)
-    name, blocks = _largest_stack([(tuple(l.path.split("/")), l.shape, l.bytes()) for l in leaves])
-    if len(blocks) < 2 or 2 * sum(blocks) < total:
-        return
     from shardlib.text import format_bytes
 
-    why = ("from_linen gathers each weight where it is read while autodiff keeps every gathered weight for the "
-           "backward pass" if reads_gather else "this model does not gather them itself (gathers_params=False)")
-    fix = ("stack the blocks with nn.scan under nn.remat (docs/linen.md)" if reads_gather else
-           "pass each block through shardlib.gather_layer under nnx.remat (or scan them) and build with "
-           "gathers_params=True (docs/nnx.md, 'Scanned layers under ZeRO-3')")
+    total = sum(l.bytes() for l in leaves)
+    stacked = [l for l in leaves if l.logical and "layers" in l.logical]
+    if stacked:
+        if reads_gather:  # linen reads a scanned stack one layer at a time
+            return
+        parent = os.path.commonpath([l.path for l in stacked]) or stacked[0].path
+        held = sum(l.bytes() for l in stacked)
+        warnings.warn(
+            f"{layout.strategy.name} stores {format_bytes(total)} of parameters sharded, but this model does not gather "
+            f"them itself (gathers_params=False), so the step gathers its scanned stack {parent!r} ({format_bytes(held)}) "
+            "whole before the scan and its peak holds all of it. To hold one layer at a time, call "
+            "shardlib.gather_layer(layer) at the top of the scan body and build with gathers_params=True (docs/nnx.md, "
+            "'Scanned layers under ZeRO-3')", WholeGatherWarning, stacklevel=4)
+        return
+    name, blocks = blocks_lib.largest_stack([(tuple(l.path.split("/")), l.shape, l.bytes()) for l in leaves])
+    if len(blocks) < 2 or 2 * sum(blocks) < total:
+        return
+    why = ("from_linen gathers each weight where it is read" if reads_gather else
+           "this model does not gather them itself (gathers_params=False)")
     warnings.warn(
-        f"{layout.strategy.name} stores {format_bytes(total)} of parameters sharded, but {why}, so the step's peak "
-        f"can hold all of them at once, not one block's; most of them are {name} ({len(blocks)} identical blocks "
-        f"of {format_bytes(blocks[0])}). To hold one block at a time, {fix}", WholeGatherWarning, stacklevel=4)
-
-
-def _largest_stack(leaves: list[tuple[tuple[str, ...], tuple[int, ...], int]]) -> tuple[str, list[int]]:
-    """(its name, each block's bytes) of the largest group of sibling submodules with the same
-    parameters (relative paths and shapes): an unrolled stack of blocks; ``("", [])`` when none."""
-    found: dict[tuple[tuple[str, ...], Any], list[tuple[str, int]]] = {}
-    subtrees: dict[tuple[str, ...], list[tuple[tuple[str, ...], tuple[int, ...], int]]] = {}
-    for path, shape, size in leaves:
-        for depth in range(len(path) - 1):  # every submodule above the leaf
-            subtrees.setdefault(path[:depth + 1], []).append((path[depth + 1:], shape, size))
-    for node, content in subtrees.items():
-        signature = tuple(sorted((rest, shape) for rest, shape, _ in content))
-        found.setdefault((node[:-1], signature), []).append((node[-1], sum(size for *_, size in content)))
-    groups = [(parent, members) for (parent, _), members in found.items() if len(members) > 1]
-    if not groups:
-        return "", []
-    parent, members = max(groups, key=lambda g: sum(size for _, size in g[1]))
-    first, last = ("/".join((*parent, members[i][0])) for i in (0, -1))
-    return f"{first!r} to {last!r}", [size for _, size in members]
+        f"{layout.strategy.name} stores {format_bytes(total)} of parameters sharded, but {why} and its blocks are not "
+        f"gathered one at a time (blocks=()), so autodiff keeps every gathered weight for the backward pass and the "
+        f"step's peak can hold all of them, not one block's; most of them are {name} ({len(blocks)} identical blocks "
+        f"of {format_bytes(blocks[0])}). To hold one block at a time, build the model with blocks='auto' (the default) "
+        "or name its blocks (docs/your-model.md, 'ZeRO-3 one block at a time')", WholeGatherWarning, stacklevel=4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +287,7 @@ class ModelCall:
                                                    jax.tree.leaves(auto))}
         secondary = hierarchical.for_layout(layout, model.gathers_params)
         specs = secondary.intra_specs if secondary else layout.manual(layout.params, gathered_axes(layout))
-        if not model.gathers_params or model.gathers_on_read:
+        if not model.gathered_blocks and (not model.gathers_params or model.gathers_on_read):
             warn_whole_gather(layout, specs, model.gathers_on_read)
         return cls(model, specs, auto, by_path, sharded_paths(layout), activation_spec(layout),
                    policy.compute_dtype, cast_first, rows_split, active_axes(layout, exclude), secondary,
@@ -420,6 +412,13 @@ class ModelCall:
         user's own check) is the model's and propagates as it is, with a note. A model that gathers
         on read (linen) is never refused: a parameter it did not read, it did not compute with."""
         missed = [p for p in self.must_gather if p not in ctx.gathered] if self.model.gathers_params else []
+        if err is not None and self.model.gathered_blocks and "shape" in str(err).lower():
+            err.add_note(
+                f"shardlib: the blocks of this model ({self.model.gathered_blocks[0]!r}, ...) are gathered when their "
+                "__call__ runs; their weights used outside it (another method of the block, or a sublayer called from "
+                "the parent) are this device's shards. Name the submodules that are called as a whole "
+                "(blocks=(...)), or gather the whole model once per step (blocks=())")
+            return
         if not missed or (err is None and self.model.gathers_on_read):
             return
         if err is not None and (self.model.gathers_on_read or "shape" not in str(err).lower()):

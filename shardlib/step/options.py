@@ -267,8 +267,10 @@ REFUSALS: tuple[Refusal, ...] = (
             "it reduce-scatters every microbatch inside the step",
             "use grad_accum=1 or 'zero1'"),
     # -- layerwise reduction: where it is exact (None applies it where no row holds)
-    Refusal("layerwise", "this model", lambda c: not c.model.gathers_params,
-            "the model does not pass its parameters through gather_layer (gathers_params=False)",
+    Refusal("layerwise", "this model",
+            lambda c: not c.model.gathers_params or (bool(c.model.gathered_blocks) and not c.model.gathers_on_read),
+            "the model does not pass its parameters through gather_layer itself (gathers_params=False; its blocks "
+            "are gathered per call only where they are stored split)",
             "use layerwise=None (where it applies) or False"),
     Refusal("layerwise", "grad_compression={c.grad_compression.name!r}", lambda c: c.grad_compression.name != "none",
             "grad_compression={c.grad_compression.name!r} compresses the reductions after the backward pass",
