@@ -155,13 +155,13 @@ def test_tiny_trains_on_a_bin_token_file_with_the_default_seq_len(tiny_run):
     assert first == pytest.approx(np.log(VOCAB), rel=0.1)  # a fresh model spreads over all 300 ids, not 256 bytes
 
 
-def test_rerun_without_ckpt_every_refuses_and_loses_nothing(tiny_run, capsys):
+def test_rerun_that_does_not_checkpoint_refuses_and_loses_nothing(tiny_run, capsys):
     _, out, _ = tiny_run
     before = sorted(p.name for p in (out / "checkpoints").iterdir())
     metrics = (out / "metrics.jsonl").read_text()
-    assert main(["train", "--model", "tiny", "--steps", "2", "--out", str(out)]) == 2
+    assert main(["train", "--model", "tiny", "--steps", "2", "--ckpt-every", "0", "--out", str(out)]) == 2
     line = _one_error_line(capsys)
-    assert "checkpointed at step 2" in line and "--ckpt-every" in line and "another --out" in line
+    assert "checkpointed at step 2" in line and "drop --ckpt-every 0" in line and "another --out" in line
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
     assert (out / "metrics.jsonl").read_text() == metrics
 

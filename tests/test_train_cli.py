@@ -211,7 +211,9 @@ def test_banner_names_data_and_checkpoints_and_a_finished_rerun_prints_no_nan(tm
 
 def test_checkpoint_setting_and_resume_hint_follow_the_flags():
     out = Path("runs/20250101-000000")
-    assert checkpoint_setting(TrainConfig(), out).startswith("off (--ckpt-every N saves every N steps")
+    assert checkpoint_setting(TrainConfig(), out) == \
+        f"{out.absolute() / 'checkpoints'}, at the end (--ckpt-every N: also every N steps), keep 3"
+    assert checkpoint_setting(TrainConfig(ckpt_every=0), out).startswith("off (--ckpt-every 0; without it a run saves")
     assert checkpoint_setting(TrainConfig(ckpt_every=50, keep=2), out) == \
         f"{out.absolute() / 'checkpoints'}, every 50 steps and at the end, keep 2"
     assert resume_hint(TrainConfig(), out) == f"to resume, run the same command with --out {out}"
@@ -230,9 +232,9 @@ def test_ctrl_c_without_checkpoints_says_nothing_was_saved(monkeypatch, capsys):
         raise KeyboardInterrupt
 
     monkeypatch.setattr("shardlib.run.train.train", interrupted)
-    assert main(["train", *TINY]) == 130
+    assert main(["train", *TINY, "--ckpt-every", "0"]) == 130
     err = capsys.readouterr().err
-    assert "interrupted; nothing saved (checkpointing is off: with --ckpt-every N" in err, err
+    assert "interrupted; nothing saved (checkpointing is off, --ckpt-every 0: without it" in err, err
 
 
 def _subprocess_env() -> dict[str, str]:

@@ -34,8 +34,8 @@ def open_checkpointer(config: TrainConfig, out_dir: Path):
 
     if config.resume_from is not None and not directory.is_dir():
         raise TrainConfigError("resume_from", f"no checkpoints at {directory}; pass the --out directory of a run "
-                                              "trained with --ckpt-every")
-    ckpt = checkpoint.Checkpointer(directory, every=config.ckpt_every, keep=config.keep)
+                                              "that saved some (not --ckpt-every 0)")
+    ckpt = checkpoint.Checkpointer(directory, every=config.ckpt_every or 0, keep=config.keep)
     return ckpt, config.resume_from is not None or ckpt.latest_step() is not None
 
 
@@ -49,11 +49,11 @@ def refuse_silent_restart(config: TrainConfig, out_dir: Path) -> None:
     from shardlib.runtime.elastic import latest_checkpoint, restart_from_env
 
     step = latest_checkpoint(out_dir) if (out_dir / "checkpoints").is_dir() else None  # no Orbax load without one
-    if step is not None and (config.fresh or not config.ckpt_every):
+    if step is not None and (config.fresh or config.ckpt_every == 0):
         why = "--fresh would train from step 0" if config.fresh else "this run does not checkpoint, so it would start over"
         raise TrainConfigError("fresh" if config.fresh else "out",
                                f"{out_dir} already holds a run checkpointed at step {step}, and {why} beside it; "
-                               + ("" if config.fresh else "add --ckpt-every N to resume that run, or ") + "pick another --out")
+                               + ("" if config.fresh else "drop --ckpt-every 0 to resume that run, or ") + "pick another --out")
     if step is not None or config.fresh or restart_from_env() is not None:  # an elastic restart starts over on purpose
         return
     history = run_history(out_dir)

@@ -194,8 +194,8 @@ class TrainConfig:
                                        "read as instruction examples; the sample's prompt too", metavar="PATH")
     token_dtype: str = flag("uint16", "element type of a raw .bin token file (default uint16, as nanoGPT writes; "
                                       "uint32 for vocabularies over 65,536)", choices=["uint16", "uint32"])
-    out: str | None = flag(None, "run directory (default runs/<timestamp>, new each run); with --ckpt-every, a re-run "
-                                    "with the same --out resumes", metavar="DIR")
+    out: str | None = flag(None, "run directory (default runs/<timestamp>, new each run); a re-run with the same "
+                                    "--out resumes from its checkpoints", metavar="DIR")
     eval_every: int = flag(25, "validate every N steps and at the end (default %(default)s; 0: at the end only)",
                            metavar="N")
     eval_batches: int = 8
@@ -206,11 +206,12 @@ class TrainConfig:
                                 "terminal)", negate=True)
     tensorboard: bool = flag(True, "do not write TensorBoard event files", negate=True)
     verbose: bool = True
-    ckpt_every: int = flag(0, "save a checkpoint every N steps and at the end (default 0: off)", metavar="N")
+    ckpt_every: int | None = flag(None, "save a checkpoint every N steps and at the end (default: at the end only; "
+                                        "0: never); each run also saves on Ctrl-C or SIGTERM", metavar="N")
     keep: int = flag(3, "checkpoints to keep (default %(default)s)", metavar="N")
     resume_from: str | None = flag(
-        None, "continue from the latest checkpoint of this run directory (and keep writing there); with "
-              "--ckpt-every, a run whose --out already holds checkpoints resumes from them by itself", metavar="DIR")
+        None, "continue from the latest checkpoint of this run directory (and keep writing there); a run "
+              "whose --out already holds checkpoints resumes from them by itself", metavar="DIR")
     force: bool = flag(False, "start even when the compiled step needs more memory than a device has (refused "
                               "otherwise, with the largest --batch-size or the --grad-accum that fits)")
     fresh: bool = flag(False, "start at step 0 in an --out that holds an earlier run's metrics or damaged checkpoints "
@@ -282,7 +283,7 @@ def check_numbers(config: TrainConfig) -> None:
         if getattr(config, field) is not None and getattr(config, field) < 1:  # seq_len None: the model's default
             raise TrainConfigError(field, f"must be at least 1, got {getattr(config, field)}")
     for field in ("eval_every", "ckpt_every", "sample_tokens", "seed", "max_skips"):
-        if getattr(config, field) < 0:
+        if getattr(config, field) is not None and getattr(config, field) < 0:  # ckpt_every None: at the end
             raise TrainConfigError(field, f"must be non-negative, got {getattr(config, field)}")
     if not config.lr > 0:
         raise TrainConfigError("lr", f"must be positive, got {config.lr}")

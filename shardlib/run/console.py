@@ -90,8 +90,9 @@ def checkpoint_setting(config: TrainConfig, out_dir: Path) -> str:
     """Where checkpoints go, how often, how many are kept; or off, and the flag that turns them on."""
     directory = saves_to(config, out_dir)
     if directory is None:
-        return "off (--ckpt-every N saves every N steps, at the end, and on Ctrl-C or SIGTERM)"
+        return "off (--ckpt-every 0; without it a run saves at the end, and on Ctrl-C or SIGTERM)"
     when = (f"every {plural(config.ckpt_every, 'step')} and at the end" if config.ckpt_every
+            else "at the end (--ckpt-every N: also every N steps)" if config.ckpt_every is None
             else "on Ctrl-C or SIGTERM only (--ckpt-every 0)")
     return f"{directory}, {when}, keep {config.keep}"
 

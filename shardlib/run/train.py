@@ -291,7 +291,7 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate):
                       clock, tokens_per_step=run.tokens_per_step, at_once=validation.due, devices=len(jax.devices()))
     profile = ProfileSteps(config.profile, run.out_dir, first, enabled=run.is_main)
     saver = None if ckpt is None else SaveCheckpoint(
-        ckpt, Every(config.ckpt_every, last=config.steps if config.ckpt_every else None),
+        ckpt, Every(config.ckpt_every or 0, last=None if config.ckpt_every == 0 else config.steps),
         seed=run.loader.seed, config=saved_config(run), data_state=getattr(run.loader, "state_at", None))
     try:
         with preemption(saver, config.steps, resume_hint(config, run.out_dir)) as stop:
@@ -396,8 +396,8 @@ def run(args) -> int:
         if config.ckpt_every == 0 and config.resume_from is None:
             from shardlib.exits import exit_interrupted
 
-            print("shardlib train: interrupted; nothing saved (checkpointing is off: with --ckpt-every N a run "
-                  "saves every N steps, and Ctrl-C saves before stopping)", file=sys.stderr, flush=True)
+            print("shardlib train: interrupted; nothing saved (checkpointing is off, --ckpt-every 0: without it a run "
+                  "saves at the end, and Ctrl-C saves before stopping)", file=sys.stderr, flush=True)
             return exit_interrupted(err, EXIT_INTERRUPTED)
         raise
     return 0
