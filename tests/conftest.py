@@ -1,6 +1,8 @@
 """Every test sees 8 simulated CPU devices, set before JAX initialises its backend."""
 import os
 
+from tests import compile_flags
+
 os.environ["XLA_FLAGS"] = " ".join(
     [
         os.environ.get("XLA_FLAGS", ""),
@@ -8,10 +10,9 @@ os.environ["XLA_FLAGS"] = " ".join(
         # A loaded 2-core machine can leave some device threads late to a collective;
         # the default 40 s watchdog would then abort the process (docs/design.md, "The CPU collective watchdog").
         "--xla_cpu_collective_call_terminate_timeout_seconds=900",
-        # Tests are dominated by compilation of small programs: skipping LLVM's optimisation
-        # passes cuts compile time by about a third and changes no test's reference (each
-        # comparison runs both sides under the same flags).
-        "--xla_backend_optimization_level=0",
+        # Tests are dominated by compilation of small programs (`tests/compile_flags.py`); no
+        # test's reference changes (each comparison runs both sides under the same flags).
+        compile_flags.FAST,
     ]
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -35,6 +35,7 @@ from shardlib.runtime.data import ByteBatches, load_text
 from shardlib.tools.export import export_params, load_exported, read_export_metadata
 from shardlib.sharding.mesh import MESH_AXES
 from tests.helpers import assert_bitwise, host_copy
+from tests import compile_flags
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH, SEQ = 8, 32
@@ -291,7 +292,8 @@ _KILLED_SAVER = textwrap.dedent(
 
 def _subprocess_env() -> dict:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1 --xla_cpu_collective_call_terminate_timeout_seconds=900"
+    env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=1 --xla_cpu_collective_call_terminate_timeout_seconds=900 "
+                        + compile_flags.FAST)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     return env
@@ -484,7 +486,8 @@ def test_safetensors_file_reads_with_the_reference_library(trained, tmp_path) ->
 
 _WORKER = """
 import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4 --xla_cpu_collective_call_terminate_timeout_seconds=900"
+os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 --xla_cpu_collective_call_terminate_timeout_seconds=900 "
+                           "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
 port, pid, ckpt_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -551,7 +554,7 @@ def test_two_processes_save_restore_export_and_agree_on_preemption(zero3, tmp_pa
     gathers across processes, and SIGTERM on one host stops both at the same step."""
     ckpt_dir = tmp_path / "ckpt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = compile_flags.FAST  # the CLI sets up its own devices
     port = _free_port()
     procs = [
         subprocess.Popen([sys.executable, "-c", _WORKER, str(port), str(pid), str(ckpt_dir)],

@@ -16,6 +16,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardlib.runtime import data as D
+from tests import compile_flags
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -237,6 +238,7 @@ _WORKER = """
 import os, sys
 os.environ["XLA_FLAGS"] = (
     "--xla_force_host_platform_device_count=4 --xla_cpu_collective_call_terminate_timeout_seconds=900"
+    " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 )
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
@@ -282,7 +284,7 @@ def test_two_processes_see_the_single_process_batch(tmp_path: Path, mesh_order: 
     script.write_text(textwrap.dedent(_WORKER))
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = compile_flags.FAST
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(port), str(pid), mesh_order],

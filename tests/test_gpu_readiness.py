@@ -15,12 +15,14 @@ import pytest
 from shardlib.runtime import xla_flags
 from shardlib.runtime.xla_flags import GPU_OVERLAP_FLAGS, flag_names, set_gpu_overlap_flags, with_flags
 
+from tests import compile_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _subprocess_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return {**env, "PYTHONPATH": str(ROOT), **extra}
+    return {**env, "PYTHONPATH": str(ROOT), "XLA_FLAGS": compile_flags.FAST, **extra}
 
 
 def test_flags_string_for_an_empty_environment():

@@ -35,6 +35,7 @@ from shardlib.cli import main
 from shardlib.run.checkpointing import refuse_silent_restart
 from shardlib.run.metrics_io import MetricsLog, read_metrics
 from shardlib.run.setup import LOCK_NAME, claim_run_directory
+from tests import compile_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--model", "tiny", "--seq-len", "32", "--batch-size", "8", "--cpu-devices", "2", "--no-progress",
@@ -45,7 +46,7 @@ def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLIB_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["JAX_PLATFORMS"] = "cpu"
-    env.pop("XLA_FLAGS", None)  # the CLI and launcher set their own devices
+    env["XLA_FLAGS"] = compile_flags.FAST  # the CLI and launcher set their own devices
     env.update(extra)
     return env
 

@@ -30,6 +30,8 @@ from shardlib.run.loop import Recorder, run_steps
 from shardlib.run.metrics_io import read_metrics
 from shardlib.run.train import TrainConfig, sample_text, train
 
+from tests import compile_flags
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model", "tiny", "--batch-size", "16", "--seq-len", "32", "--no-progress"]
 STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"}
@@ -241,7 +243,7 @@ def _subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).strip(os.pathsep)
     env["JAX_PLATFORMS"] = "cpu"
-    env.pop("XLA_FLAGS", None)  # the CLI must set up its own devices and collective timeout
+    env["XLA_FLAGS"] = compile_flags.FAST  # the CLI must set up its own devices and collective timeout
     return env
 
 
