@@ -132,6 +132,20 @@ def test_dropout_draws_as_without_the_per_block_gather():
     assert runs[0][0] != runs[0][1]
 
 
+@pytest.mark.parametrize("strategy, mesh, options", [("zero3_hpz", {"data": 2, "fsdp": 4}, {}),
+                                                     ("zero3", {"fsdp": 8}, {"weight_gather": "int8", "grad_accum": 2})])
+def test_the_per_block_gather_composes_with_hpz_quantised_gathers_and_accumulation(strategy, mesh, options):
+    """The blocks' gathers are the step's own (hpZ's intra-host specs, ZeRO++'s int8 gather),
+    so the losses are those of the same step gathering the whole model."""
+    make = lambda rngs: zoo.NnxTransformer(rngs=rngs, n_layers=2)
+    losses = []
+    for blocks in ("auto", ()):
+        model = shardlib.from_nnx(make, zoo.nnx_transformer_loss, blocks=blocks)
+        program = build(model, optax.adamw(1e-2), make_layout(model, strategy, make_mesh(mesh)), **options)
+        losses.append(zoo.program_steps(program, program.init(jax.random.key(0)), [zoo.token_batch(s) for s in range(2)])[1])
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+
+
 # ---- the peak, compiled by the TPU compiler for a v5e 2x4 slice ----------------------------------
 
 D, FF, HEADS, VOCAB, T, B = 256, 1024, 4, 256, 64, 16
