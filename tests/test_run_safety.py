@@ -431,9 +431,10 @@ sys.exit(main(sys.argv[1:]))
 
 @pytest.mark.parametrize("checkpoints", [False, True], ids=["no-checkpoints", "ckpt-every"])
 def test_ctrl_c_during_the_compile_exits_130_cleanly(tmp_path, checkpoints):
-    flags = ["--steps", "3", "--out", str(tmp_path / "run"), *(["--ckpt-every", "2"] if checkpoints else [])]
+    flags = ["--steps", "3", "--out", str(tmp_path / "run"), "--ckpt-every", "2" if checkpoints else "0"]
     cmd = [sys.executable, "-X", "faulthandler", "-c", ANNOUNCE_COMPILES, "train", *TINY, *flags]
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # XLA's default emitters: a compile long enough (seconds) for the signal to land inside it
+    proc = subprocess.Popen(cmd, env=_env(XLA_FLAGS=""), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.startswith('COMPILING "jit_step_fn"'):
             time.sleep(0.5)  # inside XLA's compile (seconds long for this step)
