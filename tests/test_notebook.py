@@ -9,6 +9,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from tests import compile_flags
+
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "notebooks" / "quickstart.ipynb"
 
@@ -22,10 +24,10 @@ def test_stored_notebook_has_no_outputs():
 @pytest.mark.slow
 def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     # The kernel inherits this environment: 8 CPU devices, the collective timeout, the repo, and
-    # (as in conftest) no LLVM optimisation: compiling dominates, and the checks are not numbers.
+    # (as in conftest) the fast-compile flags: compiling dominates, and the checks are not numbers.
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                       "--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_backend_optimization_level=0")
+                       "--xla_cpu_collective_call_terminate_timeout_seconds=900 " + compile_flags.FAST)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(NOTEBOOK, as_version=4)
