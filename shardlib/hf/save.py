@@ -29,6 +29,7 @@ from shardlib.hf import architectures as arch_lib
 from shardlib.hf.load import INDEX, SINGLE
 from shardlib.hf.safetensors_io import TensorWriter
 from shardlib.models import GPTConfig
+from shardlib.runtime.host import to_host
 
 EXPORT_DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "f32": np.dtype(np.float32)}
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' own default shard size
@@ -68,14 +69,6 @@ def _leaf(params: Mapping[str, Any], path: str) -> Any:
     return node
 
 
-def _to_host(array: Any) -> np.ndarray:
-    if not isinstance(array, jax.Array) or array.is_fully_addressable:
-        return np.asarray(jax.device_get(array))
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
-
-
 def save_pretrained(params: Mapping[str, Any], config: GPTConfig, out: str | os.PathLike[str], *,
                     hf_config: Mapping[str, Any] | None = None, architecture: str | None = None,
                     dtype: str = "bf16", max_shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -108,7 +101,7 @@ def save_pretrained(params: Mapping[str, Any], config: GPTConfig, out: str | os.
         writers = _open_writers(staging, entries, files) if main else {}
         for (t, layer), (name, _, _) in zip(order, entries):
             leaf = _leaf(params, t.path)
-            host = _to_host(leaf[layer] if layer is not None else leaf)
+            host = to_host(leaf[layer] if layer is not None else leaf)
             tensor = np.ascontiguousarray(t.placement.to_hf(host).astype(np_dtype))
             largest, total = max(largest, tensor.nbytes), total + tensor.nbytes
             if main:

@@ -4,15 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-def _gather_to_host(tree: Any) -> Any:
-    import jax
-
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        return multihost_utils.process_allgather(tree, tiled=True)
-    return jax.device_get(tree)
+from shardlib.runtime.host import to_host
 
 
 def sample_text(model, params: Any, prompt: str, n_tokens: int, *, context: int, seed: int = 0,
@@ -33,7 +25,7 @@ def sample_text(model, params: Any, prompt: str, n_tokens: int, *, context: int,
         raise ValueError("sample_text: this model has no apply function (Model.apply is None)")
     ids = (np.asarray(tokenizer.encode(prompt or "\n"), np.int32) if tokenizer is not None
            else encode(prompt or "\n"))[-context:]
-    params = jax.device_put(_gather_to_host(params), jax.local_devices()[0])
+    params = jax.device_put(to_host(params), jax.local_devices()[0])
     tokens = generate_with(model.apply, params, ids[None], n_tokens, rng=jax.random.key(seed), window=context,
                            temperature=temperature)
     new = np.asarray(tokens[0])

@@ -50,6 +50,7 @@ from shardlib.runtime.checkpoint import (
     signature_mismatches,
     tree_signature,
 )
+from shardlib.runtime.host import to_host
 from shardlib.sharding.rules import describe_mismatches, listed, path_keys, path_str
 
 log = logging.getLogger("shardlib.tools.export")
@@ -549,14 +550,6 @@ def _params_template(ckpt: Checkpointer, step: int, config: dict[str, Any]) -> A
     return model_params
 
 
-def _to_host(array: jax.Array) -> np.ndarray:
-    if array.is_fully_addressable:
-        return np.asarray(jax.device_get(array))
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
-
-
 class _DropReadOnlyNotice(logging.Filter):
     """Orbax warns "Given directory is read only" whenever a read-only manager opens; export means it."""
 
@@ -639,7 +632,7 @@ def export_params(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str],
             output = _AtomicFile(out_path)
             writer = _writer(output.file, out_path.suffix, record)
         for leaf, t in zip(leaves, tensors):
-            host = _to_host(leaf)  # may alias the device buffer on CPU: free the leaf only after writing
+            host = to_host(leaf)  # may alias the device buffer on CPU: free the leaf only after writing
             total += host.nbytes
             largest = max(largest, host.nbytes)
             if writer is not None:
