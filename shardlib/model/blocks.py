@@ -7,7 +7,7 @@ and the step's peak holds one block's weights, not the model's; the parameters o
 block (embedding, final norm, head) are gathered once at the top of the step. This is PyTorch
 FSDP2's ``fully_shard`` on each block, found from the parameter tree instead of written by hand.
 
-Framework-free: the adapters give the parameter leaves as ``(path parts, shape, bytes)``.
+Framework-free: the adapters give the parameter leaves as ``(path parts, shape, bytes)`` (`leaves_of`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardlib.sharding.rules import path_str
+
 Leaf = tuple[tuple[str, ...], tuple[int, ...], int]  # a parameter: (path parts, shape, bytes)
 
 # A stack is gathered block by block when it holds at least this share of the parameter bytes:
@@ -25,6 +27,12 @@ Leaf = tuple[tuple[str, ...], tuple[int, ...], int]  # a parameter: (path parts,
 MIN_SHARE = 1 / 8
 
 AUTO = "auto"
+
+
+def leaves_of(params: Any) -> list[Leaf]:
+    """A parameter tree (arrays or ShapeDtypeStructs) as the leaves this module reads."""
+    return [(tuple(path_str(path).split("/")), tuple(x.shape), int(np.prod(x.shape)) * x.dtype.itemsize)
+            for path, x in jax.tree_util.tree_leaves_with_path(params)]
 
 
 def stacks(leaves: Iterable[Leaf]) -> list[tuple[str, list[tuple[str, int]]]]:

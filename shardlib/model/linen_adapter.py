@@ -220,8 +220,7 @@ def from_linen(
     logical = _with_layer_axes(_with_path_rules(logical, nn.unbox(boxed)["params"], path_rules, scanned), scanned)
 
     call_loss = _loss_caller(loss_fn)
-    per_block = blocks_lib.resolve(blocks, [(tuple(rules_lib.path_str(p).split("/")), tuple(x.shape), x.size * x.dtype.itemsize)
-                                            for p, x in jax.tree_util.tree_leaves_with_path(nn.unbox(boxed)["params"])])
+    per_block = blocks_lib.resolve(blocks, blocks_lib.leaves_of(nn.unbox(boxed)["params"]))
 
     def run(params, batch, specs, call):
         with _remat_blocks(per_block, specs):

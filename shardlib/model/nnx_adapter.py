@@ -11,7 +11,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from shardlib import compat
 from shardlib.model.adapters import Batch, Call, Model, Stages, _loss_out, _with_call, noting_no_step, _with_eval_key
@@ -180,9 +179,7 @@ def _blocks(blocks: str | Sequence[str], parts: _NnxParts, gathers_params: bool,
                              f"that {'gathers its own parameters (gathers_params=True)' if gathers_params else 'is pipelined'}"
                              " does not use: drop blocks=")
         return ()
-    leaves = [(tuple(rules_lib.path_str(path).split("/")), tuple(x.shape), int(np.prod(x.shape)) * x.dtype.itemsize)
-              for path, x in jax.tree_util.tree_leaves_with_path(nnx_pure_dict(parts.params))]
-    return blocks_lib.resolve(blocks, leaves)
+    return blocks_lib.resolve(blocks, blocks_lib.leaves_of(nnx_pure_dict(parts.params)))
 
 
 def _eval_parts(eval_module: Any, parts: _NnxParts) -> _NnxParts | None:

@@ -17,23 +17,20 @@ from shardlib.model import blocks as blocks_lib
 from shardlib.model import hooks
 
 
-def gather_per_block(module: Any, blocks: Sequence[str]) -> bool:
+def gather_per_block(module: Any, blocks: Sequence[str]) -> None:
     """Make ``module`` (bound inside the step, its sharded parameters stamped with their specs)
-    gather everything outside ``blocks`` now and each block when its call runs. False, and the
-    blocks left as they are, when no block's parameters are stored split (dp, zero1, zero2, or
-    blocks too small to split)."""
+    gather everything outside ``blocks`` now and each block when its call runs; the blocks are
+    left as they are when none of their parameters is stored split (dp, zero1, zero2, or blocks
+    too small to split)."""
     from flax import nnx
 
     nodes = {"/".join(map(str, path)): node for path, node in nnx.iter_graph(module)}
     stamped = {path: v.get_metadata()[hooks.SPEC_METADATA] for path, v in nodes.items()
                if isinstance(v, nnx.Variable) and v.get_metadata().get(hooks.SPEC_METADATA)}
     hooks.gather_into([nodes[p] for p, (name, _) in stamped.items() if blocks_lib.block_of(name, blocks) is None])
-    if not blocks_lib.sharded(blocks, dict(stamped.values())):
-        return False
-    for path in blocks:
-        node = nodes[path]
-        object.__setattr__(node, "__class__", _gathering(type(node)))
-    return True
+    if blocks_lib.sharded(blocks, dict(stamped.values())):
+        for path in blocks:
+            object.__setattr__(nodes[path], "__class__", _gathering(type(nodes[path])))
 
 
 @functools.cache
