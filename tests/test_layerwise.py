@@ -2,13 +2,13 @@
 (`shardlib.step.layerwise`, ``build(layerwise=)``): all-reduced (dp) or reduce-scattered.
 
 The reference is the same step reducing after the backward pass (``layerwise=False``), itself
-parity-tested against plain ``jax.jit`` + optax in tests/test_parity.py: the two must train
-bitwise alike, send the same bytes, and differ in where the reduce-scatters run (in the layer
-loop, once per layer) and in the compiled peak.
+parity-tested against plain ``jax.jit`` + optax in tests/test_parity.py: the two must train alike
+(to float32's summation noise, amplified as Adam amplifies it: see the first test), send the same
+bytes, and differ in where the reduce-scatters run (in the layer loop, once per layer) and in the
+compiled peak.
 """
 
 import dataclasses
-import os
 import types
 
 import jax
@@ -60,35 +60,25 @@ def pair(request):
     return {"case": request.param, **{layerwise: _run(strategy, layerwise, **options) for layerwise in (False, True)}}
 
 
-_DEFAULT_EMITTERS = """
-import os, pickle, sys
-os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                           "--xla_cpu_collective_call_terminate_timeout_seconds=900")
-os.environ["JAX_PLATFORMS"] = "cpu"
-from tests import test_layerwise as t
-strategy, options = t.CASES[sys.argv[2]]
-with open(sys.argv[1], "wb") as f:
-    pickle.dump({layerwise: t._run(strategy, layerwise, **options)[2:4] for layerwise in (False, True)}, f)
-"""
+def adam_noise(lr: float, eps: float) -> float:
+    """How far apart one Adam step can move a parameter in two programs whose gradients differ by
+    float32 summation noise, |dg| ~ 1e-9 here: the update m / (sqrt(v) + eps) moves by at most
+    lr * |dg| / eps (`tests.helpers.optimizer`: 3e-7 at lr 3e-3, eps 1e-5)."""
+    return lr * 1e-9 / eps
 
 
-def test_layerwise_trains_bitwise_like_the_reduction_after_the_loop(pair, tmp_path):
-    """In a process with XLA:CPU's default (fusion) emitters: the elemental emitters the other
-    tests compile with (`tests/compile_flags.py`) fuse dp's update otherwise in the two programs
-    and round a twelfth of the stacked weights one ulp apart."""
-    import pickle
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    subprocess.run([sys.executable, "-c", _DEFAULT_EMITTERS, str(tmp_path / "out.pkl"), pair["case"]],
-                   env=env, check=True, cwd=root, timeout=600)
-    with open(tmp_path / "out.pkl", "rb") as f:
-        (losses_after, params_after), (losses_in, params_in) = pickle.load(f).values()
-    np.testing.assert_array_equal(losses_in, losses_after)
-    jax.tree.map(np.testing.assert_array_equal, params_in, params_after)
+def test_layerwise_trains_like_the_reduction_after_the_loop(pair):
+    """The two programs are different programs: the twins reduce the weight's cotangent where
+    GSPMD reduces the weight-gradient matmul's result, so XLA:CPU computes that matmul in another
+    layout, and which dot kernel (hence which accumulation order) it picks depends on the layout
+    and on the CPU's instruction set. On one AVX-512 machine they trained bitwise alike; on an
+    AVX2 machine a twelfth of dp's stacked weights came out up to 3.2e-8 apart after one step. What
+    holds on every CPU is what is asserted: the same losses to float32 rounding, and parameters
+    apart by at most the gradient's last-bit noise as AdamW amplifies it, per step."""
+    (_, _, losses_after, params_after, *_), (_, _, losses_in, params_in, *_) = pair[False], pair[True]
+    np.testing.assert_allclose(losses_in, losses_after, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=STEPS * adam_noise(3e-3, 1e-5)),
+                 params_in, params_after)
 
 
 def test_layerwise_trains_like_plain_jax(pair):
@@ -97,7 +87,7 @@ def test_layerwise_trains_like_plain_jax(pair):
     otherwise than the whole batch's, so the losses agree to bf16's precision, not float32's
     (measured within 2.3e-4; bound 1e-3, half of one bf16 rounding, 2**-9)."""
     if CASES[pair["case"]][1].get("precision") != "bf16":
-        pytest.skip("float32: bitwise like layerwise=False (above), itself parity-tested in tests/test_parity.py")
+        pytest.skip("float32: like layerwise=False (above), itself parity-tested in tests/test_parity.py")
     _, _, losses, _, *_ = pair[True]
     ref_losses, _ = reference(STEPS, config=dataclasses.replace(TINY, compute_dtype="bfloat16"))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-3)
@@ -138,8 +128,8 @@ def test_layerwise_true_refuses_a_model_that_does_not_gather_its_own_parameters(
 def test_a_scanned_linen_stack_is_reduced_per_layer_too():
     """from_linen gathers on read: under zero1 its whole parameters go through gather_layer as
     well, so a user's nn.scan stack gets the per-layer reduce-scatters (not the whole stacked
-    gradient after the loop), trains bitwise like the reduction after the loop, and like plain
-    jit + optax on one device."""
+    gradient after the loop), trains like the reduction after the loop (to Adam's amplified
+    summation noise, as the first test) and like plain jit + optax on one device."""
     import optax
     from flax import linen as nn
 
@@ -163,7 +153,7 @@ def test_a_scanned_linen_stack_is_reduced_per_layer_too():
             for _ in range(STEPS)]
     loss = lambda logits, b: optax.softmax_cross_entropy_with_integer_labels(logits, b["label"]).mean()
     model = from_linen(Net(), loss, rows[0]["inputs"], rng_streams=())
-    layout, tx = make_layout(model, "zero1", make_mesh({"data": 8})), optax.adam(1e-3)
+    layout, tx = make_layout(model, "zero1", make_mesh({"data": 8})), optax.adam(1e-3, eps=1e-5)
     results = {}
     for layerwise in (None, False):
         program = build(model, tx, layout, layerwise=layerwise)
@@ -172,7 +162,9 @@ def test_a_scanned_linen_stack_is_reduced_per_layer_too():
         compiled = program.compile_step(state, rows[0])
         state, losses = zoo.program_steps(types.SimpleNamespace(step=compiled), state, rows)
         results[layerwise] = (compiled.memory_analysis().temp_size_in_bytes, losses, jax.tree.map(np.asarray, state.params))
-    jax.tree.map(np.testing.assert_array_equal, results[None][2], results[False][2])
+    np.testing.assert_allclose(results[None][1], results[False][1], rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=STEPS * adam_noise(1e-3, 1e-5)),
+                 results[None][2], results[False][2])
     stacked = sum(x.nbytes for name, tree in start.items() if name.startswith("Scan") for x in jax.tree.leaves(tree))
     assert results[None][0] + stacked / 2 < results[False][0]  # the whole stacked gradient is never live
     expected, expected_losses = zoo.plain_steps(lambda p, b: loss(Net().apply({"params": p}, b["inputs"]), b), start,
