@@ -14,11 +14,12 @@ import dataclasses
 import hashlib
 import json
 import os
-import secrets
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from shardlib.runtime.files import AtomicFile
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -118,21 +119,39 @@ def tokenize_text(tokenizer: Tokenizer, data: str) -> tuple[np.ndarray, Path, bo
 
     files = resolve_text_files(data)
     cache = cache_path(tokenizer, data, files)
+    if cache.is_symlink():
+        raise TokenizerError(f"the token cache {cache} is a symbolic link (to {os.readlink(cache)}); shardlib reads "
+                             "and writes its cache only as a regular file beside the data: remove the link")
     if cache.is_file():
-        return np.load(cache, mmap_mode="r"), cache, True
+        return _cached_ids(cache, tokenizer.vocab_size), cache, True
     text = load_text(data).decode("utf-8", errors="replace")
     ids = np.asarray(tokenizer.backend.encode(text, add_special_tokens=False).ids,
                      dtype=np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
-    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
     try:
-        with open(tmp, "wb") as f:
+        with AtomicFile(cache, what="the token cache") as f:  # whole or absent: a killed tokenization leaves none
             np.save(f, ids)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, cache)  # whole or absent: a killed tokenization leaves no half cache
     except OSError:  # a read-only data directory: tokenize again next time
-        tmp.unlink(missing_ok=True)
+        pass
     return ids, cache, False
+
+
+def _cached_ids(cache: Path, vocab_size: int) -> np.ndarray:
+    """The ids of a token cache, once they are what a tokenizer of ``vocab_size`` ids writes: a
+    1-D unsigned array, every id below ``vocab_size`` (a cache edited or left by another tokenizer
+    would train on ids without an embedding row, to a NaN loss)."""
+    try:
+        ids = np.load(cache, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise TokenizerError(f"the token cache {cache} cannot be read ({' '.join(str(err).split())}): delete it, "
+                             "and the next run tokenizes again") from None
+    if ids.dtype.kind != "u" or ids.ndim != 1:
+        raise TokenizerError(f"the token cache {cache} holds a {ids.dtype} array of shape {ids.shape}, not the 1-D "
+                             "unsigned ids shardlib writes: delete it, and the next run tokenizes again")
+    largest = int(ids.max()) if ids.size else -1
+    if largest >= vocab_size:
+        raise TokenizerError(f"the token cache {cache} holds token id {largest}, and the tokenizer has {vocab_size} "
+                             "ids: delete it, and the next run tokenizes again")
+    return ids
 
 
 # --------------------------------------------------------------------------------------------

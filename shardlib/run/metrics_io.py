@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shardlib.runtime.files import no_follow
+from shardlib.runtime.files import AtomicFile, make_dir, no_follow
 
 
 def _jsonable(value: Any) -> Any:
@@ -94,7 +94,7 @@ class MetricsLog:
         self._writer = None
         if not enabled:
             return
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        make_dir(self.out_dir, "a run's outputs")
         if self.path.is_symlink():
             from shardlib.run.config import TrainConfigError
 
@@ -234,5 +234,6 @@ def plot_loss_curve(records: list[Mapping[str, Any]], path: str | os.PathLike[st
     ax.legend()
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out)
+    with AtomicFile(out, what="a run's output") as f:  # never through a link planted at its name
+        fig.savefig(f, format="png")
     return out

@@ -248,10 +248,15 @@ def _pretrained(config: TrainConfig):
 
 def _tokenizer(config: TrainConfig, model_config):
     """``--tokenizer``, checked against the model's vocabulary, or None."""
+    from shardlib.runtime.tokens import is_token_file
+
     if config.tokenizer is None:
+        if config.init_from is not None and not is_token_file(config.data):  # bytes are not the model's ids
+            raise TrainConfigError("init_from", f"{config.init_from}'s vocabulary is its tokenizer's, not bytes: pass "
+                                                "--tokenizer (its tokenizer.json or directory) and --data (text or "
+                                                ".jsonl), or --data a token file of its ids")
         return None
     from shardlib.hf.tokenizer import TokenizerError, check_vocab, load_tokenizer
-    from shardlib.runtime.tokens import is_token_file
 
     if is_token_file(config.data):
         raise TrainConfigError("tokenizer", "tokenizes text, and --data is a token file (already ids): drop one")

@@ -35,7 +35,7 @@ from shardlib.run.config import (  # noqa: F401  (re-exported: the CLI and noteb
 from shardlib.exits import EXIT_DIVERGED, EXIT_INTERRUPTED
 from shardlib.run.nonfinite import DivergedError  # light: imports neither JAX nor NumPy
 from shardlib.run.sampling import sample_text
-from shardlib.runtime.files import no_follow
+from shardlib.runtime.files import write_atomic
 
 
 @dataclasses.dataclass
@@ -169,15 +169,20 @@ def train(config: TrainConfig, data: Any = None, *, model: Any = None) -> TrainR
     from shardlib.run.checkpointing import keep_schedule, refuse_silent_restart
     from shardlib.run.setup import check_out_path, claim_run_directory, run_directory, with_model_defaults
 
+    from shardlib.run.outputs import refuse_out_over_sources, refuse_planted_links
+
     t_begin = time.perf_counter()
     check_out_path(config)  # before JAX starts: a file in the way costs no start-up
+    refuse_out_over_sources(config)
     xla_note = _set_xla_flags(config.xla_gpu_overlap)
     note = "; ".join(filter(None, (xla_note, setup_devices(config.cpu_devices)))) or None
     config = with_model_defaults(config)
     check_numbers(config)
     out_dir = run_directory(config)
-    refuse_silent_restart(config, out_dir)
     with claim_run_directory(config, out_dir, main=jax.process_index() == 0):
+        # The lock first: a live run is named as live; then what reads --out, under the lock.
+        refuse_planted_links(out_dir)
+        refuse_silent_restart(config, out_dir)
         # Reading the checkpoints opens them, which sets aside incomplete steps: only under the lock.
         config, schedule_note = keep_schedule(config, out_dir)
         return _train(config, out_dir, note, t_begin, data, model, schedule_note)
@@ -251,10 +256,8 @@ def saved_config(run) -> dict[str, Any]:
 def _write_config(run) -> Path | None:
     if not run.is_main:
         return None
-    path = run.out_dir / "config.json"
-    with open(path, "w", encoding="utf-8", opener=no_follow) as f:
-        f.write(json.dumps(saved_config(run), indent=2, default=str) + "\n")
-    return path
+    return write_atomic(run.out_dir / "config.json", json.dumps(saved_config(run), indent=2, default=str) + "\n",
+                        what="a run's output")
 
 
 def _step_fn(run):
@@ -367,8 +370,7 @@ def _write_outputs(run, log, summary: str, sample: str | None, steps: int, *, pr
                             title=f"{run.model_name} / {run.strategy.name} / {describe(run.mesh)}")
     if sample is not None:
         log.add_text("sample", sample, steps)
-        with open(out_dir / "sample.txt", "w", encoding="utf-8", opener=no_follow) as f:
-            f.write(sample + "\n")
+        write_atomic(out_dir / "sample.txt", sample + "\n", what="a run's output")
     if config.verbose and not preempted:
         print(summary)
         if sample is not None:
