@@ -215,6 +215,15 @@ def test_train_refuses_a_link_planted_where_an_output_goes(no_setup, tmp_path, c
     assert _tree(tmp_path) == {**before, "run/.lock": b""}  # the lock, taken first and released empty
 
 
+def test_train_out_that_is_a_link_is_refused_and_its_target_untouched(no_setup, tmp_path, capsys):
+    victim = tmp_path / "elsewhere"
+    victim.mkdir()
+    (tmp_path / "run").symlink_to(victim)
+    assert main([*TRAIN, "--out", str(tmp_path / "run")]) == 2
+    assert f"{tmp_path / 'run'} is a symbolic link (to {victim})" in _one_error_line(capsys)
+    assert list(victim.iterdir()) == []
+
+
 # ---------------------------------------------------------------- §3 --out over the model it starts from
 
 

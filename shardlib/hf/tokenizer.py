@@ -180,7 +180,7 @@ def instruction_rows(tokenizer: Tokenizer, path: str | os.PathLike[str], seq_len
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            ids, counted = _example(tokenizer, _row(line, path, number), path, number)
+            ids, counted = _example(tokenizer, _row(line, path, number), path, number, seq_len + 1)
             truncated += len(ids) > seq_len + 1
             ids, counted = ids[:seq_len + 1], counted[:seq_len + 1]
             row = np.zeros(seq_len + 1, np.uint32)
@@ -201,38 +201,58 @@ def instruction_rows(tokenizer: Tokenizer, path: str | os.PathLike[str], seq_len
 def _row(line: str, path: Path, number: int) -> dict[str, Any]:
     try:
         row = json.loads(line)
-    except ValueError as err:
-        raise TokenizerError(f"{path}:{number} is not JSON: {err}") from None
+    except (ValueError, RecursionError) as err:
+        raise TokenizerError(f"{path}:{number} is not JSON this reads ({type(err).__name__}: "
+                             f"{' '.join(str(err).split())[:200]})") from None
     if not isinstance(row, dict):
         raise TokenizerError(f"{path}:{number} holds {type(row).__name__}; each line is an object")
     return row
 
 
-def _example(tokenizer: Tokenizer, row: dict[str, Any], path: Path, number: int) -> tuple[list[int], list[int]]:
+CHARS_PER_TOKEN = 16  # text cut at this many characters per token kept, before it is tokenized
+
+
+def _encode_cut(tokenizer: Tokenizer, text: str, budget: int, *, special: bool = True) -> list[int]:
+    """The ids of ``text``, cut before tokenizing when it is far longer than ``budget`` tokens need:
+    memory stays bounded by ``--seq-len``, not by the line (a 100 MB line is not tokenized whole).
+    A cut yields more than ``budget`` ids (then the row is counted as cut), else a longer cut is tried."""
+    limit = max(budget, 1) * CHARS_PER_TOKEN
+    while len(text) > limit:
+        ids = tokenizer.encode(text[:limit], special=special)
+        if len(ids) > budget + 8:  # the tokens the cut may have changed lie past the budget
+            return ids
+        limit *= 4
+    return tokenizer.encode(text, special=special)
+
+
+def _example(tokenizer: Tokenizer, row: dict[str, Any], path: Path, number: int,
+             budget: int) -> tuple[list[int], list[int]]:
     """(token ids, 1 for each token the loss counts): a completion's tokens and its end token."""
     if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
-        prompt = tokenizer.encode(row["prompt"])
-        completion = tokenizer.encode(row["completion"], special=False)
+        prompt = _encode_cut(tokenizer, row["prompt"], budget)
+        completion = _encode_cut(tokenizer, row["completion"], budget - len(prompt), special=False)
         completion += [tokenizer.eos_id] if tokenizer.eos_id is not None else []
         return prompt + completion, [0] * len(prompt) + [1] * len(completion)
     if isinstance(row.get("messages"), list):
-        return _chat(tokenizer, row["messages"], path, number)
+        return _chat(tokenizer, row["messages"], path, number, budget)
     raise TokenizerError(f"{path}:{number} has neither string 'prompt' and 'completion' fields nor a 'messages' list")
 
 
-def _chat(tokenizer: Tokenizer, messages: list[Any], path: Path, number: int) -> tuple[list[int], list[int]]:
+def _chat(tokenizer: Tokenizer, messages: list[Any], path: Path, number: int,
+          budget: int) -> tuple[list[int], list[int]]:
     """A conversation rendered by the chat template; the assistant turns' tokens count. Each turn's
     tokens are what rendering up to it adds to rendering up to the turn before."""
     if tokenizer.chat_template is None:
         raise TokenizerError(f"{path}:{number} is a chat ('messages'), and {tokenizer.path.parent / TOKENIZER_CONFIG} "
                              "has no chat_template to render it: use prompt/completion rows, or a tokenizer with one")
-    import jinja2.sandbox
+    from shardlib.hf.chat_template import ChatTemplate
 
     if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                for m in messages):
         raise TokenizerError(f"{path}:{number}: each message needs string 'role' and 'content' fields")
-    template = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
-        tokenizer.chat_template)
+    template = ChatTemplate(tokenizer.chat_template, str(tokenizer.path.parent / TOKENIZER_CONFIG))
+    cut = budget * CHARS_PER_TOKEN  # each turn's text bounded by what --seq-len keeps, before rendering
+    messages = [{**m, "content": m["content"][:cut]} for m in messages]
     ids: list[int] = []
     counted: list[int] = []
     for i, message in enumerate(messages):
@@ -244,4 +264,6 @@ def _chat(tokenizer: Tokenizer, messages: list[Any], path: Path, number: int) ->
         new = upto[len(ids):]
         ids += new
         counted += [int(message["role"] == "assistant")] * len(new)
+        if len(ids) > budget:  # the later turns would be cut anyway: not rendered
+            break
     return ids, counted

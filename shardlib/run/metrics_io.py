@@ -38,8 +38,8 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 def append_record(path: str | os.PathLike[str], record: Mapping[str, Any]) -> None:
     """One line outside the step loop (an event such as an elastic restart: ``{"event": ..., "step": ...}``)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
+    make_dir(path.parent, "a run's outputs")
+    with open(path, "a", encoding="utf-8", opener=no_follow) as f:
         f.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
 
 

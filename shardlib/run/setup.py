@@ -24,6 +24,7 @@ from typing import Any
 from shardlib.run.checkpointing import checkpoint_dir
 from shardlib.run.config import DEFAULT_SEQ_LEN, PRECISIONS, TrainConfig, TrainConfigError
 from shardlib.run.fits import check_fits, held_output
+from shardlib.runtime.files import make_dir
 
 
 @dataclasses.dataclass
@@ -236,13 +237,14 @@ def _pretrained(config: TrainConfig):
         return None
     from shardlib.hf.architectures import UnsupportedModel
     from shardlib.hf.load import PretrainedError, open_pretrained
+    from shardlib.hf.safetensors_io import SafetensorsFileError
 
     if config.model != TrainConfig.model:
         raise TrainConfigError("init_from", f"takes the model from {config.init_from}/config.json, and --model "
                                             f"{config.model} names another: drop --model")
     try:
         return open_pretrained(config.init_from, seq_len=config.seq_len)
-    except (PretrainedError, UnsupportedModel, OSError) as err:
+    except (PretrainedError, UnsupportedModel, SafetensorsFileError, OSError) as err:
         raise TrainConfigError("init_from", str(err)) from None
 
 
@@ -624,7 +626,7 @@ def _claim(config: TrainConfig, field: str, out_dir: Path, *, main: bool) -> Ite
         return
     lock = out_dir / LOCK_NAME
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        make_dir(out_dir, "a run")
         if not main and not os.access(out_dir, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, "permission denied", str(out_dir))
         fd = _open_lock(lock) if main else None
