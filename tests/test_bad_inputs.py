@@ -276,3 +276,39 @@ def test_a_bad_generate_flag_is_one_line_before_anything_compiles(inputs, big_to
 def test_export_max_shard_mb_must_be_a_size(tmp_path, capsys, size):
     assert main(["export", "--ckpt", str(tmp_path), "--hf", "--out", str(tmp_path / "x"), "--max-shard-mb", size]) == 2
     assert f"--max-shard-mb {float(size)} is not a shard size" in _one_error_line(capsys)
+
+
+# ---------------------------------------------------------------- train's --xla-options and --log-to
+
+
+@pytest.mark.parametrize("options,message", [("xla_no_such_option=1", "No such compile option: 'xla_no_such_option'"),
+                                             ("a=b=c", "No such compile option: 'a'"),
+                                             ("xla_cpu_enable_fast_math=maybe", "'maybe' is not a valid bool value")])
+def test_xla_options_are_checked_before_the_step_compiles(tmp_path, capsys, monkeypatch, options, message):
+    import shardlib.step.program as program
+
+    def build(*args, **kwargs):
+        raise AssertionError("the step was built (and would compile) before the refusal")
+
+    monkeypatch.setattr(program, "build", build)
+    assert main(["train", "--model", "tiny", "--steps", "1", "--no-progress", "--out", str(tmp_path / "run"),
+                 "--xla-options", options]) == 2
+    line = _one_error_line(capsys)
+    assert "--xla-options:" in line and message in line, line
+
+
+def test_log_to_a_tracker_that_cannot_log_is_refused_leaving_out_as_it_was(tmp_path, capsys, monkeypatch):
+    from shardlib.run import trackers
+
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no wandb login
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "run"
+    flags = ["train", "--model", "tiny", "--steps", "1", "--no-progress", "--out", str(out)]
+    assert main([*flags, "--log-to", "wandb"]) == 2
+    assert "--log-to: wandb has no API key for api.wandb.ai" in _one_error_line(capsys)
+    monkeypatch.setattr(trackers.MlflowLog, "package", "no_such_tracker_package")
+    assert main([*flags, "--log-to", "mlflow"]) == 2
+    assert '--log-to: mlflow is not installed: pip install "shardlib[mlflow]"' in _one_error_line(capsys)
+    assert not out.exists()  # a plain rerun finds nothing in its way

@@ -70,7 +70,8 @@ def read_hf_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as err:
-        raise PretrainedError(f"{path} is not valid JSON: {type(err).__name__} {' '.join(str(err).split())[:200]}") from None
+        why = f"{type(err).__name__} {' '.join(str(err).split())[:200]}"
+        raise PretrainedError(f"{path} is not valid JSON: {why}") from None
     if not isinstance(config, dict):
         raise PretrainedError(f"{path} holds {type(config).__name__}, not a JSON object")
     return config

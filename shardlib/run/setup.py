@@ -408,12 +408,13 @@ def build_program(config: TrainConfig, model, layout, schedule):
     from shardlib.step.options import OPTIONS, OptionError
     from shardlib.step.stage_balance import parse_stage_layers
 
-    from shardlib.backend import parse_options
+    from shardlib.backend import check_options, parse_options
 
     if config.bucket_mb < 0:
         raise TrainConfigError("bucket_mb", f"--bucket-mb must be >= 0 (0: one collective per tensor), got {config.bucket_mb}")
     try:
         compiler_options = parse_options(config.xla_options) or None
+        check_options(compiler_options or {})  # before the step's compile, which would name it only after
     except ValueError as err:
         raise TrainConfigError("xla_options", str(err)) from None
     try:

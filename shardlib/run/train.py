@@ -170,10 +170,12 @@ def train(config: TrainConfig, data: Any = None, *, model: Any = None) -> TrainR
     from shardlib.run.setup import check_out_path, claim_run_directory, run_directory, with_model_defaults
 
     from shardlib.run.outputs import refuse_out_over_sources, refuse_planted_links
+    from shardlib.run.trackers import check_trackers
 
     t_begin = time.perf_counter()
     check_out_path(config)  # before JAX starts: a file in the way costs no start-up
     refuse_out_over_sources(config)
+    check_trackers(config.log_to)  # before --out is touched: a refused tracker leaves it as it was
     xla_note = _set_xla_flags(config.xla_gpu_overlap)
     note = "; ".join(filter(None, (xla_note, setup_devices(config.cpu_devices)))) or None
     config = with_model_defaults(config)
@@ -190,21 +192,29 @@ def train(config: TrainConfig, data: Any = None, *, model: Any = None) -> TrainR
 
 def _train(config: TrainConfig, out_dir: Path, note: str | None, t_begin: float, data: Any = None,
            model: Any = None, schedule_note: str | None = None) -> TrainResult:
+    import jax
+
     from shardlib.run.metrics_io import MetricsLog
     from shardlib.run.setup import prepare
+    from shardlib.run.trackers import open_trackers
 
-    run = prepare(config, out_dir, data=data, model=model)
-    if run.is_main and config.verbose:
-        print(console.banner(run, note), flush=True)
-    ckpt, state, start, resume_step = _initial_state(run)
-    if schedule_note and run.is_main and config.verbose:  # once resumed: a refused resume says only why
-        print(schedule_note, file=sys.stderr, flush=True)
-    log = MetricsLog(run.out_dir, enabled=run.is_main, tensorboard=config.tensorboard, resume_step=resume_step)
-    with contextlib.closing(log):
+    # Started before the compile: a tracker that cannot start costs no compile and writes no metrics.
+    trackers = open_trackers(config.log_to, out_dir, dataclasses.asdict(config), enabled=jax.process_index() == 0)
+    with contextlib.ExitStack() as closing:
+        for tracker in trackers:
+            closing.callback(tracker.close)
+        run = prepare(config, out_dir, data=data, model=model)
+        if run.is_main and config.verbose:
+            print(console.banner(run, note), flush=True)
+        ckpt, state, start, resume_step = _initial_state(run)
+        if schedule_note and run.is_main and config.verbose:  # once resumed: a refused resume says only why
+            print(schedule_note, file=sys.stderr, flush=True)
+        log = closing.enter_context(contextlib.closing(
+            MetricsLog(run.out_dir, enabled=run.is_main, tensorboard=config.tensorboard, resume_step=resume_step)))
         config_path = _write_config(run)
         evaluate = run.evaluator()
         wall_start = time.perf_counter()
-        state, tally, stop = _loop(run, state, (start, resume_step), ckpt, log, evaluate)
+        state, tally, stop = _loop(run, state, (start, resume_step), ckpt, log, evaluate, trackers)
         if not tally.step_times:  # resumed at or past --steps: nothing to train, still report where it stands
             tally.last_val = evaluate(state)
         preempted = stop is not None and stop.stopped_at is not None
@@ -265,7 +275,7 @@ def _step_fn(run):
     return lambda k, state, batch: run.step_fn(state, batch)
 
 
-def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate):
+def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate, trackers):
     """The steps with their actions; returns (state, the `Tally`, the `Preemption` or None)."""
     import jax
 
@@ -276,7 +286,6 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate):
     from shardlib.run.nonfinite import NonFiniteGuard
     from shardlib.run.preemption import preemption
     from shardlib.run.profile import ProfileSteps
-    from shardlib.run.trackers import open_trackers
     from shardlib.run.stragglers import straggler_action
 
     config, (first, resume_step) = run.config, start
@@ -289,7 +298,6 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate):
                         bar=run.is_main and bar, lines=run.is_main and config.verbose and not bar)
     # Order matters: validation adds val_loss; the guard raises last, once its step is logged.
     stragglers = straggler_action(config, clock)  # before the log: it adds the window's per-process times
-    trackers = open_trackers(config.log_to, run.out_dir, dataclasses.asdict(config), enabled=run.is_main)
     record = Recorder([validation, tally, stragglers, log, *trackers, progress, NonFiniteGuard(config.max_skips, ckpt)],
                       clock, tokens_per_step=run.tokens_per_step, at_once=validation.due, devices=len(jax.devices()))
     profile = ProfileSteps(config.profile, run.out_dir, first, enabled=run.is_main)
@@ -302,7 +310,7 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate):
                               after_step=[examples, profile, *([saver] if saver is not None else [])], preemption=stop,
                               steps_in_flight=run.steps_in_flight)
     finally:
-        for action in (saver, progress, examples, profile, *trackers):
+        for action in (saver, progress, examples, profile):  # the trackers: closed by the caller, who opened them
             if action is not None:
                 action.close()
     return state, tally, stop
