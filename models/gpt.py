@@ -469,8 +469,8 @@ def generate(
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Sampling settings in range, each named when not."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be at least 1, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:

@@ -178,6 +178,22 @@ def parse_options(text: str | None) -> dict[str, str]:
     return options
 
 
+def check_options(options: Mapping[str, str]) -> None:
+    """`ValueError` naming the first option this backend's compiler does not take (an unknown name,
+    a value of the wrong kind), found by compiling a one-operation program with them (milliseconds):
+    otherwise XLA names it only after the step's compile."""
+    if not options:
+        return
+    import jax
+    import numpy as np
+
+    try:
+        jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(compiler_options=dict(options))
+    except jax.errors.JaxRuntimeError as err:
+        raise ValueError(f"{' '.join(str(err).split())} (the options given: "
+                         f"{', '.join(f'{k}={v}' for k, v in options.items())})") from None
+
+
 @contextlib.contextmanager
 def forced(platform: str) -> Iterator[BackendPolicy]:
     """Make and build layouts and steps inside this block with ``platform``'s policy, whatever the
@@ -191,5 +207,5 @@ def forced(platform: str) -> Iterator[BackendPolicy]:
         _FORCED.reset(token)
 
 
-__all__ = ["POLICIES", "TPU_COLLECTIVE_OPTIONS", "BackendPolicy", "env_option_keys", "forced", "get_policy",
-           "parse_options", "platform_of", "policy_for", "step_compiler_options"]
+__all__ = ["POLICIES", "TPU_COLLECTIVE_OPTIONS", "BackendPolicy", "check_options", "env_option_keys", "forced",
+           "get_policy", "parse_options", "platform_of", "policy_for", "step_compiler_options"]

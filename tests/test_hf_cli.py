@@ -189,3 +189,13 @@ def test_resuming_a_fine_tune_without_init_from_names_the_flag(workspace, traine
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--init-from" in err[0] and str(workspace / "llama") in err[0]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def test_export_hf_onto_its_own_run_exits_2_and_keeps_the_checkpoints(workspace, trained, capsys):
+    """Issue 42's command: the run directory holds config.json, and it is not an export to replace."""
+    run, _ = trained
+    before = {str(p): p.read_bytes() if p.is_file() else None for p in sorted(run.rglob("*"))}
+    assert main(["export", "--ckpt", str(run), "--hf", "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"{run} is, or holds, the checkpoint being exported" in err, err
+    assert {str(p): p.read_bytes() if p.is_file() else None for p in sorted(run.rglob("*"))} == before

@@ -347,7 +347,7 @@ def test_a_run_directory_with_history_but_nothing_to_resume_is_refused_unless_fr
     errors = _error_lines(capsys.readouterr().err)
     named = {"metrics": "metrics.jsonl", "damaged": "6.damaged-digest", "incomplete": "cannot resume from: 6"}[history]
     assert len(errors) == 1 and named in errors[0] and "--fresh" in errors[0], errors
-    assert _tree(out) == before
+    assert _tree(out) == {**before, LOCK_NAME: b""}  # the lock is taken first (issue 42 §7), released empty
     refuse_silent_restart(TrainConfig(out=str(out), ckpt_every=2, fresh=True), out)  # on purpose: let through
 
 

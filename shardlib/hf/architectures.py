@@ -68,6 +68,41 @@ def architecture_of(config: Mapping[str, Any], source: str) -> Architecture:
     return known[0]
 
 
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _positive_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+# Fields read from config.json, each with what it must be when present (null: the default).
+FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "head_dim": (lambda v: v is None or (_positive_int(v) and v % 2 == 0), "a positive even integer (rotary pairs)"),
+    "num_key_value_heads": (lambda v: v is None or _positive_int(v), "a positive integer"),
+    "max_position_embeddings": (_positive_int, "a positive integer"),
+    "rope_theta": (_positive_number, "a positive number"),
+    "rms_norm_eps": (_positive_number, "a positive number"),
+    "rope_scaling": (lambda v: v is None or isinstance(v, Mapping), "an object (or null)"),
+    "rope_parameters": (lambda v: v is None or isinstance(v, Mapping), "an object (or null)"),
+    "tie_word_embeddings": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def _check_fields(config: Mapping[str, Any], source: str) -> None:
+    """Each field of `FIELD_RULES` that is present has the type and range it must have."""
+    for field, (ok, what) in FIELD_RULES.items():
+        if field in config and not ok(config[field]):
+            raise UnsupportedModel(f"{source}: {field} must be {what}, got {config[field]!r}")
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if _positive_int(heads) and _positive_int(kv) and heads % kv:
+        raise UnsupportedModel(f"{source}: num_key_value_heads={kv} does not divide num_attention_heads={heads}")
+    rope = config.get("rope_parameters") or {}
+    for field in ("rope_theta",):
+        if field in rope and not _positive_number(rope[field]):
+            raise UnsupportedModel(f"{source}: rope_parameters.{field} must be a positive number, got {rope[field]!r}")
+
+
 def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
     """``rope_parameters`` (transformers 5) or the older ``rope_theta`` + ``rope_scaling``, as one dict."""
     given = config.get("rope_parameters")
@@ -85,6 +120,7 @@ def to_gpt_config(config: Mapping[str, Any], source: str, *, seq_len: int | None
     ``seq_len``: the longest sequence the run will see, checked against a sliding attention window
     (shorter than the window, sliding changes nothing; longer, it is refused)."""
     arch = architecture_of(config, source)
+    _check_fields(config, source)
     for field, value in MUST_BE.items():
         if config.get(field, value) != value:
             raise UnsupportedModel(f"{source}: {field}={config[field]!r} is not supported (shardlib reproduces "
@@ -110,7 +146,7 @@ def to_gpt_config(config: Mapping[str, Any], source: str, *, seq_len: int | None
         n_heads=heads,
         n_kv_heads=config.get("num_key_value_heads") or heads,
         d_ff=_int(config, "intermediate_size", source),
-        max_seq_len=config.get("max_position_embeddings", 2048),
+        max_seq_len=config.get("max_position_embeddings", 2048),  # checked by FIELD_RULES
         rope_theta=float(rope.get("rope_theta", 10_000.0)),
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         attention_head_dim=head_dim if head_dim and head_dim != d // heads else None,
@@ -137,6 +173,9 @@ def _llama3_scaling(rope: Mapping[str, Any], source: str) -> RopeScaling:
                            original_max_len=int(rope["original_max_position_embeddings"]))
     except KeyError as err:
         raise UnsupportedModel(f"{source}: rope type 'llama3' needs {err.args[0]!r} in its parameters") from None
+    except (TypeError, ValueError) as err:
+        raise UnsupportedModel(f"{source}: rope type 'llama3' takes numbers for factor, low_freq_factor, "
+                               f"high_freq_factor and original_max_position_embeddings ({err})") from None
 
 
 def _check_window(arch: Architecture, config: Mapping[str, Any], source: str, seq_len: int | None) -> None:

@@ -69,8 +69,9 @@ def read_hf_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
         raise PretrainedError(f"{path.parent} is not a Hugging Face model directory: it has no config.json")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as err:
-        raise PretrainedError(f"{path} is not valid JSON: {err}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
+        why = f"{type(err).__name__} {' '.join(str(err).split())[:200]}"
+        raise PretrainedError(f"{path} is not valid JSON: {why}") from None
     if not isinstance(config, dict):
         raise PretrainedError(f"{path} holds {type(config).__name__}, not a JSON object")
     return config
@@ -86,6 +87,7 @@ def open_pretrained(directory: str | os.PathLike[str], *, seq_len: int | None = 
     architecture = arch_lib.architecture_of(hf_config, source)
     model_config = arch_lib.to_gpt_config(hf_config, source, seq_len=seq_len)
     files = _tensor_files(directory)
+    _check_layer_count(directory, model_config, files)
     pretrained = Pretrained(directory, hf_config, architecture, model_config, files)
     _check_tensors(pretrained)
     return pretrained
@@ -96,8 +98,13 @@ def _tensor_files(directory: Path) -> dict[str, TensorFile]:
     if (directory / INDEX).is_file():
         try:
             weight_map = json.loads((directory / INDEX).read_text(encoding="utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
-            raise PretrainedError(f"{directory / INDEX} is not a safetensors index (no weight_map: {err})") from None
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as err:
+            raise PretrainedError(f"{directory / INDEX} is not a safetensors index (no weight_map: "
+                                  f"{type(err).__name__} {' '.join(str(err).split())[:200]})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in weight_map.items()):
+            raise PretrainedError(f"{directory / INDEX}: weight_map must be an object of tensor name -> file name "
+                                  "strings, as transformers writes it")
         opened: dict[str, TensorFile] = {}
         for name in sorted(set(weight_map.values())):
             if Path(name).name != name:  # an index may only name files beside it
@@ -131,6 +138,15 @@ def _expected(config: GPTConfig) -> dict[str, tuple[arch_lib.TensorMap, tuple[in
     return expected
 
 
+def _check_layer_count(directory: Path, config: GPTConfig, files: dict[str, TensorFile]) -> None:
+    """num_hidden_layers against the layers the files hold, before a name is built for each layer
+    (a config claiming 10^8 layers would otherwise build 10^9 names first)."""
+    layers = {name.split(".")[2] for name in files if name.startswith("model.layers.") and name.count(".") > 2}
+    if config.n_layers != len(layers):
+        raise PretrainedError(f"{directory / 'config.json'}: num_hidden_layers is {config.n_layers}, and the weights "
+                              f"hold {len(layers)} layers: the config is not that of these weights")
+
+
 def _check_tensors(pretrained: Pretrained) -> None:
     expected = _expected(pretrained.model_config)
     missing = [name for name in expected if name not in pretrained.files]
@@ -139,6 +155,9 @@ def _check_tensors(pretrained: Pretrained) -> None:
                               f"{missing[0]!r}: the weights are not those of this config")
     for name, (_, shape) in expected.items():
         found = pretrained.files[name].shape(name)
+        if pretrained.files[name].dtype(name).kind != "f" and pretrained.files[name].dtype(name).name != "bfloat16":
+            raise PretrainedError(f"{pretrained.files[name].path}: tensor {name!r} is stored as "
+                                  f"{pretrained.files[name].dtype(name)}, not a floating-point type a weight can be")
         if tuple(found) != shape:
             raise PretrainedError(f"{pretrained.directory}: tensor {name!r} has shape {list(found)}, and config.json "
                                   f"implies {list(shape)}")

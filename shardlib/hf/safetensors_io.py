@@ -46,6 +46,10 @@ class TensorFile:
             header = json.loads(f.read(length))
         self.data_start = 8 + length
         self.metadata = header.pop("__metadata__", None) or {}
+        unknown = sorted(f"{name!r} ({e['dtype']})" for name, e in header.items() if e["dtype"] not in DTYPES)
+        if unknown:
+            raise SafetensorsFileError(f"{self.path}: tensor {unknown[0]} has a dtype shardlib does not read "
+                                       f"({', '.join(DTYPES)}): convert the weights to one of them")
         self.entries = {name: (DTYPES[e["dtype"]], tuple(e["shape"]), tuple(e["data_offsets"]))
                         for name, e in header.items()}
 

@@ -7,6 +7,13 @@ process 0, and freed: host memory stays near one tensor. Shards hold at most
 ``config.json`` says what `transformers.AutoModelForCausalLM.from_pretrained` needs. The
 directory is written under a temporary name beside ``out`` and renamed onto it once complete,
 so a failed export leaves any previous one intact and nothing half-written at ``out``.
+
+An export replaces only an earlier export: it writes a marker (``MARKER``) listing its files, and
+``out`` must be new, empty, or a directory whose every entry that marker lists. A run directory
+(``checkpoints/``, ``.lock``), the ``--ckpt`` directory or one holding it, a link, or a directory
+holding any other file (a Hub model's ``generation_config.json``, your notes) is refused in one
+line before anything is restored, and the replaced export's files are removed by name, never
+the directory's other contents.
 """
 
 from __future__ import annotations
@@ -15,8 +22,8 @@ import dataclasses
 import json
 import math
 import os
-import secrets
 import shutil
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,10 +36,14 @@ from shardlib.hf import architectures as arch_lib
 from shardlib.hf.load import INDEX, SINGLE
 from shardlib.hf.safetensors_io import TensorWriter
 from shardlib.models import GPTConfig
+from shardlib.runtime.files import make_dir, partial_path, refuse_link, remove_stale_partials
 from shardlib.runtime.host import to_host
 
 EXPORT_DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "f32": np.dtype(np.float32)}
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' own default shard size
+MARKER = ".shardlib-export.json"  # what an export wrote: the only files a later export may replace
+MARKER_FORMAT = "shardlib.hf.save/1"
+RUN_ENTRIES = ("checkpoints", ".lock", "metrics.jsonl")  # a training run's directory, never an export's
 
 
 class ExportError(ValueError):
@@ -84,8 +95,7 @@ def save_pretrained(params: Mapping[str, Any], config: GPTConfig, out: str | os.
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"export dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
     arch = arch_lib.ARCHITECTURES[architecture or "LlamaForCausalLM"]
-    out_dir = Path(out).expanduser().resolve()
-    _check_target(out_dir)
+    out_dir = check_target(out)
     np_dtype = EXPORT_DTYPES[dtype]
     order = list(_tensor_order(config))
     entries = []
@@ -95,7 +105,9 @@ def save_pretrained(params: Mapping[str, Any], config: GPTConfig, out: str | os.
                         t.placement.hf_shape(shape[1:] if t.per_layer else shape)))
     files = _assign_files(entries, max_shard_bytes)
     main = jax.process_index() == 0
-    staging = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.{secrets.token_hex(4)}.partial") if main else None
+    if main:  # the staging directories of exports killed before they were renamed (kill -9, SIGTERM)
+        remove_stale_partials(out_dir, _staging_ours)
+    staging = partial_path(out_dir) if main else None
     largest = total = 0
     try:
         writers = _open_writers(staging, entries, files) if main else {}
@@ -114,6 +126,7 @@ def save_pretrained(params: Mapping[str, Any], config: GPTConfig, out: str | os.
                 os.fsync(file.fileno())
                 file.close()
             _write_metadata(staging, config, arch, hf_config, dtype, files, entries, tokenizer_file)
+            _write_marker(staging)
             _commit(staging, out_dir)
     except BaseException:
         if main and staging is not None:
@@ -122,12 +135,78 @@ def save_pretrained(params: Mapping[str, Any], config: GPTConfig, out: str | os.
     return HfExport(str(out_dir), arch.name, len(entries), len(set(files.values())), total, largest)
 
 
-def _check_target(out_dir: Path) -> None:
-    """``out`` may be new, empty, or an earlier export (replaced whole); anything else is refused."""
+def _output_dir(out: str | os.PathLike[str]) -> Path:
+    """``out`` made absolute without resolving its last part: a link there is refused, not followed."""
+    path = Path(out).expanduser()
+    return path.parent.resolve() / path.name
+
+
+def _marked_files(out_dir: Path) -> set[str] | None:
+    """The file names an earlier export's marker lists, or None when ``out_dir`` holds no valid marker."""
+    marker = out_dir / MARKER
+    if marker.is_symlink() or not marker.is_file():
+        return None
+    try:
+        found = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    names = found.get("files") if isinstance(found, dict) and found.get("format") == MARKER_FORMAT else None
+    if not isinstance(names, list) or not all(isinstance(n, str) and n == Path(n).name and n not in ("", ".", "..")
+                                              for n in names):
+        return None
+    return set(names) | {MARKER}
+
+
+def check_target(out: str | os.PathLike[str], ckpt: str | os.PathLike[str] | None = None) -> Path:
+    """``out`` as an absolute path, once it may receive an export: new, empty, or an earlier export
+    whose marker lists every entry in it. Anything else is an `ExportError` naming what is in the
+    way; ``ckpt``: the checkpoint being exported, which ``out`` must neither be nor hold."""
+    out_dir = _output_dir(out)
+    refuse_link(out_dir, "a Hugging Face export")
+    if ckpt is not None:
+        source = Path(ckpt).expanduser().resolve()
+        if source == out_dir or out_dir in source.parents:
+            raise ExportError(f"{out_dir} is, or holds, the checkpoint being exported ({source}); an export there "
+                              "would replace it: pick a new --out")
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"{out_dir} is a file; a Hugging Face export is a directory: pick another --out")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file():
-        raise ExportError(f"{out_dir} holds files that are not a model export; pick a new or empty directory")
+    if not out_dir.is_dir():
+        return out_dir
+    entries = sorted(p.name for p in out_dir.iterdir())
+    run = [name for name in RUN_ENTRIES if name in entries]
+    if run:
+        raise ExportError(f"{out_dir} is a training run's directory (it holds {', '.join(run)}); an export never "
+                          "replaces a run: pick a new or empty --out")
+    if not entries:
+        return out_dir
+    ours = _marked_files(out_dir)
+    if ours is None:
+        raise ExportError(f"{out_dir} holds files that are not a shardlib export ({_listed(entries)}; no {MARKER}); "
+                          "an export replaces only an earlier export: pick a new or empty --out")
+    foreign = [name for name in entries if name not in ours or (out_dir / name).is_symlink()
+               or not (out_dir / name).is_file()]
+    if foreign:
+        raise ExportError(f"{out_dir} holds {_listed(foreign)}, which no earlier export wrote; an export replaces "
+                          "only its own files: move them away or pick a new or empty --out")
+    return out_dir
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _staging_ours(path: Path) -> bool:
+    """A killed export's staging directory: a real directory holding only the files it writes."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    names = {p.name for p in path.iterdir()}
+    return all(n == MARKER or n.endswith(".safetensors") or n in _METADATA for n in names)
+
+
+def _write_marker(staging: Path) -> None:
+    names = sorted(p.name for p in staging.iterdir())
+    (staging / MARKER).write_text(json.dumps({"format": MARKER_FORMAT, "files": names}, indent=2) + "\n",
+                                  encoding="utf-8")
 
 
 def _assign_files(entries: list[tuple[str, np.dtype, tuple[int, ...]]], max_bytes: int) -> dict[str, str]:
@@ -148,8 +227,12 @@ def _assign_files(entries: list[tuple[str, np.dtype, tuple[int, ...]]], max_byte
     return {name: f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k, group in enumerate(groups) for name in group}
 
 
+_METADATA = ("config.json", INDEX, "tokenizer.json", "tokenizer_config.json")
+
+
 def _open_writers(staging: Path, entries, files: dict[str, str]) -> dict[str, tuple[Any, TensorWriter]]:
-    staging.mkdir(parents=True)
+    make_dir(staging.parent)
+    staging.mkdir()  # a fresh name (pid + random): never an existing directory nor a link
     writers = {}
     for file_name in dict.fromkeys(files.values()):
         file = open(staging / file_name, "wb")
@@ -175,12 +258,19 @@ def _write_metadata(staging: Path, config: GPTConfig, arch: arch_lib.Architectur
 
 
 def _commit(staging: Path, out_dir: Path) -> None:
-    """Rename the complete directory onto ``out_dir``; an earlier export there is set aside first
-    and removed only once the new one is in place."""
+    """Rename the complete directory onto ``out_dir``. An earlier export there (checked by
+    `check_target` again, in case files appeared since) is set aside first, and only the files its
+    marker lists are removed once the new one is in place; anything else keeps the old directory."""
+    check_target(out_dir)
     old = None
     if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.{secrets.token_hex(4)}.replaced")
+        old = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.replaced")
         os.replace(out_dir, old)
     os.replace(staging, out_dir)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        for name in _marked_files(old) or ():
+            (old / name).unlink(missing_ok=True)
+        try:
+            old.rmdir()
+        except OSError:  # something not ours was added since the check: kept, and said so
+            print(f"shardlib: note: {old} holds files the earlier export did not write; kept", file=sys.stderr)

@@ -14,11 +14,12 @@ import dataclasses
 import hashlib
 import json
 import os
-import secrets
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from shardlib.runtime.files import AtomicFile
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -118,21 +119,39 @@ def tokenize_text(tokenizer: Tokenizer, data: str) -> tuple[np.ndarray, Path, bo
 
     files = resolve_text_files(data)
     cache = cache_path(tokenizer, data, files)
+    if cache.is_symlink():
+        raise TokenizerError(f"the token cache {cache} is a symbolic link (to {os.readlink(cache)}); shardlib reads "
+                             "and writes its cache only as a regular file beside the data: remove the link")
     if cache.is_file():
-        return np.load(cache, mmap_mode="r"), cache, True
+        return _cached_ids(cache, tokenizer.vocab_size), cache, True
     text = load_text(data).decode("utf-8", errors="replace")
     ids = np.asarray(tokenizer.backend.encode(text, add_special_tokens=False).ids,
                      dtype=np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
-    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
     try:
-        with open(tmp, "wb") as f:
+        with AtomicFile(cache, what="the token cache") as f:  # whole or absent: a killed tokenization leaves none
             np.save(f, ids)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, cache)  # whole or absent: a killed tokenization leaves no half cache
     except OSError:  # a read-only data directory: tokenize again next time
-        tmp.unlink(missing_ok=True)
+        pass
     return ids, cache, False
+
+
+def _cached_ids(cache: Path, vocab_size: int) -> np.ndarray:
+    """The ids of a token cache, once they are what a tokenizer of ``vocab_size`` ids writes: a
+    1-D unsigned array, every id below ``vocab_size`` (a cache edited or left by another tokenizer
+    would train on ids without an embedding row, to a NaN loss)."""
+    try:
+        ids = np.load(cache, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise TokenizerError(f"the token cache {cache} cannot be read ({' '.join(str(err).split())}): delete it, "
+                             "and the next run tokenizes again") from None
+    if ids.dtype.kind != "u" or ids.ndim != 1:
+        raise TokenizerError(f"the token cache {cache} holds a {ids.dtype} array of shape {ids.shape}, not the 1-D "
+                             "unsigned ids shardlib writes: delete it, and the next run tokenizes again")
+    largest = int(ids.max()) if ids.size else -1
+    if largest >= vocab_size:
+        raise TokenizerError(f"the token cache {cache} holds token id {largest}, and the tokenizer has {vocab_size} "
+                             "ids: delete it, and the next run tokenizes again")
+    return ids
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,7 +180,7 @@ def instruction_rows(tokenizer: Tokenizer, path: str | os.PathLike[str], seq_len
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            ids, counted = _example(tokenizer, _row(line, path, number), path, number)
+            ids, counted = _example(tokenizer, _row(line, path, number), path, number, seq_len + 1)
             truncated += len(ids) > seq_len + 1
             ids, counted = ids[:seq_len + 1], counted[:seq_len + 1]
             row = np.zeros(seq_len + 1, np.uint32)
@@ -182,38 +201,58 @@ def instruction_rows(tokenizer: Tokenizer, path: str | os.PathLike[str], seq_len
 def _row(line: str, path: Path, number: int) -> dict[str, Any]:
     try:
         row = json.loads(line)
-    except ValueError as err:
-        raise TokenizerError(f"{path}:{number} is not JSON: {err}") from None
+    except (ValueError, RecursionError) as err:
+        raise TokenizerError(f"{path}:{number} is not JSON this reads ({type(err).__name__}: "
+                             f"{' '.join(str(err).split())[:200]})") from None
     if not isinstance(row, dict):
         raise TokenizerError(f"{path}:{number} holds {type(row).__name__}; each line is an object")
     return row
 
 
-def _example(tokenizer: Tokenizer, row: dict[str, Any], path: Path, number: int) -> tuple[list[int], list[int]]:
+CHARS_PER_TOKEN = 16  # text cut at this many characters per token kept, before it is tokenized
+
+
+def _encode_cut(tokenizer: Tokenizer, text: str, budget: int, *, special: bool = True) -> list[int]:
+    """The ids of ``text``, cut before tokenizing when it is far longer than ``budget`` tokens need:
+    memory stays bounded by ``--seq-len``, not by the line (a 100 MB line is not tokenized whole).
+    A cut yields more than ``budget`` ids (then the row is counted as cut), else a longer cut is tried."""
+    limit = max(budget, 1) * CHARS_PER_TOKEN
+    while len(text) > limit:
+        ids = tokenizer.encode(text[:limit], special=special)
+        if len(ids) > budget + 8:  # the tokens the cut may have changed lie past the budget
+            return ids
+        limit *= 4
+    return tokenizer.encode(text, special=special)
+
+
+def _example(tokenizer: Tokenizer, row: dict[str, Any], path: Path, number: int,
+             budget: int) -> tuple[list[int], list[int]]:
     """(token ids, 1 for each token the loss counts): a completion's tokens and its end token."""
     if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
-        prompt = tokenizer.encode(row["prompt"])
-        completion = tokenizer.encode(row["completion"], special=False)
+        prompt = _encode_cut(tokenizer, row["prompt"], budget)
+        completion = _encode_cut(tokenizer, row["completion"], budget - len(prompt), special=False)
         completion += [tokenizer.eos_id] if tokenizer.eos_id is not None else []
         return prompt + completion, [0] * len(prompt) + [1] * len(completion)
     if isinstance(row.get("messages"), list):
-        return _chat(tokenizer, row["messages"], path, number)
+        return _chat(tokenizer, row["messages"], path, number, budget)
     raise TokenizerError(f"{path}:{number} has neither string 'prompt' and 'completion' fields nor a 'messages' list")
 
 
-def _chat(tokenizer: Tokenizer, messages: list[Any], path: Path, number: int) -> tuple[list[int], list[int]]:
+def _chat(tokenizer: Tokenizer, messages: list[Any], path: Path, number: int,
+          budget: int) -> tuple[list[int], list[int]]:
     """A conversation rendered by the chat template; the assistant turns' tokens count. Each turn's
     tokens are what rendering up to it adds to rendering up to the turn before."""
     if tokenizer.chat_template is None:
         raise TokenizerError(f"{path}:{number} is a chat ('messages'), and {tokenizer.path.parent / TOKENIZER_CONFIG} "
                              "has no chat_template to render it: use prompt/completion rows, or a tokenizer with one")
-    import jinja2.sandbox
+    from shardlib.hf.chat_template import ChatTemplate
 
     if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                for m in messages):
         raise TokenizerError(f"{path}:{number}: each message needs string 'role' and 'content' fields")
-    template = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
-        tokenizer.chat_template)
+    template = ChatTemplate(tokenizer.chat_template, str(tokenizer.path.parent / TOKENIZER_CONFIG))
+    cut = budget * CHARS_PER_TOKEN  # each turn's text bounded by what --seq-len keeps, before rendering
+    messages = [{**m, "content": m["content"][:cut]} for m in messages]
     ids: list[int] = []
     counted: list[int] = []
     for i, message in enumerate(messages):
@@ -225,4 +264,6 @@ def _chat(tokenizer: Tokenizer, messages: list[Any], path: Path, number: int) ->
         new = upto[len(ids):]
         ids += new
         counted += [int(message["role"] == "assistant")] * len(new)
+        if len(ids) > budget:  # the later turns would be cut anyway: not rendered
+            break
     return ids, counted

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlib.run.config import TrainConfig, TrainConfigError
+from shardlib.runtime.files import make_dir
 
 
 def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
@@ -35,6 +36,8 @@ def open_checkpointer(config: TrainConfig, out_dir: Path):
     if config.resume_from is not None and not directory.is_dir():
         raise TrainConfigError("resume_from", f"no checkpoints at {directory}; pass the --out directory of a run "
                                               "that saved some (not --ckpt-every 0)")
+    if config.resume_from is None:  # created as a real directory: a planted link is refused, never filled
+        make_dir(directory, "a run's checkpoints")
     ckpt = checkpoint.Checkpointer(directory, every=config.ckpt_every or 0, keep=config.keep)
     return ckpt, config.resume_from is not None or ckpt.latest_step() is not None
 

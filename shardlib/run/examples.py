@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardlib.runtime.files import make_dir, no_follow, refuse_link, write_atomic
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -57,13 +59,14 @@ class ExampleLog:
         self._file = None
         if not enabled:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dir(path.parent, "a run's outputs")
+        refuse_link(path, "a run's examples")
         if resume_step is not None and path.exists():
             kept = [r for r in read_examples(path) if r["step"] <= resume_step]
-            path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+            write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept), what="a run's examples")
         elif path.exists():
             path.unlink()  # a fresh run in an old directory
-        self._file = open(path, "a", encoding="utf-8")
+        self._file = open(path, "a", encoding="utf-8", opener=no_follow)
 
     def __call__(self, step: int, state: Any, metrics: Any) -> None:
         if self._file is None:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shardlib.runtime.files import no_follow
+from shardlib.runtime.files import AtomicFile, make_dir, no_follow
 
 
 def _jsonable(value: Any) -> Any:
@@ -38,8 +38,8 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 def append_record(path: str | os.PathLike[str], record: Mapping[str, Any]) -> None:
     """One line outside the step loop (an event such as an elastic restart: ``{"event": ..., "step": ...}``)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
+    make_dir(path.parent, "a run's outputs")
+    with open(path, "a", encoding="utf-8", opener=no_follow) as f:
         f.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
 
 
@@ -94,7 +94,7 @@ class MetricsLog:
         self._writer = None
         if not enabled:
             return
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        make_dir(self.out_dir, "a run's outputs")
         if self.path.is_symlink():
             from shardlib.run.config import TrainConfigError
 
@@ -234,5 +234,6 @@ def plot_loss_curve(records: list[Mapping[str, Any]], path: str | os.PathLike[st
     ax.legend()
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out)
+    with AtomicFile(out, what="a run's output") as f:  # never through a link planted at its name
+        fig.savefig(f, format="png")
     return out

@@ -24,6 +24,7 @@ from typing import Any
 from shardlib.run.checkpointing import checkpoint_dir
 from shardlib.run.config import DEFAULT_SEQ_LEN, PRECISIONS, TrainConfig, TrainConfigError
 from shardlib.run.fits import check_fits, held_output
+from shardlib.runtime.files import make_dir
 
 
 @dataclasses.dataclass
@@ -236,22 +237,28 @@ def _pretrained(config: TrainConfig):
         return None
     from shardlib.hf.architectures import UnsupportedModel
     from shardlib.hf.load import PretrainedError, open_pretrained
+    from shardlib.hf.safetensors_io import SafetensorsFileError
 
     if config.model != TrainConfig.model:
         raise TrainConfigError("init_from", f"takes the model from {config.init_from}/config.json, and --model "
                                             f"{config.model} names another: drop --model")
     try:
         return open_pretrained(config.init_from, seq_len=config.seq_len)
-    except (PretrainedError, UnsupportedModel, OSError) as err:
+    except (PretrainedError, UnsupportedModel, SafetensorsFileError, OSError) as err:
         raise TrainConfigError("init_from", str(err)) from None
 
 
 def _tokenizer(config: TrainConfig, model_config):
     """``--tokenizer``, checked against the model's vocabulary, or None."""
+    from shardlib.runtime.tokens import is_token_file
+
     if config.tokenizer is None:
+        if config.init_from is not None and not is_token_file(config.data):  # bytes are not the model's ids
+            raise TrainConfigError("init_from", f"{config.init_from}'s vocabulary is its tokenizer's, not bytes: pass "
+                                                "--tokenizer (its tokenizer.json or directory) and --data (text or "
+                                                ".jsonl), or --data a token file of its ids")
         return None
     from shardlib.hf.tokenizer import TokenizerError, check_vocab, load_tokenizer
-    from shardlib.runtime.tokens import is_token_file
 
     if is_token_file(config.data):
         raise TrainConfigError("tokenizer", "tokenizes text, and --data is a token file (already ids): drop one")
@@ -401,12 +408,13 @@ def build_program(config: TrainConfig, model, layout, schedule):
     from shardlib.step.options import OPTIONS, OptionError
     from shardlib.step.stage_balance import parse_stage_layers
 
-    from shardlib.backend import parse_options
+    from shardlib.backend import check_options, parse_options
 
     if config.bucket_mb < 0:
         raise TrainConfigError("bucket_mb", f"--bucket-mb must be >= 0 (0: one collective per tensor), got {config.bucket_mb}")
     try:
         compiler_options = parse_options(config.xla_options) or None
+        check_options(compiler_options or {})  # before the step's compile, which would name it only after
     except ValueError as err:
         raise TrainConfigError("xla_options", str(err)) from None
     try:
@@ -619,7 +627,7 @@ def _claim(config: TrainConfig, field: str, out_dir: Path, *, main: bool) -> Ite
         return
     lock = out_dir / LOCK_NAME
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        make_dir(out_dir, "a run")
         if not main and not os.access(out_dir, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, "permission denied", str(out_dir))
         fd = _open_lock(lock) if main else None

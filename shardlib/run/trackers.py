@@ -24,10 +24,28 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
+def _wandb_credentials() -> str | None:
+    """Why wandb cannot log online (no key), or None: offline or disabled modes need none."""
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return None
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        if netrc.netrc().authenticators(host):
+            return None
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return (f"wandb has no API key for {host} (WANDB_API_KEY, or `wandb login`); set WANDB_MODE=offline to log "
+            "into OUT/wandb without one")
+
+
 class WandbLog:
     """Action: ``wandb.log`` of each record; the config as the run's config."""
 
     package = "wandb"
+    missing_credentials = staticmethod(_wandb_credentials)
 
     def __init__(self, out_dir: Path, config: Mapping[str, Any]) -> None:
         import wandb
@@ -46,6 +64,7 @@ class MlflowLog:
     """Action: ``mlflow.log_metrics`` of each record; the config as the run's parameters."""
 
     package = "mlflow"
+    missing_credentials = staticmethod(lambda: None)  # a file store in OUT, or the server MLFLOW_TRACKING_URI names
 
     def __init__(self, out_dir: Path, config: Mapping[str, Any]) -> None:
         import mlflow
@@ -82,17 +101,33 @@ def parse(text: str) -> tuple[str, ...]:
     return names
 
 
-def open_trackers(names: tuple[str, ...], out_dir: Path, config: Mapping[str, Any], *, enabled: bool) -> list[Any]:
-    """The trackers' actions on process 0 (none elsewhere); a missing package names its extra."""
-    if not enabled:
-        return []
-    opened = []
+def check_trackers(names: tuple[str, ...]) -> None:
+    """Each tracker's package is installed and it has what it needs to log (wandb: a key or offline
+    mode): checked before the run directory is touched, so a refusal leaves ``--out`` as it was."""
+    import importlib.util
+
     for name in names:
         tracker = TRACKERS[name]
+        if importlib.util.find_spec(tracker.package) is None:
+            raise TrainConfigError("log_to", f"{name} is not installed: pip install \"shardlib[{name}]\"")
+        problem = tracker.missing_credentials()
+        if problem is not None:
+            raise TrainConfigError("log_to", problem)
+
+
+def open_trackers(names: tuple[str, ...], out_dir: Path, config: Mapping[str, Any], *, enabled: bool) -> list[Any]:
+    """The trackers' actions on process 0 (none elsewhere), started before the step compiles; one
+    that cannot start is one line naming it (those already started are closed)."""
+    if not enabled:
+        return []
+    check_trackers(names)
+    opened: list[Any] = []
+    for name in names:
         try:
-            opened.append(tracker(out_dir, config))
-        except ModuleNotFoundError as err:
-            if err.name != tracker.package:
-                raise
-            raise TrainConfigError("log_to", f"{name} is not installed: pip install \"shardlib[{name}]\"") from None
+            opened.append(TRACKERS[name](out_dir, config))
+        except Exception as err:  # the tracker's own errors (network, login, a bad server URI)
+            for tracker in opened:
+                tracker.close()
+            raise TrainConfigError("log_to", f"{name} could not start: {type(err).__name__}: "
+                                             f"{' '.join(str(err).split())[:300]}") from None
     return opened

@@ -35,7 +35,7 @@ from shardlib.run.config import (  # noqa: F401  (re-exported: the CLI and noteb
 from shardlib.exits import EXIT_DIVERGED, EXIT_INTERRUPTED
 from shardlib.run.nonfinite import DivergedError  # light: imports neither JAX nor NumPy
 from shardlib.run.sampling import sample_text
-from shardlib.runtime.files import no_follow
+from shardlib.runtime.files import write_atomic
 
 
 @dataclasses.dataclass
@@ -169,15 +169,22 @@ def train(config: TrainConfig, data: Any = None, *, model: Any = None) -> TrainR
     from shardlib.run.checkpointing import keep_schedule, refuse_silent_restart
     from shardlib.run.setup import check_out_path, claim_run_directory, run_directory, with_model_defaults
 
+    from shardlib.run.outputs import refuse_out_over_sources, refuse_planted_links
+    from shardlib.run.trackers import check_trackers
+
     t_begin = time.perf_counter()
     check_out_path(config)  # before JAX starts: a file in the way costs no start-up
+    refuse_out_over_sources(config)
+    check_trackers(config.log_to)  # before --out is touched: a refused tracker leaves it as it was
     xla_note = _set_xla_flags(config.xla_gpu_overlap)
     note = "; ".join(filter(None, (xla_note, setup_devices(config.cpu_devices)))) or None
     config = with_model_defaults(config)
     check_numbers(config)
     out_dir = run_directory(config)
-    refuse_silent_restart(config, out_dir)
     with claim_run_directory(config, out_dir, main=jax.process_index() == 0):
+        # The lock first: a live run is named as live; then what reads --out, under the lock.
+        refuse_planted_links(out_dir)
+        refuse_silent_restart(config, out_dir)
         # Reading the checkpoints opens them, which sets aside incomplete steps: only under the lock.
         config, schedule_note = keep_schedule(config, out_dir)
         return _train(config, out_dir, note, t_begin, data, model, schedule_note)
@@ -185,21 +192,29 @@ def train(config: TrainConfig, data: Any = None, *, model: Any = None) -> TrainR
 
 def _train(config: TrainConfig, out_dir: Path, note: str | None, t_begin: float, data: Any = None,
            model: Any = None, schedule_note: str | None = None) -> TrainResult:
+    import jax
+
     from shardlib.run.metrics_io import MetricsLog
     from shardlib.run.setup import prepare
+    from shardlib.run.trackers import open_trackers
 
-    run = prepare(config, out_dir, data=data, model=model)
-    if run.is_main and config.verbose:
-        print(console.banner(run, note), flush=True)
-    ckpt, state, start, resume_step = _initial_state(run)
-    if schedule_note and run.is_main and config.verbose:  # once resumed: a refused resume says only why
-        print(schedule_note, file=sys.stderr, flush=True)
-    log = MetricsLog(run.out_dir, enabled=run.is_main, tensorboard=config.tensorboard, resume_step=resume_step)
-    with contextlib.closing(log):
+    # Started before the compile: a tracker that cannot start costs no compile and writes no metrics.
+    trackers = open_trackers(config.log_to, out_dir, dataclasses.asdict(config), enabled=jax.process_index() == 0)
+    with contextlib.ExitStack() as closing:
+        for tracker in trackers:
+            closing.callback(tracker.close)
+        run = prepare(config, out_dir, data=data, model=model)
+        if run.is_main and config.verbose:
+            print(console.banner(run, note), flush=True)
+        ckpt, state, start, resume_step = _initial_state(run)
+        if schedule_note and run.is_main and config.verbose:  # once resumed: a refused resume says only why
+            print(schedule_note, file=sys.stderr, flush=True)
+        log = closing.enter_context(contextlib.closing(
+            MetricsLog(run.out_dir, enabled=run.is_main, tensorboard=config.tensorboard, resume_step=resume_step)))
         config_path = _write_config(run)
         evaluate = run.evaluator()
         wall_start = time.perf_counter()
-        state, tally, stop = _loop(run, state, (start, resume_step), ckpt, log, evaluate)
+        state, tally, stop = _loop(run, state, (start, resume_step), ckpt, log, evaluate, trackers)
         if not tally.step_times:  # resumed at or past --steps: nothing to train, still report where it stands
             tally.last_val = evaluate(state)
         preempted = stop is not None and stop.stopped_at is not None
@@ -251,10 +266,8 @@ def saved_config(run) -> dict[str, Any]:
 def _write_config(run) -> Path | None:
     if not run.is_main:
         return None
-    path = run.out_dir / "config.json"
-    with open(path, "w", encoding="utf-8", opener=no_follow) as f:
-        f.write(json.dumps(saved_config(run), indent=2, default=str) + "\n")
-    return path
+    return write_atomic(run.out_dir / "config.json", json.dumps(saved_config(run), indent=2, default=str) + "\n",
+                        what="a run's output")
 
 
 def _step_fn(run):
@@ -262,7 +275,7 @@ def _step_fn(run):
     return lambda k, state, batch: run.step_fn(state, batch)
 
 
-def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate):
+def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate, trackers):
     """The steps with their actions; returns (state, the `Tally`, the `Preemption` or None)."""
     import jax
 
@@ -273,7 +286,6 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate):
     from shardlib.run.nonfinite import NonFiniteGuard
     from shardlib.run.preemption import preemption
     from shardlib.run.profile import ProfileSteps
-    from shardlib.run.trackers import open_trackers
     from shardlib.run.stragglers import straggler_action
 
     config, (first, resume_step) = run.config, start
@@ -286,7 +298,6 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate):
                         bar=run.is_main and bar, lines=run.is_main and config.verbose and not bar)
     # Order matters: validation adds val_loss; the guard raises last, once its step is logged.
     stragglers = straggler_action(config, clock)  # before the log: it adds the window's per-process times
-    trackers = open_trackers(config.log_to, run.out_dir, dataclasses.asdict(config), enabled=run.is_main)
     record = Recorder([validation, tally, stragglers, log, *trackers, progress, NonFiniteGuard(config.max_skips, ckpt)],
                       clock, tokens_per_step=run.tokens_per_step, at_once=validation.due, devices=len(jax.devices()))
     profile = ProfileSteps(config.profile, run.out_dir, first, enabled=run.is_main)
@@ -299,7 +310,7 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate):
                               after_step=[examples, profile, *([saver] if saver is not None else [])], preemption=stop,
                               steps_in_flight=run.steps_in_flight)
     finally:
-        for action in (saver, progress, examples, profile, *trackers):
+        for action in (saver, progress, examples, profile):  # the trackers: closed by the caller, who opened them
             if action is not None:
                 action.close()
     return state, tally, stop
@@ -367,8 +378,7 @@ def _write_outputs(run, log, summary: str, sample: str | None, steps: int, *, pr
                             title=f"{run.model_name} / {run.strategy.name} / {describe(run.mesh)}")
     if sample is not None:
         log.add_text("sample", sample, steps)
-        with open(out_dir / "sample.txt", "w", encoding="utf-8", opener=no_follow) as f:
-            f.write(sample + "\n")
+        write_atomic(out_dir / "sample.txt", sample + "\n", what="a run's output")
     if config.verbose and not preempted:
         print(summary)
         if sample is not None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlib.exits import EXIT_DIVERGED, EXIT_USAGE
+from shardlib.runtime.files import write_atomic
 
 ENV_RESTART = "SHARDLIB_ELASTIC_RESTART"
 # JAX's coordination service names the peers that stopped sending heartbeats, one per line.
@@ -170,7 +171,7 @@ def trim_examples(out_dir: Path, step: int) -> list[Path]:
     for path in sorted(out_dir.glob("examples*.jsonl")):
         records = [_record(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         kept = [r for r in records if r.get("step", step + 1) <= step]
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept), what="a run's examples")
         trimmed.append(path)
     return trimmed
 

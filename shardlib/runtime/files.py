@@ -1,18 +1,155 @@
-"""Writing inside a run or checkpoint directory without following a link planted there.
+"""Every file and directory a shardlib command writes, created without following a link.
 
-A symbolic link named like a file shardlib writes (``metrics.jsonl``, ``DAMAGED.txt``) would
-send the write, or a truncation, to whatever it points at; these open the name itself only.
+A symbolic link planted where an output goes (``OUT/loss_curve.png``, ``OUT/checkpoints``,
+``--out link.npz``) would send the write, a truncation or a rotation to whatever it points at.
+`refuse_links` says so in one line before any work; `AtomicFile` / `write_atomic` write a
+file under a temporary name opened with ``O_NOFOLLOW | O_EXCL`` in the real directory and
+rename it onto its name (whole or absent); `make_dir` creates a directory that is not a link;
+`remove_stale_partials` deletes what a killed writer left behind, and nothing else.
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import secrets
+import shutil
 import stat
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import IO, Any
+
+
+class LinkedOutputError(ValueError):
+    """An output path that is a symbolic link (or not what the command writes): one line, exit 2."""
+
+    user_facing = True
 
 
 def no_follow(path: str | os.PathLike[str], flags: int) -> int:
     """An ``opener`` for `open`: fails with ELOOP instead of writing through a symbolic link."""
     return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+
+
+def refuse_link(path: str | os.PathLike[str], what: str = "an output") -> None:
+    """Raise `LinkedOutputError` when ``path`` is a symbolic link (its target is never written)."""
+    path = Path(path)
+    if path.is_symlink():
+        raise LinkedOutputError(f"{path} is a symbolic link (to {os.readlink(path)}), where shardlib writes {what}; "
+                                "it never writes through a link: remove the link or pick another path")
+
+
+def refuse_links(directory: str | os.PathLike[str], names: Iterable[str], what: str = "its outputs") -> None:
+    """`refuse_link` of the directory itself and of each name in it: checked before any work."""
+    directory = Path(directory)
+    refuse_link(directory, what)
+    for name in names:
+        refuse_link(directory / name, what)
+
+
+def make_dir(path: str | os.PathLike[str], what: str = "an output directory") -> Path:
+    """Create ``path`` (and its parents) as a real directory; a link at ``path`` is refused."""
+    path = Path(path)
+    refuse_link(path, what)
+    path.mkdir(parents=True, exist_ok=True)
+    refuse_link(path, what)  # planted between the check and the mkdir
+    return path
+
+
+def partial_path(path: Path) -> Path:
+    """The temporary name beside ``path`` that a writer of this process uses: ``.NAME.<pid>.<hex>.partial``."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
+
+
+def remove_stale_partials(path: str | os.PathLike[str], ours: Callable[[Path], bool] = Path.is_file) -> list[Path]:
+    """Delete the ``.partial`` files (or staging directories ``ours`` accepts) that writers of
+    ``path`` left when killed; a partial of a process still running is its write in progress,
+    and a link is never followed nor removed. Returns what was removed."""
+    path = Path(path)
+    removed = []
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.partial"):
+        pid = stale.name[len(path.name) + 2:].split(".")[0]
+        if not pid.isdigit() or stale.is_symlink() or not ours(stale):
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except OSError:  # running, as another user
+            continue
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+        print(f"shardlib: note: removed {stale}, left by a write that was killed (pid {pid})", file=sys.stderr)
+        removed.append(stale)
+    return removed
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class AtomicFile:
+    """A temporary file beside ``path`` that becomes ``path`` (fsync, then ``os.replace``) only on
+    `commit`: a write that fails (a full disk, a kill) leaves the previous file, if any, whole and
+    no partial file behind (`discard`; a killed process's is removed by the next writer). The
+    temporary file is created in the directory itself (not through a link to it), never over an
+    existing name, and ``path`` must not be a link (`LinkedOutputError`)."""
+
+    def __init__(self, path: str | os.PathLike[str], mode: str = "wb", *, what: str = "an output") -> None:
+        self.path = Path(path)
+        refuse_link(self.path, what)
+        refuse_link(self.path.parent, what)
+        remove_stale_partials(self.path)
+        self.tmp = partial_path(self.path)
+        # 0o666 less the umask, as open() would give the final file (mkstemp would leave it 0o600)
+        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        self.file: IO[Any] = os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"}))
+
+    def commit(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        if self.path.is_symlink():  # planted while writing: the link is not replaced either
+            self.discard()
+            refuse_link(self.path)
+        os.replace(self.tmp, self.path)  # replaces the name itself; never writes through it
+        _fsync_dir(self.path.parent)  # make the rename itself durable
+
+    def discard(self) -> None:
+        try:
+            self.file.close()
+        except OSError:
+            pass
+        self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> IO[Any]:
+        return self.file
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is None:
+            self.commit()
+        else:
+            self.discard()
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes | str, *, what: str = "an output") -> Path:
+    """``path`` holding ``data``, whole or not at all, never through a link (`AtomicFile`)."""
+    with AtomicFile(path, "wb" if isinstance(data, bytes) else "w", what=what) as f:
+        f.write(data)
+    return Path(path)
 
 
 def write_new_file(directory: str | os.PathLike[str], name: str, text: str) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shardlib.runtime.files import not_a_file
+from shardlib.runtime.files import not_a_file, write_atomic
 
 SUFFIXES = (".bin", ".npy")
 BIN_DTYPES = ("uint16", "uint32")
@@ -83,8 +83,8 @@ def _cached_largest(tokens: np.ndarray, path: str | os.PathLike[str]) -> int:
         pass  # no cache yet, or an unreadable one: scan
     largest = int(tokens.max())
     try:
-        cache.write_text(json.dumps({**key, "max_id": largest}) + "\n")
-    except OSError:  # a read-only data directory: the next run scans again
+        write_atomic(cache, json.dumps({**key, "max_id": largest}) + "\n", what="a token file's cached largest id")
+    except (OSError, ValueError):  # ValueError: a link at its name, left alone  # a read-only data directory: the next run scans again
         pass
     return largest
 

@@ -18,6 +18,8 @@ import os
 import types
 from typing import Any
 
+from shardlib.runtime.files import AtomicFile, make_dir
+
 _FIELDS = ("generated_code_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
            "temp_size_in_bytes", "host_generated_code_size_in_bytes", "host_argument_size_in_bytes",
            "host_output_size_in_bytes", "host_alias_size_in_bytes", "host_temp_size_in_bytes",
@@ -64,11 +66,10 @@ def compile_cached(lowered: Any, folder: str | None, compiler: str) -> Any:
     compiled = lowered.compile()
     analysis = compiled.memory_analysis()
     memory = {field: getattr(analysis, field, None) for field in _FIELDS}
-    os.makedirs(folder, exist_ok=True)
-    partial = f"{path}.{os.getpid()}.tmp"
-    with gzip.open(partial, "wt") as f:
-        json.dump({"memory": memory, "text": compiled.as_text()}, f)
-    os.replace(partial, path)  # whole or absent: a killed plan leaves no half entry
+    make_dir(folder, "the plan cache")
+    with AtomicFile(path, what="the plan cache") as raw:  # whole or absent: a killed plan leaves no half entry
+        with gzip.GzipFile(fileobj=raw, mode="wb") as f:
+            f.write(json.dumps({"memory": memory, "text": compiled.as_text()}).encode("utf-8"))
     return compiled
 
 

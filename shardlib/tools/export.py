@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import json
 import logging
 import math
 import os
-import secrets
 import struct
 import zipfile
 import zlib
@@ -50,10 +48,9 @@ from shardlib.runtime.checkpoint import (
     signature_mismatches,
     tree_signature,
 )
+from shardlib.runtime.files import AtomicFile, make_dir, refuse_link
 from shardlib.runtime.host import to_host
 from shardlib.sharding.rules import describe_mismatches, listed, path_keys, path_str
-
-log = logging.getLogger("shardlib.tools.export")
 
 EXPORT_FORMAT = "shardlib.tools.export/2"  # /2 added the model state ("part" of each tensor)
 READABLE_FORMATS = ("shardlib.tools.export/1", EXPORT_FORMAT)  # /1: parameters only
@@ -107,58 +104,6 @@ def _dtype(name: str) -> np.dtype:
 # --------------------------------------------------------------------------------------------
 # Writers: open, add one tensor at a time, close; the file appears at its path only when complete
 # --------------------------------------------------------------------------------------------
-
-
-def _remove_stale_partials(path: Path) -> None:
-    """Delete the ``.partial`` files of exports to ``path`` whose process is gone (kill -9 leaves
-    one behind); a partial of a process still running on this host is its export in progress."""
-    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.partial"):
-        pid = stale.name[len(path.name) + 2:].split(".")[0]
-        if not pid.isdigit() or stale.is_symlink() or not stale.is_file():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            stale.unlink(missing_ok=True)
-            log.warning("removed %s, left by an export that was killed (pid %s)", stale, pid)
-        except OSError:  # running, as another user
-            pass
-
-
-class _AtomicFile:
-    """A temporary file next to ``path`` that becomes ``path`` (fsync, then ``os.replace``) only on
-    `commit`: an export that fails (full disk, killed gather) leaves the previous file, if any,
-    untouched and no partial file behind (`discard` removes it)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        _remove_stale_partials(path)
-        self.tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
-        # 0o666 less the umask, as open() would give the final file (mkstemp would leave it 0o600)
-        self.file = os.fdopen(os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb")
-
-    def commit(self) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        os.replace(self.tmp, self.path)
-        try:  # make the rename itself durable
-            directory = os.open(self.path.parent, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(directory)
-        except OSError:
-            pass
-        finally:
-            os.close(directory)
-
-    def discard(self) -> None:
-        try:
-            self.file.close()
-        except OSError:
-            pass
-        self.tmp.unlink(missing_ok=True)
 
 
 def _nbytes(t: dict[str, Any]) -> int:
@@ -611,6 +556,12 @@ def _restore_parts(ckpt_dir: str | os.PathLike[str], step: int | None) -> tuple[
         ckpt.close()
 
 
+def _output_path(out: str | os.PathLike[str]) -> Path:
+    """``--out`` made absolute without resolving its last part: a link there is refused, not followed."""
+    path = Path(out).expanduser()
+    return path.parent.resolve() / path.name
+
+
 def export_params(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, step: int | None = None) -> ExportSummary:
     """Write the parameters of checkpoint ``step`` (default: latest complete) to ``out``, and the
     model state (BatchNorm statistics) under ``model_state/`` when the model keeps one.
@@ -619,8 +570,9 @@ def export_params(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str],
 
     Call on every process of a multi-process job (the gathers are collective); process 0 writes.
     """
-    out_path = Path(out).expanduser().resolve()
+    out_path = _output_path(out)
     _check_suffix(out_path)
+    refuse_link(out_path, "the exported weights")  # before the restore: a planted link costs nothing
     step, config, parts = _restore_parts(ckpt_dir, step)
     leaves, tensors = _tensor_records({part: parts[part] for part in ("params", "model_state") if part in parts})
     record = {"format": EXPORT_FORMAT, "step": step, "config": config, "tensors": tensors}
@@ -628,8 +580,8 @@ def export_params(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str],
     total = largest = 0
     try:
         if jax.process_index() == 0:  # written under a temporary name, renamed onto out_path once complete
-            out_path.parent.mkdir(parents=True, exist_ok=True)
-            output = _AtomicFile(out_path)
+            make_dir(out_path.parent)
+            output = AtomicFile(out_path, what="the exported weights")
             writer = _writer(output.file, out_path.suffix, record)
         for leaf, t in zip(leaves, tensors):
             host = to_host(leaf)  # may alias the device buffer on CPU: free the leaf only after writing
@@ -665,8 +617,9 @@ def export_hf(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, 
     """Write checkpoint ``step`` (default: latest complete) of a decoder run as a Hugging Face model
     directory (`shardlib.hf.save.save_pretrained`): the config.json it was imported from, or a
     Llama one for a reference model, and its tokenizer when the run had one."""
-    from shardlib.hf.save import DEFAULT_SHARD_BYTES, save_pretrained
+    from shardlib.hf.save import DEFAULT_SHARD_BYTES, check_target, save_pretrained
 
+    check_target(out, ckpt_dir)  # before the restore: a directory it would not replace costs nothing
     step, config, parts = _restore_parts(ckpt_dir, step)
     model_config = run_model_config(config)
     if model_config is None:
@@ -699,6 +652,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.max_shard_mb is not None and not (math.isfinite(args.max_shard_mb) and args.max_shard_mb * 2**20 >= 1):
+        raise ExportFlagError(f"--max-shard-mb {args.max_shard_mb} is not a shard size: give a positive number of "
+                              "MiB (at least 1 byte; the default 5120)")
     if args.hf:
         step, written = export_hf(args.ckpt, args.out, step=args.step, dtype=args.dtype or "bf16",
                                   max_shard_bytes=None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20))

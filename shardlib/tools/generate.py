@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from", dest="source", required=True, metavar="RUN_OR_HF_DIR",
                         help="a run directory of `shardlib train` (its latest checkpoint) or a Hugging Face model directory")
@@ -48,21 +47,46 @@ def _setup_devices(cpu_devices: int | None) -> None:
         simulate_cpu_devices(cpu_devices)
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """The flags that need no model, checked before JAX starts: each names itself."""
+    from shardlib.models.gpt import check_sampling
+    from shardlib.sharding.strategies import get_strategy
+
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        raise GenerateError(f"--cpu-devices must be a positive device count, got {args.cpu_devices}")
+    if args.max_new_tokens < 1:
+        raise GenerateError("--max-new-tokens must be at least 1")
+    if not args.prompt:
+        raise GenerateError("--prompt is empty: give the text to continue")
+    try:
+        check_sampling(args.temperature, args.top_k, args.top_p)
+        get_strategy(args.strategy)
+    except ValueError as err:
+        raise GenerateError(str(err)) from None  # each names its flag: temperature, top_k, top_p, strategy
+
+
+def _check_model(config: Any, tokenizer: Any, args: argparse.Namespace, what: str) -> None:
+    """The flags against the model, before its parameters are read: ids it has rows for."""
+    if args.top_k is not None and args.top_k > config.vocab_size:
+        raise GenerateError(f"--top-k {args.top_k} is more than the {config.vocab_size} tokens {what} has")
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise GenerateError(f"--tokenizer {tokenizer.path} has {tokenizer.vocab_size} ids, and {what} embeds only "
+                            f"{config.vocab_size}: use the tokenizer the model was trained with")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_flags(args)
     _setup_devices(args.cpu_devices)
     import jax
     import numpy as np
 
-    from shardlib.models.gpt import check_sampling, from_params, generate
+    from shardlib.models.gpt import from_params, generate
 
-    if args.max_new_tokens < 1:
-        raise GenerateError("--max-new-tokens must be at least 1")
-    try:
-        check_sampling(args.temperature, args.top_k, args.top_p)
-    except ValueError as err:
-        raise GenerateError(str(err)) from None
     config, params, tokenizer, what = load_for_generation(args)
     ids = np.asarray(tokenizer.encode(args.prompt) if tokenizer is not None else list(args.prompt.encode()), np.int32)
+    if not len(ids):
+        raise GenerateError(f"--prompt {args.prompt!r} is no tokens for {getattr(tokenizer, 'path', 'bytes')}: give "
+                            "text to continue")
     if len(ids) + args.max_new_tokens > config.max_seq_len:
         raise GenerateError(f"the prompt's {len(ids)} tokens + --max-new-tokens {args.max_new_tokens} exceed the "
                                 f"model's {config.max_seq_len} positions")
@@ -91,11 +115,12 @@ def load_for_generation(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
     source = Path(args.source).expanduser()
     if is_pretrained_dir(source):
         pretrained = open_pretrained(source, seq_len=None)
+        named = args.tokenizer or (source if (source / "tokenizer.json").is_file() else None)
+        tokenizer = load_tokenizer(named) if named is not None else None
+        _check_model(pretrained.model_config, tokenizer, args, str(source))
         layout = _layout(pretrained.model_config, args)
         params = load_params(pretrained, layout.param_shardings())
-        tokenizer = args.tokenizer or (source if (source / "tokenizer.json").is_file() else None)
-        return (_with_precision(pretrained.model_config, args), params,
-                load_tokenizer(tokenizer) if tokenizer is not None else None, pretrained.describe())
+        return _with_precision(pretrained.model_config, args), params, tokenizer, pretrained.describe()
     return _from_run(source, args)
 
 
@@ -115,17 +140,19 @@ def _from_run(source: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, st
         if config is None:
             raise GenerateError(f"--from {source}: its model {saved.get('model')!r} is not shardlib's decoder, which "
                                 "generate runs")
+        named = args.tokenizer or saved.get("tokenizer_file")
+        if named is None and config.vocab_size != 256:
+            raise GenerateError(f"--from {source}: the run's token ids come from a tokenizer it did not record; pass "
+                                "--tokenizer")
+        tokenizer = load_tokenizer(named) if named is not None else None
+        _check_model(config, tokenizer, args, str(source))
         layout = _layout(config, args)
         target = {"params": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                          _abstract(config), layout.param_shardings())}
         params = ckpt.restore_subtree(target, step)["params"]
     finally:
         ckpt.close()
-    tokenizer = args.tokenizer or saved.get("tokenizer_file")
-    if tokenizer is None and config.vocab_size != 256:
-        raise GenerateError(f"--from {source}: the run's token ids come from a tokenizer it did not record; pass --tokenizer")
-    return (_with_precision(config, args), params, load_tokenizer(tokenizer) if tokenizer is not None else None,
-            f"{source} step {step}")
+    return _with_precision(config, args), params, tokenizer, f"{source} step {step}"
 
 
 def _abstract(config: Any) -> Any:

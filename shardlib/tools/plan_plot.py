@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from shardlib.runtime.files import AtomicFile
+
 
 def plot_plans(documents: Sequence[Mapping[str, Any]], path: str) -> str:
     """Draw the candidates of ``documents`` (`plan_document` outputs) to ``path``; returns the path."""
@@ -40,6 +42,7 @@ def plot_plans(documents: Sequence[Mapping[str, Any]], path: str) -> str:
     memory.legend(fontsize=8)
     fig.suptitle(f"{documents[0]['model']}, {documents[0]['precision']}: {names}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with AtomicFile(path, what="the plan's plot") as f:  # never through a link at its name
+        fig.savefig(f, dpi=120, format="png")
     plt.close(fig)
     return path
