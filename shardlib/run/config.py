@@ -189,6 +189,16 @@ class TrainConfig:
                                        "Mistral, Qwen2, Gemma): its architecture and weights, read straight into "
                                        "the shards; the optimizer starts fresh; replaces --model (docs/pretrained.md)",
                                  metavar="HF_DIR")
+    lora_rank: int | None = flag(None, "with --init-from: train LoRA adapters of rank R on the --lora-targets "
+                                       "projections, the base frozen and stored in the compute dtype "
+                                       "(docs/pretrained.md, LoRA)", metavar="R")
+    lora_alpha: float | None = flag(None, "LoRA's alpha: the adapters' output is scaled by alpha / rank "
+                                          "(default: the rank, a scale of 1)", metavar="A")
+    lora_targets: str = flag("q,k,v,o,gate,up,down", "the projections LoRA adapts (default %(default)s)",
+                             metavar="NAMES")
+    init_lora: str | None = flag(None, "with --lora-rank: start the adapters from a PEFT adapter directory "
+                                       "(adapter_config.json + adapter_model.safetensors; its rank, alpha and "
+                                       "targets must match)", metavar="PEFT_DIR")
     tokenizer: str | None = flag(None, "a Hugging Face tokenizer (tokenizer.json, or a model directory holding one): "
                                        "--data text is tokenized with it (cached beside the data) and a .jsonl file "
                                        "read as instruction examples; the sample's prompt too", metavar="PATH")

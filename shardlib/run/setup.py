@@ -293,7 +293,10 @@ def _model_config(config: TrainConfig, pretrained=None):
         raise TrainConfigError("remat", f"the MoE decoder rematerialises whole blocks; {config.remat} applies to the "
                                         "dense decoders: use --remat full or none")
     remat = {"remat": False} if config.remat == "none" else {"remat": True, "remat_policy": config.remat}
-    return dataclasses.replace(model_config, compute_dtype=PRECISIONS[config.precision], **remat)
+    from shardlib.run.lora import lora_config
+
+    return dataclasses.replace(model_config, compute_dtype=PRECISIONS[config.precision],
+                               lora=lora_config(config, model_config), **remat)
 
 
 def _mesh(config: TrainConfig, strategy):

@@ -1,0 +1,105 @@
+"""LoRA (`models.lora`): a zero3 LoRA step against the same LoRA written with plain ``jax.jit`` +
+optax (gradients of the adapters only, AdamW over them alone), the frozen base stored in the
+compute dtype and untouched, optimizer state for the adapters only, and the parameter count."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from shardlib import build, make_layout, make_mesh
+from shardlib.models import get_config, param_count, trainable
+from shardlib.models.configs import LoraConfig, lora_param_count
+from shardlib.models.gpt import from_params, next_token_loss
+from shardlib.models.lora import is_adapter
+from shardlib.sharding.rules import path_str
+from tests.helpers import batches, optimizer
+
+CONFIG = dataclasses.replace(get_config("tiny"), lora=LoraConfig(rank=4, alpha=8, targets=("q", "v", "o", "down")))
+STEPS = 3
+
+
+def _split(params):
+    """(adapters, base) as flat {path: array} dicts."""
+    flat = {path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    return ({k: v for k, v in flat.items() if is_adapter(k)}, {k: v for k, v in flat.items() if not is_adapter(k)})
+
+
+def _tree(flat, like):
+    paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(like)]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), [flat[p] for p in paths])
+
+
+@pytest.fixture(scope="module")
+def zero3_run():
+    model = trainable(CONFIG)
+    program = build(model, optimizer(), make_layout(model, "zero3", make_mesh({"fsdp": 8})))
+    state = program.init(jax.random.key(0))
+    start = jax.tree.map(np.array, state.params)
+    losses = []
+    for rows in batches(STEPS):
+        state, metrics = program.step(state, rows)
+        losses.append(float(metrics["loss"]))
+    return start, np.array(losses), state
+
+
+def test_a_zero3_lora_step_equals_plain_jit_and_optax(zero3_run):
+    """The same adapters after 3 AdamW steps as plain jax.jit over the adapters alone (the base a
+    constant of the loss), the same losses, and the base bit for bit as it started."""
+    start, losses, state = zero3_run
+    adapters, base = _split(start)
+    tx = optimizer()
+
+    def loss(a, b):
+        return next_token_loss(from_params(CONFIG, _tree({**base, **a}, start)), b)[0]
+
+    @jax.jit
+    def step(a, opt, b):
+        value, grads = jax.value_and_grad(loss)(a, b)
+        updates, opt = tx.update(grads, opt, a)
+        return optax.apply_updates(a, updates), opt, value
+
+    a, opt, expected = adapters, tx.init(adapters), []
+    for rows in batches(STEPS):
+        a, opt, value = step(a, opt, rows)
+        expected.append(float(value))
+    np.testing.assert_allclose(losses, expected, rtol=1e-6)
+    assert losses[-1] < losses[0]  # the adapters learned: B leaves zero after the first step
+    got_adapters, got_base = _split(jax.tree.map(np.asarray, state.params))
+    for name, want in a.items():
+        np.testing.assert_allclose(got_adapters[name], np.asarray(want), rtol=1e-5, atol=1e-6, err_msg=name)
+    assert any(np.abs(got_adapters[n]).max() > 0 for n in got_adapters if n.endswith("_lora_b"))
+    for name, want in base.items():
+        np.testing.assert_array_equal(got_base[name], want, err_msg=name)
+
+
+def test_optimizer_state_holds_the_adapters_only_and_the_base_is_stored_in_bf16():
+    """Under bf16 the frozen base is stored in bf16 (the compute dtype: never updated, so no
+    float32 master copy), the adapters in float32, and AdamW's two moments exist for the adapters
+    alone: 8 bytes per trained parameter."""
+    model = trainable(CONFIG)
+    program = build(model, optax.adamw(1e-3), make_layout(model, "zero3", make_mesh({"fsdp": 8})), precision="bf16")
+    abstract = program.abstract_state()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract.params):
+        want = jnp.float32 if is_adapter(path_str(path)) else jnp.bfloat16
+        assert leaf.dtype == want, path_str(path)
+    moments = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract.opt_state) if x.ndim > 0)
+    assert moments == 8 * lora_param_count(CONFIG)
+    total = sum(x.size for x in jax.tree.leaves(abstract.params))
+    assert total == param_count(CONFIG)
+    assert lora_param_count(CONFIG) == sum(x.size for p, x in jax.tree_util.tree_leaves_with_path(abstract.params)
+                                           if is_adapter(path_str(p)))
+
+
+def test_lora_settings_are_checked():
+    with pytest.raises(ValueError, match="rank must be a positive integer"):
+        LoraConfig(rank=0)
+    with pytest.raises(ValueError, match="name each of q,k,v,o,gate,up,down"):
+        LoraConfig(rank=2, targets=("q", "qkv"))
+    assert LoraConfig(rank=8, targets=("down", "q")).targets == ("q", "down")
+    assert LoraConfig(rank=8).scale == 1.0 and LoraConfig(rank=8, alpha=16).scale == 2.0
