@@ -45,13 +45,13 @@ def zero3_run():
     for rows in batches(STEPS):
         state, metrics = program.step(state, rows)
         losses.append(float(metrics["loss"]))
-    return start, np.array(losses), state
+    return start, np.array(losses), state, program
 
 
 def test_a_zero3_lora_step_equals_plain_jit_and_optax(zero3_run):
     """The same adapters after 3 AdamW steps as plain jax.jit over the adapters alone (the base a
     constant of the loss), the same losses, and the base bit for bit as it started."""
-    start, losses, state = zero3_run
+    start, losses, state, _ = zero3_run
     adapters, base = _split(start)
     tx = optimizer()
 
@@ -103,3 +103,38 @@ def test_lora_settings_are_checked():
         LoraConfig(rank=2, targets=("q", "qkv"))
     assert LoraConfig(rank=8, targets=("down", "q")).targets == ("q", "down")
     assert LoraConfig(rank=8).scale == 1.0 and LoraConfig(rank=8, alpha=16).scale == 2.0
+
+
+def test_zero3_reduces_the_adapters_gradients_only(zero3_run):
+    """The frozen base is gathered for the forward and backward passes but never differentiated:
+    the compiled zero3 step reduce-scatters exactly the adapters' float32 gradients, (N-1)/N of
+    4 bytes per trained parameter (the ring convention, docs/design.md), nothing of the base."""
+    from shardlib.tools.report import collective_stats
+
+    program, state = zero3_run[3], zero3_run[2]
+    compiled = program.step.lower(state, batches(1)[0]).compile()
+    records = collective_stats(compiled).records
+    scattered = sum(r.bytes_per_step for r in records if r.kind == "reduce-scatter")
+    assert scattered == 7 / 8 * 4 * lora_param_count(CONFIG)
+
+
+def test_plan_says_what_trains_and_the_command_keeps_the_lora_flags():
+    """`shardlib plan --lora-rank`: the header line (counted from the model's shapes) and the
+    LoRA flags of the train command it prints; alpha / targets without a rank are refused."""
+    import argparse
+
+    from shardlib.tools import plan_lora
+    from shardlib.tools.plan import PlanError
+
+    args = argparse.Namespace(lora_rank=4, lora_alpha=8.0, lora_targets="q,v,o,down")
+    lora = plan_lora.from_args(args, PlanError)
+    assert lora == CONFIG.lora
+    assert plan_lora.header(CONFIG, param_count(CONFIG)) == [
+        f"trains: {lora_param_count(CONFIG):,} of {param_count(CONFIG):,} parameters (LoRA rank 4, alpha 8 on "
+        "q,v,o,down); the base frozen in float32, optimizer state for the adapters only"]
+    assert [w for w in plan_lora.train_flags(CONFIG) if w] == ["--lora-rank 4", "--lora-alpha 8",
+                                                               "--lora-targets q,v,o,down"]
+    with pytest.raises(PlanError, match="add --lora-rank R"):
+        plan_lora.from_args(argparse.Namespace(lora_rank=None, lora_alpha=8.0, lora_targets=None), PlanError)
+    # 2 layers x rank 4 x (q: 64+64, v: 64+64, o: 64+64, down: 128+64)
+    assert lora_param_count(CONFIG) == 2 * 4 * (128 * 3 + 192)
