@@ -240,8 +240,13 @@ def _pretrained(config: TrainConfig):
     if config.model != TrainConfig.model:
         raise TrainConfigError("init_from", f"takes the model from {config.init_from}/config.json, and --model "
                                             f"{config.model} names another: drop --model")
+    from shardlib.hf.hub_cache import resolve
+
     try:
-        return open_pretrained(config.init_from, seq_len=config.seq_len)
+        directory, cached = resolve(config.init_from)  # org/name: its snapshot in the local Hugging Face cache
+        if cached is not None and config.verbose and jax_main():
+            print(f"init-from  {cached}", flush=True)
+        return open_pretrained(directory, seq_len=config.seq_len)
     except (PretrainedError, UnsupportedModel, OSError) as err:
         raise TrainConfigError("init_from", str(err)) from None
 
