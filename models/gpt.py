@@ -592,5 +592,6 @@ def trainable(config: GPTConfig) -> Any:
     be cut into pipeline stages."""
     from shardlib.model import from_nnx
 
-    return from_nnx(lambda rngs: GPT(config, rngs=rngs), next_token_loss, gathers_params=True,
-                    pipeline=pipeline_stages(), wrt=nnx.LoRAParam if config.lora is not None else None)
+    model = from_nnx(lambda rngs: GPT(config, rngs=rngs), next_token_loss, gathers_params=True,
+                     pipeline=pipeline_stages(), wrt=nnx.LoRAParam if config.lora is not None else None)
+    return model if config.lora is None else lora_lib.with_stored_base(model, config)

@@ -71,6 +71,19 @@ def adapted(module: nnx.Module, weight: str, x: jax.Array, y: jax.Array) -> jax.
     return y + jnp.tensordot(low, b, axes=1) * jnp.asarray(module.lora_scale, x.dtype)
 
 
+def with_stored_base(model: Any, config: GPTConfig) -> Any:
+    """``model`` (a `shardlib.Model` of a LoRA decoder) whose ``init`` gives the frozen base in
+    ``config.compute_dtype``, as the step stores it, so that its abstract parameters are what a
+    checkpoint of the run holds (`export`, `generate`)."""
+    import dataclasses
+
+    def init(key: jax.Array) -> Any:
+        return jax.tree.map(lambda x, frozen: x.astype(config.compute_dtype) if frozen else x,
+                            model.init(key), model.frozen)
+
+    return dataclasses.replace(model, init=init)
+
+
 def is_adapter(path: str) -> bool:
     """Whether the parameter at ``path`` (``blocks/attn/wq_lora_a``) is an adapter's A or B."""
     return path.endswith(("_lora_a", "_lora_b"))

@@ -66,6 +66,26 @@ def test_peft_loads_the_adapter_with_the_merged_exports_logits(workspace, traine
     assert gap <= 1e-4, f"max |PEFT logits - merged export's| = {gap}"
 
 
+def test_generate_from_the_lora_run_equals_peft_greedy(workspace, trained, capsys):
+    """`shardlib generate --from RUN` (the base and the adapters restored from the checkpoint, zero3):
+    the greedy continuation of `peft.PeftModel` over the same base and exported adapter, token for token."""
+    from shardlib.hf.tokenizer import load_tokenizer
+
+    run, adapter, _ = trained
+    prompt = "import os"
+    assert main(["generate", "--from", str(run), "--prompt", prompt, "--max-new-tokens", "12", "--strategy",
+                 "zero3"]) == 0
+    ours = capsys.readouterr().out
+    tokenizer = load_tokenizer(workspace / "tokenizer.json")
+    base = transformers.AutoModelForCausalLM.from_pretrained(workspace / "llama", dtype=torch.float32)
+    reference = peft.PeftModel.from_pretrained(base, adapter)
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        out = reference.generate(input_ids=torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+    assert ours == prompt + tokenizer.decode(out) + "\n"
+
+
 def test_init_lora_continues_from_the_adapter(workspace, trained, capsys):
     """A run started from the PEFT adapter holds its tensors: one step at lr 1e-9 moves no element by
     more than 1e-7 (AdamW moves each by about lr), where a fresh adapter's B would be all zeros."""

@@ -527,7 +527,13 @@ def run_model_config(config: dict[str, Any]) -> Any | None:
         from shardlib.hf.peft import saved_lora
 
         model_config = to_gpt_config(pretrained["config"], f"the checkpoint's record of {pretrained.get('source')}")
-        return dataclasses.replace(model_config, lora=saved_lora(config))
+        lora = saved_lora(config)
+        if lora is None:
+            return model_config
+        from shardlib.step.precision import get_precision  # a LoRA base is stored in the run's compute dtype
+
+        dtype = get_precision(config.get("precision", "f32")).compute_dtype
+        return dataclasses.replace(model_config, lora=lora, compute_dtype=dtype)
     name = config.get("model")
     if not isinstance(name, str) or name not in CONFIGS:
         return None
