@@ -131,6 +131,8 @@ class TrainConfig:
     xla_gpu_overlap: bool = flag(False, "set XLA's GPU flags for compute/communication overlap (latency-hiding "
                                         "scheduler, collective combining; docs/gpu.md); a no-op off GPU")
     steps: int = flag(DEFAULT_STEPS, "training steps (default %(default)s)", metavar="N")
+    epochs: float | None = flag(None, "train for N passes over the training data in place of --steps: instruction "
+                                      "examples (each once per epoch, shuffled) or text tokens", metavar="N")
     batch_size: int = flag(DEFAULT_BATCH, "global batch size in sequences (default %(default)s)", metavar="B")
     seq_len: int | None = flag(None, f"sequence length in tokens (default: {DEFAULT_SEQ_LEN}, or the model's "
                                      "max_seq_len when that is shorter)", metavar="T")

@@ -123,6 +123,10 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
     train_bytes, val_bytes = (_load_data(config, vocab_size, tokenizer) if data is None
                               else (no_bytes, no_bytes))
     masked = isinstance(train_bytes, tuple)  # instruction rows: the loss counts the completions (a mask)
+    if data is None:
+        from shardlib.run import epochs
+
+        config = epochs.apply(config, train_bytes, main=jax_main())  # --epochs: the steps that read the data N times
     mesh = _mesh(config, strategy)
     _note_collapse(strategy, mesh)
     _check_pipeline_flags(config, mesh)
