@@ -45,3 +45,25 @@ def test_epochs_set_the_steps_and_say_when_a_batch_exceeds_the_data(capsys):
         apply(TrainConfig(epochs=1, steps=7, batch_size=8, seq_len=8), rows, main=True)
     with pytest.raises(TrainConfigError, match="--epochs: must be positive"):
         apply(TrainConfig(epochs=0, batch_size=8, seq_len=8), rows, main=True)
+
+
+def test_eval_data_validates_on_its_own_file_and_trains_on_all_of_data():
+    """`--eval-data`: the loader's (train, held-out tail) split of --data joined back whole for
+    training, the eval file whole for validation; a file of another kind is refused by flag."""
+    from shardlib.run.eval_data import loaded
+
+    files = {"train.txt": np.arange(100, dtype=np.uint8), "val.txt": np.arange(40, dtype=np.uint8) + 1,
+             "rows.jsonl": (np.ones((4, 9), np.uint16), np.ones((4, 8), np.float32))}
+
+    def load(config):  # as the run's loader splits: the last 5% held out
+        data = files[config.data]
+        if isinstance(data, tuple):
+            return (data[0][:3], data[1][:3]), (data[0][3:], data[1][3:])
+        return data[:95], data[95:]
+
+    train, val = loaded(TrainConfig(data="train.txt", eval_data="val.txt"), load)
+    np.testing.assert_array_equal(train, files["train.txt"])
+    np.testing.assert_array_equal(val, files["val.txt"])
+    assert loaded(TrainConfig(data="train.txt"), load)[1].tolist() == list(range(95, 100))
+    with pytest.raises(TrainConfigError, match="--eval-data: rows.jsonl is instruction examples"):
+        loaded(TrainConfig(data="train.txt", eval_data="rows.jsonl"), load)

@@ -185,6 +185,9 @@ class TrainConfig:
     data: str | None = flag(None, "text file, folder of .txt files, or glob, read as bytes; or a token file "
                                   "(.bin / .npy of token ids, docs/data.md) (default: the built-in pydoc corpus)",
                             metavar="PATH")
+    eval_data: str | None = flag(None, "validate on this file, read as --data is (text, token file or .jsonl "
+                                       "examples), and train on all of --data (default: the last 5%% of --data)",
+                                 metavar="PATH")
     vocab_size: int | None = flag(None, "with a token file: the tokenizer's vocabulary size, the model's embedding "
                                         "rows (default: the model's)", metavar="V")
     init_from: str | None = flag(None, "start from a Hugging Face model directory (config.json + safetensors: Llama, "

@@ -65,7 +65,8 @@ def banner(run: Prepared, note: str | None) -> str:
         f"memory     {format_bytes(run.state_bytes)} params+optimizer state + {format_bytes(run.mem.temp_bytes)} "
         "temporaries per device (compiled step)",
         ("data       a Grain pipeline (its state saved in each checkpoint; no validation split)"
-         if hasattr(run.loader, "state_at") else data_line(config.data, *run.data_bytes, tokenized=run.tokenizer is not None)),
+         if hasattr(run.loader, "state_at") else data_line(config.data, *run.data_bytes, tokenized=run.tokenizer is not None)
+         + (f"; validation from --eval-data {config.eval_data}" if config.eval_data else "")),
         f"checkpoint {checkpoint_setting(config, run.out_dir)}",
         f"output     {run.out_dir}",
     ]

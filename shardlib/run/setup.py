@@ -120,7 +120,11 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
     tokenizer = _tokenizer(config, model_config)
     no_bytes = np.zeros(0, np.uint8)
     vocab_size = model_config.vocab_size if model is None else _own_vocab(config)
-    train_bytes, val_bytes = (_load_data(config, vocab_size, tokenizer) if data is None
+    from shardlib.run import eval_data
+
+    if data is not None:
+        eval_data.refuse_with_pipeline(config)
+    train_bytes, val_bytes = (eval_data.loaded(config, lambda c: _load_data(c, vocab_size, tokenizer)) if data is None
                               else (no_bytes, no_bytes))
     masked = isinstance(train_bytes, tuple)  # instruction rows: the loss counts the completions (a mask)
     if data is None:
