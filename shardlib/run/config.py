@@ -191,7 +191,8 @@ class TrainConfig:
     vocab_size: int | None = flag(None, "with a token file: the tokenizer's vocabulary size, the model's embedding "
                                         "rows (default: the model's)", metavar="V")
     init_from: str | None = flag(None, "start from a Hugging Face model directory (config.json + safetensors: Llama, "
-                                       "Mistral, Qwen2, Gemma): its architecture and weights, read straight into "
+                                       "Mistral, Qwen2, Gemma; or org/name, its snapshot in the local Hugging Face "
+                                       "cache, never downloaded): its architecture and weights, read straight into "
                                        "the shards; the optimizer starts fresh; replaces --model (docs/pretrained.md)",
                                  metavar="HF_DIR")
     lora_rank: int | None = flag(None, "with --init-from: train LoRA adapters of rank R on the --lora-targets "
