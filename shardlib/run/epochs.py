@@ -35,3 +35,10 @@ def apply(config: TrainConfig, train: Any, *, main: bool) -> TrainConfig:
         print(f"shardlib: note: --epochs {config.epochs:g} over {what} is {steps:,} steps of {per_step:,}",
               file=sys.stderr, flush=True)
     return dataclasses.replace(config, steps=steps)
+
+
+def refuse_with_pipeline(config: TrainConfig) -> None:
+    """A Grain pipeline's length is its own: ``--epochs`` cannot count it."""
+    if config.epochs is not None:
+        raise TrainConfigError("epochs", "counts passes over --data; a Grain pipeline sets its own epochs "
+                                         "(its repeat / num_epochs): give --steps")

@@ -120,17 +120,16 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
     tokenizer = _tokenizer(config, model_config)
     no_bytes = np.zeros(0, np.uint8)
     vocab_size = model_config.vocab_size if model is None else _own_vocab(config)
-    from shardlib.run import eval_data
+    from shardlib.run import epochs, eval_data
 
-    if data is not None:
-        eval_data.refuse_with_pipeline(config)
-    train_bytes, val_bytes = (eval_data.loaded(config, lambda c: _load_data(c, vocab_size, tokenizer)) if data is None
-                              else (no_bytes, no_bytes))
-    masked = isinstance(train_bytes, tuple)  # instruction rows: the loss counts the completions (a mask)
     if data is None:
-        from shardlib.run import epochs
-
+        train_bytes, val_bytes = eval_data.loaded(config, lambda c: _load_data(c, vocab_size, tokenizer))
         config = epochs.apply(config, train_bytes, main=jax_main())  # --epochs: the steps that read the data N times
+    else:  # a Grain pipeline brings its own data
+        for refuse in (eval_data.refuse_with_pipeline, epochs.refuse_with_pipeline):
+            refuse(config)
+        train_bytes, val_bytes = no_bytes, no_bytes
+    masked = isinstance(train_bytes, tuple)  # instruction rows: the loss counts the completions (a mask)
     mesh = _mesh(config, strategy)
     _note_collapse(strategy, mesh)
     _check_pipeline_flags(config, mesh)
