@@ -81,3 +81,12 @@ def test_a_model_not_in_the_cache_is_one_line_and_no_download(hub, monkeypatch, 
     assert len(err) == 1 and err[0].startswith("shardlib train: error: --init-from: tiny-org/absent is not a local directory "
                                                f"and not in the Hugging Face cache ({hub} holds no "
                                                "models--tiny-org--absent)"), err
+
+
+def test_plan_reads_a_hub_id_from_the_cache_too(hub, monkeypatch, offline):
+    from shardlib.tools.plan import PlanError, resolve_config
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    assert resolve_config("tiny-org/tiny-llama").d_model == 32
+    with pytest.raises(PlanError, match="tiny-org/absent is not a local directory and not in the Hugging Face cache"):
+        resolve_config("tiny-org/absent")

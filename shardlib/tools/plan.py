@@ -145,18 +145,22 @@ class PlanRow:
 
 
 def _is_hf_config(model: str) -> bool:
+    from shardlib.hf.hub_cache import is_hub_id
+
     path = Path(model).expanduser()
-    return path.name == "config.json" and path.is_file() or (path / "config.json").is_file()
+    return path.name == "config.json" and path.is_file() or (path / "config.json").is_file() or is_hub_id(model)
 
 
 def _hf_config(model: str) -> Any:
-    """The `GPTConfig` of a Hugging Face config.json (or the model directory holding one): a plan
-    needs the shapes only, so no weights need be present."""
+    """The `GPTConfig` of a Hugging Face config.json (or the model directory holding one, or an
+    ``org/name`` snapshot in the local Hugging Face cache): a plan needs the shapes only, so no
+    weights need be present."""
     from shardlib.hf.architectures import UnsupportedModel, to_gpt_config
+    from shardlib.hf.hub_cache import resolve
 
-    path = Path(model).expanduser()
-    path = path if path.name == "config.json" else path / "config.json"
     try:
+        path = resolve(model)[0].expanduser()  # org/name: the cached snapshot; a path: itself
+        path = path if path.name == "config.json" else path / "config.json"
         return to_gpt_config(json.loads(path.read_text(encoding="utf-8")), str(path))
     except (UnsupportedModel, ValueError) as err:
         raise PlanError(f"{err} (--model)") from None
