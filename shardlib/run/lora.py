@@ -20,16 +20,16 @@ def lora_config(config: TrainConfig, model_config: Any) -> Any:
     from shardlib.models.configs import LoraConfig
 
     if config.lora_rank is None and config.init_lora is None:
-        given = [f for f in ("lora_alpha",) if getattr(config, f) is not None]
-        if config.lora_targets != DEFAULT_TARGETS:
-            given.append("lora_targets")
+        given = [field for field, set_ in (("lora_alpha", config.lora_alpha is not None),
+                                           ("lora_targets", config.lora_targets != DEFAULT_TARGETS)) if set_]
         if given:
             raise TrainConfigError(given[0], "shapes LoRA adapters: add --lora-rank R (or --init-lora PEFT_DIR)")
         return None
+    field = "lora_rank" if config.lora_rank is not None else "init_lora"
     if config.init_from is None:
-        raise TrainConfigError("lora_rank", "adapts a pretrained model, kept frozen: add --init-from HF_DIR")
+        raise TrainConfigError(field, "adapts a pretrained model, kept frozen: add --init-from HF_DIR")
     if isinstance(model_config, MoEConfig):
-        raise TrainConfigError("lora_rank", "adapts the dense decoders' projections, not a mixture of experts")
+        raise TrainConfigError(field, "adapts the dense decoders' projections, not a mixture of experts")
     targets = tuple(t.strip() for t in config.lora_targets.split(",") if t.strip())
     try:
         flags = None if config.lora_rank is None else LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha,
