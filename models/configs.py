@@ -49,6 +49,8 @@ class GPTConfig:
     embed_scale: bool = False  # the embeddings times sqrt(d_model) (Gemma)
     mlp_activation: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
     rope_scaling: RopeScaling | None = None  # Llama 3.1's frequency-dependent rotary scaling
+    # Low-rank adapters on the projections (`models.lora`): the other parameters are frozen.
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
@@ -81,6 +83,35 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_len: int
+
+
+# The projections LoRA can adapt, by the name `--lora-targets` uses, in the order PEFT lists them.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """LoRA (Hu et al., 2021) on the ``targets`` projections: ``W x + (alpha / rank) B A x``, with
+    ``A`` and ``B`` the only trained parameters (`models.lora`)."""
+
+    rank: int
+    alpha: float | None = None  # None: the rank (a scale of 1)
+    targets: tuple[str, ...] = LORA_TARGETS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoRA rank must be a positive integer, got {self.rank!r}")
+        if self.alpha is not None and not self.alpha > 0:
+            raise ValueError(f"LoRA alpha must be positive, got {self.alpha!r}")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"LoRA targets {','.join(self.targets) or '(none)'}: name each of "
+                             f"{','.join(LORA_TARGETS)} at most once, at least one")
+        object.__setattr__(self, "targets", tuple(t for t in LORA_TARGETS if t in self.targets))
+
+    @property
+    def scale(self) -> float:
+        return (self.rank if self.alpha is None else self.alpha) / self.rank
 
 
 # Rematerialisation policies by name, least recompute last (`models.gpt.REMAT_POLICIES` builds them);
@@ -191,7 +222,21 @@ def _layer_params(config: GPTConfig) -> int:
 def param_count(config: GPTConfig) -> int:
     """Exact number of parameters of ``GPT(config)``."""
     embeddings = (1 if config.tie_embeddings else 2) * config.vocab_size * config.d_model  # input table, head
-    return embeddings + config.n_layers * _layer_params(config) + config.d_model  # + final norm
+    return embeddings + config.n_layers * _layer_params(config) + config.d_model + lora_param_count(config)
+
+
+def lora_shapes(config: GPTConfig) -> dict[str, tuple[int, int]]:
+    """Per LoRA target: (the projection's input size, its output size), as PyTorch's ``Linear`` has them."""
+    d, f, q, kv = config.d_model, config.d_ff, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    return {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, f), "up": (d, f), "down": (f, d)}
+
+
+def lora_param_count(config: GPTConfig) -> int:
+    """The adapters' parameters (``rank * (in + out)`` per adapted projection and layer): what trains."""
+    if config.lora is None:
+        return 0
+    shapes = lora_shapes(config)
+    return config.n_layers * config.lora.rank * sum(sum(shapes[t]) for t in config.lora.targets)
 
 
 def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> float:

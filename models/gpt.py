@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from . import lora as lora_lib
 from .configs import GPTConfig, RopeScaling
 from shardlib.model import attention as attention_lib
 from shardlib.model.hooks import backend_policy, constrain, gather_layer, global_mean
@@ -115,6 +116,7 @@ class Attention(nnx.Module):
             self.bk = _param(rngs, nnx.initializers.zeros, (kv, hd), ("kv_heads", "head_dim"))
             self.bv = _param(rngs, nnx.initializers.zeros, (kv, hd), ("kv_heads", "head_dim"))
         self.implementation = config.attention
+        lora_lib.attach(self, config, rngs)
 
     def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
         q, k, v = self.project(x, sin, cos)
@@ -126,8 +128,8 @@ class Attention(nnx.Module):
     def project(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries, keys (both rotated) and values of ``x``: [batch, seq, (kv_)heads, head_dim]."""
         dtype = x.dtype
-        q, k, v = (checkpoint_name(jnp.einsum("btd,dhk->bthk", x, w[...].astype(dtype)), "qkv_proj")
-                   for w in (self.wq, self.wk, self.wv))
+        q, k, v = (checkpoint_name(lora_lib.adapted(self, w, x, jnp.einsum(
+            "btd,dhk->bthk", x, getattr(self, w)[...].astype(dtype))), "qkv_proj") for w in ("wq", "wk", "wv"))
         if hasattr(self, "bq"):
             q, k, v = (y + b[...].astype(dtype) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         q = constrain(apply_rope(q, sin, cos), ("batch", "seq", "heads", "head_dim"))
@@ -136,7 +138,8 @@ class Attention(nnx.Module):
 
     def output(self, out: jax.Array) -> jax.Array:
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))
-        return checkpoint_name(jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(out.dtype)), "out_proj")
+        return checkpoint_name(lora_lib.adapted(
+            self, "wo", out, jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(out.dtype))), "out_proj")
 
     def cached(self, x: jax.Array, sin: jax.Array, cos: jax.Array, cache: KVCache, start: jax.Array
                ) -> tuple[jax.Array, KVCache]:
@@ -255,13 +258,17 @@ class GatedMLP(nnx.Module):
         self.w_up = _param(rngs, _fan_in(0, 1), (d, f), ("embed", "mlp"))
         self.w_down = _param(rngs, _fan_in(0, 1, scale=1.0 / (2 * config.n_layers)), (f, d), ("mlp", "embed"))
         self.activation = config.mlp_activation
+        lora_lib.attach(self, config, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = x.dtype
-        gate = checkpoint_name(jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dtype)), "mlp_in")
-        up = checkpoint_name(jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dtype)), "mlp_in")
+        gate = checkpoint_name(lora_lib.adapted(
+            self, "w_gate", x, jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dtype))), "mlp_in")
+        up = checkpoint_name(lora_lib.adapted(
+            self, "w_up", x, jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dtype))), "mlp_in")
         hidden = constrain(GATE_ACTIVATIONS[self.activation](gate) * up, ("batch", "seq", "mlp"))
-        return checkpoint_name(jnp.einsum("btf,fd->btd", hidden, self.w_down[...].astype(dtype)), "mlp_out")
+        return checkpoint_name(lora_lib.adapted(
+            self, "w_down", hidden, jnp.einsum("btf,fd->btd", hidden, self.w_down[...].astype(dtype))), "mlp_out")
 
 
 class Block(nnx.Module):
@@ -585,5 +592,6 @@ def trainable(config: GPTConfig) -> Any:
     be cut into pipeline stages."""
     from shardlib.model import from_nnx
 
-    return from_nnx(lambda rngs: GPT(config, rngs=rngs), next_token_loss, gathers_params=True,
-                    pipeline=pipeline_stages())
+    model = from_nnx(lambda rngs: GPT(config, rngs=rngs), next_token_loss, gathers_params=True,
+                     pipeline=pipeline_stages(), wrt=nnx.LoRAParam if config.lora is not None else None)
+    return model if config.lora is None else lora_lib.with_stored_base(model, config)

@@ -99,3 +99,25 @@ def tpu_chips(topology: str = "v5e:2x4") -> list:
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI must compile for TPU: {err}")
         pytest.skip(str(err))
+
+
+def llama_workspace(root, text_chars: int = 60_000, **save):
+    """``root`` holding a corpus (the first ``text_chars`` of the built-in one), a 256-id byte-level
+    BPE tokenizer trained on it offline, and a 2-layer random-weight Llama that transformers wrote
+    (``save``: `save_pretrained`'s options): the pretrained workflow's inputs, nothing downloaded."""
+    import tokenizers
+    import torch
+    import transformers
+
+    from shardlib.runtime.data import default_corpus
+
+    text = default_corpus().decode("utf-8", errors="replace")[:text_chars]
+    (root / "corpus.txt").write_text(text, encoding="utf-8")
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator([text], vocab_size=256, show_progress=False)
+    bpe.save(str(root / "tokenizer.json"))
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "llama", **save)
+    return root

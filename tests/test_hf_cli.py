@@ -21,22 +21,12 @@ from shardlib.hf.load import open_pretrained  # noqa: E402
 from shardlib.hf.tokenizer import instruction_rows, load_tokenizer, tokenize_text  # noqa: E402
 from shardlib.run.config import TrainConfig  # noqa: E402
 from shardlib.run.train import train  # noqa: E402
-from shardlib.runtime.data import default_corpus  # noqa: E402
+from tests.helpers import llama_workspace  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pretrained")
-    text = default_corpus().decode("utf-8", errors="replace")[:60_000]
-    (root / "corpus.txt").write_text(text, encoding="utf-8")
-    bpe = tokenizers.ByteLevelBPETokenizer()
-    bpe.train_from_iterator([text], vocab_size=256, show_progress=False)
-    bpe.save(str(root / "tokenizer.json"))
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2)
-    transformers.LlamaForCausalLM(config).save_pretrained(root / "llama", max_shard_size="100KB")
-    return root
+    return llama_workspace(tmp_path_factory.mktemp("pretrained"), max_shard_size="100KB")
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from shardlib.hf import architectures as arch_lib
+from shardlib.hf.json_files import read_object
 from shardlib.hf.safetensors_io import TensorFile
 from shardlib.models import GPTConfig
 
@@ -65,16 +66,7 @@ def is_pretrained_dir(path: str | os.PathLike[str] | None) -> bool:
 
 def read_hf_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(directory).expanduser() / "config.json"
-    if not path.is_file():
-        raise PretrainedError(f"{path.parent} is not a Hugging Face model directory: it has no config.json")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError) as err:
-        why = f"{type(err).__name__} {' '.join(str(err).split())[:200]}"
-        raise PretrainedError(f"{path} is not valid JSON: {why}") from None
-    if not isinstance(config, dict):
-        raise PretrainedError(f"{path} holds {type(config).__name__}, not a JSON object")
-    return config
+    return read_object(path, PretrainedError, f"{path.parent} is not a Hugging Face model directory: it has no config.json")
 
 
 def open_pretrained(directory: str | os.PathLike[str], *, seq_len: int | None = None) -> Pretrained:

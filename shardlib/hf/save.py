@@ -126,8 +126,8 @@ def save_pretrained(params: Mapping[str, Any], config: GPTConfig, out: str | os.
                 os.fsync(file.fileno())
                 file.close()
             _write_metadata(staging, config, arch, hf_config, dtype, files, entries, tokenizer_file)
-            _write_marker(staging)
-            _commit(staging, out_dir)
+            write_marker(staging)
+            commit(staging, out_dir)
     except BaseException:
         if main and staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -203,7 +203,7 @@ def _staging_ours(path: Path) -> bool:
     return all(n == MARKER or n.endswith(".safetensors") or n in _METADATA for n in names)
 
 
-def _write_marker(staging: Path) -> None:
+def write_marker(staging: Path) -> None:
     names = sorted(p.name for p in staging.iterdir())
     (staging / MARKER).write_text(json.dumps({"format": MARKER_FORMAT, "files": names}, indent=2) + "\n",
                                   encoding="utf-8")
@@ -257,7 +257,7 @@ def _write_metadata(staging: Path, config: GPTConfig, arch: arch_lib.Architectur
             shutil.copyfile(source.parent / "tokenizer_config.json", staging / "tokenizer_config.json")
 
 
-def _commit(staging: Path, out_dir: Path) -> None:
+def commit(staging: Path, out_dir: Path) -> None:
     """Rename the complete directory onto ``out_dir``. An earlier export there (checked by
     `check_target` again, in case files appeared since) is set aside first, and only the files its
     marker lists are removed once the new one is in place; anything else keeps the old directory."""

@@ -131,6 +131,8 @@ class TrainConfig:
     xla_gpu_overlap: bool = flag(False, "set XLA's GPU flags for compute/communication overlap (latency-hiding "
                                         "scheduler, collective combining; docs/gpu.md); a no-op off GPU")
     steps: int = flag(DEFAULT_STEPS, "training steps (default %(default)s)", metavar="N")
+    epochs: float | None = flag(None, "train for N passes over the training data in place of --steps: instruction "
+                                      "examples (each once per epoch, shuffled) or text tokens", metavar="N")
     batch_size: int = flag(DEFAULT_BATCH, "global batch size in sequences (default %(default)s)", metavar="B")
     seq_len: int | None = flag(None, f"sequence length in tokens (default: {DEFAULT_SEQ_LEN}, or the model's "
                                      "max_seq_len when that is shorter)", metavar="T")
@@ -183,12 +185,26 @@ class TrainConfig:
     data: str | None = flag(None, "text file, folder of .txt files, or glob, read as bytes; or a token file "
                                   "(.bin / .npy of token ids, docs/data.md) (default: the built-in pydoc corpus)",
                             metavar="PATH")
+    eval_data: str | None = flag(None, "validate on this file, read as --data is (text, token file or .jsonl "
+                                       "examples), and train on all of --data (default: the last 5%% of --data)",
+                                 metavar="PATH")
     vocab_size: int | None = flag(None, "with a token file: the tokenizer's vocabulary size, the model's embedding "
                                         "rows (default: the model's)", metavar="V")
     init_from: str | None = flag(None, "start from a Hugging Face model directory (config.json + safetensors: Llama, "
-                                       "Mistral, Qwen2, Gemma): its architecture and weights, read straight into "
+                                       "Mistral, Qwen2, Gemma; or org/name, its snapshot in the local Hugging Face "
+                                       "cache, never downloaded): its architecture and weights, read straight into "
                                        "the shards; the optimizer starts fresh; replaces --model (docs/pretrained.md)",
                                  metavar="HF_DIR")
+    lora_rank: int | None = flag(None, "with --init-from: train LoRA adapters of rank R on the --lora-targets "
+                                       "projections, the base frozen and stored in the compute dtype "
+                                       "(docs/pretrained.md, LoRA)", metavar="R")
+    lora_alpha: float | None = flag(None, "LoRA's alpha: the adapters' output is scaled by alpha / rank "
+                                          "(default: the rank, a scale of 1)", metavar="A")
+    lora_targets: str = flag("q,k,v,o,gate,up,down", "the projections LoRA adapts (default %(default)s)",
+                             metavar="NAMES")
+    init_lora: str | None = flag(None, "with --lora-rank: start the adapters from a PEFT adapter directory "
+                                       "(adapter_config.json + adapter_model.safetensors; its rank, alpha and "
+                                       "targets must match)", metavar="PEFT_DIR")
     tokenizer: str | None = flag(None, "a Hugging Face tokenizer (tokenizer.json, or a model directory holding one): "
                                        "--data text is tokenized with it (cached beside the data) and a .jsonl file "
                                        "read as instruction examples; the sample's prompt too", metavar="PATH")

@@ -35,6 +35,7 @@ def banner(run: Prepared, note: str | None) -> str:
     """The lines printed before the first step; one line per fact, so a new one is one more entry."""
     import jax
 
+    from shardlib.run import lora as lora_lib
     from shardlib.sharding.mesh import describe
     from shardlib.step.pipeline import bubble_fraction
     from shardlib.text import format_bytes
@@ -45,6 +46,7 @@ def banner(run: Prepared, note: str | None) -> str:
         f"shardlib train: {name} ({run.n_params / 1e6:.2f}M params, compute {config.precision}) "
         f"for {plural(config.steps, 'step')}",
         *([f"weights    {run.pretrained.describe()}; optimizer state fresh"] if run.pretrained is not None else []),
+        *([trains] if (trains := lora_lib.describe(run)) is not None else []),
         *([f"tokenizer  {run.tokenizer.path} ({run.tokenizer.vocab_size:,} ids)"] if run.tokenizer is not None else []),
         device_line(note),
     ]
@@ -63,7 +65,8 @@ def banner(run: Prepared, note: str | None) -> str:
         f"memory     {format_bytes(run.state_bytes)} params+optimizer state + {format_bytes(run.mem.temp_bytes)} "
         "temporaries per device (compiled step)",
         ("data       a Grain pipeline (its state saved in each checkpoint; no validation split)"
-         if hasattr(run.loader, "state_at") else data_line(config.data, *run.data_bytes, tokenized=run.tokenizer is not None)),
+         if hasattr(run.loader, "state_at") else data_line(config.data, *run.data_bytes, tokenized=run.tokenizer is not None)
+         + (f"; validation from --eval-data {config.eval_data}" if config.eval_data else "")),
         f"checkpoint {checkpoint_setting(config, run.out_dir)}",
         f"output     {run.out_dir}",
     ]

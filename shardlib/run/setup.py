@@ -121,8 +121,15 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
     tokenizer = _tokenizer(config, model_config)
     no_bytes = np.zeros(0, np.uint8)
     vocab_size = model_config.vocab_size if model is None else _own_vocab(config)
-    train_bytes, val_bytes = (_load_data(config, vocab_size, tokenizer) if data is None
-                              else (no_bytes, no_bytes))
+    from shardlib.run import epochs, eval_data
+
+    if data is None:
+        train_bytes, val_bytes = eval_data.loaded(config, lambda c: _load_data(c, vocab_size, tokenizer))
+        config = epochs.apply(config, train_bytes, main=jax_main())  # --epochs: the steps that read the data N times
+    else:  # a Grain pipeline brings its own data
+        for refuse in (eval_data.refuse_with_pipeline, epochs.refuse_with_pipeline):
+            refuse(config)
+        train_bytes, val_bytes = no_bytes, no_bytes
     masked = isinstance(train_bytes, tuple)  # instruction rows: the loss counts the completions (a mask)
     mesh = _mesh(config, strategy)
     _note_collapse(strategy, mesh)
@@ -242,8 +249,13 @@ def _pretrained(config: TrainConfig):
     if config.model != TrainConfig.model:
         raise TrainConfigError("init_from", f"takes the model from {config.init_from}/config.json, and --model "
                                             f"{config.model} names another: drop --model")
+    from shardlib.hf.hub_cache import resolve
+
     try:
-        return open_pretrained(config.init_from, seq_len=config.seq_len)
+        directory, cached = resolve(config.init_from)  # org/name: its snapshot in the local Hugging Face cache
+        if cached is not None and config.verbose and jax_main():
+            print(f"init-from  {cached}", flush=True)
+        return open_pretrained(directory, seq_len=config.seq_len)
     except (PretrainedError, UnsupportedModel, SafetensorsFileError, OSError) as err:
         raise TrainConfigError("init_from", str(err)) from None
 
@@ -300,7 +312,10 @@ def _model_config(config: TrainConfig, pretrained=None):
         raise TrainConfigError("remat", f"the MoE decoder rematerialises whole blocks; {config.remat} applies to the "
                                         "dense decoders: use --remat full or none")
     remat = {"remat": False} if config.remat == "none" else {"remat": True, "remat_policy": config.remat}
-    return dataclasses.replace(model_config, compute_dtype=PRECISIONS[config.precision], **remat)
+    from shardlib.run.lora import lora_config
+
+    return dataclasses.replace(model_config, compute_dtype=PRECISIONS[config.precision],
+                               lora=lora_config(config, model_config), **remat)
 
 
 def _mesh(config: TrainConfig, strategy):

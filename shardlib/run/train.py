@@ -235,8 +235,10 @@ def _initial_state(run):
     ckpt, resume = open_checkpointer(config, run.out_dir)
     if not resume and run.pretrained is not None:  # --init-from: each device's shards read from the files
         from shardlib.hf.load import load_params
+        from shardlib.run.lora import initial_params
 
-        params = load_params(run.pretrained, run.layout.param_shardings())
+        params = (initial_params(run) if run.model_config.lora is not None
+                  else load_params(run.pretrained, run.layout.param_shardings()))
         return ckpt, run.program.init_from(params, key=jax.random.key(config.seed)), 0, None
     if not resume:
         return ckpt, run.program.init(jax.random.key(config.seed)), 0, None
@@ -258,6 +260,9 @@ def saved_config(run) -> dict[str, Any]:
     if run.pretrained is not None:
         saved["pretrained"] = {"architecture": run.pretrained.architecture.name, "config": run.pretrained.hf_config,
                                "source": str(run.pretrained.directory)}
+    lora = getattr(run.model_config, "lora", None)
+    if lora is not None:  # what `export --hf / --peft` rebuilds the model from
+        saved["lora"] = dataclasses.asdict(lora)
     if run.tokenizer is not None:
         saved["tokenizer_file"] = str(run.tokenizer.path.resolve())
     return saved

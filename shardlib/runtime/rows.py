@@ -2,16 +2,17 @@
 
 Where `shardlib.runtime.data.ByteBatches` cuts random windows out of one long stream, an
 instruction example must stay whole and only its completion may count, so each example is a row
-of ``seq_len + 1`` tokens (padded) with a mask over its targets. Step ``s`` draws its rows with
-the same stateless hash of ``(seed, s)``, so resuming, process sharding and the parity with one
-process are those of the byte loader.
+of ``seq_len + 1`` tokens (padded) with a mask over its targets. Step ``s`` takes its rows from
+shuffled epochs without replacement (`shardlib.runtime.epochs`), a pure function of ``(seed, s)``,
+so resuming, process sharding and the parity with one process are those of the byte loader.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from shardlib.runtime.data import ByteBatches, check_batch_size, local_rows, train_window_starts
+from shardlib.runtime.data import ByteBatches, check_batch_size, local_rows
+from shardlib.runtime.epochs import epoch_rows
 
 
 def _rows(tokens: np.ndarray, mask: np.ndarray, picked: np.ndarray) -> dict[str, np.ndarray]:
@@ -20,7 +21,7 @@ def _rows(tokens: np.ndarray, mask: np.ndarray, picked: np.ndarray) -> dict[str,
 
 
 class RowBatches(ByteBatches):
-    """``global_batch_size`` rows a step, drawn with replacement from ``tokens`` (uint[N, T + 1]);
+    """``global_batch_size`` rows a step, each example of ``tokens`` (uint[N, T + 1]) once per epoch;
     ``batch(step)`` gives this process's rows as ``inputs``, ``targets`` and ``loss_mask`` (float32[., T])."""
 
     def __init__(self, tokens: np.ndarray, mask: np.ndarray, global_batch_size: int, *, seed: int = 0,
@@ -35,7 +36,7 @@ class RowBatches(ByteBatches):
         self.tokens, self.mask = tokens, mask
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
-        picked = train_window_starts(self.seed, step, self.global_batch_size, len(self.tokens))
+        picked = epoch_rows(self.seed, step, self.global_batch_size, len(self.tokens))
         return _rows(self.tokens, self.mask, picked[self.rows])
 
 

@@ -48,7 +48,8 @@ from shardlib.registry import lookup
 # Megatron-style tensor parallelism: attention heads and the MLP hidden dimension are split, so
 # the in-projections are column-parallel and the out-projections row-parallel; the vocabulary of
 # the embedding and the output head is split too. Flax's own names (lm1b, t5x, MaxText) are known:
-# 'joined_kv' (heads x head_dim fused) splits like heads; 'kv' (head_dim) and 'norm' stay whole.
+# 'joined_kv' (heads x head_dim fused) splits like heads; 'kv' (head_dim) and 'norm' stay whole, as
+# does 'lora_rank' (a LoRA adapter's few columns, `models.lora`: its other dims follow the weight's).
 TENSOR_RULES: Rules = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -56,6 +57,7 @@ TENSOR_RULES: Rules = (
     ("mlp", "tensor"),
     ("vocab", "tensor"),
     ("norm", None),
+    ("lora_rank", None),
 )
 
 # Pipeline parallelism: the stacked layers are split into contiguous stages over 'pipe'. Prepended

@@ -215,7 +215,9 @@ def check_params(model: Model, policy: Precision) -> None:
             f"the parameters hold non-float leaves, which the step cannot differentiate or update: {', '.join(bad)}; "
             "keep integer data (step counters, index tables) out of the parameters: close over it in the loss, "
             "pass it in the batch, or store it as float")
-    recast = [f"{path} ({leaf.dtype})" for path, leaf in leaves if leaf.dtype != policy.param_dtype]
+    frozen = [None] * len(leaves) if model.frozen is None else jax.tree.leaves(model.frozen)
+    recast = [f"{path} ({leaf.dtype})" for (path, leaf), still in zip(leaves, frozen)
+              if leaf.dtype != policy.param_dtype and not still]  # frozen: stored in the compute dtype
     if recast:
         master, compute = jnp.dtype(policy.param_dtype).name, jnp.dtype(policy.compute_dtype).name
         warnings.warn(

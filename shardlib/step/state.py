@@ -160,7 +160,7 @@ def initializer(model: Model, tx: optax.GradientTransformation, layout: Layout, 
     state_shardings = layout.state_shardings()
 
     def init_fn(key, params=None, model_state=None):
-        params = precision_lib.cast_floating(model.init(key) if params is None else params, policy.param_dtype)
+        params = stored(model, model.init(key) if params is None else params, policy)
         if model_state is None and model.init_state is not None:
             model_state = model.init_state(key)
         in_state_layout = jax.lax.with_sharding_constraint(params, state_shardings)
@@ -172,6 +172,16 @@ def initializer(model: Model, tx: optax.GradientTransformation, layout: Layout, 
                           steps_taken=jnp.zeros((), jnp.int32) if model.uses_key else None)
 
     return jax.jit(init_fn, out_shardings=sharding)
+
+
+def stored(model: Model, params: Any, policy: precision_lib.Precision) -> Any:
+    """``params`` in their storage dtypes: master weights in ``param_dtype``, and a frozen
+    parameter (``from_nnx(wrt=...)``: a LoRA base), which is never updated, in ``compute_dtype``,
+    the dtype the step hands it to the model in."""
+    if model.frozen is None:
+        return precision_lib.cast_floating(params, policy.param_dtype)
+    return jax.tree.map(lambda p, frozen: precision_lib.cast_floating(
+        p, policy.compute_dtype if frozen else policy.param_dtype), params, model.frozen)
 
 
 def like_model(tree: Any, abstract: Any, what: str) -> Any:

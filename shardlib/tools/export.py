@@ -469,8 +469,16 @@ def run_model_config(config: dict[str, Any]) -> Any | None:
     pretrained = config.get("pretrained")
     if isinstance(pretrained, dict) and isinstance(pretrained.get("config"), dict):
         from shardlib.hf.architectures import to_gpt_config
+        from shardlib.hf.peft import saved_lora
 
-        return to_gpt_config(pretrained["config"], f"the checkpoint's record of {pretrained.get('source')}")
+        model_config = to_gpt_config(pretrained["config"], f"the checkpoint's record of {pretrained.get('source')}")
+        lora = saved_lora(config)
+        if lora is None:
+            return model_config
+        from shardlib.step.precision import get_precision  # a LoRA base is stored in the run's compute dtype
+
+        dtype = get_precision(config.get("precision", "f32")).compute_dtype
+        return dataclasses.replace(model_config, lora=lora, compute_dtype=dtype)
     name = config.get("model")
     if not isinstance(name, str) or name not in CONFIGS:
         return None
@@ -626,10 +634,31 @@ def export_hf(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, 
         raise CheckpointError(f"{ckpt_dir} is not a run of shardlib's decoder (model {config.get('model')!r}); the "
                               "Hugging Face format needs one: export .npz or .safetensors instead")
     pretrained = config.get("pretrained") or {}
-    return step, save_pretrained(parts["params"], model_config, out, hf_config=pretrained.get("config"),
+    params = parts["params"]
+    if model_config.lora is not None:  # a LoRA run: its adapters merged into the weights they adapt
+        from shardlib.models.lora import merged
+
+        params, model_config = merged(params, model_config), dataclasses.replace(model_config, lora=None)
+    return step, save_pretrained(params, model_config, out, hf_config=pretrained.get("config"),
                                  architecture=pretrained.get("architecture"), dtype=dtype,
                                  max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES,
                                  tokenizer_file=config.get("tokenizer_file"))
+
+
+def export_peft(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, step: int | None = None) -> Any:
+    """Write the LoRA adapters of checkpoint ``step`` (default: latest complete) as a PEFT adapter
+    directory (`shardlib.hf.peft.save_adapter`) for the Hugging Face model the run started from."""
+    from shardlib.hf.peft import save_adapter
+    from shardlib.hf.save import check_target
+
+    check_target(out, ckpt_dir)  # before the restore, as export_hf
+    step, config, parts = _restore_parts(ckpt_dir, step)
+    model_config = run_model_config(config)
+    if model_config is None or model_config.lora is None:
+        raise CheckpointError(f"{ckpt_dir} trained no LoRA adapters (a run of shardlib train --init-from ... "
+                              "--lora-rank R has them): export the whole model with --hf instead")
+    directory, tensors = save_adapter(parts["params"], model_config, out, base=(config.get("pretrained") or {}).get("source"))
+    return step, directory, tensors
 
 
 class ExportFlagError(ValueError):
@@ -645,6 +674,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output file: FILE.npz or FILE.safetensors; with --hf a directory")
     parser.add_argument("--hf", action="store_true", help="write a Hugging Face model directory (config.json, "
                                                          "safetensors shards and index) that transformers loads")
+    parser.add_argument("--peft", action="store_true", help="write a LoRA run's adapters as a PEFT adapter "
+                                                           "directory (adapter_config.json, adapter_model.safetensors)")
     parser.add_argument("--dtype", choices=["bf16", "f32"], default=None, help="with --hf: the weights' dtype "
                                                                               "(default bf16; f32 is bit-exact)")
     parser.add_argument("--max-shard-mb", type=float, default=None, help="with --hf: the largest safetensors shard "
@@ -655,6 +686,14 @@ def run(args: argparse.Namespace) -> int:
     if args.max_shard_mb is not None and not (math.isfinite(args.max_shard_mb) and args.max_shard_mb * 2**20 >= 1):
         raise ExportFlagError(f"--max-shard-mb {args.max_shard_mb} is not a shard size: give a positive number of "
                               "MiB (at least 1 byte; the default 5120)")
+    if args.peft:
+        if args.hf or args.dtype is not None or args.max_shard_mb is not None:
+            raise ExportFlagError("--peft writes the adapters alone, in float32: drop --hf, --dtype and --max-shard-mb "
+                                  "(export the merged model in a second command)")
+        step, directory, tensors = export_peft(args.ckpt, args.out, step=args.step)
+        if jax.process_index() == 0:
+            print(f"exported step {step}'s LoRA adapters as PEFT: {tensors} tensors to {directory}")
+        return 0
     if args.hf:
         step, written = export_hf(args.ckpt, args.out, step=args.step, dtype=args.dtype or "bf16",
                                   max_shard_bytes=None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20))

@@ -37,6 +37,7 @@ from typing import Any
 
 from shardlib.backend import parse_options, platform_of, policy_for, step_compiler_options
 from shardlib.tools import hardware as hw
+from shardlib.tools import plan_lora
 from shardlib.tools.compiled_cache import compile_cached
 from shardlib.tools.hlo import collective_stats
 from shardlib.tools.memory import memory_stats, peak_bytes
@@ -144,18 +145,22 @@ class PlanRow:
 
 
 def _is_hf_config(model: str) -> bool:
+    from shardlib.hf.hub_cache import is_hub_id
+
     path = Path(model).expanduser()
-    return path.name == "config.json" and path.is_file() or (path / "config.json").is_file()
+    return path.name == "config.json" and path.is_file() or (path / "config.json").is_file() or is_hub_id(model)
 
 
 def _hf_config(model: str) -> Any:
-    """The `GPTConfig` of a Hugging Face config.json (or the model directory holding one): a plan
-    needs the shapes only, so no weights need be present."""
+    """The `GPTConfig` of a Hugging Face config.json (or the model directory holding one, or an
+    ``org/name`` snapshot in the local Hugging Face cache): a plan needs the shapes only, so no
+    weights need be present."""
     from shardlib.hf.architectures import UnsupportedModel, to_gpt_config
+    from shardlib.hf.hub_cache import resolve
 
-    path = Path(model).expanduser()
-    path = path if path.name == "config.json" else path / "config.json"
     try:
+        path = resolve(model)[0].expanduser()  # org/name: the cached snapshot; a path: itself
+        path = path if path.name == "config.json" else path / "config.json"
         return to_gpt_config(json.loads(path.read_text(encoding="utf-8")), str(path))
     except (UnsupportedModel, ValueError) as err:
         raise PlanError(f"{err} (--model)") from None
@@ -361,7 +366,7 @@ class Planner:
                  pipeline_stages: int = 1, microbatches: int | None = None, schedule: str = "1f1b",
                  offload: str = "none", stage_layers: Any = None, topology: str | None = None, slices: int = 1,
                  cache_dir: str | None = None, compiler_options: Mapping[str, Any] | None = None,
-                 batch_per_device: int | None = None):
+                 batch_per_device: int | None = None, lora: Any = None):
         from shardlib.models import param_count, trainable
         from shardlib.runtime.devices import TopologyError, cloud_tpu_topology
         from shardlib.step.offload import get_offload
@@ -373,7 +378,7 @@ class Planner:
             raise PlanError(str(err)) from None
 
         self.precision = precision
-        self.config = resolve_config(model, precision, remat)
+        self.config = dataclasses.replace(resolve_config(model, precision, remat), lora=lora)  # a LoraConfig: LoRA
         self.model_name = model if isinstance(model, str) else "custom"
         self.topology_note = None
         if topology is not None:
@@ -971,6 +976,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--xla-options", metavar="NAME=VALUE,...",
                         help="XLA options every step compiles with, over the backend's own (on TPU the collective "
                              "options of docs/tpu.md) and over LIBTPU_INIT_ARGS")
+    plan_lora.add_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
 
 
@@ -1014,7 +1020,8 @@ def run(args: argparse.Namespace) -> int:
                           remat=False if args.no_remat else args.remat, pipeline_stages=args.pipeline_stages,
                           microbatches=args.microbatches, schedule=args.schedule, offload=args.offload,
                           stage_layers=_stage_layers_flag(args.stage_layers), topology=topology, slices=args.slices,
-                          cache_dir=cache_dir, compiler_options=_options_flag(args.xla_options))
+                          cache_dir=cache_dir, compiler_options=_options_flag(args.xla_options),
+                          lora=plan_lora.from_args(args, PlanError))
         if planner.topology_note:
             print(f"shardlib plan: note: {planner.topology_note}", file=sys.stderr, flush=True)
         planner.progress = lambda line: print(f"shardlib plan: {line}", file=sys.stderr, flush=True)
@@ -1070,6 +1077,7 @@ def train_command(planner: Planner, row: PlanRow) -> str:
              "--remat none" if not c.remat else "", f"--offload {planner.offload}" if planner.offload != "none" else ""]
     if row.pipeline_stages > 1:
         words.append(f"--pipeline-stages {row.pipeline_stages} --microbatches {row.microbatches}")
+    words += plan_lora.train_flags(c)
     return " ".join(w for w in words if w)
 
 
@@ -1098,6 +1106,7 @@ def render(planner: Planner, rows: Sequence[PlanRow], advice: Sequence[Mapping[s
         f"plan: {planner.model_name} ({planner.params / 1e6:,.1f}M params, {c.n_layers} layers, d={c.d_model}) "
         f"on {planner.n} devices, batch {planner.batch_size} x {planner.seq_len} tokens, {planner.precision}, "
         f"remat {'on' if c.remat else 'off'}, offload {planner.offload}",
+        *plan_lora.header(c, planner.params),
         f"hardware: {p.description}; HBM limit {format_bytes(planner.hbm_bytes)} per device",
         *([f"batch: one sequence a device by default, the smallest batch every strategy splits (shardlib train's "
            f"default is {DEFAULT_TRAIN_BATCH}); --batch-size plans another"] if not planner._batch_given else []),
