@@ -143,13 +143,27 @@ CLI_REFUSALS = {  # (ckpt, out) below a run directory "run": the issue's command
 }
 
 
+@pytest.mark.parametrize("kind", ["--hf", "--peft"])
 @pytest.mark.parametrize("case", list(CLI_REFUSALS))
-def test_export_hf_onto_a_run_is_refused_before_anything_is_restored(no_restore, tmp_path, capsys, case):
+def test_export_hf_onto_a_run_is_refused_before_anything_is_restored(no_restore, tmp_path, capsys, case, kind):
     ckpt, out, message = CLI_REFUSALS[case]
     _run_dir(tmp_path / "run")
     before = _tree(tmp_path)
-    assert main(["export", "--ckpt", str(tmp_path / ckpt), "--hf", "--out", str(tmp_path / out)]) == 2
+    assert main(["export", "--ckpt", str(tmp_path / ckpt), kind, "--out", str(tmp_path / out)]) == 2
     assert message in _one_error_line(capsys)
+    assert _tree(tmp_path) == before
+
+
+def test_a_peft_export_refuses_an_adapter_it_did_not_write(no_restore, tmp_path, capsys):
+    """A downloaded adapter holds adapter_config.json too: without the export's marker it is not ours."""
+    _run_dir(tmp_path / "run")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "README.md").write_text("the adapter's card")
+    before = _tree(tmp_path)
+    assert main(["export", "--ckpt", str(tmp_path / "run"), "--peft", "--out", str(adapter)]) == 2
+    assert "not a shardlib export" in _one_error_line(capsys)
     assert _tree(tmp_path) == before
 
 
