@@ -2,13 +2,17 @@
 
 The parameters are placed under a strategy's layout on a mesh, as training places them (read
 straight into the shards from safetensors, or restored from the checkpoint without its optimizer
-state), and `shardlib.models.gpt.generate` decodes with a KV cache: the prompt in one pass, then
-one token a step. Greedy (``--temperature 0``, the default), temperature, top-k and top-p sampling.
+state), in the compute dtype (``--precision bf16`` reads bf16 weights), and
+`shardlib.models.decoding.generate` decodes with a KV cache: the prompt in one pass, then one token
+a step. Greedy (``--temperature 0``, the default), temperature, top-k and top-p sampling. The text
+ends at the first stop id: ``generation_config.json``'s ``eos_token_id`` (one or a list), else
+``config.json``'s, else the tokenizer's end-of-sequence token.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mesh", default=None, help="mesh axis sizes, e.g. fsdp=8 (default: the strategy's)")
     parser.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                         help="simulate N CPU devices when there is no accelerator (default: the devices JAX finds)")
-    parser.add_argument("--precision", choices=["f32", "bf16"], default="f32", help="compute dtype (default f32)")
+    parser.add_argument("--precision", choices=["f32", "bf16"], default="f32",
+                        help="the weights' and the computation's dtype (default f32; bf16 reads bf16 weights)")
 
 
 def _setup_devices(cpu_devices: int | None) -> None:
@@ -53,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     import jax
     import numpy as np
 
-    from shardlib.models.gpt import check_sampling, from_params, generate
+    from shardlib.models.decoding import check_sampling, generate, until_stop
+    from shardlib.models.gpt import from_params
 
     if args.max_new_tokens < 1:
         raise GenerateError("--max-new-tokens must be at least 1")
@@ -61,15 +67,15 @@ def run(args: argparse.Namespace) -> int:
         check_sampling(args.temperature, args.top_k, args.top_p)
     except ValueError as err:
         raise GenerateError(str(err)) from None
-    config, params, tokenizer, what = load_for_generation(args)
+    config, params, tokenizer, what, stops = load_for_generation(args)
     ids = np.asarray(tokenizer.encode(args.prompt) if tokenizer is not None else list(args.prompt.encode()), np.int32)
     if len(ids) + args.max_new_tokens > config.max_seq_len:
         raise GenerateError(f"the prompt's {len(ids)} tokens + --max-new-tokens {args.max_new_tokens} exceed the "
                                 f"model's {config.max_seq_len} positions")
     model = from_params(config, params)
     out = generate(model, ids[None], args.max_new_tokens, rng=jax.random.key(args.seed), temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, stop_token=getattr(tokenizer, "eos_id", None))
-    new = np.asarray(jax.device_get(out))[0, len(ids):]
+                   top_k=args.top_k, top_p=args.top_p, stop_token=stops)
+    new = until_stop(np.asarray(jax.device_get(out))[0, len(ids):], stops)  # nothing after the stop id
     if jax.process_index() == 0:
         text = tokenizer.decode(new) if tokenizer is not None else bytes(new.astype(np.uint8)).decode("utf-8", "replace")
         print(f"# {what}", file=sys.stderr)
@@ -83,8 +89,9 @@ class GenerateError(ValueError):
     user_facing = True
 
 
-def load_for_generation(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
-    """(model config, parameters placed on the mesh, tokenizer or None, a description) of ``--from``."""
+def load_for_generation(args: argparse.Namespace) -> tuple[Any, Any, Any, str, tuple[int, ...]]:
+    """(model config, parameters placed on the mesh in the compute dtype, tokenizer or None, a
+    description, the stop ids) of ``--from``."""
     from shardlib.hf.load import is_pretrained_dir, load_params, open_pretrained
     from shardlib.hf.tokenizer import load_tokenizer
 
@@ -92,11 +99,29 @@ def load_for_generation(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
     if is_pretrained_dir(source):
         pretrained = open_pretrained(source, seq_len=None)
         layout = _layout(pretrained.model_config, args)
-        params = load_params(pretrained, layout.param_shardings())
+        params = load_params(pretrained, layout.param_shardings(), dtype=_DTYPES[args.precision])
         tokenizer = args.tokenizer or (source if (source / "tokenizer.json").is_file() else None)
-        return (_with_precision(pretrained.model_config, args), params,
-                load_tokenizer(tokenizer) if tokenizer is not None else None, pretrained.describe())
+        tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
+        return (_with_precision(pretrained.model_config, args), params, tokenizer, pretrained.describe(),
+                stop_ids_of(source, tokenizer))
     return _from_run(source, args)
+
+
+def stop_ids_of(directory: Path | None, tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a continuation: ``generation_config.json``'s ``eos_token_id`` in
+    ``directory`` (an int or a list), else its ``config.json``'s, else the tokenizer's."""
+    for name in ("generation_config.json", "config.json"):
+        path = None if directory is None else directory / name
+        if path is not None and path.is_file():
+            try:
+                eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+            except (ValueError, UnicodeDecodeError, AttributeError) as err:
+                raise GenerateError(f"{path}: not a JSON object ({err}); fix or remove it") from None
+            ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+            if ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                return tuple(ids)
+    eos = getattr(tokenizer, "eos_id", None)
+    return () if eos is None else (eos,)
 
 
 def _from_run(source: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
@@ -121,11 +146,14 @@ def _from_run(source: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, st
         params = ckpt.restore_subtree(target, step)["params"]
     finally:
         ckpt.close()
+    dtype = _DTYPES[args.precision]
+    params = jax.tree.map(lambda a: a.astype(dtype) if a.dtype != dtype else a, params)
     tokenizer = args.tokenizer or saved.get("tokenizer_file")
     if tokenizer is None and config.vocab_size != 256:
         raise GenerateError(f"--from {source}: the run's token ids come from a tokenizer it did not record; pass --tokenizer")
-    return (_with_precision(config, args), params, load_tokenizer(tokenizer) if tokenizer is not None else None,
-            f"{source} step {step}")
+    tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
+    return (_with_precision(config, args), params, tokenizer, f"{source} step {step}",
+            stop_ids_of(tokenizer.path.parent if tokenizer is not None else None, tokenizer))
 
 
 def _abstract(config: Any) -> Any:
@@ -145,7 +173,11 @@ def _layout(config: Any, args: argparse.Namespace) -> Any:
     return make_layout(trainable(config), strategy, make_mesh(sizes))
 
 
+# --precision -> the weights' and the computation's dtype (generation keeps no float32 master copy).
+_DTYPES = {"f32": "float32", "bf16": "bfloat16"}
+
+
 def _with_precision(config: Any, args: argparse.Namespace) -> Any:
     import dataclasses
 
-    return dataclasses.replace(config, compute_dtype={"f32": "float32", "bf16": "bfloat16"}[args.precision])
+    return dataclasses.replace(config, compute_dtype=_DTYPES[args.precision])
