@@ -34,7 +34,7 @@ from .gpt import GPT, causal_attention
 
 # Queries a prefill chunk holds: each attends to the keys up to its own end (in the flash kernel's
 # key blocks), so the chunks above the diagonal are skipped: 56% of the [T0 x T0] scores at 2048
-# tokens (one chunk: 100%; 512: 62%; 128: 53%, no faster on CPU: scripts/benchmark_generate.py).
+# tokens (one chunk: 100%; 512: 62%; 128: 53%, no faster on CPU; BENCHMARKS.md, "Decoding").
 PREFILL_CHUNK = 256
 # A prompt is left-padded to a multiple of this many slots, so its key blocks divide evenly.
 ALIGN = 64
