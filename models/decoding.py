@@ -3,7 +3,7 @@
 * **Prefill** (`prefill`): the prompts run once through the blocks, attending through the
   memory-linear flash kernel (`shardlib.model.attention.flash`) a chunk of `PREFILL_CHUNK`
   queries at a time over the keys up to the chunk's end, so no ``[T0 x T0]`` scores exist and
-  the key blocks above the diagonal of each chunk are never computed. The head runs at the last
+  no key after a chunk's last query is computed against it. The head runs at the last
   position only: ``[B, vocab]`` logits, never ``[B, T0, vocab]``.
 * **Ragged batches**: prompts of different lengths are left-padded (`left_pad`) to a common
   length (rounded up to `ALIGN` slots, so the kernel's key blocks stay large); each row's
