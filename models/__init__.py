@@ -8,7 +8,7 @@ from .configs import get_config as get_config
 from .configs import param_count as param_count
 from .gpt import GPT as GPT
 from .gpt import build as build
-from .gpt import generate as generate
+from .decoding import generate as generate
 from .gpt import next_token_loss as next_token_loss
 from .gpt import trainable as _gpt_trainable
 from .mlp import MLP as MLP

@@ -8,7 +8,6 @@ compiles one block instead of ``n_layers`` copies. Parameters stay float32; matm
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -47,10 +46,11 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, positions: jax.Array 
     """(sin, cos), each float32[seq_len, head_dim // 2], for rotary position embeddings at
     ``positions`` (default: this device's tokens' positions in the whole sequence,
     `shardlib.model.attention.positions`: ``arange(seq_len)`` unless the sequence is split over a
-    context axis)."""
+    context axis); ``[batch, seq_len, head_dim // 2]`` for per-row positions ``[batch, seq_len]``
+    (left-padded prompts, `shardlib.models.decoding`)."""
     inv_freq = rope_frequencies(head_dim, theta, scaling)
     positions = attention_lib.positions(seq_len) if positions is None else positions
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
     return jnp.sin(angles), jnp.cos(angles)
 
 
@@ -78,7 +78,7 @@ def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
     ``rotate_half`` layout of the Hugging Face Llama family, so their q/k weights load unpermuted."""
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
-    sin, cos = sin[None, :, None, :], cos[None, :, None, :]
+    sin, cos = ((t[None] if t.ndim == 2 else t)[:, :, None, :] for t in (sin, cos))  # shared or per-row positions
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
@@ -141,24 +141,12 @@ class Attention(nnx.Module):
         return checkpoint_name(lora_lib.adapted(
             self, "wo", out, jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(out.dtype))), "out_proj")
 
-    def cached(self, x: jax.Array, sin: jax.Array, cos: jax.Array, cache: KVCache, start: jax.Array
-               ) -> tuple[jax.Array, KVCache]:
-        """Attention of ``x`` (the tokens at positions ``start``, ``start + 1``, ...) over the keys and
-        values of every earlier position, ``cache``'s and its own, which it writes into the cache."""
-        q, k, v = self.project(x, sin, cos)
-        cache = KVCache(jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), start, axis=1),
-                        jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), start, axis=1))
-        return self.output(causal_attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), offset=start)), cache
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVCache:
-    """Keys and values of the positions decoded so far, [batch, max_len, kv_heads, head_dim] each
-    (stacked over the layers, a leading axis, in `GPT.decode`)."""
-
-    k: jax.Array
-    v: jax.Array
+    def cached(self, x: jax.Array, sin: jax.Array, cos: jax.Array, attend: Any) -> tuple[jax.Array, Any]:
+        """Attention of ``x`` whose keys and values live in a KV cache: ``attend(q, k, v) -> (out,
+        carry)`` stores the new keys and values and attends over them (`shardlib.models.decoding`:
+        a prompt's prefill, one decoding step)."""
+        out, carry = attend(*self.project(x, sin, cos))
+        return self.output(out), carry
 
 
 def _local_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -195,17 +183,21 @@ def attention_for(policy: Any, dtype: Any) -> str:
     return "einsum" if chosen == "cudnn" and jnp.dtype(dtype) not in CUDNN_DTYPES else chosen
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, offset: jax.Array | int = 0,
+                     visible: jax.Array | None = None) -> jax.Array:
     """softmax(q k^T / sqrt(d)) v under a causal mask, scores in float32; k/v may have fewer heads (GQA).
 
     Query i sits at position ``offset + i`` of the keys (0: the same sequence; a KV cache's keys
-    are longer than the new queries) and sees keys 0 .. ``offset + i``."""
+    are longer than the new queries) and sees keys 0 .. ``offset + i``, those of them that
+    ``visible`` (bool[batch, keys]: a left-padded row's padding is not) allows."""
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # query groups share a kv head
     scores = jnp.einsum("btngk,bsnk->bngts", q, k, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(head_dim)
     causal = jnp.arange(k.shape[1])[None, :] <= offset + jnp.arange(seq)[:, None]
+    if visible is not None:
+        causal = causal & visible[:, None, None, None, :]
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     return jnp.einsum("bngts,bsnk->btngk", probs, v).reshape(batch, seq, heads, head_dim)
@@ -285,12 +277,11 @@ class Block(nnx.Module):
         x = constrain(x + self.attn(self.attn_norm(x), sin, cos), RESIDUAL)
         return constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
 
-    def cached(self, x: jax.Array, sin: jax.Array, cos: jax.Array, cache: KVCache, start: jax.Array
-               ) -> tuple[jax.Array, KVCache]:
-        """`__call__` for new tokens after ``cache``'s (generation); returns the updated cache too."""
-        attended, cache = self.attn.cached(self.attn_norm(x), sin, cos, cache, start)
+    def cached(self, x: jax.Array, sin: jax.Array, cos: jax.Array, attend: Any) -> tuple[jax.Array, Any]:
+        """`__call__` with `Attention.cached`'s ``attend`` (generation); returns its carry too."""
+        attended, carry = self.attn.cached(self.attn_norm(x), sin, cos, attend)
         x = x + attended
-        return x + self.mlp(self.mlp_norm(x)), cache
+        return x + self.mlp(self.mlp_norm(x)), carry
 
 
 def _stacked_blocks(config: GPTConfig, rngs: nnx.Rngs) -> Block:
@@ -375,30 +366,6 @@ class GPT(nnx.Module):
         c = self.config
         return rope_tables(seq_len, c.head_dim, c.rope_theta, positions=positions, scaling=c.rope_scaling)
 
-    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
-        """An empty KV cache for ``max_len`` positions (default dtype: the compute dtype)."""
-        c = self.config
-        shape = (c.n_layers, batch, max_len, c.n_kv_heads, c.head_dim)
-        dtype = jnp.dtype(c.compute_dtype if dtype is None else dtype)
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-
-    def decode(self, tokens: jax.Array, cache: KVCache, start: jax.Array) -> tuple[jax.Array, KVCache]:
-        """Logits of ``tokens`` (int32[B, T], at positions ``start`` ... ``start + T - 1``) given the
-        ``start`` positions before them in ``cache``, and the cache with these added: a prompt's
-        prefill (``start=0``) then one token a step, each step attending over the cache instead of
-        recomputing the sequence."""
-        x = self.embed(tokens)
-        sin, cos = self.rope(tokens.shape[1], positions=start + jnp.arange(tokens.shape[1]))
-        graphdef, stacked = nnx.split(self.blocks)
-
-        def body(x: jax.Array, layer: tuple[nnx.State, KVCache]) -> tuple[jax.Array, KVCache]:
-            layer_state, layer_cache = layer
-            return nnx.merge(graphdef, layer_state).cached(x, sin, cos, layer_cache, start)
-
-        x, cache = jax.lax.scan(body, x, (stacked, cache))
-        return self.head(x), cache
-
-
 def build(config: GPTConfig, rngs: nnx.Rngs | int = 0) -> GPT:
     """A freshly initialised model (an int seed is turned into ``nnx.Rngs``)."""
     return GPT(config, rngs=nnx.Rngs(rngs) if isinstance(rngs, int) else rngs)
@@ -440,151 +407,6 @@ def pipeline_stages() -> Stages:
         stage=lambda model, x: model.apply_blocks(x),
         head_loss=lambda model, x, batch: _logits_loss(model.head(x), batch["targets"], batch.get("loss_mask")),
     )
-
-
-def generate(
-    model: GPT,
-    prompt: jax.Array,
-    steps: int,
-    *,
-    rng: jax.Array,
-    temperature: float = 0.8,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    stop_token: int | None = None,
-) -> jax.Array:
-    """Sample ``steps`` tokens after ``prompt`` (int32[B, T0]) -> int32[B, T0 + steps].
-
-    With a KV cache (`GPT.decode`): the prompt is run once, then each new token attends over the
-    cached keys and values. ``temperature=0`` is greedy; ``top_k`` / ``top_p`` (nucleus) restrict
-    sampling. A row that has produced ``stop_token`` repeats it. Step i draws with ``fold_in(rng, i)``.
-    Under a mesh the parameters stay in whatever sharding they have; XLA places the collectives.
-    """
-    prompt = jnp.asarray(prompt, jnp.int32)
-    total = prompt.shape[1] + steps
-    if total > model.config.max_seq_len:
-        raise ValueError(f"prompt length {prompt.shape[1]} + steps {steps} exceeds max_seq_len {model.config.max_seq_len}")
-    if prompt.shape[1] < 1:
-        raise ValueError("generate needs a prompt of at least one token")
-    if steps == 0:
-        return prompt
-    check_sampling(temperature, top_k, top_p)
-    graphdef, state = nnx.split(model)
-    new = _generate_cached(graphdef, state, prompt, rng, steps, float(temperature), top_k, top_p, stop_token)
-    return jnp.concatenate([prompt, new], axis=1)
-
-
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Sampling settings in range, each named when not."""
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be at least 1, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8))
-def _generate_cached(graphdef: nnx.GraphDef, state: nnx.State, prompt: jax.Array, rng: jax.Array, steps: int,
-                     temperature: float, top_k: int | None, top_p: float | None, stop_token: int | None) -> jax.Array:
-    model = nnx.merge(graphdef, state)
-    batch, prompt_len = prompt.shape
-    logits, cache = model.decode(prompt, model.init_cache(batch, prompt_len + steps), jnp.int32(0))
-    first = _pick(logits[:, -1], jax.random.fold_in(rng, 0), temperature, top_k, top_p)
-    stopped = jnp.zeros((batch,), bool) if stop_token is None else first == stop_token
-
-    def step(i: jax.Array, carry: tuple[KVCache, jax.Array, jax.Array]) -> tuple[KVCache, jax.Array, jax.Array]:
-        cache, out, stopped = carry
-        previous = jax.lax.dynamic_slice_in_dim(out, i - 1, 1, axis=1)
-        logits, cache = model.decode(previous, cache, prompt_len + i - 1)
-        token = _pick(logits[:, -1], jax.random.fold_in(rng, i), temperature, top_k, top_p)
-        if stop_token is not None:
-            token = jnp.where(stopped, stop_token, token)
-            stopped = stopped | (token == stop_token)
-        return cache, jax.lax.dynamic_update_slice_in_dim(out, token[:, None], i, axis=1), stopped
-
-    out = jnp.zeros((batch, steps), jnp.int32).at[:, 0].set(first)
-    return jax.lax.fori_loop(1, steps, step, (cache, out, stopped))[1]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Merged:
-    """``apply(state, tokens)`` of an NNX graph; equal graphs compare equal, so jit reuses its compile."""
-
-    graphdef: nnx.GraphDef
-
-    def __call__(self, state: nnx.State, tokens: jax.Array) -> jax.Array:
-        return nnx.merge(self.graphdef, state)(tokens)
-
-
-def generate_with(
-    apply: Any,
-    params: Any,
-    prompt: jax.Array,
-    steps: int,
-    *,
-    rng: jax.Array,
-    window: int,
-    temperature: float = 0.8,
-    top_k: int | None = None,
-) -> jax.Array:
-    """Sample ``steps`` tokens after ``prompt`` (int32[B, T0]) with a causal model -> int32[B, steps].
-
-    ``apply(params, tokens[B, window]) -> logits[B, window, V]`` (hashable: it is a static jit
-    argument). Each step reruns the forward pass on a fixed ``window`` (no KV cache: simple and
-    compiled once, fine for the small models this is meant for). While the window fills, the
-    logits are read at the last real token (attention is causal, so the padding after it does
-    not change them); once full, it slides by one, so ``steps`` may exceed ``window``.
-    Step i draws with ``fold_in(rng, i)``; ``temperature=0`` is greedy.
-    """
-    prompt = jnp.asarray(prompt, jnp.int32)
-    if not 1 <= prompt.shape[1] <= window:
-        raise ValueError(f"prompt length {prompt.shape[1]} must be between 1 and the window {window}")
-    return _generate(apply, params, prompt, rng, steps, window, float(temperature), top_k)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
-def _generate(
-    apply: Any,
-    params: Any,
-    prompt: jax.Array,
-    rng: jax.Array,
-    steps: int,
-    window: int,
-    temperature: float,
-    top_k: int | None,
-) -> jax.Array:
-    batch, prompt_len = prompt.shape
-    buffer = jnp.zeros((batch, window), jnp.int32).at[:, :prompt_len].set(prompt)
-
-    def step(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
-        buffer, length, out = carry
-        logits = jax.lax.dynamic_index_in_dim(apply(params, buffer), length - 1, axis=1, keepdims=False)
-        token = _pick(logits.astype(jnp.float32), jax.random.fold_in(rng, i), temperature, top_k, None)
-        shifted = jnp.roll(buffer, -1, axis=1).at[:, window - 1].set(token)
-        buffer = jnp.where(length >= window, shifted, buffer.at[:, jnp.minimum(length, window - 1)].set(token))
-        return buffer, jnp.minimum(length + 1, window), out.at[:, i].set(token)
-
-    init = (buffer, jnp.int32(prompt_len), jnp.zeros((batch, steps), jnp.int32))
-    return jax.lax.fori_loop(0, steps, step, init)[2]
-
-
-def _pick(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None, top_p: float | None) -> jax.Array:
-    """One token per row of ``logits`` [B, V]: greedy at temperature 0, else sampled from the
-    ``top_k`` most likely and / or the smallest set whose probability reaches ``top_p``."""
-    logits = logits.astype(jnp.float32)
-    if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p is not None:
-        descending = jnp.sort(logits, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(descending, axis=-1)
-        kept = jnp.sum(jnp.cumsum(probs, axis=-1) - probs < top_p, axis=-1, keepdims=True)  # at least 1
-        logits = jnp.where(logits < jnp.take_along_axis(descending, kept - 1, axis=-1), -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
 def trainable(config: GPTConfig) -> Any:

@@ -35,7 +35,8 @@ from shardlib.hf.load import PretrainedError, load_params, open_pretrained  # no
 from shardlib.hf.safetensors_io import TensorFile  # noqa: E402
 from shardlib.hf.save import save_pretrained  # noqa: E402
 from shardlib.models import trainable  # noqa: E402
-from shardlib.models.gpt import from_params, generate, next_token_loss  # noqa: E402
+from shardlib.models.decoding import generate  # noqa: E402
+from shardlib.models.gpt import from_params, next_token_loss  # noqa: E402
 
 VOCAB = 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

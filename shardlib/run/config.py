@@ -217,7 +217,11 @@ class TrainConfig:
     eval_batches: int = 8
     log_every: int = flag(10, "refresh the printed numbers every N steps (default %(default)s)", metavar="N")
     prompt: str = flag("The ", "prompt for the final text sample (default %(default)r)", metavar="TEXT")
-    sample_tokens: int = flag(300, "bytes to sample at the end (default %(default)s; 0: no sample)", metavar="N")
+    sample_tokens: int = flag(300, "tokens to continue --prompt by at the end (bytes for a byte-level run; greedy, "
+                                   "ending early at the tokenizer's end-of-sequence token) (default %(default)s; 0: "
+                                   "no sample)", metavar="N")
+    sample_temperature: float = flag(0.0, "the end-of-run sample's temperature (default 0: greedy; above 0: "
+                                          "sampled, --seed)", metavar="T")
     progress: bool = flag(True, "plain log lines instead of a progress bar (the default where the output is not a "
                                 "terminal)", negate=True)
     tensorboard: bool = flag(True, "do not write TensorBoard event files", negate=True)
@@ -303,6 +307,8 @@ def check_numbers(config: TrainConfig) -> None:
             raise TrainConfigError(field, f"must be non-negative, got {getattr(config, field)}")
     if not config.lr > 0:
         raise TrainConfigError("lr", f"must be positive, got {config.lr}")
+    if not config.sample_temperature >= 0:  # nan too
+        raise TrainConfigError("sample_temperature", f"must be >= 0 (0: greedy), got {config.sample_temperature}")
     if config.keep < 1:
         raise TrainConfigError("keep", f"must keep at least 1 checkpoint, got {config.keep}")
     if config.straggler_every is not None and config.straggler_every < 0:

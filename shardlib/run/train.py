@@ -357,7 +357,8 @@ def _finish(run, state, start: int, tally, log, config_path, *, preempted: bool,
                   "--sample-tokens 0 skips this", flush=True)
     elif config.sample_tokens and not preempted:
         sample = sample_text(run.model, state.params, config.prompt, config.sample_tokens,
-                             context=config.seq_len, seed=config.seed, tokenizer=run.tokenizer)
+                             context=config.seq_len, seed=config.seed, temperature=config.sample_temperature,
+                             tokenizer=run.tokenizer)
     steps = len(tally.step_times) + start
     summary = console.summary_table(console.summary_rows(
         run, startup=startup, start=start, steps=len(tally.step_times), wall=wall, step_time=step_time,

@@ -2,13 +2,17 @@
 
 The parameters are placed under a strategy's layout on a mesh, as training places them (read
 straight into the shards from safetensors, or restored from the checkpoint without its optimizer
-state), and `shardlib.models.gpt.generate` decodes with a KV cache: the prompt in one pass, then
-one token a step. Greedy (``--temperature 0``, the default), temperature, top-k and top-p sampling.
+state), in the compute dtype (``--precision bf16`` reads bf16 weights), and
+`shardlib.models.decoding.generate` decodes with a KV cache: the prompt in one pass, then one token
+a step. Greedy (``--temperature 0``, the default), temperature, top-k and top-p sampling. The text
+ends at the first stop id: ``generation_config.json``'s ``eos_token_id`` (one or a list), else
+``config.json``'s, else the tokenizer's end-of-sequence token.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mesh", default=None, help="mesh axis sizes, e.g. fsdp=8 (default: the strategy's)")
     parser.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                         help="simulate N CPU devices when there is no accelerator (default: the devices JAX finds)")
-    parser.add_argument("--precision", choices=["f32", "bf16"], default="f32", help="compute dtype (default f32)")
+    parser.add_argument("--precision", choices=["f32", "bf16"], default="f32",
+                        help="the weights' and the computation's dtype (default f32; bf16 reads bf16 weights)")
 
 
 def _setup_devices(cpu_devices: int | None) -> None:
@@ -49,7 +54,7 @@ def _setup_devices(cpu_devices: int | None) -> None:
 
 def _check_flags(args: argparse.Namespace) -> None:
     """The flags that need no model, checked before JAX starts: each names itself."""
-    from shardlib.models.gpt import check_sampling
+    from shardlib.models.decoding import check_sampling
     from shardlib.sharding.strategies import get_strategy
 
     if args.cpu_devices is not None and args.cpu_devices < 1:
@@ -80,9 +85,10 @@ def run(args: argparse.Namespace) -> int:
     import jax
     import numpy as np
 
-    from shardlib.models.gpt import from_params, generate
+    from shardlib.models.decoding import generate, until_stop
+    from shardlib.models.gpt import from_params
 
-    config, params, tokenizer, what = load_for_generation(args)
+    config, params, tokenizer, what, stops = load_for_generation(args)
     ids = np.asarray(tokenizer.encode(args.prompt) if tokenizer is not None else list(args.prompt.encode()), np.int32)
     if not len(ids):
         raise GenerateError(f"--prompt {args.prompt!r} is no tokens for {getattr(tokenizer, 'path', 'bytes')}: give "
@@ -92,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
                                 f"model's {config.max_seq_len} positions")
     model = from_params(config, params)
     out = generate(model, ids[None], args.max_new_tokens, rng=jax.random.key(args.seed), temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, stop_token=getattr(tokenizer, "eos_id", None))
-    new = np.asarray(jax.device_get(out))[0, len(ids):]
+                   top_k=args.top_k, top_p=args.top_p, stop_token=stops)
+    new = until_stop(np.asarray(jax.device_get(out))[0, len(ids):], stops)  # nothing after the stop id
     if jax.process_index() == 0:
         text = tokenizer.decode(new) if tokenizer is not None else bytes(new.astype(np.uint8)).decode("utf-8", "replace")
         print(f"# {what}", file=sys.stderr)
@@ -107,8 +113,9 @@ class GenerateError(ValueError):
     user_facing = True
 
 
-def load_for_generation(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
-    """(model config, parameters placed on the mesh, tokenizer or None, a description) of ``--from``."""
+def load_for_generation(args: argparse.Namespace) -> tuple[Any, Any, Any, str, tuple[int, ...]]:
+    """(model config, parameters placed on the mesh in the compute dtype, tokenizer or None, a
+    description, the stop ids) of ``--from``."""
     from shardlib.hf.load import is_pretrained_dir, load_params, open_pretrained
     from shardlib.hf.tokenizer import load_tokenizer
 
@@ -119,9 +126,27 @@ def load_for_generation(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
         tokenizer = load_tokenizer(named) if named is not None else None
         _check_model(pretrained.model_config, tokenizer, args, str(source))
         layout = _layout(pretrained.model_config, args)
-        params = load_params(pretrained, layout.param_shardings())
-        return _with_precision(pretrained.model_config, args), params, tokenizer, pretrained.describe()
+        params = load_params(pretrained, layout.param_shardings(), dtype=_DTYPES[args.precision])
+        return (_with_precision(pretrained.model_config, args), params, tokenizer, pretrained.describe(),
+                stop_ids_of(source, tokenizer))
     return _from_run(source, args)
+
+
+def stop_ids_of(directory: Path | None, tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a continuation: ``generation_config.json``'s ``eos_token_id`` in
+    ``directory`` (an int or a list), else its ``config.json``'s, else the tokenizer's."""
+    for name in ("generation_config.json", "config.json"):
+        path = None if directory is None else directory / name
+        if path is not None and path.is_file():
+            try:
+                eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+            except (ValueError, UnicodeDecodeError, AttributeError) as err:
+                raise GenerateError(f"{path}: not a JSON object ({err}); fix or remove it") from None
+            ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+            if ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                return tuple(ids)
+    eos = getattr(tokenizer, "eos_id", None)
+    return () if eos is None else (eos,)
 
 
 def _from_run(source: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
@@ -152,7 +177,10 @@ def _from_run(source: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, st
         params = ckpt.restore_subtree(target, step)["params"]
     finally:
         ckpt.close()
-    return _with_precision(config, args), params, tokenizer, f"{source} step {step}"
+    dtype = _DTYPES[args.precision]
+    params = jax.tree.map(lambda a: a.astype(dtype) if a.dtype != dtype else a, params)
+    return (_with_precision(config, args), params, tokenizer, f"{source} step {step}",
+            stop_ids_of(tokenizer.path.parent if tokenizer is not None else None, tokenizer))
 
 
 def _abstract(config: Any) -> Any:
@@ -172,7 +200,11 @@ def _layout(config: Any, args: argparse.Namespace) -> Any:
     return make_layout(trainable(config), strategy, make_mesh(sizes))
 
 
+# --precision -> the weights' and the computation's dtype (generation keeps no float32 master copy).
+_DTYPES = {"f32": "float32", "bf16": "bfloat16"}
+
+
 def _with_precision(config: Any, args: argparse.Namespace) -> Any:
     import dataclasses
 
-    return dataclasses.replace(config, compute_dtype={"f32": "float32", "bf16": "bfloat16"}[args.precision])
+    return dataclasses.replace(config, compute_dtype=_DTYPES[args.precision])

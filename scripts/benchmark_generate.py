@@ -1,0 +1,129 @@
+"""shardlib's compiled decoding against transformers' ``generate``: same checkpoint, same CPU, greedy.
+
+A random-weight Llama (shallow and narrow so that it runs on a small CPU, but with a full-size
+vocabulary: the shape where a prefill that computed the head at every prompt position hurt) is
+saved by transformers; both sides load it in float32 and continue the same random prompts of
+``--prompt-len`` tokens by ``--new-tokens`` tokens, greedy, no stop id, at each ``--batch``. The
+two alternate round by round (machine load hits both alike); each side's time is its minimum over
+``--rounds`` rounds of one whole ``generate`` call (prefill and decoding), and tokens/s counts the
+new tokens of every row. The prefill columns time the same call for one new token (the prompt's
+pass and its head). shardlib's compile time (its first calls, less compiled calls) is printed
+apart. Both sides' token ids are compared: a difference stops the run.
+
+  python scripts/benchmark_generate.py                                   # 128k vocab, 2k prompts
+  python scripts/benchmark_generate.py --vocab 1024 --prompt-len 32      # the tiny shape
+
+Needs the ``bench`` extra (PyTorch, transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import machine  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--vocab", type=int, default=128256, help="vocabulary size (default: Llama 3's 128256)")
+    parser.add_argument("--prompt-len", type=int, default=2048, help="tokens per prompt (default 2048)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row (default 64)")
+    parser.add_argument("--batch", default="1,8", help="batch sizes, comma-separated (default 1,8)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--ff", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per side (the minimum is kept)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads of each side (default 1: on a shared machine, torch's OpenMP regions "
+                             "stall on descheduled threads, 30x slower steps measured at 2 threads under load; "
+                             "0: each library's default)")
+    args = parser.parse_args()
+    if args.threads == 1:  # before jax starts its CPU client
+        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_cpu_multi_thread_eigen=false",
+                                            "intra_op_parallelism_threads=1"]).strip()
+    elif args.threads > 1:
+        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
+                                            f"intra_op_parallelism_threads={args.threads}"]).strip()
+
+    import jax
+    import numpy as np
+    import torch
+    import transformers
+
+    from shardlib.hf.load import load_params, open_pretrained
+    from shardlib.models import trainable
+    from shardlib.models.decoding import generate
+    from shardlib.models.gpt import from_params
+    from shardlib.sharding.layout import make_layout
+    from shardlib.sharding.mesh import make_mesh
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp) / "llama"
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ff,
+                                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                          num_key_value_heads=args.kv_heads,
+                                          max_position_embeddings=args.prompt_len + args.new_tokens)
+        transformers.LlamaForCausalLM(config).save_pretrained(directory)
+        reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        pretrained = open_pretrained(directory)
+        layout = make_layout(trainable(pretrained.model_config), "dp",
+                             make_mesh({"data": 1}, devices=jax.devices()[:1]))
+        ours = from_params(pretrained.model_config, load_params(pretrained, layout.param_shardings()))
+
+    print(f"# {machine(f'torch {torch.__version__}', f'transformers {transformers.__version__}')}")
+    print(f"# Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} kv, ff {args.ff}, "
+          f"vocab {args.vocab}; prompts of {args.prompt_len} tokens + {args.new_tokens} new, greedy, float32, "
+          f"{args.threads or 'default'} thread(s) a side")
+    print("| batch | shardlib tokens/s | transformers tokens/s | ratio | shardlib prefill s | transformers prefill s "
+          "| shardlib compile s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for batch in (int(b) for b in args.batch.split(",")):
+        prompts = np.random.RandomState(batch).randint(0, args.vocab, (batch, args.prompt_len)).astype(np.int32)
+
+        def run_ours(steps: int) -> np.ndarray:
+            out = generate(ours, prompts, steps, rng=jax.random.key(0), temperature=0.0)
+            return np.asarray(jax.block_until_ready(out))[:, args.prompt_len:]
+
+        def run_theirs(steps: int) -> np.ndarray:
+            with torch.inference_mode():
+                ids = torch.tensor(prompts, dtype=torch.long)
+                out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
+                                         min_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0)
+            return out[:, args.prompt_len:].numpy()
+
+        start = time.perf_counter()
+        first = {steps: run_ours(steps) for steps in (args.new_tokens, 1)}
+        first_calls = time.perf_counter() - start
+        times: dict[tuple[str, int], list[float]] = {}
+        for round_ in range(args.rounds):
+            for side, fn in (("ours", run_ours), ("theirs", run_theirs))[::1 if round_ % 2 == 0 else -1]:
+                for steps in (args.new_tokens, 1):
+                    start = time.perf_counter()
+                    got = fn(steps)
+                    times.setdefault((side, steps), []).append(time.perf_counter() - start)
+                    if not np.array_equal(got, first[steps]):
+                        raise SystemExit(f"batch {batch}: shardlib's tokens differ from transformers' "
+                                         f"({int((got != first[steps]).sum())} of {got.size})")
+        best = {key: min(t) for key, t in times.items()}
+        rate = {side: batch * args.new_tokens / best[side, args.new_tokens] for side in ("ours", "theirs")}
+        compile_s = first_calls - best["ours", args.new_tokens] - best["ours", 1]
+        print(f"| {batch} | {rate['ours']:.1f} | {rate['theirs']:.1f} | {rate['ours'] / rate['theirs']:.2f}x | "
+              f"{best['ours', 1]:.2f} | {best['theirs', 1]:.2f} | {compile_s:.1f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
