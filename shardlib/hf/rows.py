@@ -12,7 +12,8 @@ converts them on the devices, reorders them into shardlib's layout (the tensor's
 sharding (XLA's all-to-all or gather where the two layouts cross).
 
 Host memory holds one slice per reading thread (a device's rows of one tensor); a device holds
-the rows of the parameter being assembled beside the shards already placed.
+the rows of the tensor being converted (one layer of a stacked parameter, written into the
+stack in place) beside the shards already placed.
 """
 
 from __future__ import annotations
@@ -43,15 +44,39 @@ def load(pretrained: Any, tensors: list[tuple[Any, tuple[int, ...], Any]], dtype
 
 def _parameter(pretrained: Any, t: Any, shape: tuple[int, ...], sharding: Any, dtype: np.dtype,
                pool: ThreadPoolExecutor) -> jax.Array:
+    """One parameter; a stacked one a layer at a time into its stack (donated), so the devices hold
+    one layer's conversion in flight, not the whole parameter's."""
     from shardlib.hf.architectures import hf_names
 
     names = hf_names(t, shape[0]) if t.per_layer else [t.name]
     layer_shape = shape[1:] if t.per_layer else shape
     rows = _rows_sharding(sharding)
-    parts = [_rows(pretrained.files[name], name, rows, pool) for name in names]
-    assemble = _assembler(t.placement.groups, layer_shape, t.per_layer, len(names),
-                          pretrained.files[names[0]].shape(names[0])[0], np.dtype(dtype), sharding)
-    return assemble(*parts)
+    hf_rows = pretrained.files[names[0]].shape(names[0])[0]
+    read = lambda name: _rows(pretrained.files[name], name, rows, pool)
+    spec = tuple(sharding.spec) + (None,) * len(shape) if isinstance(sharding, NamedSharding) else ()
+    if not t.per_layer or not spec or spec[0] is not None:  # whole (a split layer dim: the stack at once)
+        assemble = _assembler(t.placement.groups, layer_shape, t.per_layer, len(names), hf_rows, np.dtype(dtype),
+                              sharding)
+        return assemble(*[read(name) for name in names])
+    layer = NamedSharding(sharding.mesh, P(*spec[1:len(shape)]))
+    assemble = _assembler(t.placement.groups, layer_shape, False, 1, hf_rows, np.dtype(dtype), layer)
+    empty, put = _stacker(shape, np.dtype(dtype), sharding)
+    stack = empty()
+    for i, name in enumerate(names):
+        stack = put(stack, assemble(read(name)), i)
+        stack.block_until_ready()  # this layer's rows freed before the next layer's are read
+    return stack
+
+
+@functools.lru_cache(maxsize=None)
+def _stacker(shape: tuple[int, ...], dtype: np.dtype, sharding: Any):
+    """(``empty()``: a stack of zeros in ``sharding``, ``put(stack, layer, i)``: layer i written into it in place)."""
+    import jax.numpy as jnp
+
+    empty = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    put = jax.jit(lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0),
+                  out_shardings=sharding, donate_argnums=0)
+    return empty, put
 
 
 def _rows_sharding(sharding: Any) -> NamedSharding:
