@@ -28,9 +28,6 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 READ_THREADS = 8
-# A parameter that is one checkpoint tensor (embedding, head) larger than this is converted in
-# chunks of its rows of about this size, each written into it in place, as a stack's layers are.
-CHUNK_BYTES = 64 * 2**20
 
 
 def load(pretrained: Any, tensors: list[tuple[Any, tuple[int, ...], Any]], dtype: np.dtype) -> list[jax.Array]:
@@ -57,10 +54,6 @@ def _parameter(pretrained: Any, t: Any, shape: tuple[int, ...], sharding: Any, d
     hf_rows = pretrained.files[names[0]].shape(names[0])[0]
     read = lambda name: _rows(pretrained.files[name], name, rows, pool)
     spec = tuple(sharding.spec) + (None,) * len(shape) if isinstance(sharding, NamedSharding) else ()
-    if not t.per_layer and spec:
-        chunked = _in_chunks(pretrained.files[t.name], t, shape, sharding, np.dtype(dtype), rows, pool)
-        if chunked is not None:
-            return chunked
     if not t.per_layer or not spec or spec[0] is not None:  # whole (a split layer dim: the stack at once)
         assemble = _assembler(t.placement.groups, layer_shape, t.per_layer, len(names), hf_rows, np.dtype(dtype),
                               sharding)
@@ -75,38 +68,14 @@ def _parameter(pretrained: Any, t: Any, shape: tuple[int, ...], sharding: Any, d
     return stack
 
 
-def _in_chunks(file: Any, t: Any, shape: tuple[int, ...], sharding: NamedSharding, dtype: np.dtype,
-               rows: NamedSharding, pool: ThreadPoolExecutor) -> jax.Array | None:
-    """A one-tensor parameter converted `CHUNK_BYTES` of checkpoint rows at a time, each chunk
-    written into it in place; None where the checkpoint's rows are not one parameter dim, or do not
-    split evenly over the devices (then it is converted whole)."""
-    hf_shape, devices = file.shape(t.name), rows.mesh.devices.size
-    size = math.prod(hf_shape) * file.dtype(t.name).itemsize
-    if size <= CHUNK_BYTES or len(t.placement.groups[0]) != 1 or hf_shape[0] % devices:
-        return None
-    dim = t.placement.groups[0][0]
-    step = max(devices, -(-hf_shape[0] * CHUNK_BYTES // size) // devices * devices)
-    empty, put = _stacker(shape, dtype, sharding, dim)
-    out = empty()
-    for start in range(0, hf_shape[0], step):
-        count = min(step, hf_shape[0] - start)
-        piece = tuple(count if d == dim else n for d, n in enumerate(shape))
-        assemble = _assembler(t.placement.groups, piece, False, 1, count, dtype, sharding)
-        out = put(out, assemble(_rows(file, t.name, rows, pool, start, start + count)), start)
-        out.block_until_ready()
-    return out
-
-
 @functools.lru_cache(maxsize=None)
-def _stacker(shape: tuple[int, ...], dtype: np.dtype, sharding: Any, dim: int | None = None):
-    """(``empty()``: zeros in ``sharding``, ``put(stack, part, i)``: ``part`` written into it in
-    place, as layer i (``dim`` None) or along ``dim`` from index i)."""
+def _stacker(shape: tuple[int, ...], dtype: np.dtype, sharding: Any):
+    """(``empty()``: a stack of zeros in ``sharding``, ``put(stack, layer, i)``: layer i written into it in place)."""
     import jax.numpy as jnp
 
     empty = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    write = (lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0)) if dim is None else \
-        (lambda stack, part, i: jax.lax.dynamic_update_slice_in_dim(stack, part, i, dim))
-    put = jax.jit(write, out_shardings=sharding, donate_argnums=0)
+    put = jax.jit(lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0),
+                  out_shardings=sharding, donate_argnums=0)
     return empty, put
 
 
@@ -118,18 +87,16 @@ def _rows_sharding(sharding: Any) -> NamedSharding:
     return NamedSharding(jax.sharding.Mesh(np.array(devices), ("rows",)), P("rows"))
 
 
-def _rows(file: Any, name: str, rows: NamedSharding, pool: ThreadPoolExecutor, start: int = 0,
-          stop: int | None = None) -> jax.Array:
-    """Rows ``start:stop`` (default all) of ``name`` split over ``rows``' devices (padded with zero
-    rows to an even split), each process reading and placing only its devices' rows, in the file's dtype."""
+def _rows(file: Any, name: str, rows: NamedSharding, pool: ThreadPoolExecutor) -> jax.Array:
+    """``name`` split by rows over ``rows``' devices (padded with zero rows to an even split), each
+    process reading and placing only its devices' rows, in the file's dtype."""
     shape = file.shape(name)
-    stop = shape[0] if stop is None else stop
     devices = list(rows.mesh.devices.flat)
-    chunk = -(-(stop - start) // len(devices))
+    chunk = -(-shape[0] // len(devices))
     me = jax.process_index()
 
     def place(k: int) -> jax.Array:
-        block = file.read_rows(name, start + k * chunk, min(stop, start + (k + 1) * chunk))
+        block = file.read_rows(name, k * chunk, (k + 1) * chunk)
         if block.shape[0] < chunk:  # the last rows: padding, cut off on the device
             block = np.concatenate([block, np.zeros((chunk - block.shape[0], *shape[1:]), block.dtype)])
         return jax.device_put(block, devices[k])
