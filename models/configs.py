@@ -165,7 +165,8 @@ class MoEConfig(GPTConfig):
     top_k: int = 1
     capacity_factor: float = 1.25
     # True: no capacity and nothing dropped; each expert takes all its assignments, sorted into
-    # variable-sized groups for one grouped matmul (`jax.lax.ragged_dot`); one expert device only.
+    # variable-sized groups for one grouped matmul (`jax.lax.ragged_dot`), over any `expert` axis
+    # (`shardlib.model.experts.dispatch_sorted`: ragged all-to-all on TPU / GPU, padded on CPU).
     dropless: bool = False
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 1e-3

@@ -116,8 +116,11 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         batch, seq, d = x.shape
         expert, slot, gate, stats = self.router(x)
-        run = self._dropless if self.router.config.dropless else self._capacity
-        picked = run(x[:, jnp.tile(jnp.arange(seq), expert.shape[1] // seq)], expert, slot)  # [B, k*T, d]
+        tokens = x[:, jnp.tile(jnp.arange(seq), expert.shape[1] // seq)]  # [B, k*T, d]
+        if self.router.config.dropless:
+            picked, stats["grouped_rows"] = self._dropless(tokens, expert, slot)
+        else:
+            picked = self._capacity(tokens, expert, slot)
         weighted = (gate[..., None].astype(x.dtype) * picked).reshape(batch, -1, seq, d)
         return weighted.sum(axis=1), stats
 
@@ -136,13 +139,13 @@ class MoE(nnx.Module):
     def _dropless(self, tokens: jax.Array, expert: jax.Array, slot: jax.Array) -> jax.Array:
         """Every assignment of every row, sorted by expert, sent in variable-sized groups to its
         expert's device (`experts.dispatch_sorted`), through the experts' grouped matmul, and
-        put back in order."""
+        put back in order; and the rows the grouped matmul computed (the group sizes' sum)."""
         flat = expert.reshape(-1)
         order = jnp.argsort(flat, stable=True)
         sizes = jnp.zeros(self.router.config.n_experts, jnp.int32).at[flat].add(1)
         rows, groups, plan = experts_lib.dispatch_sorted(tokens.reshape(-1, tokens.shape[-1])[order], sizes)
         out = experts_lib.combine_sorted(self.experts.grouped(rows, groups), plan)
-        return jnp.zeros_like(out).at[order].set(out).reshape(tokens.shape)
+        return jnp.zeros_like(out).at[order].set(out).reshape(tokens.shape), groups.sum()
 
 
 class MoEBlock(nnx.Module):
@@ -203,10 +206,12 @@ def build(config: MoEConfig, rngs: nnx.Rngs | int = 0) -> MoEGPT:
 
 def moe_loss(model: MoEGPT, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Cross-entropy + ``aux_loss_coef`` * load-balancing loss + ``z_loss_coef`` * router z-loss
-    (each summed over layers); the aux metrics report the balance (`balance_metrics`)."""
+    (each summed over layers); the aux metrics report the balance (`balance_metrics`). With a
+    ``batch["loss_mask"]`` the cross-entropy is the mean over the counted targets, as
+    `models.gpt.next_token_loss`."""
     config = model.config
     x, stats = model.routed(batch["inputs"])
-    loss, aux = _logits_loss(model.head(x), batch["targets"])
+    loss, aux = _logits_loss(model.head(x), batch["targets"], batch.get("loss_mask"))
     balance = global_mean(stats["aux"].mean(axis=0))  # per row, averaged over the layers
     z_loss = global_mean(stats["z"].mean(axis=0))
     total = loss + config.n_layers * (config.aux_loss_coef * balance + config.z_loss_coef * z_loss)
@@ -227,6 +232,8 @@ def balance_metrics(stats: dict[str, Any]) -> dict[str, jax.Array]:
         "expert_cv": cv.mean(),
         "tokens_dropped": global_sum(jax.lax.stop_gradient(stats["dropped"]).sum()),
         **{f"expert_tokens/{i}": global_sum(per_expert[i]) for i in range(per_expert.shape[0])},
+        # dropless: the rows the experts' grouped matmuls computed, all layers: the assignments, no padding
+        **({"expert_rows_computed": global_sum(stats["grouped_rows"].sum())} if "grouped_rows" in stats else {}),
     }
 
 

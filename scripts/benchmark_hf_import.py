@@ -7,7 +7,8 @@ Writes a Llama-shaped checkpoint with random bf16 weights in several safetensors
 one tensor at a time), then measures, each in a fresh child process of this run:
 
 * ``shardlib``: `shardlib.hf.load.load_params` onto 8 simulated CPU devices under zero3, the
-  parameters in float32 (the master copy a fine-tune keeps);
+  parameters in float32 (the master copy a fine-tune keeps), and the bytes its reader read
+  (`TensorFile.bytes_read`: each checkpoint byte once a job, `shardlib.hf.rows`);
 * ``transformers``: ``AutoModelForCausalLM.from_pretrained(dir, dtype=float32)`` on the CPU.
 
 For each: wall time and the child's peak resident set (``ru_maxrss``), next to the process's own
@@ -65,7 +66,7 @@ def write_checkpoint(model: str, directory: Path, shard_mb: float) -> dict:
         (directory / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": files}))
     largest = max(math.prod(shape) for _, _, shape in entries)
     return {"params": sum(math.prod(shape) for _, _, shape in entries), "files": len(set(files.values())),
-            "largest_f32": largest * 4}
+            "largest_f32": largest * 4, "bytes": sum(math.prod(shape) * 2 for _, _, shape in entries)}
 
 
 def measure_shardlib(directory: str, devices: int, strategy: str) -> dict:
@@ -86,7 +87,8 @@ def measure_shardlib(directory: str, devices: int, strategy: str) -> dict:
     layout = make_layout(trainable(pretrained.model_config), strategy, make_mesh(dict(strategy.default_mesh)))
     params = load_params(pretrained, layout.param_shardings())
     jax.block_until_ready(params)
-    return {"seconds": time.perf_counter() - start, "baseline": baseline}
+    return {"seconds": time.perf_counter() - start, "baseline": baseline,
+            "bytes_read": sum(f.bytes_read for f in set(pretrained.files.values()))}
 
 
 def measure_transformers(directory: str) -> dict:
@@ -151,6 +153,9 @@ def main() -> None:
         for kind, seconds, peak, growth, ratio in rows:
             print(f"{kind:13s} {seconds:7.1f} s   peak RSS {peak:6.2f} GiB (+{growth:.2f} during the load)   "
                   f"{ratio:.2f} x (share + one tensor)")
+    read = results["shardlib"]["bytes_read"]
+    print(f"shardlib's reader read {read / gib:.3f} GiB of the {written['bytes'] / gib:.3f} GiB checkpoint "
+          f"({read / written['bytes']:.3f}x; one process: all of it, once)")
     print(f"shardlib / transformers: time {rows[0][1] / rows[1][1]:.2f}x, peak RSS {rows[0][2] / rows[1][2]:.2f}x, "
           f"growth {rows[0][3] / rows[1][3]:.2f}x")
 

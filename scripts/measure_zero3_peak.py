@@ -1,15 +1,18 @@
-"""ZeRO-3's peak a device on unrolled models that never call `gather_layer`, with dp as the reference.
+"""ZeRO-3's peak a device and FLOPs on unrolled models that never call `gather_layer`, with dp as the reference.
 
 An unrolled 8-block NNX transformer (`Net`, d=256, mlp 1024, 4 heads, vocab 256, 24.6 MiB of f32
 parameters) and a linen lm1b-style model of the same shapes (`LNet`), batch 16 x 64 tokens, 8
 devices (`fsdp=8` / `data=8`), AdamW. Each model is compiled under dp, under zero3 with its blocks
-gathered per call (``blocks="auto"``, the default) and with the whole model gathered at the top of
-the step (``blocks=()``). Figures are the compiled step's `memory_analysis` (nothing runs; on TPU
-the peak is the compiler's heap simulation of HBM, `shardlib.tools.memory.peak_bytes`).
+gathered per call (``blocks="auto"``, the default) whose backward re-gathers the weights and keeps
+the matmuls' outputs (``block_recompute="weights"``, the default) or reruns each block ("block"),
+and with the whole model gathered at the top of the step (``blocks=()``). Figures are the compiled
+step's `memory_analysis` and `cost_analysis` (nothing runs; on TPU the peak is the compiler's heap
+simulation of HBM, `shardlib.tools.memory.peak_bytes`).
 
-The goal: zero3's peak at most 1.1 x (its state shards + its gradient shards + one block's full
-parameters + the activations), the activations measured on a plain jax.jit of the same model's
-gradient on one device with its share of the rows, each block under nnx.remat (`activations`).
+The goals (issue 44): zero3's FLOPs at most 1.05 x dp's, and its peak at most 1.1 x (its state
+shards + its gradient shards + one block's full parameters + the activations dp keeps), the
+activations measured on a plain jax.jit of the same model's gradient on one device with its share
+of the rows, nothing rematerialised (`activations`).
 
   TOPOLOGY=v5e:2x4 python scripts/measure_zero3_peak.py nnx linen  # the TPU compiler, no TPU needed
   python scripts/measure_zero3_peak.py nnx                         # XLA:CPU, 8 simulated devices
@@ -84,14 +87,15 @@ def linen_model(blocks="auto"):
     example = {"inputs": np.zeros((B, T), np.int32), "targets": np.zeros((B, T), np.int32)}
     return shardlib.from_linen(LNet(), linen_loss, example, inputs=lambda b, train: ((b["inputs"],), {}), blocks=blocks)
 
-def measure(make, strategy):
+def measure(make, strategy, recompute="weights"):
     model = make()
     mesh = shardlib.make_mesh({"data": 8} if strategy == "dp" else {"fsdp": 8}, devices=chips())
-    program = shardlib.build(model, optax.adamw(1e-3), shardlib.make_layout(model, strategy, mesh))
+    program = shardlib.build(model, optax.adamw(1e-3), shardlib.make_layout(model, strategy, mesh),
+                             block_recompute=recompute)
     batch = program.abstract_batch({k: ((B, T), np.int32) for k in ("inputs", "targets")})
-    mem = memory_stats(program.compile_step(program.abstract_state(), batch))
+    compiled = program.compile_step(program.abstract_state(), batch)
     params = sum(x.size * 4 for x in jax.tree.leaves(model.abstract()))
-    return mem, params
+    return memory_stats(compiled), params, compiled.cost_analysis()["flops"]
 
 def chips():
     if not os.environ.get("TOPOLOGY"):
@@ -101,18 +105,10 @@ def chips():
 
 
 def activations():
-    """The reference for activations: a plain jax.jit of the loss's gradient on one device, each
-    block under nnx.remat as the per-call gather runs it, compiled for B/8 rows and for twice that;
-    activations grow with the rows and nothing else does, so the difference is B/8 rows' worth."""
-    class Remat(Net):
-        def __call__(self, tokens):
-            mask, x = nnx.make_causal_mask(tokens), self.embed(tokens)
-            block = nnx.remat(lambda blk, x: blk(x, mask))
-            for b in self.blocks:
-                x = block(b, x)
-            return self.head(self.norm(x))
-
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: Remat(nnx.Rngs(0))))
+    """The reference for activations: a plain jax.jit of the loss's gradient on one device, nothing
+    rematerialised (what dp keeps), compiled for B/8 rows and for twice that; activations grow
+    with the rows and nothing else does, so the difference is B/8 rows' worth."""
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Net(nnx.Rngs(0))))
     one = jax.sharding.SingleDeviceSharding((chips() or jax.devices())[0])
     place = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=one)
     grad = jax.jit(jax.grad(lambda p, batch: nnx_loss(nnx.merge(graphdef, p), batch)))
@@ -136,13 +132,16 @@ MODELS = {"nnx": lambda blocks: shardlib.from_nnx(Net, nnx_loss, blocks=blocks),
 if __name__ == "__main__":
     acts = activations()
     for kind in sys.argv[1:] or ["nnx", "linen"]:
-        (dp, params) = measure(lambda: MODELS[kind]("auto"), "dp")
+        dp, params, dp_flops = measure(lambda: MODELS[kind]("auto"), "dp")
         print(f"{kind} ({L} blocks, {mib(params)} of parameters, one block {mib(block_bytes())}, "
               f"{os.environ.get('TOPOLOGY') or 'XLA:CPU'}):")
-        print(f"  dp: arguments {mib(dp.argument_bytes)}, peak {mib(peak_bytes(dp))}; activations {mib(acts)} "
-              "(plain jax.jit, one device's rows, blocks under nnx.remat)")
-        for blocks, name in (("auto", "zero3, blocks gathered per call"), ((), "zero3, whole model gathered")):
-            z3, _ = measure(lambda: MODELS[kind](blocks), "zero3")
+        print(f"  dp: arguments {mib(dp.argument_bytes)}, peak {mib(peak_bytes(dp))}, {dp_flops:.4g} FLOPs; "
+              f"activations {mib(acts)} (plain jax.jit, one device's rows, nothing rematerialised)")
+        for blocks, recompute, name in (("auto", "weights", "zero3, blocks per call, re-gathering the weights"),
+                                        ("auto", "block", "zero3, blocks per call, rerunning each block"),
+                                        ((), "weights", "zero3, whole model gathered")):
+            z3, _, flops = measure(lambda: MODELS[kind](blocks), "zero3", recompute)
             goal = z3.argument_bytes + params / 8 + block_bytes() + acts
             print(f"  {name}: arguments {mib(z3.argument_bytes)}, peak {mib(peak_bytes(z3))}, "
-                  f"{peak_bytes(z3) / goal:.2f}x shards + gradient shards + one block + activations ({mib(goal)})")
+                  f"{peak_bytes(z3) / goal:.2f}x shards + gradient shards + one block + activations ({mib(goal)}); "
+                  f"FLOPs {flops / dp_flops:.3f}x dp's")

@@ -73,6 +73,9 @@ class BackendPolicy:
     # each changed in a program compiled here). A key the user sets in LIBTPU_INIT_ARGS is left to
     # that; `build(compiler_options=)` / `--xla-options` override both (`compiler_options`).
     compiler_options: tuple[tuple[str, str], ...] = ()
+    # Dropless MoE sends each device exactly its tokens with `jax.lax.ragged_all_to_all`
+    # (`shardlib.model.experts`); XLA:CPU has no such collective: there the groups travel padded.
+    ragged_all_to_all: bool = True
 
 
 # XLA:TPU decomposes a 1-D all-gather over a 3-D torus (v5p:4x4x4) into an all-reduce of a
@@ -93,7 +96,8 @@ TPU_COLLECTIVE_OPTIONS: tuple[tuple[str, str], ...] = (
 POLICIES: dict[str, BackendPolicy] = {
     "cpu": BackendPolicy("cpu", matmul_order=True, custom_vjp_gather=True, cast_before_gather=False,
                          state_from_last=True, steps_in_flight=1, attention="einsum", widens_bf16_collectives=True,
-                         narrow_reduce_options=(("xla_disable_hlo_passes", "all-reduce-promotion"),)),
+                         narrow_reduce_options=(("xla_disable_hlo_passes", "all-reduce-promotion"),),
+                         ragged_all_to_all=False),
     "gpu": BackendPolicy("gpu", matmul_order=False, custom_vjp_gather=False, cast_before_gather=True,
                          state_from_last=False, steps_in_flight=2, attention="cudnn"),
     "tpu": BackendPolicy("tpu", matmul_order=False, custom_vjp_gather=False, cast_before_gather=True,

@@ -173,6 +173,8 @@ def test_dropless_over_the_expert_axis_equals_one_device():
     program = _program(config, "dp", "expert=4")
     first = _assert_parity(config, _train(program))
     assert first["tokens_dropped"] == 0
+    # the grouped matmuls computed the assignments, not the P x N rows the padded exchange carries
+    assert first["expert_rows_computed"] == config.n_layers * BATCH * SEQ * config.top_k
     # Per layer: the tokens [P, N, d] out and the outputs back, forward, and both transposed in the
     # backward pass (float32), and the [P, E/P] int32 group sizes once; (P-1)/P of each leaves.
     shapes = {k: ((BATCH, SEQ), np.int32) for k in ("inputs", "targets")}
@@ -182,6 +184,41 @@ def test_dropless_over_the_expert_axis_equals_one_device():
     sizes = config.n_experts * 4 * (devices - 1) / devices
     all_to_all = records.of_kind("all-to-all")
     assert sum(r.bytes_per_step for r in all_to_all) == config.n_layers * (4 * padded + sizes)
+
+
+def test_dropless_on_tpu_sends_ragged_groups_and_computes_no_padding():
+    """Compiled by the TPU compiler for expert=4 (nothing runs): the dropless exchange is
+    ``ragged-all-to-all`` (dispatch and combine, forward and backward: 4 in the scanned layer's
+    body), and no dense all-to-all of token rows is left."""
+    from tests.helpers import tpu_chips
+
+    config = dataclasses.replace(TINY, top_k=2, capacity_factor=0.5, dropless=True)
+    model = trainable(config)
+    program = build(model, optimizer(), make_layout(model, "dp", make_mesh({"expert": 4}, devices=tpu_chips()[:4])))
+    shapes = {k: ((BATCH, SEQ), np.int32) for k in ("inputs", "targets")}
+    hlo = program.compile_step(program.abstract_state(), program.abstract_batch(shapes)).as_text()
+    ragged = [line for line in hlo.splitlines() if " ragged-all-to-all(" in line]
+    assert len(ragged) == 4, ragged
+    dense = [line for line in hlo.splitlines() if " all-to-all(" in line and f",{config.d_model}]" in line.split("=")[1]]
+    assert not dense, dense
+
+
+def test_moe_loss_counts_only_the_masked_targets():
+    """moe_loss with a loss_mask: its cross-entropy is the mean over the counted targets, computed
+    here from the model's own logits."""
+    from flax import nnx
+
+    config = TINY
+    with nnx.use_eager_sharding(False):
+        model = MoEGPT(config, rngs=nnx.Rngs(0))
+    batch = dict(batches(1, batch=4, seq=SEQ)[0])
+    mask = np.zeros((4, SEQ), np.float32)
+    mask[:, SEQ // 2:] = 1.0
+    mask[0] = 0.0
+    _, aux = moe_loss(model, {**batch, "loss_mask": mask})
+    losses = optax.softmax_cross_entropy_with_integer_labels(model.head(model.routed(batch["inputs"])[0]), batch["targets"])
+    np.testing.assert_allclose(aux["ce_loss"], (np.asarray(losses) * mask).sum() / mask.sum(), rtol=1e-6)
+    assert not np.isclose(aux["ce_loss"], np.asarray(losses).mean(), rtol=1e-4)
 
 
 def _layer_temp_bytes(config, seq: int) -> int:
@@ -274,6 +311,25 @@ def test_cli_trains_moe_over_data_and_expert_and_logs_the_balance(tmp_path):
         assert sum(counts) == TINY.n_layers * 16 * 32  # every assignment of the global batch, top-1
         assert record["aux_loss"] > 0
         assert {"tokens_dropped", "expert_max_over_mean", "expert_cv", "z_loss"} <= set(record)
+
+
+def test_export_hf_and_generate_refuse_an_moe_run_in_one_line(tmp_path, capsys):
+    """The Hugging Face export and generate know the dense decoder only: an MoE run is refused by
+    name (exit 2), not a KeyError traceback or a dense GPT built from its config."""
+    from shardlib.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--model", "moe-tiny", "--mesh", "data=2,expert=4", "--steps", "1", "--batch-size", "8",
+                 "--seq-len", "16", "--no-progress", "--eval-every", "0", "--sample-tokens", "0",
+                 "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["export", "--ckpt", str(out), "--hf", "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a run of a mixture-of-experts model (4 experts)" in err, err
+    assert not (tmp_path / "hf").exists()
+    assert main(["generate", "--from", str(out), "--prompt", "ab", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "generate decodes with the dense decoder only" in err, err
 
 
 def test_plan_gives_moe_models_an_expert_axis_and_inspect_shows_it(capsys):

@@ -12,7 +12,6 @@ slice in flight.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import os
@@ -23,6 +22,7 @@ import jax
 import numpy as np
 
 from shardlib.hf import architectures as arch_lib
+from shardlib.hf import rows
 from shardlib.hf.json_files import read_object
 from shardlib.hf.safetensors_io import TensorFile
 from shardlib.models import GPTConfig
@@ -175,7 +175,8 @@ def load_params(pretrained: Pretrained, shardings: Any, dtype: Any = np.float32)
     """The parameter tree of ``pretrained``'s model, each tensor placed in its sharding of
     ``shardings`` (a tree like the model's parameters: `Layout.param_shardings`) as ``dtype``.
 
-    Every process calls it; each reads only the rows its own devices hold."""
+    Every process calls it; each reads its devices' share of every checkpoint tensor's rows, once,
+    and the devices convert and reshard them (`shardlib.hf.rows`)."""
     from shardlib.sharding.rules import path_str
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(shardings)
@@ -185,38 +186,5 @@ def load_params(pretrained: Pretrained, shardings: Any, dtype: Any = np.float32)
     if set(by_path) != set(maps):
         raise PretrainedError(f"the shardings given are not those of {pretrained.describe()}: they name "
                               f"{sorted(set(by_path) ^ set(maps))[:3]}")
-    leaves = [_place(pretrained, maps[p], shapes[p], by_path[p], np.dtype(dtype)) for p in by_path]
+    leaves = rows.load(pretrained, [(maps[p], shapes[p], by_path[p]) for p in by_path], np.dtype(dtype))
     return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def _place(pretrained: Pretrained, t: arch_lib.TensorMap, shape: tuple[int, ...], sharding: Any,
-           dtype: np.dtype) -> jax.Array:
-    """One parameter, shard by shard: each local device's shard is read, converted, copied to its
-    device and dropped before the next is read (a shard that several devices hold is read once and
-    dropped after its last copy), so host memory holds one shard at a time, not the tensor."""
-    wanted = {device: tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-              for device, index in sharding.addressable_devices_indices_map(shape).items()}
-    uses = collections.Counter(wanted.values())
-    held: dict[tuple, np.ndarray] = {}
-    shards = []
-    for device, key in wanted.items():
-        if key not in held:
-            held[key] = _read_box(pretrained, t, shape, tuple(slice(*k) for k in key)).astype(dtype)
-        shards.append(jax.device_put(held[key], device))
-        uses[key] -= 1
-        if not uses[key]:
-            del held[key]
-    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
-
-
-def _read_box(pretrained: Pretrained, t: arch_lib.TensorMap, shape: tuple[int, ...], box: tuple[slice, ...]) -> np.ndarray:
-    """``box`` of a parameter: for a stacked one, that box of each layer it covers, stacked."""
-    def read_one(name: str, layer_shape: tuple[int, ...], layer_box: tuple[slice, ...]) -> np.ndarray:
-        file = pretrained.files[name]
-        return t.placement.read(layer_shape, layer_box, lambda hf_box: file.read(name, hf_box))
-
-    if not t.per_layer:
-        return read_one(t.name, shape, box)
-    layers = range(*box[0].indices(shape[0]))
-    blocks = [read_one(t.name.format(i=i), shape[1:], box[1:]) for i in layers]
-    return np.stack(blocks) if blocks else np.zeros((0, *(len(range(*b.indices(n))) for b, n in zip(box[1:], shape[1:]))))

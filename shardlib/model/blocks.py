@@ -2,8 +2,9 @@
 
 A block is a member of a *stack*: sibling submodules holding the same parameters (relative paths
 and shapes), as an unrolled ``for`` loop over transformer blocks builds them. The adapters gather
-each block's parameters when its call runs, under remat, so the backward pass gathers them again
-and the step's peak holds one block's weights, not the model's; the parameters outside every
+each block's parameters when its call runs, under remat whose policy (`RECOMPUTE`) keeps no
+gathered weight, so the backward pass gathers them again and the step's peak holds one block's
+weights, not the model's; the parameters outside every
 block (embedding, final norm, head) are gathered once at the top of the step. This is PyTorch
 FSDP2's ``fully_shard`` on each block, found from the parameter tree instead of written by hand.
 
@@ -23,10 +24,24 @@ from shardlib.sharding.rules import path_str
 Leaf = tuple[tuple[str, ...], tuple[int, ...], int]  # a parameter: (path parts, shape, bytes)
 
 # A stack is gathered block by block when it holds at least this share of the parameter bytes:
-# a smaller one (a pair of identical norms) is not worth the recomputation remat costs.
+# a smaller one (a pair of identical norms) is not worth the gathers and recomputation it costs.
 MIN_SHARE = 1 / 8
 
 AUTO = "auto"
+
+# What a block's backward pass recomputes (`build(block_recompute=)`), with the remat policy each is:
+# "weights" keeps every matmul's output and recomputes the rest, which holds the weight gather and the
+# elementwise work between matmuls (norms, activations, casts): the weights are gathered again from
+# their shards, not kept, and the matmuls run once forward, as FSDP2 re-gathers in its backward.
+# "block" keeps only the block's inputs and reruns the whole block: about one more forward pass.
+RECOMPUTE = {"weights": jax.checkpoint_policies.dots_saveable, "block": None}
+
+
+def remat_policy(mode: str) -> Callable[..., Any] | None:
+    """The remat policy of ``mode`` (a key of `RECOMPUTE`), for ``nnx.remat`` / ``nn.remat``."""
+    if mode not in RECOMPUTE:
+        raise ValueError(f"block_recompute={mode!r}: pass one of {', '.join(map(repr, RECOMPUTE))}")
+    return RECOMPUTE[mode]
 
 
 def leaves_of(params: Any) -> list[Leaf]:

@@ -82,6 +82,9 @@ class ComputeContext:
     context_balance: bool = True
     context_attention: str = "auto"
     attention_calls: list = dataclasses.field(default_factory=list)
+    # What the backward pass of a block gathered per call recomputes (`shardlib.model.blocks`):
+    # "weights" re-gathers its weights and keeps its matmuls' outputs, "block" reruns the whole block
+    block_recompute: str = "weights"
 
 
 _CONTEXT: contextvars.ContextVar[ComputeContext | None] = contextvars.ContextVar(
@@ -347,6 +350,12 @@ def backend_policy() -> Any:
     ``attention="auto"``), decided by the step's devices rather than JAX's default backend."""
     ctx = _CONTEXT.get()
     return None if ctx is None else ctx.backend
+
+
+def block_recompute() -> str:
+    """What the backward pass of a block gathered per call recomputes: `ComputeContext.block_recompute`."""
+    ctx = _CONTEXT.get()
+    return "weights" if ctx is None else ctx.block_recompute
 
 
 def matmul_ordered(cotangent: jax.Array, dim: int, backend: Any) -> jax.Array:

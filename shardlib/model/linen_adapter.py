@@ -669,7 +669,7 @@ def _remat_blocks(blocks: tuple[str, ...], specs: Any) -> Iterator[None]:
             finally:
                 running.discard(path)
 
-        return nn.remat(body)(context.module, arrays)
+        return nn.remat(body, policy=blocks_lib.remat_policy(hooks.block_recompute()))(context.module, arrays)
 
     with nn.intercept_methods(remat):
         yield

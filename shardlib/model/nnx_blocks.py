@@ -2,8 +2,9 @@
 
 Inside the step, each block's class is swapped for a subclass whose ``__call__`` runs the
 original under ``nnx.remat`` with the block's parameters gathered inside: the gathered weights
-live while the block runs, and the backward pass recomputes the block, gathering them again,
-whose transpose reduce-scatters the block's gradients. Every other method, ``isinstance`` and
+live while the block runs, and the backward pass gathers them again (and, under
+``block_recompute="block"``, reruns the whole block; `shardlib.model.blocks.RECOMPUTE`), whose
+transpose reduce-scatters the block's gradients. Every other method, ``isinstance`` and
 the parent's code stay as written. The parameters outside every block are gathered up front.
 """
 
@@ -35,7 +36,8 @@ def gather_per_block(module: Any, blocks: Sequence[str]) -> None:
 
 @functools.cache
 def _gathering(cls: type) -> type:
-    """``cls`` whose ``__call__`` gathers the block's parameters inside ``nnx.remat``."""
+    """``cls`` whose ``__call__`` gathers the block's parameters inside ``nnx.remat`` (with the
+    step's `shardlib.model.blocks.remat_policy`)."""
     from flax import nnx
 
     call = cls.__call__
@@ -51,7 +53,7 @@ def _gathering(cls: type) -> type:
             finally:  # the remat's state out holds the shards, not the gathered weights
                 hooks.restore(replaced)
 
-        return nnx.remat(body)(self, arrays)
+        return nnx.remat(body, policy=blocks_lib.remat_policy(hooks.block_recompute()))(self, arrays)
 
     namespace = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
                  "__doc__": cls.__doc__}

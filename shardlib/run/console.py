@@ -58,6 +58,7 @@ def banner(run: Prepared, note: str | None) -> str:
         f"mesh       {describe(mesh)}",
         f"strategy   {run.strategy.name}: {run.strategy.summary}",
         f"sharding   {run.layout.replication_summary()}",
+        *([_blocks_line(run)] if run.block_recompute is not None else []),
         f"batch      {config.batch_size} sequences x {config.seq_len} tokens (global)"
         + (f", {microbatches} microbatches" if microbatches > 1 else ""),
         *([f"pipeline   {mesh.shape['pipe']} stages, {config.pipeline_schedule}, bubble "
@@ -71,6 +72,15 @@ def banner(run: Prepared, note: str | None) -> str:
         f"output     {run.out_dir}",
     ]
     return "\n".join(lines)
+
+
+def _blocks_line(run: Prepared) -> str:
+    """Which per-block ZeRO-3 mode ran (`build(block_recompute=)`): what its backward recomputes."""
+    blocks = run.model.gathered_blocks
+    what = ("the backward gathers each block's weights again and keeps its activations (block_recompute=weights)"
+            if run.block_recompute == "weights" else
+            "the backward reruns each block (block_recompute=block: keeping activations did not fit a device)")
+    return f"blocks     {len(blocks)} gathered one call at a time ({blocks[0]!r} ...); {what}"
 
 
 def data_line(path: str | None, train_bytes: int, val_bytes: int, *, tokenized: bool = False) -> str:

@@ -52,6 +52,9 @@ class Prepared:
     data_bytes: tuple[int, int]  # (train, validation) bytes of the corpus (token ids, examples)
     pretrained: Any = None  # the Hugging Face model directory the weights start from (`shardlib.hf.load.Pretrained`)
     tokenizer: Any = None  # `shardlib.hf.tokenizer.Tokenizer` of --tokenizer
+    # What the backward of the blocks gathered per call recomputes ("weights" / "block", `build`);
+    # None: no block is gathered per call
+    block_recompute: str | None = None
 
     @property
     def is_main(self) -> bool:
@@ -146,11 +149,16 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
     program = build_program(config, model, layout, schedule)
     abstract_batch = program.abstract_batch(_batch_shapes(config, masked))
     _check_batch_split(layout, program, abstract_batch)
+    recompute = "weights" if _gathers_per_block(model, layout) else None
     with held_output():  # XLA's logs while compiling a step it then refuses would bury the one line
         step_fn = program.compile_step(program.abstract_state(), abstract_batch)
         mem = memory_stats(step_fn)
+        if recompute is not None and not _fits(config, mem):  # rerun each block in the backward: less memory
+            program = build_program(config, model, layout, schedule, block_recompute="block")
+            step_fn, recompute = program.compile_step(program.abstract_state(), abstract_batch), "block"
+            mem = memory_stats(step_fn)
         check_fits(config, mem, layout.batch_size_multiple, program.step.microbatches, layout.pipeline_stages > 1,
-                   lambda other: _compiled_peak(other, model, layout, schedule, masked))
+                   lambda other: _compiled_peak(other, model, layout, schedule, masked, recompute or "weights"))
     return Prepared(config=config, strategy=strategy, model_config=model_config, model=model, model_name=model_name,
                     mesh=mesh,
                     layout=layout, out_dir=out_dir, loader=loader, val_local=val_local, schedule=schedule,
@@ -160,7 +168,30 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
                     state_bytes=mem.argument_bytes - _per_device_bytes(abstract_batch),
                     data_bytes=(len(train_bytes[0] if isinstance(train_bytes, tuple) else train_bytes),
                                 len(val_bytes[0] if isinstance(val_bytes, tuple) else val_bytes)),
-                    pretrained=pretrained, tokenizer=tokenizer)
+                    pretrained=pretrained, tokenizer=tokenizer, block_recompute=recompute)
+
+
+def _gathers_per_block(model: Any, layout: Any) -> bool:
+    """Whether the step gathers ``model``'s blocks one call at a time (`shardlib.model.blocks`):
+    it has blocks and the layout stores some of their parameters split over the batch axes."""
+    from shardlib.model import blocks as blocks_lib
+    from shardlib.sharding.layout import spec_axes
+    from shardlib.sharding.rules import is_layout
+
+    import jax
+
+    blocks = getattr(model, "gathered_blocks", ())
+    stored = {leaf.path: tuple(sorted(spec_axes(leaf.spec) & set(layout.batch_axes)))
+              for leaf in jax.tree.leaves(layout.params, is_leaf=is_layout)}
+    return bool(blocks) and blocks_lib.sharded(blocks, stored)
+
+
+def _fits(config: TrainConfig, mem: Any) -> bool:
+    """Whether the compiled step's peak fits a device (unknown capacity: it does)."""
+    from shardlib.tools.memory import device_capacity, peak_bytes
+
+    capacity = device_capacity()
+    return config.force or capacity is None or peak_bytes(mem) <= capacity[0]
 
 
 def _own_model(config: TrainConfig, model: Any) -> tuple[Any, str]:
@@ -208,11 +239,12 @@ def _batch_shapes(config: TrainConfig, masked: bool = False) -> dict[str, Any]:
     return shapes
 
 
-def _compiled_peak(config: TrainConfig, model, layout, schedule, masked: bool = False) -> int:
+def _compiled_peak(config: TrainConfig, model, layout, schedule, masked: bool = False,
+                   block_recompute: str = "weights") -> int:
     """Peak bytes a device of ``config``'s step, compiled (for `check_fits`'s other batch sizes)."""
     from shardlib.tools.memory import memory_stats, peak_bytes
 
-    program = build_program(config, model, layout, schedule)
+    program = build_program(config, model, layout, schedule, block_recompute)
     return peak_bytes(memory_stats(program.compile_step(program.abstract_state(),
                                                         program.abstract_batch(_batch_shapes(config, masked)))))
 
@@ -417,7 +449,7 @@ def optimizer(config: TrainConfig, model, schedule):
     )
 
 
-def build_program(config: TrainConfig, model, layout, schedule):
+def build_program(config: TrainConfig, model, layout, schedule, block_recompute: str = "weights"):
     """The train program of ``config``'s options; a refused combination names its flag."""
     from shardlib.step.program import build
     from shardlib.step.options import OPTIONS, OptionError
@@ -438,7 +470,8 @@ def build_program(config: TrainConfig, model, layout, schedule):
                      grad_compression=config.grad_compression, microbatches=config.microbatches,
                      schedule=config.pipeline_schedule, bucket_bytes=int(config.bucket_mb * 2**20),
                      offload=config.offload, weight_gather=config.weight_gather, staleness=config.staleness,
-                     stage_layers=parse_stage_layers(config.stage_layers), compiler_options=compiler_options)
+                     stage_layers=parse_stage_layers(config.stage_layers), compiler_options=compiler_options,
+                     block_recompute=block_recompute)
     except OptionError as err:  # a refused combination: the flag of the option its row names
         raise TrainConfigError(OPTIONS[err.option].flag or "strategy", str(err)) from None
     except ValueError as err:

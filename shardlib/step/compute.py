@@ -275,6 +275,7 @@ class ModelCall:
     expert_split: tuple[str, ...] = ()  # parameters split over ``expert`` (`expert_split_paths`)
     # context parallelism: (devices the sequence is split over, balanced, attention mode) (`hooks.ComputeContext`)
     context: tuple[int, bool, str] = (1, True, "auto")
+    block_recompute: str = "weights"  # what a per-call block's backward recomputes (`hooks.ComputeContext`)
 
     @classmethod
     def for_layout(cls, model: Model, layout: Layout, policy: precision_lib.Precision,
@@ -339,7 +340,7 @@ class ModelCall:
                                     rows_split=self.rows_split, row_axes=self.key_axes, microbatches=microbatches,
                                     note_names=None if self.activation_names is None else self.activation_names.note,
                                     context_size=self.context[0], context_balance=self.context[1],
-                                    context_attention=self.context[2])
+                                    context_attention=self.context[2], block_recompute=self.block_recompute)
 
     def probe(self, params: Any, rows: Any, ctx: StepContext) -> hooks.ComputeContext:
         """The compute context an abstract trace of the loss leaves: which parameters the model

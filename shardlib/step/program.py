@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlib import backend as backend_lib
 from shardlib.model import Model
+from shardlib.model import blocks as blocks_lib
 from shardlib.sharding import rules as rules_lib
 from shardlib.sharding.layout import Layout, check_model_argument
 from shardlib.step import batch as batch_lib
@@ -143,6 +144,7 @@ def build(
     weight_gather: str = "none",
     stage_layers: str | tuple[int, ...] | None = None,
     layerwise: bool | None = None,
+    block_recompute: str = "weights",
     axis_name: str | None = None,
     communication: options_lib.Communication | None = None,
     compiler_options: Mapping[str, Any] | None = None,
@@ -189,6 +191,13 @@ def build(
     step of a model that calls ``gather_layer``), True: required (a clear error where it cannot),
     False: reduce after the backward pass.
 
+    ``block_recompute``: what the backward pass of a block gathered per call (ZeRO-3 of a model
+    that does not gather its own parameters, `shardlib.model.blocks`) recomputes: "weights" (the
+    default) gathers its weights again from their shards and keeps its matmuls' outputs, so the
+    step's FLOPs stay those of dp; "block" keeps only the block's input and reruns it, about one
+    more forward pass for the least memory. `shardlib train` falls back to "block" when "weights"
+    does not fit a device.
+
     ``offload="opt_state"`` keeps the optimizer state in pinned host memory between steps
     (ZeRO-Offload, `shardlib.step.offload`): the step moves it to the device for the update only.
 
@@ -232,7 +241,9 @@ def build(
     grads_lib.check_params(model, policy)
     stage_layers = grads_lib.check_stage_layers(model, layout, stage_layers)
     rows_split = math.prod(layout.mesh.shape[a] for a in layout.batch_axes)
+    blocks_lib.remat_policy(block_recompute)  # an unknown name, before anything is traced
     call = ModelCall.for_layout(model, layout, policy, rows_split, axis_alias=axis_name)
+    call = dataclasses.replace(call, block_recompute=block_recompute)
     call = dataclasses.replace(call, gather=_weight_gather(comm.weight_gather, method, reducer, layout, call))
     provider = grads_lib.for_layout(call, reducer, layout, grad_accum=grad_accum, microbatches=microbatches,
                                     schedule=schedule, stage_layers=stage_layers)

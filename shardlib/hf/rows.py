@@ -1,0 +1,129 @@
+"""A Hugging Face checkpoint read once a job: each process reads its share of every tensor's rows.
+
+Under zero3 a matrix's shard is a column block of the checkpoint's row-major ``[out, in]``
+tensor, so reading each device's shard from the file touches every page of the tensor and every
+process reads the whole checkpoint. Here the job's devices, in the mesh's order, split each
+checkpoint tensor's rows (its first dim) evenly; each process reads the rows its own devices
+hold, each byte once, in positioned reads on `READ_THREADS` threads (one contiguous range per
+process when a process's devices are consecutive in the mesh, as `make_mesh` orders them), and
+places them on those devices in the checkpoint's dtype. One compiled program per parameter then
+converts them on the devices, reorders them into shardlib's layout (the tensor's
+`shardlib.hf.architectures.Placement`), stacks the layers, and reshards them to the parameter's
+sharding (XLA's all-to-all or gather where the two layouts cross).
+
+Host memory holds one slice per reading thread (a device's rows of one tensor); a device holds
+the rows of the tensor being converted (one layer of a stacked parameter, written into the
+stack in place) beside the shards already placed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+READ_THREADS = 8
+
+
+def load(pretrained: Any, tensors: list[tuple[Any, tuple[int, ...], Any]], dtype: np.dtype) -> list[jax.Array]:
+    """Each ``(TensorMap, parameter shape, sharding)`` of ``tensors`` as a global array in ``dtype``,
+    read from ``pretrained``'s files a process's share of rows at a time (module docstring)."""
+    placed: list[jax.Array] = []
+    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="shardlib-hf-read") as pool:
+        for t, shape, sharding in tensors:
+            if placed:  # one parameter assembling while the next is read: its rows are freed before more are read
+                placed[-1].block_until_ready()
+            placed.append(_parameter(pretrained, t, shape, sharding, dtype, pool))
+    return placed
+
+
+def _parameter(pretrained: Any, t: Any, shape: tuple[int, ...], sharding: Any, dtype: np.dtype,
+               pool: ThreadPoolExecutor) -> jax.Array:
+    """One parameter; a stacked one a layer at a time into its stack (donated), so the devices hold
+    one layer's conversion in flight, not the whole parameter's."""
+    from shardlib.hf.architectures import hf_names
+
+    names = hf_names(t, shape[0]) if t.per_layer else [t.name]
+    layer_shape = shape[1:] if t.per_layer else shape
+    rows = _rows_sharding(sharding)
+    hf_rows = pretrained.files[names[0]].shape(names[0])[0]
+    read = lambda name: _rows(pretrained.files[name], name, rows, pool)
+    spec = tuple(sharding.spec) + (None,) * len(shape) if isinstance(sharding, NamedSharding) else ()
+    if not t.per_layer or not spec or spec[0] is not None:  # whole (a split layer dim: the stack at once)
+        assemble = _assembler(t.placement.groups, layer_shape, t.per_layer, len(names), hf_rows, np.dtype(dtype),
+                              sharding)
+        return assemble(*[read(name) for name in names])
+    layer = NamedSharding(sharding.mesh, P(*spec[1:len(shape)]))
+    assemble = _assembler(t.placement.groups, layer_shape, False, 1, hf_rows, np.dtype(dtype), layer)
+    empty, put = _stacker(shape, np.dtype(dtype), sharding)
+    stack = empty()
+    for i, name in enumerate(names):
+        stack = put(stack, assemble(read(name)), i)
+        stack.block_until_ready()  # this layer's rows freed before the next layer's are read
+    return stack
+
+
+@functools.lru_cache(maxsize=None)
+def _stacker(shape: tuple[int, ...], dtype: np.dtype, sharding: Any):
+    """(``empty()``: a stack of zeros in ``sharding``, ``put(stack, layer, i)``: layer i written into it in place)."""
+    import jax.numpy as jnp
+
+    empty = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    put = jax.jit(lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0),
+                  out_shardings=sharding, donate_argnums=0)
+    return empty, put
+
+
+def _rows_sharding(sharding: Any) -> NamedSharding:
+    """The first dim split over every device of ``sharding``'s mesh, in the mesh's order."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, P(tuple(sharding.mesh.axis_names)))
+    devices = sorted(sharding.device_set, key=lambda d: (d.process_index, d.id))
+    return NamedSharding(jax.sharding.Mesh(np.array(devices), ("rows",)), P("rows"))
+
+
+def _rows(file: Any, name: str, rows: NamedSharding, pool: ThreadPoolExecutor) -> jax.Array:
+    """``name`` split by rows over ``rows``' devices (padded with zero rows to an even split), each
+    process reading and placing only its devices' rows, in the file's dtype."""
+    shape = file.shape(name)
+    devices = list(rows.mesh.devices.flat)
+    chunk = -(-shape[0] // len(devices))
+    me = jax.process_index()
+
+    def place(k: int) -> jax.Array:
+        block = file.read_rows(name, k * chunk, (k + 1) * chunk)
+        if block.shape[0] < chunk:  # the last rows: padding, cut off on the device
+            block = np.concatenate([block, np.zeros((chunk - block.shape[0], *shape[1:]), block.dtype)])
+        return jax.device_put(block, devices[k])
+
+    local = [k for k, d in enumerate(devices) if d.process_index == me]
+    pieces = list(pool.map(place, local))
+    return jax.make_array_from_single_device_arrays((chunk * len(devices), *shape[1:]), rows, pieces)
+
+
+@functools.lru_cache(maxsize=None)
+def _assembler(groups: tuple[tuple[int, ...], ...], layer_shape: tuple[int, ...], per_layer: bool, layers: int,
+               hf_rows: int, dtype: np.dtype, sharding: Any):
+    """The compiled program turning the row-split checkpoint tensor(s) of one parameter into it:
+    padding cut, converted to ``dtype``, reordered into shardlib's layout, layers stacked,
+    resharded to ``sharding``."""
+    order = [d for group in groups for d in group]
+    inverse = [order.index(d) for d in range(len(layer_shape))]
+
+    def one(x: jax.Array) -> jax.Array:
+        x = x[:hf_rows].astype(dtype)
+        return x.reshape([layer_shape[d] for d in order]).transpose(inverse)
+
+    def assemble(*parts: jax.Array) -> jax.Array:
+        import jax.numpy as jnp
+
+        ys = [one(x) for x in parts]
+        return jnp.stack(ys) if per_layer else ys[0]
+
+    assert math.prod(layer_shape) and len(order) == len(layer_shape)
+    return jax.jit(assemble, out_shardings=sharding)
