@@ -34,8 +34,9 @@ class GPTConfig:
     # "einsum": scores written out in float32 (any backend); "blocked": the same, 32 queries at a time,
     # each block recomputed in the backward pass (a 32 x T slice of the scores live, not T x T);
     # "cudnn": jax.nn.dot_product_attention's fused kernel (GPU only; never materialises the T x T
-    # scores); "xla": that function's XLA path; "flash": an online softmax over blocks of keys, forward
-    # and backward (`shardlib.model.attention.flash`, memory linear in T, any backend). "auto": the
+    # scores); "xla": that function's XLA path; "flash": an online softmax over query x key tiles,
+    # forward and backward, tiles above the diagonal never computed (`shardlib.model.attention.flash`,
+    # memory linear in T, any backend). "auto": the
     # step's backend policy's (`shardlib.backend.BackendPolicy.attention`, docs/backends.md: cudnn on
     # GPU where the activations are bf16 / fp16, the kernel's dtypes; einsum elsewhere and outside a
     # shardlib step), but flash for sequences of `FLASH_MIN_SEQ` or more where that is the einsum.
