@@ -165,9 +165,9 @@ flash.defvjp(_flash_forward, _flash_backward)
 
 
 # A whole sequence at least this long runs `causal_flash` under ``attention="auto"`` where the
-# backend's own attention is the einsum: measured on CPU (scripts/benchmark_flash.py --only
-# sweep,step), a GPT step with flash takes 1.27x the einsum's at 256 tokens (one tile: the loop's
-# cost and nothing skipped) and 0.70x at 512, and the attention alone 0.54x at 512.
+# backend's own attention is the einsum: measured on CPU (scripts/benchmark_flash.py --cpu-time,
+# BENCHMARKS.md), forward + backward takes 1.15x the einsum's at 256 tokens (one tile: the loop's
+# cost and nothing skipped) and 0.67x at 512.
 FLASH_MIN_SEQ = 512
 
 
