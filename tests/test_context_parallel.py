@@ -195,6 +195,21 @@ def test_auto_attention_is_flash_from_the_measured_length():
     assert resolve_attention("einsum", jnp.float32, 10**6) == "einsum"  # asked for by name: kept
 
 
+def test_splash_where_it_cannot_run_is_flash_said_once(capsys):
+    """attention="splash" outside a TPU step (the Pallas kernel compiles for TPU only) runs
+    shardlib's own attention, equal to the reference, and says so once per shape."""
+    from shardlib.model import splash
+    from shardlib.models.gpt import _local_attention
+
+    splash._SAID.clear()
+    q = jax.random.normal(jax.random.key(0), (1, 128, 4, 8))
+    k, v = (jax.random.normal(key, (1, 128, 2, 8)) for key in jax.random.split(jax.random.key(1), 2))
+    for _ in range(2):
+        np.testing.assert_allclose(_local_attention("splash", q, k, v), causal_reference(q, k, v), rtol=1e-5, atol=1e-6)
+    assert capsys.readouterr().err.count("the Pallas splash kernel does not take q (1, 128, 4, 8) (not inside a "
+                                        "shardlib step on TPU)") == 1
+
+
 # ---- the balance of the ring's schedule, and the sequence layout
 
 
