@@ -34,8 +34,10 @@ class GPTConfig:
     # "einsum": scores written out in float32 (any backend); "blocked": the same, 32 queries at a time,
     # each block recomputed in the backward pass (a 32 x T slice of the scores live, not T x T);
     # "cudnn": jax.nn.dot_product_attention's fused kernel (GPU only; never materialises the T x T
-    # scores); "xla": that function's XLA path; "flash": an online softmax over blocks of keys, forward
-    # and backward (`shardlib.model.attention.flash`, memory linear in T, any backend). "auto": the
+    # scores); "xla": that function's XLA path; "flash": an online softmax over query x key tiles,
+    # forward and backward, tiles above the diagonal never computed (`shardlib.model.attention.flash`,
+    # memory linear in T, any backend); "splash": JAX's Pallas splash kernel (TPU, bf16;
+    # `shardlib.model.splash`, flash where a shape does not fit it). "auto": the
     # step's backend policy's (`shardlib.backend.BackendPolicy.attention`, docs/backends.md: cudnn on
     # GPU where the activations are bf16 / fp16, the kernel's dtypes; einsum elsewhere and outside a
     # shardlib step), but flash for sequences of `FLASH_MIN_SEQ` or more where that is the einsum.
@@ -122,7 +124,7 @@ REMAT_POLICIES = ("full", "save_dots_except_mlp_in", "save_dots", "offload_dots"
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
-ATTENTION = ("auto", "einsum", "blocked", "flash", "xla", "cudnn")
+ATTENTION = ("auto", "einsum", "blocked", "flash", "xla", "cudnn", "splash")
 
 CONFIGS: dict[str, GPTConfig] = {
     # For tests: every dimension is small and divisible by 4 or 8.

@@ -22,6 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 from . import lora as lora_lib
 from .configs import GPTConfig, RopeScaling
 from shardlib.model import attention as attention_lib
+from shardlib.model import splash
 from shardlib.model.hooks import backend_policy, constrain, gather_layer, global_mean
 from shardlib.model import Stages
 
@@ -152,6 +153,12 @@ class Attention(nnx.Module):
 def _local_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal attention over a whole sequence with ``GPTConfig.attention``'s implementation."""
     implementation = resolve_attention(implementation, q.dtype, q.shape[1])
+    if implementation == "splash":
+        why = splash.misfit(q, k)
+        if why is None:
+            return splash.causal(q, k, v)
+        splash.say_fallback(q, why)
+        implementation = "flash" if q.shape[1] >= attention_lib.FLASH_MIN_SEQ else "einsum"
     if implementation == "flash":
         return attention_lib.causal_flash(q, k, v)
     if implementation == "einsum":
@@ -180,6 +187,8 @@ def attention_for(policy: Any, dtype: Any) -> str:
     """The attention a `shardlib.backend.BackendPolicy` (None: none, einsum) runs for activations
     of ``dtype``: its own, but einsum where that is cuDNN's and the dtype is not one it takes."""
     chosen = "einsum" if policy is None else policy.attention
+    if chosen == "splash" and jnp.dtype(dtype) != jnp.bfloat16:  # the TPU policy's kernel, for bf16 activations
+        return "einsum"
     return "einsum" if chosen == "cudnn" and jnp.dtype(dtype) not in CUDNN_DTYPES else chosen
 
 

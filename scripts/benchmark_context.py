@@ -16,7 +16,7 @@ the train step and print per device:
 the compiled FLOPs a device (XLA's ``cost_analysis``, which counts a ``while`` body once: the
 key-block loop's FLOPs are under-counted) against the sequence length, and the dense
 ``[T/C x T/C]`` f32 scores of one hop that the ring held before its keys were blocked
-(`shardlib.model.attention.KEY_BLOCK`).
+(`shardlib.model.flash.KEY_BLOCK`).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import optax  # noqa: E402
 
 from shardlib import build, make_layout, make_mesh  # noqa: E402
 from shardlib.model import attention as attention_lib  # noqa: E402
+from shardlib.model import flash as flash_lib  # noqa: E402
 from shardlib.models import GPTConfig, trainable  # noqa: E402
 from shardlib.tools.flops import flops_per_step  # noqa: E402
 from shardlib.tools.hlo import collective_stats  # noqa: E402
@@ -70,7 +71,7 @@ def measure(config: GPTConfig, seq_len: int, size: int, balanced: bool) -> tuple
 def lengths_table(lengths: list[int], size: int = 4) -> None:
     config = GPTConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=max(lengths))
     print(f"GPT d_model={config.d_model} layers={config.n_layers} heads={config.n_heads}, one sequence, "
-          f"context={size} (balanced ring), float32, key block {getattr(attention_lib, 'KEY_BLOCK', None)}")
+          f"context={size} (balanced ring), float32, tiles {flash_lib.QUERY_BLOCK} x {flash_lib.KEY_BLOCK}")
     print("| T | temporaries / device | x (vs previous T) | compiled GFLOPs / device | one hop's dense scores |")
     print("|---|---|---|---|---|")
     previous = None

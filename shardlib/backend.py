@@ -101,7 +101,7 @@ POLICIES: dict[str, BackendPolicy] = {
     "gpu": BackendPolicy("gpu", matmul_order=False, custom_vjp_gather=False, cast_before_gather=True,
                          state_from_last=False, steps_in_flight=2, attention="cudnn"),
     "tpu": BackendPolicy("tpu", matmul_order=False, custom_vjp_gather=False, cast_before_gather=True,
-                         state_from_last=False, steps_in_flight=2, bucket_scatters=False, attention="einsum",
+                         state_from_last=False, steps_in_flight=2, bucket_scatters=False, attention="splash",
                          compiler_options=TPU_COLLECTIVE_OPTIONS),
 }
 # JAX's platform names for the same backends.

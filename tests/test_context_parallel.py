@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardlib import build, make_layout, make_mesh
 from shardlib.model import attention as attention_lib
+from shardlib.model import flash as flash_lib
 from shardlib.model import from_nnx, hooks
 from shardlib.models import GPT, get_config, next_token_loss, trainable
 from shardlib.sharding import sequence
@@ -103,12 +104,40 @@ def test_split_attention_matches_dense(mode, balanced):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
 
+def _blocks(monkeypatch, size: int) -> None:
+    """Tiles of ``size`` queries x ``size`` keys."""
+    monkeypatch.setattr(flash_lib, "QUERY_BLOCK", size)
+    monkeypatch.setattr(flash_lib, "KEY_BLOCK", size)
+
+
+def _count_tiles(monkeypatch) -> list[int]:
+    """A list that grows by one each time a compiled program computes a tile's scores (forward or
+    backward, on any device)."""
+    computed: list[int] = []
+    scores = flash_lib.scores
+
+    def counting(*args):
+        jax.debug.callback(lambda: computed.append(1))
+        return scores(*args)
+
+    monkeypatch.setattr(flash_lib, "scores", counting)
+    return computed
+
+
+def _triangle(tiles: int) -> int:
+    """Tiles on or below the diagonal of a causal [tiles x tiles] grid."""
+    return tiles * (tiles + 1) // 2
+
+
 @pytest.mark.parametrize("mode,balanced", [("ring", True), ("ring", False), ("allgather", True)])
 def test_attention_in_key_blocks_matches_dense(mode, balanced, monkeypatch):
-    """With 2 keys a block (4 blocks per half-chunk), the online softmax over key blocks, forward
-    and backward, still equals one-device attention."""
-    monkeypatch.setattr(attention_lib, "KEY_BLOCK", 2)
+    """With tiles of 2 queries x 2 keys (4 per half-chunk), forward and backward still equal
+    one-device attention, and over all devices they compute the causal triangle's tiles only:
+    16 x 17 / 2 of the 16 x 16 each way."""
+    _blocks(monkeypatch, 2)
+    computed = _count_tiles(monkeypatch)
     test_split_attention_matches_dense(mode, balanced)
+    assert len(computed) == 2 * _triangle(16)
 
 
 def _attention_temp_bytes(mode: str, t: int, size: int = 4) -> int:
@@ -133,21 +162,29 @@ def _attention_temp_bytes(mode: str, t: int, size: int = 4) -> int:
 def test_attention_memory_is_linear_in_the_sequence(mode, monkeypatch):
     """Twice the tokens at most 2.3x the temporaries (scores of [T/C x KEY_BLOCK], never
     [T/C x T/C] or [T/C x T]); dense scores would take 4x."""
-    monkeypatch.setattr(attention_lib, "KEY_BLOCK", 64)
+    _blocks(monkeypatch, 64)
     assert _attention_temp_bytes(mode, 4096) <= 2.3 * _attention_temp_bytes(mode, 2048)
 
 
-def test_whole_sequence_flash_skips_hidden_blocks_and_matches_dense(monkeypatch):
-    """One device, 8 key blocks of 4 (the causal half skipped): values and gradients equal the
-    written-out scores, GQA included."""
-    monkeypatch.setattr(attention_lib, "KEY_BLOCK", 4)
+def test_whole_sequence_flash_computes_only_visible_tiles_and_matches_dense(monkeypatch):
+    """One device, 32 tokens in tiles of 4 x 4: the forward and the backward each compute the
+    8 x 9 / 2 tiles on or below the diagonal, of 8 x 8 (all 64 with every key visible), and values
+    and gradients equal the written-out scores, GQA included."""
+    _blocks(monkeypatch, 4)
+    computed = _count_tiles(monkeypatch)
     q, w = (jax.random.normal(key, (2, 32, 4, 8)) for key in jax.random.split(jax.random.key(0), 2))
     k, v = (jax.random.normal(key, (2, 32, 2, 8)) for key in jax.random.split(jax.random.key(1), 2))
-    got, pull = jax.vjp(jax.jit(attention_lib.causal_flash), q, k, v)
+    got, pull = jax.vjp(jax.jit(lambda q, k, v: attention_lib.causal_flash(q, k, v)), q, k, v)
+    grads = pull(w)
+    assert len(computed) == 2 * _triangle(8)
     want, want_pull = jax.vjp(causal_reference, q, k, v)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    for g, r in zip(pull(w), want_pull(w)):
+    for g, r in zip(grads, want_pull(w)):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+    computed.clear()
+    pos = jnp.arange(32)
+    jax.block_until_ready(jax.vjp(jax.jit(lambda q, k, v: attention_lib.flash(q, k, v, pos, pos, False)), q, k, v)[1](w))
+    assert len(computed) == 2 * 8 * 8
 
 
 def test_auto_attention_is_flash_from_the_measured_length():
@@ -156,6 +193,21 @@ def test_auto_attention_is_flash_from_the_measured_length():
     assert resolve_attention("auto", jnp.float32, attention_lib.FLASH_MIN_SEQ) == "flash"
     assert resolve_attention("auto", jnp.float32, attention_lib.FLASH_MIN_SEQ - 1) == "einsum"
     assert resolve_attention("einsum", jnp.float32, 10**6) == "einsum"  # asked for by name: kept
+
+
+def test_splash_where_it_cannot_run_is_flash_said_once(capsys):
+    """attention="splash" outside a TPU step (the Pallas kernel compiles for TPU only) runs
+    shardlib's own attention, equal to the reference, and says so once per shape."""
+    from shardlib.model import splash
+    from shardlib.models.gpt import _local_attention
+
+    splash._SAID.clear()
+    q = jax.random.normal(jax.random.key(0), (1, 128, 4, 8))
+    k, v = (jax.random.normal(key, (1, 128, 2, 8)) for key in jax.random.split(jax.random.key(1), 2))
+    for _ in range(2):
+        np.testing.assert_allclose(_local_attention("splash", q, k, v), causal_reference(q, k, v), rtol=1e-5, atol=1e-6)
+    assert capsys.readouterr().err.count("the Pallas splash kernel does not take q (1, 128, 4, 8) (not inside a "
+                                        "shardlib step on TPU)") == 1
 
 
 # ---- the balance of the ring's schedule, and the sequence layout

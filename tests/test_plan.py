@@ -57,6 +57,17 @@ def test_plan_json_is_one_document_with_stable_keys(capsys):
     assert command.startswith("shardlib train --model tiny --strategy zero3 --mesh fsdp=8 --batch-size")
     assert doc["hardware"]["name"] == "h100" and doc["hbm_bytes"] == doc["hardware"]["hbm_bytes"]
     assert doc["topology"] is None and doc["compiler"]["platform"] == "cpu"
+    assert row["attention"] == "xla"  # the GPU policy's cuDNN kernel does not compile here: XLA's stands in
+
+
+def test_plan_for_tpu_on_cpu_devices_compiles_flash_for_the_pallas_kernel(capsys):
+    """On simulated devices with a TPU's --hardware, bf16: the Pallas kernel a TPU run uses cannot
+    compile on XLA:CPU, so the row compiles (and names) shardlib's flash attention, and says why."""
+    code, out, err = run_cli(capsys, "plan", "--model", "tiny", "--devices", "8", "--hardware", "tpu-v5e",
+                             "--strategy", "zero3", "--batch-size", "8", "--precision", "bf16", "--json")
+    assert code == 0, err
+    (row,) = json.loads(out)["candidates"]
+    assert row["attention"] == "flash" and any("Pallas splash kernel" in note for note in row["notes"])
 
 
 # ---------------------------------------------------------------- fit / no fit

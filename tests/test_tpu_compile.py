@@ -117,6 +117,19 @@ def test_tpu_step_compiles_fits_and_has_no_cpu_construct(chips, name, precision)
     assert matmul_order_barriers(prog.lowered_text) == 0
 
 
+@pytest.mark.parametrize("name", ["zero3", "fsdp_tp"])
+def test_tpu_bf16_attention_is_the_pallas_splash_kernel(chips, name):
+    """The TPU policy's bf16 attention is a Pallas kernel inside the step's shard_map (its forward:
+    a custom call the compiled program holds); in f32 it is XLA's. Under fsdp_tp the heads split
+    over ``tensor``: each kernel call sees half of them."""
+    text = program(chips, name, "bf16").compiled.as_text()
+    assert "tpu_custom_call" in text
+    assert "tpu_custom_call" not in program(chips, name, "f32").compiled.as_text()
+    if name == "fsdp_tp":
+        heads = CONFIG.n_heads // STRATEGIES[name][1]["tensor"]
+        assert re.search(rf"bf16\[[0-9,]*{heads},{CONFIG.max_seq_len},{CONFIG.d_model // CONFIG.n_heads}\][^\n]*custom_call_target=\"tpu_custom_call\"", text)
+
+
 def test_the_cpu_construct_is_seen_where_the_cpu_policy_builds_it(chips):
     """The check above can fail: the same zero3 step built with XLA:CPU's policy has the barriers."""
     from shardlib.backend import forced
@@ -322,21 +335,35 @@ def test_hlo_reader_names_an_all_gather_run_as_an_all_reduce(chips):
 # ---------------------------------------------------------------- shardlib plan --topology
 
 
-def test_plan_with_the_tpu_compiler(chips, capsys):
+def test_plan_with_the_tpu_compiler(chips, capsys, tmp_path):
     """`shardlib plan --topology` compiles with the TPU compiler and reads its program: gathers and
-    reduce-scatters, and persistent bytes of 12 Psi / 8 for zero3 in bf16 on a v5e 2x4 slice."""
+    reduce-scatters, and persistent bytes of 12 Psi / 8 for zero3 in bf16 on a v5e 2x4 slice. The
+    row names its attention (64 tokens: the splash kernel does not take them, said on stderr) and
+    ``--dump-hlo`` writes the compiled program."""
     import json
 
     from shardlib.cli import main
 
     assert main(["plan", "--model", "tiny", "--topology", TOPOLOGY, "--strategy", "zero3", "--precision", "bf16",
-                 "--json", "--cache-dir", "none"]) == 0
-    doc = json.loads(capsys.readouterr().out)
+                 "--json", "--cache-dir", "none", "--dump-hlo", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
     row = doc["candidates"][0]
     assert row["collective_bytes"]["all-gather"] > 0 and row["collective_bytes"]["reduce-scatter"] > 0
     assert row["persistent_bytes"] == pytest.approx(12 * doc["params"] / 8, rel=0.02)
     assert doc["compiler"]["platform"] == "tpu" and doc["hardware"]["name"] == "tpu-v5e" and row["fits"]
     assert row["inter_domain_bytes"] == 0  # one slice: everything on ICI
+    assert row["attention"] == "einsum (splash did not fit)"
+    assert "sequence 64 is not a multiple of 128" in captured.err or splash_said(64)
+    dumped = (tmp_path / "zero3_fsdp8.hlo.txt").read_text()
+    assert "all-gather" in dumped and "tpu_custom_call" not in dumped
+
+
+def splash_said(seq_len: int) -> bool:
+    """The fallback for ``seq_len`` tokens was already said in this process (it is said once)."""
+    from shardlib.model import splash
+
+    return any(q[1] == seq_len for q, _ in splash._SAID)
 
 
 def test_plan_reads_zero3_traffic_as_gathers_and_reduce_scatters(chips):

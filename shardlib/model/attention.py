@@ -9,9 +9,10 @@ and values in one of two ways:
 * ``ring``: the K/V blocks travel round the context devices with ``ppermute``, C - 1 hops; each
   device folds every block into its queries' output with an online softmax and skips the blocks
   a causal mask hides entirely. The backward pass is a second ring (a ``custom_vjp``): K/V travel
-  again with their gradients, which arrive home after the C-th hop. Within a hop the keys are
-  taken `KEY_BLOCK` at a time (flash attention's inner loop, forward and backward), so a device
-  holds at most two K/V chunks and ``[T/C, KEY_BLOCK]`` scores per head, memory linear in T.
+  again with their gradients, which arrive home after the C-th hop. Within a hop queries and keys
+  are tiled (`shardlib.model.flash`, forward and backward, hidden tiles never computed), so a
+  device holds at most two K/V chunks and one ``[QUERY_BLOCK x KEY_BLOCK]`` tile of scores per
+  head, memory linear in T.
 * ``allgather``: every device gathers the whole K/V once per layer and attends its queries to
   them (`flash`, key block by key block); its backward pass reduce-scatters the K/V gradients.
   Simpler and fewer, larger transfers, but the full K/V live on every device.
@@ -32,7 +33,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from shardlib import compat
+from shardlib.model import flash as flash_lib
 from shardlib.model import hooks
 from shardlib.sharding import sequence
 from shardlib.sharding.mesh import CONTEXT_AXIS
@@ -112,25 +113,19 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
     return q.reshape(b, t, kv_heads, h // kv_heads, d)
 
 
-def _scores(q5, k, pq, pk, causal):
-    s = jnp.einsum("btngk,bsnk->btngs", q5, k, preferred_element_type=jnp.float32) / math.sqrt(q5.shape[-1])
-    mask = (pk[None, :] <= pq[:, None])[None, :, None, None, :] if causal else None
-    return s, mask
-
-
 def dense(q, k, v, pq, pk, causal: bool) -> jax.Array:
     """Attention of queries at positions ``pq`` to keys at ``pk`` in one block (the reference)."""
     q5 = _grouped(q, k.shape[2])
-    s, mask = _scores(q5, k, pq, pk, causal)
-    if mask is not None:
-        s = jnp.where(mask, s, _NEG)
+    s = jnp.einsum("btngk,bsnk->btngs", q5, k, preferred_element_type=jnp.float32) / math.sqrt(q5.shape[-1])
+    if causal:
+        s = jnp.where((pk[None, :] <= pq[:, None])[None, :, None, None, :], s, _NEG)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     return jnp.einsum("btngs,bsnk->btngk", p, v).reshape(q.shape).astype(q.dtype)
 
 
 def gathered(q, k, v, *, causal: bool, size: int, balanced: bool) -> jax.Array:
     """Every device gathers all K/V (and their positions) over `context` and attends to them,
-    `flash`-style: [T/C x KEY_BLOCK] scores at a time, never [T/C x T]."""
+    `flash`-style: one [QUERY_BLOCK x KEY_BLOCK] tile of scores at a time, never [T/C x T]."""
     device = jax.lax.axis_index(CONTEXT_AXIS)
     pq = sequence.positions(device, q.shape[1], size, balanced, xp=jnp)
     k_all = jax.lax.all_gather(k, CONTEXT_AXIS, axis=1, tiled=True)
@@ -141,31 +136,39 @@ def gathered(q, k, v, *, causal: bool, size: int, balanced: bool) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def flash(q, k, v, pq, pk, causal: bool) -> jax.Array:
-    """`dense`, with memory linear in the keys: an online softmax over `key_block`s forward, and a
-    backward pass that recomputes each block's probabilities from the saved log-sum-exp."""
+    """`dense`, with memory linear in the keys and the hidden tiles skipped: an online softmax over
+    [query x key] tiles forward (`shardlib.model.flash`), and a backward pass that recomputes each
+    visible tile's probabilities from the saved log-sum-exp."""
     return _flash_forward(q, k, v, pq, pk, causal)[0]
 
 
 def _flash_forward(q, k, v, pq, pk, causal):
-    q5 = _grouped(q, k.shape[2])
-    out, lse = _finish(q, fold(_empty(q5, v), q5, k, v, pq, pk, causal))
-    return out, (q, k, v, pq, pk, out, lse)
+    qh, kh, vh = flash_lib.heads(q, k.shape[2]), flash_lib.kv_heads(k), flash_lib.kv_heads(v)
+    out, lse = flash_lib.finish(flash_lib.fold(flash_lib.empty(qh, vh), qh, kh, vh, pq, pk, causal), q.dtype)
+    return flash_lib.unheads(out), (qh, kh, vh, pq, pk, out, lse)
 
 
 def _flash_backward(causal, residuals, d_out):
-    q, k, v, pq, pk, out, lse = residuals
-    q5, do5, delta = _output_grads(q, k, out, d_out)
-    dq, dk, dv = unfold(q5, k, v, pq, pk, do5, lse, delta, causal)
-    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    qh, kh, vh, pq, pk, out, lse = residuals
+    do = flash_lib.heads(d_out, kh.shape[1])
+    dq, dk, dv = flash_lib.unfold(qh, kh, vh, pq, pk, do, lse, flash_lib.output_grads(out, do), causal)
+    return _from_heads(dq, dk, dv, qh.dtype, kh.dtype, vh.dtype) + (None, None)
+
+
+def _from_heads(dq, dk, dv, *dtypes):
+    """Head-major float32 gradients as the [batch, seq, heads, head_dim] arguments' dtypes."""
+    return tuple(x.astype(dtype) for x, dtype in zip((flash_lib.unheads(dq), flash_lib.kv_heads(dk),
+                                                      flash_lib.kv_heads(dv)), dtypes))
 
 
 flash.defvjp(_flash_forward, _flash_backward)
 
 
 # A whole sequence at least this long runs `causal_flash` under ``attention="auto"`` where the
-# backend's own attention is the einsum: below it the [T x T] scores are small and one einsum is
-# faster on CPU; above it they dominate the step's memory (scripts/benchmark_context.py --local).
-FLASH_MIN_SEQ = 2048
+# backend's own attention is the einsum: measured on CPU (scripts/benchmark_flash.py --cpu-time,
+# BENCHMARKS.md), forward + backward takes 1.15x the einsum's at 256 tokens (one tile: the loop's
+# cost and nothing skipped) and 0.67x at 512.
+FLASH_MIN_SEQ = 512
 
 
 def causal_flash(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -217,130 +220,31 @@ def _paste(acc, value, halves, axis, add=False):
     return acc.at[tuple(index)].add(value) if add else acc.at[tuple(index)].set(value)
 
 
-# Keys a score block holds at once: a device's scores are [local queries x KEY_BLOCK] per head,
-# never [local x local] (flash attention's inner loop, forward and backward).
-KEY_BLOCK = 512
+# Head-major axes (`shardlib.model.flash`) of a sequence: queries and statistics 3, keys 2.
+_T, _S = 3, 2
 
 
-def key_block(n: int) -> int:
-    """The largest divisor of ``n`` keys that is at most `KEY_BLOCK`."""
-    return max(b for b in range(1, min(n, KEY_BLOCK) + 1) if n % b == 0)
-
-
-def _varying(x, *like):
-    """``x`` varying over the mesh axes that ``like`` vary over (a scan's carry under shard_map
-    must match its update's)."""
-    axes = tuple(sorted(frozenset().union(*map(compat.varying_axes, like)) - compat.varying_axes(x)))
-    return jax.lax.pcast(x, axes, to="varying") if axes else x
-
-
-def _over_key_blocks(step, carry, k, v, pk, pq, causal):
-    """``carry = step(carry, start, (k, v, pk) of the block at start)`` for each `key_block` of the
-    keys, skipping those a causal mask hides from every query (half of a whole sequence's). A
-    ``while_loop``, not a ``scan``: under remat, a scan's partial evaluation would save what its
-    body computes from positions alone (the causal masks) for every block, [T/C x T/C] again."""
-    size = key_block(k.shape[1])
-    last = pq.max()
-
-    def body(state):
-        i, carry = state
-        start = i * size
-        block = tuple(jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis) for x, axis in ((k, 1), (v, 1), (pk, 0)))
-        if causal:
-            return i + 1, jax.lax.cond(block[2].min() > last, lambda: carry, lambda: step(carry, start, block))
-        return i + 1, step(carry, start, block)
-
-    return jax.lax.while_loop(lambda state: state[0] < k.shape[1] // size, body, (jnp.int32(0), carry))[1]
-
-
-def _empty(q5, v):
-    """The online-softmax state (o, m, l) before any key: no output, max -inf, sum 0."""
-    b, t, n, g, _ = q5.shape
-    return (jnp.zeros((b, t, n, g, v.shape[-1]), jnp.float32), jnp.full((b, t, n, g), _NEG, jnp.float32),
-            jnp.zeros((b, t, n, g), jnp.float32))
-
-
-def _finish(q, acc):
-    """The output (in q's shape and dtype) and the log-sum-exp the backward pass needs."""
-    o, m, l = acc
-    return (o / l[..., None]).reshape(q.shape).astype(q.dtype), m + jnp.log(l)
-
-
-def _output_grads(q, k, out, d_out):
-    """Grouped queries, grouped output gradients, and delta = rowsum(dO * O) (flash attention's
-    backward term)."""
-    do5 = _grouped(d_out, k.shape[2]).astype(jnp.float32)
-    return _grouped(q, k.shape[2]), do5, (do5 * _grouped(out, k.shape[2]).astype(jnp.float32)).sum(-1)
-
-
-def fold(acc, q5, k, v, pq, pk, causal):
-    """Fold keys (k, v) at positions ``pk`` into the online-softmax state (o, m, l) of queries
-    ``q5``, one `key_block` at a time."""
-
-    def step(acc, _, block):
-        o, m, l = acc
-        kb, vb, pkb = block
-        s, mask = _scores(q5, kb, pq, pkb, causal)
-        if mask is not None:
-            s = jnp.where(mask, s, _NEG)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None])
-        if mask is not None:
-            p = jnp.where(mask, p, 0.0)
-        keep = jnp.exp(m - m_new)
-        o_new = keep[..., None] * o + jnp.einsum("btngs,bsnk->btngk", p.astype(v.dtype), vb,
-                                                 preferred_element_type=jnp.float32)
-        return o_new, m_new, keep * l + p.sum(-1)
-
-    return _over_key_blocks(step, tuple(_varying(a, q5, k, v, pq, pk) for a in acc), k, v, pk, pq, causal)
-
-
-def unfold(q5, k, v, pq, pk, do5, lse, delta, causal):
-    """The gradients (dq, dk, dv) through `fold` of keys (k, v), recomputing each key block's
-    probabilities from the log-sum-exp ``lse``."""
-    scale = 1.0 / math.sqrt(q5.shape[-1])
-
-    def step(grads, start, block):
-        dq, dk, dv = grads
-        kb, vb, pkb = block
-        s, mask = _scores(q5, kb, pq, pkb, causal)
-        p = jnp.exp(s - lse[..., None])
-        if mask is not None:
-            p = jnp.where(mask, p, 0.0)
-        dv_block = jnp.einsum("btngs,btngk->bsnk", p, do5)
-        dp = jnp.einsum("btngk,bsnk->btngs", do5, vb.astype(jnp.float32))
-        ds = p * (dp - delta[..., None]) * scale
-        dk_block = jnp.einsum("btngs,btngk->bsnk", ds, q5.astype(jnp.float32))
-        return (dq + jnp.einsum("btngs,bsnk->btngk", ds, kb.astype(jnp.float32)),
-                jax.lax.dynamic_update_slice_in_dim(dk, dk_block, start, axis=1),
-                jax.lax.dynamic_update_slice_in_dim(dv, dv_block, start, axis=1))
-
-    zeros = tuple(_varying(jnp.zeros(x.shape, jnp.float32), q5, k, v, pq, pk, do5, lse) for x in (q5, k, v))
-    return _over_key_blocks(step, zeros, k, v, pk, pq, causal)
-
-
-def _forward_part(which, acc, q5, k, v, pq, pk, causal):
+def _forward_part(which, acc, q, k, v, pq, pk, causal):
     """Fold the part ``which`` of the block (k, v) into the online-softmax state (o, m, l)."""
     if which == SKIP:
         return acc
     rows, cols = PART_SLICES[which]
-    o, m, l = acc
-    o_new, m_new, l_new = fold((_cut(o, rows, 1), _cut(m, rows, 1), _cut(l, rows, 1)), _cut(q5, rows, 1),
-                               _cut(k, cols, 1), _cut(v, cols, 1), _cut(pq, rows, 0), _cut(pk, cols, 0), causal)
-    return _paste(o, o_new, rows, 1), _paste(m, m_new, rows, 1), _paste(l, l_new, rows, 1)
+    new = flash_lib.fold(tuple(_cut(a, rows, _T) for a in acc), _cut(q, rows, _T), _cut(k, cols, _S),
+                         _cut(v, cols, _S), _cut(pq, rows, 0), _cut(pk, cols, 0), causal)
+    return tuple(_paste(a, a_new, rows, _T) for a, a_new in zip(acc, new))
 
 
-def _backward_part(which, grads, q5, k, v, pq, pk, do5, lse, delta, causal):
+def _backward_part(which, grads, q, k, v, pq, pk, do, lse, delta, causal):
     """Add the part ``which`` of the block's gradients to (dq, dk, dv)."""
     if which == SKIP:
         return grads
     rows, cols = PART_SLICES[which]
     dq, dk, dv = grads
-    dq_part, dk_part, dv_part = unfold(_cut(q5, rows, 1), _cut(k, cols, 1), _cut(v, cols, 1), _cut(pq, rows, 0),
-                                       _cut(pk, cols, 0), _cut(do5, rows, 1), _cut(lse, rows, 1),
-                                       _cut(delta, rows, 1), causal)
-    return _paste(dq, dq_part, rows, 1, add=True), _paste(dk, dk_part, cols, 1, add=True), \
-        _paste(dv, dv_part, cols, 1, add=True)
+    dq_part, dk_part, dv_part = flash_lib.unfold(
+        _cut(q, rows, _T), _cut(k, cols, _S), _cut(v, cols, _S), _cut(pq, rows, 0), _cut(pk, cols, 0),
+        _cut(do, rows, _T), _cut(lse, rows, _T), _cut(delta, rows, _T), causal)
+    return _paste(dq, dq_part, rows, _T, add=True), _paste(dk, dk_part, cols, _S, add=True), \
+        _paste(dv, dv_part, cols, _S, add=True)
 
 
 def _hop(x, size):
@@ -362,9 +266,9 @@ def _ring(q, k, v, causal, size, balanced):
 def _ring_forward(q, k, v, causal, size, balanced):
     device = jax.lax.axis_index(CONTEXT_AXIS)
     local = q.shape[1]
-    q5 = _grouped(q, k.shape[2])
+    q5, k, v = flash_lib.heads(q, k.shape[2]), flash_lib.kv_heads(k), flash_lib.kv_heads(v)
     pq = sequence.positions(device, local, size, balanced, xp=jnp)
-    acc = _forward_part(FULL, _empty(q5, v), q5, k, v, pq, pq, causal)  # its own block first: every row sees itself
+    acc = _forward_part(FULL, flash_lib.empty(q5, v), q5, k, v, pq, pq, causal)  # its own block first: every row sees itself
     held_k, held_v = k, v
     for hop in range(1, size):
         held_k, held_v = _hop(held_k, size), _hop(held_v, size)
@@ -375,15 +279,16 @@ def _ring_forward(q, k, v, causal, size, balanced):
             return _forward_part(which, (acc_o, acc_m, acc_l), q5, kk, vv, pq, pkk, causal)
 
         acc = _switch(device, source, causal, balanced, run, (*acc, held_k, held_v, pk))
-    out, lse = _finish(q, acc)
-    return out, (q, k, v, out, lse)
+    out, lse = flash_lib.finish(acc, q.dtype)
+    return flash_lib.unheads(out), (q5, k, v, out, lse)
 
 
 def _ring_backward(causal, size, balanced, residuals, d_out):
-    q, k, v, out, lse = residuals
+    q5, k, v, out, lse = residuals
     device = jax.lax.axis_index(CONTEXT_AXIS)
-    local = q.shape[1]
-    q5, do5, delta = _output_grads(q, k, out, d_out)
+    local = q5.shape[_T]
+    do5 = flash_lib.heads(d_out, k.shape[1])
+    delta = flash_lib.output_grads(out, do5)
     pq = sequence.positions(device, local, size, balanced, xp=jnp)
     grads = _backward_part(FULL, (jnp.zeros(q5.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
                                   jnp.zeros(v.shape, jnp.float32)), q5, k, v, pq, pq, do5, lse, delta, causal)
@@ -399,7 +304,7 @@ def _ring_backward(causal, size, balanced, residuals, d_out):
 
         dq, dk, dv = _switch(device, source, causal, balanced, run, (dq, dk, dv, held_k, held_v, pk))
     dk, dv = _hop(dk, size), _hop(dv, size)  # the C-th hop brings each block's gradients home
-    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return _from_heads(dq, dk, dv, q5.dtype, k.dtype, v.dtype)
 
 
 _ring.defvjp(_ring_forward, _ring_backward)

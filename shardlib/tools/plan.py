@@ -122,6 +122,7 @@ class PlanRow:
     fits: bool = False
     best: bool = False
     compile_s: float | None = None
+    attention: str | None = None  # the attention kernel the compiled step runs (`plan_attention.kernel`)
     pipeline_stages: int = 1
     microbatches: int = 1
     bubble: float = 0.0  # (S-1)/(M+S-1) of a pipelined candidate
@@ -366,7 +367,7 @@ class Planner:
                  pipeline_stages: int = 1, microbatches: int | None = None, schedule: str = "1f1b",
                  offload: str = "none", stage_layers: Any = None, topology: str | None = None, slices: int = 1,
                  cache_dir: str | None = None, compiler_options: Mapping[str, Any] | None = None,
-                 batch_per_device: int | None = None, lora: Any = None):
+                 batch_per_device: int | None = None, lora: Any = None, dump_hlo: str | None = None):
         from shardlib.models import param_count, trainable
         from shardlib.runtime.devices import TopologyError, cloud_tpu_topology
         from shardlib.step.offload import get_offload
@@ -378,6 +379,7 @@ class Planner:
             raise PlanError(str(err)) from None
 
         self.precision = precision
+        self.dump_hlo = dump_hlo  # a folder each candidate's compiled HLO text is written to
         self.config = dataclasses.replace(resolve_config(model, precision, remat), lora=lora)  # a LoraConfig: LoRA
         self.model_name = model if isinstance(model, str) else "custom"
         self.topology_note = None
@@ -428,6 +430,11 @@ class Planner:
             self.config = dataclasses.replace(self.config, attention="xla")
             self.attention_note = ("attention compiled as XLA's (cuDNN's fused kernel, which a GPU run uses in bf16, "
                                    "does not compile here): its T x T scores are counted, cuDNN keeps none")
+        if not topology and self.profile.backend == "tpu" and self.config.attention == "auto" and precision == "bf16":
+            # the TPU policy's bf16 attention is a Pallas kernel, which XLA:CPU cannot compile
+            self.config = dataclasses.replace(self.config, attention="flash")
+            self.attention_note = ("attention compiled as shardlib's flash (the Pallas splash kernel a TPU run uses in "
+                                   "bf16 compiles with --topology only): memory linear in T, as the kernel's")
         self.model = trainable(self.config)
         self._layouts: dict[tuple[str, str], Any] = {}
 
@@ -492,6 +499,7 @@ class Planner:
             row.error = text[:500]
             return row
         row.compile_s = time.perf_counter() - start
+        self._read_attention(row, built, sizes)
         if self.attention_note:
             row.notes.append(self.attention_note)
         self._read_memory(row, built)
@@ -507,6 +515,17 @@ class Planner:
             row.notes.append(f"{len(replicated)} tensor(s) replicated against the rules: {', '.join(replicated[:4])}"
                              + (" ..." if len(replicated) > 4 else "") + " (see `shardlib inspect`)")
         return row
+
+    def _read_attention(self, row: PlanRow, built: _Compiled, sizes: Mapping[str, int]) -> None:
+        """The attention kernel the program runs, on the row; its HLO text to ``dump_hlo``."""
+        from shardlib.step.precision import get_precision
+        from shardlib.tools import plan_attention
+
+        text = built.compiled.as_text() or ""
+        dtype = get_precision(self.precision).compute_dtype
+        row.attention = plan_attention.kernel(text, self.config, dtype, self.seq_len, policy_for(self.devices))
+        if self.dump_hlo:
+            row.notes.append(f"compiled HLO: {plan_attention.dump(self.dump_hlo, row.strategy, sizes, text)}")
 
     def _new_row(self, strategy: str, sizes: Mapping[str, int]) -> PlanRow:
         """An empty row for one candidate, with its global batch and, when pipelined, its bubble."""
@@ -956,6 +975,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-per-device", type=int, metavar="B",
                         help="sequences per device per step (the global batch is B x devices), as published runs state it")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's max_seq_len)")
+    parser.add_argument("--dump-hlo", metavar="DIR", help="write each candidate's compiled HLO text to DIR "
+                        "(<strategy>_<mesh>.hlo.txt): a Pallas kernel shows as tpu_custom_call")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default="f32", help="compute dtype")
     parser.add_argument("--pipeline-stages", type=int, default=1, metavar="S",
                         help="add a pipe=S axis to every candidate's default mesh (or give pipe in --mesh)")
@@ -1021,7 +1042,7 @@ def run(args: argparse.Namespace) -> int:
                           microbatches=args.microbatches, schedule=args.schedule, offload=args.offload,
                           stage_layers=_stage_layers_flag(args.stage_layers), topology=topology, slices=args.slices,
                           cache_dir=cache_dir, compiler_options=_options_flag(args.xla_options),
-                          lora=plan_lora.from_args(args, PlanError))
+                          lora=plan_lora.from_args(args, PlanError), dump_hlo=args.dump_hlo)
         if planner.topology_note:
             print(f"shardlib plan: note: {planner.topology_note}", file=sys.stderr, flush=True)
         planner.progress = lambda line: print(f"shardlib plan: {line}", file=sys.stderr, flush=True)
@@ -1059,7 +1080,7 @@ def progress_line(k: int, total: int, row: PlanRow) -> str:
     if row.error:
         return f"{where}: {row.error[:160]}"
     return (f"{where}: peak {format_bytes(row.peak_bytes)}, {format_bytes(row.collective_total_bytes)}/step, "
-            f"{'fits' if row.fits else 'does not fit'} ({row.compile_s:.0f} s)")
+            f"attention {row.attention}, {'fits' if row.fits else 'does not fit'} ({row.compile_s:.0f} s)")
 
 
 def train_command(planner: Planner, row: PlanRow) -> str:
@@ -1125,10 +1146,10 @@ def render(planner: Planner, rows: Sequence[PlanRow], advice: Sequence[Mapping[s
             "peak": format_bytes(r.peak_bytes), "comm/step": format_bytes(r.collective_total_bytes),
             "compute ms": r.compute_s * 1e3, "comm ms": r.comm_s * 1e3,
             "step ms": r.step_s * 1e3, "MFU": f"{r.mfu:.0%}" if r.mfu is not None else "-",
-            "fits": "yes" if r.fits else "NO",
+            "attention": r.attention or "-", "fits": "yes" if r.fits else "NO",
         })
     lines.append(format_table(table, ["", "strategy", "mesh", "persistent", "args", "host", "peak", "comm/step",
-                                      "compute ms", "comm ms", "step ms", "MFU", "fits"]))
+                                      "compute ms", "comm ms", "step ms", "MFU", "attention", "fits"]))
     kinds = [(r.strategy, {k: v for k, v in (r.collective_bytes or {}).items() if v}) for r in rows if not r.error]
     lines += ["", "collective bytes per device per step, by kind:"]
     lines += [f"  {s}: " + (", ".join(f"{k} {format_bytes(v)}" for k, v in d.items()) or "none") for s, d in kinds]
