@@ -49,6 +49,7 @@ class GPTConfig:
     embed_scale: bool = False  # the embeddings times sqrt(d_model) (Gemma)
     mlp_activation: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
     rope_scaling: RopeScaling | None = None  # Llama 3.1's frequency-dependent rotary scaling
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before the rotation (Qwen3)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
@@ -181,6 +182,8 @@ def _layer_params(config: GPTConfig) -> int:
     attention = d * hd * (2 * config.n_heads + 2 * config.n_kv_heads)  # wq, wo, wk, wv
     if config.qkv_bias:
         attention += hd * (config.n_heads + 2 * config.n_kv_heads)
+    if config.qk_norm:
+        attention += 2 * hd
     mlp = 3 * d * config.d_ff  # w_gate, w_up, w_down
     if isinstance(config, MoEConfig):  # every expert's SwiGLU, and the router
         mlp = config.n_experts * mlp + d * config.n_experts

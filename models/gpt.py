@@ -86,10 +86,10 @@ class RMSNorm(nnx.Module):
     multiplied by ``offset + scale``: Gemma stores its scales as offsets from 1 (``offset=1``, the
     scales start at 0)."""
 
-    def __init__(self, dim: int, *, eps: float, rngs: nnx.Rngs, offset: float = 0.0):
+    def __init__(self, dim: int, *, eps: float, rngs: nnx.Rngs, offset: float = 0.0, axis: str = "embed"):
         self.eps = eps
         self.offset = offset
-        self.scale = _param(rngs, nnx.initializers.zeros if offset else nnx.initializers.ones, (dim,), ("embed",))
+        self.scale = _param(rngs, nnx.initializers.zeros if offset else nnx.initializers.ones, (dim,), (axis,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
@@ -114,6 +114,9 @@ class Attention(nnx.Module):
             self.bq = _param(rngs, nnx.initializers.zeros, (h, hd), ("heads", "head_dim"))
             self.bk = _param(rngs, nnx.initializers.zeros, (kv, hd), ("kv_heads", "head_dim"))
             self.bv = _param(rngs, nnx.initializers.zeros, (kv, hd), ("kv_heads", "head_dim"))
+        if config.qk_norm:  # per head, over head_dim (Qwen3)
+            self.q_norm, self.k_norm = (RMSNorm(hd, eps=config.norm_eps, offset=config.norm_offset, rngs=rngs,
+                                               axis="head_dim") for _ in range(2))
         self.implementation = config.attention
 
     def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
@@ -130,6 +133,8 @@ class Attention(nnx.Module):
                    for w in (self.wq, self.wk, self.wv))
         if hasattr(self, "bq"):
             q, k, v = (y + b[...].astype(dtype) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(apply_rope(q, sin, cos), ("batch", "seq", "heads", "head_dim"))
         k = constrain(apply_rope(k, sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
         return q, k, constrain(v, ("batch", "seq", "kv_heads", "head_dim"))

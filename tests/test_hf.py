@@ -1,6 +1,7 @@
 """Hugging Face checkpoints in and out (`shardlib.hf`), against `transformers` (PyTorch, CPU) as the
-independent reference: for Llama (Llama 3.1 rope scaling, explicit head_dim, tied head), Mistral,
-Qwen2 (q/k/v biases) and Gemma ((1 + w) norms, sqrt(d) embeddings, GeGLU, tied head), each saved by
+independent reference: for Llama (Llama 3.2: llama3 rope scaling, explicit head_dim, tied head), Mistral,
+Qwen2 (q/k/v biases), Gemma ((1 + w) norms, sqrt(d) embeddings, GeGLU, tied head) and Qwen3 (q/k
+RMSNorm per head), each saved by
 ``save_pretrained`` with random weights (norm scales and biases drawn too, so none is trivial):
 
 * logits equal transformers' in f32 on 1 device and under zero3 and fsdp_tp on 8 devices;
@@ -40,13 +41,24 @@ from shardlib.models.gpt import from_params, generate, next_token_loss  # noqa: 
 VOCAB = 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+# Llama 3.2 1B / 3B's rope (their published config.json): the "llama" row is Llama 3.2 scaled down.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+LLAMA32 = dict(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, mlp_bias=False,
+               hidden_act="silu", max_position_embeddings=131072, pretraining_tp=1, rms_norm_eps=1e-5,
+               rope_theta=500000.0, rope_scaling={k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"},
+               tie_word_embeddings=True, torch_dtype="bfloat16", vocab_size=128256, num_key_value_heads=8,
+               intermediate_size=8192)
+LLAMA32_SIZES = {  # config.json fields of each size, and its parameter count as published (1.24B, 3.21B)
+    "1B": (dict(hidden_size=2048, num_attention_heads=32, num_hidden_layers=16, head_dim=64), 1_235_814_400),
+    "3B": (dict(hidden_size=3072, num_attention_heads=24, num_hidden_layers=28, head_dim=128), 3_212_749_824),
+}
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=32, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=64)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
 }
 SEQ = 16
 
@@ -162,10 +174,11 @@ def test_greedy_generation_equals_transformers(checkpoints, tokens, name):
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
-def test_export_round_trip_is_bit_exact_and_loads_in_transformers(checkpoints, tokens, tmp_path):
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_export_round_trip_is_bit_exact_and_loads_in_transformers(checkpoints, tokens, tmp_path, name):
     """HF -> shardlib (zero3 shards) -> HF in f32: every tensor equal bit for bit, the index names
     each shard, and transformers' logits of the export equal those of the original."""
-    source = checkpoints["qwen2"]
+    source = checkpoints[name]
     pretrained, _, _, params = _placed(source, "zero3", {"fsdp": 8})
     out = tmp_path / "export"
     written = save_pretrained(params, pretrained.model_config, out, hf_config=pretrained.hf_config,
@@ -177,6 +190,81 @@ def test_export_round_trip_is_bit_exact_and_loads_in_transformers(checkpoints, t
         assert original.dtype == copy.dtype and np.array_equal(original.view(np.uint32), copy.view(np.uint32)), name
     assert set(exported.files) == set(pretrained.files)
     np.testing.assert_array_equal(_reference_logits(out, tokens), _reference_logits(source, tokens))
+
+
+@pytest.mark.parametrize("size", list(LLAMA32_SIZES))
+def test_llama_3_2_configs_read_as_transformers_computes_them(size):
+    """Llama 3.2 1B / 3B's config.json fields: the tied head, head_dim, and the llama3 rope
+    frequencies equal transformers' own (its rope init function on the full-size config); the
+    parameter count is the published one, so no field was read wrong."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from shardlib.models.configs import param_count
+    from shardlib.models.gpt import rope_frequencies
+
+    fields, count = LLAMA32_SIZES[size]
+    config = {**LLAMA32, **fields}
+    gpt = arch_lib.to_gpt_config(config, size)
+    assert gpt.tie_embeddings and gpt.head_dim == fields["head_dim"] and param_count(gpt) == count
+    expected, scale = ROPE_INIT_FUNCTIONS["llama3"](transformers.LlamaConfig(**config), "cpu")
+    assert scale == 1.0
+    np.testing.assert_allclose(np.asarray(rope_frequencies(gpt.head_dim, gpt.rope_theta, gpt.rope_scaling)),
+                               expected.numpy(), rtol=1e-6)
+
+
+def _read_like_transformers_4(config: dict) -> dict:
+    """config.json as transformers 4.x's LlamaConfig reads it, field by field: ``rope_theta`` (its
+    default 10000 when absent), ``rope_scaling`` with ``rope_type`` or the older ``type``, ``torch_dtype``."""
+    scaling = config.get("rope_scaling") or {}
+    return {"rope_theta": config.get("rope_theta", 10000.0), "torch_dtype": config.get("torch_dtype"),
+            "rope_type": scaling.get("rope_type", scaling.get("type", "default")),
+            **{k: scaling.get(k) for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                           "original_max_position_embeddings")},
+            "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]}
+
+
+def _llama3_inv_freq_as_transformers_4(read: dict) -> np.ndarray:
+    """transformers 4.x's ``_compute_llama3_parameters`` (written out here) from the fields it read."""
+    dim, factor, old_len = read["head_dim"], read["factor"], read["original_max_position_embeddings"]
+    inv_freq = 1.0 / (read["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    wavelen = 2 * np.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / read["low_freq_factor"], inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - read["low_freq_factor"]) / (read["high_freq_factor"] - read["low_freq_factor"])
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / read["high_freq_factor"]) * ~(wavelen > old_len / read["low_freq_factor"])
+    return torch.where(medium, smoothed, scaled).numpy()
+
+
+def test_export_config_reads_in_transformers_4_with_the_rope_and_generation_config(checkpoints, tmp_path):
+    """Issue 46 §3: the exported config.json carries transformers 4.x's fields (``rope_theta`` +
+    ``rope_scaling``, ``torch_dtype``) beside 5's (``rope_parameters``, ``dtype``), so a 4.x reader
+    gets Llama 3's θ and scaling, not θ = 10000 unscaled; generation_config.json comes back as it was."""
+    from shardlib.hf.generation_config import read_generation_config
+
+    source = checkpoints["llama"]
+    pretrained, _, _, params = _placed(source, "dp", {"data": 1})
+    out = tmp_path / "export"
+    save_pretrained(params, pretrained.model_config, out, hf_config=pretrained.hf_config,
+                    architecture=pretrained.architecture.name, dtype="f32",
+                    generation_config=read_generation_config(source))
+    config = json.loads((out / "config.json").read_text())
+    read = _read_like_transformers_4(config)
+    assert read == {**{k: LLAMA3_ROPE[k] for k in LLAMA3_ROPE if k != "rope_type"}, "rope_type": "llama3",
+                    "torch_dtype": "float32", "head_dim": 32}
+    assert config["rope_parameters"] == LLAMA3_ROPE and config["dtype"] == "float32"
+    reference = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    np.testing.assert_allclose(_llama3_inv_freq_as_transformers_4(read), reference.model.rotary_emb.inv_freq.numpy(),
+                               rtol=1e-6)
+    plain = json.loads((checkpoints["qwen2"] / "config.json").read_text())
+    qwen = arch_lib.from_gpt_config(arch_lib.to_gpt_config(plain, "qwen2"), arch_lib.ARCHITECTURES["Qwen2ForCausalLM"],
+                                    plain)
+    assert _read_like_transformers_4(qwen)["rope_theta"] == plain["rope_parameters"]["rope_theta"]
+    assert qwen["rope_scaling"] is None
+    assert (source / "generation_config.json").is_file()
+    assert json.loads((out / "generation_config.json").read_text()) == json.loads(
+        (source / "generation_config.json").read_text())
+    assert transformers.GenerationConfig.from_pretrained(out).to_dict() == \
+        transformers.GenerationConfig.from_pretrained(source).to_dict()
 
 
 def test_refusals_name_what_is_not_reproduced(checkpoints, tmp_path):

@@ -57,6 +57,8 @@ def test_train_from_hf_then_export_loads_in_transformers(workspace, trained):
     saved = json.loads((run / "config.json").read_text())
     assert saved["pretrained"]["architecture"] == "LlamaForCausalLM"
     assert (exported / "model.safetensors.index.json").is_file() and (exported / "tokenizer.json").is_file()
+    assert (json.loads((exported / "generation_config.json").read_text())
+            == json.loads((workspace / "llama" / "generation_config.json").read_text()))  # kept from the import
     fine_tuned = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
     original = transformers.AutoModelForCausalLM.from_pretrained(workspace / "llama", dtype=torch.float32)
     ids = torch.tensor([load_tokenizer(workspace / "tokenizer.json").encode("def main():")])

@@ -39,6 +39,7 @@ class Architecture:
     gemma: bool = False  # (1 + w) norms, embeddings times sqrt(d), GeGLU
     sliding_window_key: str | None = None  # the config field of a sliding attention window, checked against seq len
     sliding_window_switch: str | None = None  # the field that turns that window on, where there is one (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each head's queries and keys before the rotation (Qwen3)
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -47,6 +48,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("Qwen2ForCausalLM", "qwen2", tie_embeddings=False, qkv_bias=True,
                  sliding_window_key="sliding_window", sliding_window_switch="use_sliding_window"),
     Architecture("GemmaForCausalLM", "gemma", tie_embeddings=True, gemma=True),
+    Architecture("Qwen3ForCausalLM", "qwen3", tie_embeddings=False, qk_norm=True,
+                 sliding_window_key="sliding_window", sliding_window_switch="use_sliding_window"),
 )}
 
 # The gate activations config.json names, as `GPTConfig.mlp_activation` (Gemma's "gelu" is its
@@ -156,6 +159,7 @@ def to_gpt_config(config: Mapping[str, Any], source: str, *, seq_len: int | None
         embed_scale=arch.gemma,
         mlp_activation=activations[act],
         rope_scaling=_llama3_scaling(rope, source) if rope.get("rope_type") == "llama3" else None,
+        qk_norm=arch.qk_norm,
     )
 
 
@@ -189,6 +193,16 @@ def _check_window(arch: Architecture, config: Mapping[str, Any], source: str, se
                                "tokens (--seq-len), where full causal attention is the same")
 
 
+def legacy_rope_fields(rope: Mapping[str, Any]) -> dict[str, Any]:
+    """``rope_parameters`` as transformers 4.x (and the vLLM / llama.cpp converters) read it:
+    ``rope_theta`` beside ``rope_scaling`` (null for the default rope, else the parameters with both
+    ``rope_type`` and the older ``type`` key). Without them a 4.x reader runs θ = 10000 unscaled."""
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if scaling.get("rope_type", "default") == "default":
+        return {"rope_theta": rope["rope_theta"], "rope_scaling": None}
+    return {"rope_theta": rope["rope_theta"], "rope_scaling": {**scaling, "type": scaling["rope_type"]}}
+
+
 def from_gpt_config(config: GPTConfig, arch: Architecture | None = None, base: Mapping[str, Any] | None = None,
                     dtype: str = "float32") -> dict[str, Any]:
     """A ``config.json`` for ``config``: ``base`` (the imported one, its other fields kept) updated
@@ -207,7 +221,8 @@ def from_gpt_config(config: GPTConfig, arch: Architecture | None = None, base: M
                num_attention_heads=config.n_heads, num_key_value_heads=config.n_kv_heads,
                intermediate_size=config.d_ff, max_position_embeddings=config.max_seq_len,
                rms_norm_eps=config.norm_eps, head_dim=config.head_dim, hidden_act=activation,
-               tie_word_embeddings=config.tie_embeddings, rope_parameters=rope, dtype=dtype)
+               tie_word_embeddings=config.tie_embeddings, rope_parameters=rope, dtype=dtype, torch_dtype=dtype,
+               **legacy_rope_fields(rope))
     if arch.name == "LlamaForCausalLM":
         out.update(attention_bias=False, mlp_bias=False)
     return out
@@ -280,6 +295,8 @@ TENSORS: tuple[TensorMap, ...] = (
     TensorMap("blocks/attn/bq", "model.layers.{i}.self_attn.q_proj.bias", BIAS_HEADS, when=lambda c: c.qkv_bias),
     TensorMap("blocks/attn/bk", "model.layers.{i}.self_attn.k_proj.bias", BIAS_HEADS, when=lambda c: c.qkv_bias),
     TensorMap("blocks/attn/bv", "model.layers.{i}.self_attn.v_proj.bias", BIAS_HEADS, when=lambda c: c.qkv_bias),
+    TensorMap("blocks/attn/q_norm/scale", "model.layers.{i}.self_attn.q_norm.weight", SAME_1D, when=lambda c: c.qk_norm),
+    TensorMap("blocks/attn/k_norm/scale", "model.layers.{i}.self_attn.k_norm.weight", SAME_1D, when=lambda c: c.qk_norm),
     TensorMap("blocks/attn/wo", "model.layers.{i}.self_attn.o_proj.weight", FROM_HEADS),
     TensorMap("blocks/mlp_norm/scale", "model.layers.{i}.post_attention_layernorm.weight", SAME_1D),
     TensorMap("blocks/mlp/w_gate", "model.layers.{i}.mlp.gate_proj.weight", LINEAR),
