@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # configs stay importable without JAX
+    from .rope_scaling import DynamicRope, LinearRope, YarnRope
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,7 +51,8 @@ class GPTConfig:
     norm_offset: float = 0.0  # RMSNorm multiplies by (offset + scale): 1.0 for Gemma, whose scales start at 0
     embed_scale: bool = False  # the embeddings times sqrt(d_model) (Gemma)
     mlp_activation: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
-    rope_scaling: RopeScaling | None = None  # Llama 3.1's frequency-dependent rotary scaling
+    # Llama 3.1's frequency-dependent rotary scaling, or linear / dynamic / YaRN (`models.rope_scaling`)
+    rope_scaling: RopeScaling | LinearRope | DynamicRope | YarnRope | None = None
     qk_norm: bool = False  # RMSNorm over each head's queries and keys before the rotation (Qwen3)
 
     def __post_init__(self) -> None:

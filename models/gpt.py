@@ -50,6 +50,9 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, positions: jax.Array 
     inv_freq = rope_frequencies(head_dim, theta, scaling)
     positions = attention_lib.positions(seq_len) if positions is None else positions
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    factor = getattr(scaling, "attention_factor", 1.0)  # YaRN scales sin and cos (transformers' attention_scaling)
+    if factor != 1.0:
+        return jnp.sin(angles) * factor, jnp.cos(angles) * factor
     return jnp.sin(angles), jnp.cos(angles)
 
 
@@ -57,7 +60,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
     """float32[head_dim // 2]: ``1 / theta^(2i / head_dim)``, computed in that order in float32 as
     the Llama reference does (so imported checkpoints see the same angles), then Llama 3.1's
     scaling when given: long wavelengths divided by ``factor``, short ones kept, the band between
-    interpolated."""
+    interpolated. The other scalings compute their own (`models.rope_scaling`)."""
+    if scaling is not None and not isinstance(scaling, RopeScaling):
+        return scaling.frequencies(head_dim, theta)
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
     if scaling is None:
         return inv_freq

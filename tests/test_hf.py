@@ -212,6 +212,41 @@ def test_llama_3_2_configs_read_as_transformers_computes_them(size):
                                expected.numpy(), rtol=1e-6)
 
 
+ROPES = {  # rope_parameters of each scaling transformers computes, with non-default knobs where it has them
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32},
+    "yarn_mscale": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 8.0, "original_max_position_embeddings": 64,
+                    "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False},
+}
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_rope_scalings_equal_transformers(rope, tokens, tmp_path):
+    """Linear, dynamic (within max_position_embeddings) and YaRN rope: the frequencies and
+    attention factor equal transformers' own rope init functions, a Llama checkpoint's logits equal
+    transformers' within 1e-4 in f32, and the export's config.json reads back to the same scaling."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from shardlib.models.gpt import rope_frequencies
+
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 1}, head_dim=32, rope_parameters=ROPES[rope])
+    model = transformers.LlamaForCausalLM(hf_config)
+    model.save_pretrained(tmp_path)
+    pretrained, module, _, params = _placed(tmp_path, "dp", {"data": 1})
+    gpt = pretrained.model_config
+    inv_freq, attention = ROPE_INIT_FUNCTIONS[ROPES[rope]["rope_type"]](hf_config, "cpu")
+    np.testing.assert_allclose(np.asarray(rope_frequencies(gpt.head_dim, gpt.rope_theta, gpt.rope_scaling)),
+                               inv_freq.numpy(), rtol=1e-6)
+    assert gpt.rope_scaling.attention_factor == pytest.approx(attention, rel=1e-12)
+    logits = np.asarray(jax.jit(module.apply)(params, jnp.asarray(tokens)))
+    np.testing.assert_allclose(logits, _reference_logits(tmp_path, tokens), atol=1e-4, rtol=0)
+    exported = arch_lib.from_gpt_config(gpt, pretrained.architecture, pretrained.hf_config)
+    assert arch_lib.to_gpt_config(exported, "export") == gpt
+    assert arch_lib.to_gpt_config({**exported, "rope_parameters": None}, "as 4.x writes it") == gpt
+
+
 def _read_like_transformers_4(config: dict) -> dict:
     """config.json as transformers 4.x's LlamaConfig reads it, field by field: ``rope_theta`` (its
     default 10000 when absent), ``rope_scaling`` with ``rope_type`` or the older ``type``, ``torch_dtype``."""
@@ -271,12 +306,15 @@ def test_refusals_name_what_is_not_reproduced(checkpoints, tmp_path):
     base = json.loads((checkpoints["mistral"] / "config.json").read_text())
     cases = {
         "architecture": ({**base, "architectures": ["Gemma2ForCausalLM"]}, "Gemma2ForCausalLM.*LlamaForCausalLM"),
-        "rope": ({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope type 'yarn'"),
+        "rope": ({**base, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}},
+                 "rope type 'longrope'"),
+        "dynamic": ({**base, "max_position_embeddings": 32, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4,
+                                                                              "factor": 2.0}}, "'dynamic'.*at most 32"),
         "bias": ({**base, "architectures": ["LlamaForCausalLM"], "attention_bias": True}, "attention_bias=True"),
     }
     for label, (config, message) in cases.items():
         with pytest.raises(arch_lib.UnsupportedModel, match=message):
-            arch_lib.to_gpt_config(config, label)
+            arch_lib.to_gpt_config(config, label, seq_len=64)
     with pytest.raises(arch_lib.UnsupportedModel, match="sliding_window=64.*at most 64 tokens"):
         open_pretrained(checkpoints["mistral"], seq_len=128)
     assert open_pretrained(checkpoints["mistral"], seq_len=64).model_config.n_layers == 2

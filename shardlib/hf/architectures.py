@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from shardlib.models import GPTConfig
+from shardlib.models import rope_scaling as rope_scaling_lib
 from shardlib.models.configs import RopeScaling
 
 
@@ -56,7 +57,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
 # tanh approximation, as its reference implementation reads it).
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 GEMMA_ACTIVATIONS = {**ACTIVATIONS, "gelu": "gelu_tanh"}
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn")
 # Fields that would change the maths, with the value shardlib reproduces.
 MUST_BE = {"attention_bias": False, "mlp_bias": False, "partial_rotary_factor": 1.0, "quantization_config": None}
 
@@ -158,7 +159,7 @@ def to_gpt_config(config: Mapping[str, Any], source: str, *, seq_len: int | None
         norm_offset=1.0 if arch.gemma else 0.0,
         embed_scale=arch.gemma,
         mlp_activation=activations[act],
-        rope_scaling=_llama3_scaling(rope, source) if rope.get("rope_type") == "llama3" else None,
+        rope_scaling=_rope_scaling(rope, config, source, seq_len),
         qk_norm=arch.qk_norm,
     )
 
@@ -168,6 +169,44 @@ def _int(config: Mapping[str, Any], field: str, source: str) -> int:
     if not isinstance(value, int) or value < 1:
         raise UnsupportedModel(f"{source}: {field} must be a positive integer, got {value!r}")
     return value
+
+
+def _rope_scaling(rope: Mapping[str, Any], config: Mapping[str, Any], source: str, seq_len: int | None) -> Any:
+    """The `GPTConfig.rope_scaling` of a checkpoint's rope parameters, as transformers computes each type."""
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return None
+    if kind == "llama3":
+        return _llama3_scaling(rope, source)
+    factor = rope.get("factor")
+    if not _positive_number(factor):
+        raise UnsupportedModel(f"{source}: rope type {kind!r} needs a positive number 'factor', got {factor!r}")
+    if kind == "linear":
+        return rope_scaling_lib.LinearRope(factor=float(factor))
+    max_len = config.get("max_position_embeddings", 2048)
+    if kind == "dynamic":
+        if seq_len is not None and seq_len > max_len:
+            raise UnsupportedModel(f"{source}: rope type 'dynamic' raises its base per forward past "
+                                   f"max_position_embeddings={max_len}, which shardlib does not reproduce; a sequence "
+                                   f"of {seq_len} tokens would need it: use at most {max_len} tokens (--seq-len)")
+        return rope_scaling_lib.DynamicRope(factor=float(factor), max_len=max_len)
+    return _yarn_scaling(rope, float(factor), source)
+
+
+def _yarn_scaling(rope: Mapping[str, Any], factor: float, source: str) -> Any:
+    original = rope.get("original_max_position_embeddings")
+    if not _positive_int(original):
+        raise UnsupportedModel(f"{source}: rope type 'yarn' needs a positive integer "
+                               f"'original_max_position_embeddings', got {original!r}")
+    for field in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        if rope.get(field) is not None and not _positive_number(rope[field]):
+            raise UnsupportedModel(f"{source}: rope_parameters.{field} must be a positive number, got {rope[field]!r}")
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = rope_scaling_lib.yarn_attention_factor(factor, rope.get("mscale"), rope.get("mscale_all_dim"))
+    return rope_scaling_lib.YarnRope(factor=factor, original_max_len=original, attention_factor=float(attention),
+                                     beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                                     truncate=bool(rope.get("truncate", True)))
 
 
 def _llama3_scaling(rope: Mapping[str, Any], source: str) -> RopeScaling:
@@ -209,7 +248,9 @@ def from_gpt_config(config: GPTConfig, arch: Architecture | None = None, base: M
     with every field that `to_gpt_config` reads, or a Llama config for a model born in shardlib."""
     arch = arch or ARCHITECTURES["LlamaForCausalLM"]
     rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
-    if config.rope_scaling is not None:
+    if config.rope_scaling is not None and not isinstance(config.rope_scaling, RopeScaling):
+        rope.update(config.rope_scaling.to_hf())
+    elif config.rope_scaling is not None:
         s = config.rope_scaling
         rope.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
                     high_freq_factor=s.high_freq_factor, original_max_position_embeddings=s.original_max_len)
