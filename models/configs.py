@@ -54,6 +54,15 @@ class GPTConfig:
     # Llama 3.1's frequency-dependent rotary scaling, or linear / dynamic / YaRN (`models.rope_scaling`)
     rope_scaling: RopeScaling | LinearRope | DynamicRope | YarnRope | None = None
     qk_norm: bool = False  # RMSNorm over each head's queries and keys before the rotation (Qwen3)
+    # Gemma 2's attention: scores times query_scale ** -0.5 (query_pre_attn_scalar) instead of head_dim's,
+    # tanh soft-capped at attn_softcap, each layer's keys limited to its window (layer_windows, one per
+    # layer, 0: every earlier key); the logits soft-capped at final_softcap; sandwich_norm adds the
+    # post-attention and post-MLP norms. These run in the einsum attention only (`custom_attention`).
+    query_scale: float | None = None
+    attn_softcap: float | None = None
+    layer_windows: tuple[int, ...] | None = None
+    final_softcap: float | None = None
+    sandwich_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
@@ -70,6 +79,17 @@ class GPTConfig:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
+        if self.layer_windows is not None and len(self.layer_windows) != self.n_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for n_layers={self.n_layers}")
+        if self.custom_attention and self.attention not in ("auto", "einsum"):
+            raise ValueError(f"attention={self.attention!r} cannot run sliding windows, attention soft-capping or "
+                             "query_pre_attn_scalar (the flash, blocked and fused kernels take none of them yet): "
+                             "use attention='einsum' (or 'auto', which picks it for such a model)")
+
+    @property
+    def custom_attention(self) -> bool:
+        """Whether attention needs the einsum path's window, soft-cap or query scale (Gemma 2)."""
+        return bool(self.layer_windows and any(self.layer_windows)) or bool(self.attn_softcap) or bool(self.query_scale)
 
     @property
     def head_dim(self) -> int:
@@ -191,7 +211,7 @@ def _layer_params(config: GPTConfig) -> int:
     mlp = 3 * d * config.d_ff  # w_gate, w_up, w_down
     if isinstance(config, MoEConfig):  # every expert's SwiGLU, and the router
         mlp = config.n_experts * mlp + d * config.n_experts
-    norms = 2 * d
+    norms = (4 if config.sandwich_norm else 2) * d
     return attention + mlp + norms
 
 

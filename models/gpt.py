@@ -23,6 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from .configs import GPTConfig, RopeScaling
 from shardlib.model import attention as attention_lib
 from shardlib.model.hooks import backend_policy, constrain, gather_layer, global_mean
+from shardlib.model.hooks import current as current_context
 from shardlib.model import Stages
 
 RESIDUAL = ("batch", "seq", "embed")
@@ -119,16 +120,22 @@ class Attention(nnx.Module):
             self.bq = _param(rngs, nnx.initializers.zeros, (h, hd), ("heads", "head_dim"))
             self.bk = _param(rngs, nnx.initializers.zeros, (kv, hd), ("kv_heads", "head_dim"))
             self.bv = _param(rngs, nnx.initializers.zeros, (kv, hd), ("kv_heads", "head_dim"))
+        self.softcap, self.custom = config.attn_softcap, config.custom_attention
+        self.scale = config.query_scale ** -0.5 if config.query_scale else None
         if config.qk_norm:  # per head, over head_dim (Qwen3)
             self.q_norm, self.k_norm = (RMSNorm(hd, eps=config.norm_eps, offset=config.norm_offset, rngs=rngs,
                                                axis="head_dim") for _ in range(2))
         self.implementation = config.attention
 
-    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array, window: jax.Array | None = None) -> jax.Array:
         q, k, v = self.project(x, sin, cos)
         # shardlib's attention: the model's own kernel on a whole sequence, a ring or all-gather of
         # K/V when the sequence is split over a context axis
-        out = attention_lib.attention(q, k, v, causal=True, local=functools.partial(_local_attention, self.implementation))
+        local = functools.partial(_local_attention, self.implementation)
+        if self.custom:  # Gemma 2: the einsum with its window, soft-cap and scale
+            _refuse_split_sequence()
+            local = functools.partial(causal_attention, window=window, softcap=self.softcap, scale=self.scale)
+        out = attention_lib.attention(q, k, v, causal=True, local=local)
         return self.output(out)
 
     def project(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -148,14 +155,24 @@ class Attention(nnx.Module):
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))
         return checkpoint_name(jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(out.dtype)), "out_proj")
 
-    def cached(self, x: jax.Array, sin: jax.Array, cos: jax.Array, cache: KVCache, start: jax.Array
-               ) -> tuple[jax.Array, KVCache]:
+    def cached(self, x: jax.Array, sin: jax.Array, cos: jax.Array, cache: KVCache, start: jax.Array,
+               window: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """Attention of ``x`` (the tokens at positions ``start``, ``start + 1``, ...) over the keys and
         values of every earlier position, ``cache``'s and its own, which it writes into the cache."""
         q, k, v = self.project(x, sin, cos)
         cache = KVCache(jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), start, axis=1),
                         jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), start, axis=1))
-        return self.output(causal_attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), offset=start)), cache
+        attended = causal_attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), offset=start, window=window,
+                                    softcap=self.softcap, scale=self.scale)
+        return self.output(attended), cache
+
+
+def _refuse_split_sequence() -> None:
+    """Windows and soft-capping are not in the ring / all-gather attention of a context axis: say so."""
+    ctx = current_context()
+    if ctx is not None and ctx.context_size > 1:
+        raise ValueError("sliding windows and attention soft-capping (Gemma 2) do not run with the sequence split "
+                         f"over a context axis (size {ctx.context_size}): use a mesh without one")
 
 
 @jax.tree_util.register_dataclass
@@ -202,17 +219,27 @@ def attention_for(policy: Any, dtype: Any) -> str:
     return "einsum" if chosen == "cudnn" and jnp.dtype(dtype) not in CUDNN_DTYPES else chosen
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, offset: jax.Array | int = 0, *,
+                     window: jax.Array | int | None = None, softcap: float | None = None,
+                     scale: float | None = None) -> jax.Array:
     """softmax(q k^T / sqrt(d)) v under a causal mask, scores in float32; k/v may have fewer heads (GQA).
 
     Query i sits at position ``offset + i`` of the keys (0: the same sequence; a KV cache's keys
-    are longer than the new queries) and sees keys 0 .. ``offset + i``."""
+    are longer than the new queries) and sees keys 0 .. ``offset + i``. Gemma 2's options, as
+    transformers computes them: ``scale`` replaces 1 / sqrt(d); ``softcap``: scores become
+    ``softcap * tanh(scores / softcap)`` before the mask; ``window`` (> 0, may be traced): only the
+    keys after ``offset + i - window`` are seen."""
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # query groups share a kv head
     scores = jnp.einsum("btngk,bsnk->bngts", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(head_dim)
-    causal = jnp.arange(k.shape[1])[None, :] <= offset + jnp.arange(seq)[:, None]
+    scores = scores / math.sqrt(head_dim) if scale is None else scores * scale
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
+    query_pos, key_pos = offset + jnp.arange(seq)[:, None], jnp.arange(k.shape[1])[None, :]
+    causal = key_pos <= query_pos
+    if window is not None:
+        causal = causal & ((window <= 0) | (key_pos > query_pos - window))
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     return jnp.einsum("bngts,bsnk->btngk", probs, v).reshape(batch, seq, heads, head_dim)
@@ -283,17 +310,22 @@ class Block(nnx.Module):
         self.attn = Attention(config, rngs=rngs)
         self.mlp_norm = norm()
         self.mlp = GatedMLP(config, rngs=rngs)
+        if config.sandwich_norm:  # Gemma 2: each branch's output normed too, before it joins the stream
+            self.attn_post_norm, self.mlp_post_norm = norm(), norm()
 
-    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
-        x = constrain(x + self.attn(self.attn_norm(x), sin, cos), RESIDUAL)
-        return constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
+    def _post(self, name: str, y: jax.Array) -> jax.Array:
+        return getattr(self, name)(y) if hasattr(self, name) else y
 
-    def cached(self, x: jax.Array, sin: jax.Array, cos: jax.Array, cache: KVCache, start: jax.Array
-               ) -> tuple[jax.Array, KVCache]:
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array, window: jax.Array | None = None) -> jax.Array:
+        x = constrain(x + self._post("attn_post_norm", self.attn(self.attn_norm(x), sin, cos, window)), RESIDUAL)
+        return constrain(x + self._post("mlp_post_norm", self.mlp(self.mlp_norm(x))), RESIDUAL)
+
+    def cached(self, x: jax.Array, sin: jax.Array, cos: jax.Array, cache: KVCache, start: jax.Array,
+               window: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """`__call__` for new tokens after ``cache``'s (generation); returns the updated cache too."""
-        attended, cache = self.attn.cached(self.attn_norm(x), sin, cos, cache, start)
-        x = x + attended
-        return x + self.mlp(self.mlp_norm(x)), cache
+        attended, cache = self.attn.cached(self.attn_norm(x), sin, cos, cache, start, window)
+        x = x + self._post("attn_post_norm", attended)
+        return x + self._post("mlp_post_norm", self.mlp(self.mlp_norm(x))), cache
 
 
 def _stacked_blocks(config: GPTConfig, rngs: nnx.Rngs) -> Block:
@@ -353,7 +385,9 @@ class GPT(nnx.Module):
         def head(x):
             norm = nnx.merge(final_norm[0], gather_layer(final_norm[1]))
             w = gather_layer(weights)[...].astype(x.dtype)
-            return jnp.einsum("btd,vd->btv" if tied else "btd,dv->btv", norm(x), w, preferred_element_type=jnp.float32)
+            logits = jnp.einsum("btd,vd->btv" if tied else "btd,dv->btv", norm(x), w, preferred_element_type=jnp.float32)
+            cap = self.config.final_softcap  # Gemma 2
+            return logits if cap is None else jnp.tanh(logits / cap) * cap
 
         if self.config.remat:
             head = jax.checkpoint(head)
@@ -364,14 +398,26 @@ class GPT(nnx.Module):
         sin, cos = self.rope(x.shape[1])
         graphdef, stacked = nnx.split(self.blocks)
 
-        def body(x: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, None]:
+        def body(x: jax.Array, layer: tuple[nnx.State, jax.Array | None]) -> tuple[jax.Array, None]:
+            layer_state, window = layer
             block = nnx.merge(graphdef, gather_layer(layer_state))
-            return block(x, sin, cos), None
+            return block(x, sin, cos, window), None
 
         if self.config.remat:  # prevent_cse is not needed inside scan
             body = jax.checkpoint(body, prevent_cse=False, policy=REMAT_POLICIES[self.config.remat_policy]())
-        x, _ = jax.lax.scan(body, x, stacked)
+        x, _ = jax.lax.scan(body, x, (stacked, self._windows(stacked)))
         return x
+
+    def _windows(self, stacked: nnx.State) -> jax.Array | None:
+        """int32[layers]: each layer's attention window (0: none), scanned beside its weights (Gemma 2)."""
+        windows = self.config.layer_windows
+        if windows is None:
+            return None
+        layers = jax.tree.leaves(stacked)[0].shape[0]
+        if layers != len(windows):
+            raise ValueError(f"per-layer attention windows need all {len(windows)} layers in one scan; a pipeline "
+                             f"stage of {layers} is not supported for such a model (Gemma 2): drop the pipeline axis")
+        return jnp.asarray(windows, jnp.int32)
 
     def rope(self, seq_len: int, positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """`rope_tables` of this model's head size, base and scaling."""
@@ -394,11 +440,11 @@ class GPT(nnx.Module):
         sin, cos = self.rope(tokens.shape[1], positions=start + jnp.arange(tokens.shape[1]))
         graphdef, stacked = nnx.split(self.blocks)
 
-        def body(x: jax.Array, layer: tuple[nnx.State, KVCache]) -> tuple[jax.Array, KVCache]:
-            layer_state, layer_cache = layer
-            return nnx.merge(graphdef, layer_state).cached(x, sin, cos, layer_cache, start)
+        def body(x: jax.Array, layer: tuple[nnx.State, KVCache, jax.Array | None]) -> tuple[jax.Array, KVCache]:
+            layer_state, layer_cache, window = layer
+            return nnx.merge(graphdef, layer_state).cached(x, sin, cos, layer_cache, start, window)
 
-        x, cache = jax.lax.scan(body, x, (stacked, cache))
+        x, cache = jax.lax.scan(body, x, (stacked, cache, self._windows(stacked)))
         return self.head(x), cache
 
 

@@ -1,7 +1,8 @@
 """Hugging Face checkpoints in and out (`shardlib.hf`), against `transformers` (PyTorch, CPU) as the
 independent reference: for Llama (Llama 3.2: llama3 rope scaling, explicit head_dim, tied head), Mistral,
-Qwen2 (q/k/v biases), Gemma ((1 + w) norms, sqrt(d) embeddings, GeGLU, tied head) and Qwen3 (q/k
-RMSNorm per head), each saved by
+Qwen2 (q/k/v biases), Gemma ((1 + w) norms, sqrt(d) embeddings, GeGLU, tied head), Qwen3 (q/k
+RMSNorm per head) and Gemma 2 (soft-caps, query scale, a sliding window shorter than the test's
+sequences on alternate layers, sandwich norms), each saved by
 ``save_pretrained`` with random weights (norm scales and biases drawn too, so none is trivial):
 
 * logits equal transformers' in f32 on 1 device and under zero3 and fsdp_tp on 8 devices;
@@ -14,6 +15,7 @@ RMSNorm per head), each saved by
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -59,6 +61,10 @@ ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+    # a window of 6 on layer 0 (prompt 6 + 10 generated: past it); soft-caps low enough that each (and
+    # the window, and the query scale) moves these small random weights' logits by over 4e-3, 40x the bound
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, sliding_window=6, query_pre_attn_scalar=24,
+                                                         attn_logit_softcapping=0.05, final_logit_softcapping=1.0)),
 }
 SEQ = 16
 
@@ -305,7 +311,7 @@ def test_export_config_reads_in_transformers_4_with_the_rope_and_generation_conf
 def test_refusals_name_what_is_not_reproduced(checkpoints, tmp_path):
     base = json.loads((checkpoints["mistral"] / "config.json").read_text())
     cases = {
-        "architecture": ({**base, "architectures": ["Gemma2ForCausalLM"]}, "Gemma2ForCausalLM.*LlamaForCausalLM"),
+        "architecture": ({**base, "architectures": ["Phi3ForCausalLM"]}, "Phi3ForCausalLM.*LlamaForCausalLM"),
         "rope": ({**base, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}},
                  "rope type 'longrope'"),
         "dynamic": ({**base, "max_position_embeddings": 32, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4,
@@ -315,6 +321,10 @@ def test_refusals_name_what_is_not_reproduced(checkpoints, tmp_path):
     for label, (config, message) in cases.items():
         with pytest.raises(arch_lib.UnsupportedModel, match=message):
             arch_lib.to_gpt_config(config, label, seq_len=64)
+    gemma2 = open_pretrained(checkpoints["gemma2"]).model_config  # windows and soft-caps: the einsum only, for now
+    for attention in ("flash", "cudnn", "blocked"):
+        with pytest.raises(ValueError, match=f"attention='{attention}' cannot run sliding windows"):
+            dataclasses.replace(gemma2, attention=attention)
     with pytest.raises(arch_lib.UnsupportedModel, match="sliding_window=64.*at most 64 tokens"):
         open_pretrained(checkpoints["mistral"], seq_len=128)
     assert open_pretrained(checkpoints["mistral"], seq_len=64).model_config.n_layers == 2

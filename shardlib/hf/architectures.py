@@ -41,6 +41,7 @@ class Architecture:
     sliding_window_key: str | None = None  # the config field of a sliding attention window, checked against seq len
     sliding_window_switch: str | None = None  # the field that turns that window on, where there is one (Qwen2)
     qk_norm: bool = False  # RMSNorm of each head's queries and keys before the rotation (Qwen3)
+    gemma2: bool = False  # soft-capping, query_pre_attn_scalar, sliding/full layer_types, sandwich norms
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -49,6 +50,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("Qwen2ForCausalLM", "qwen2", tie_embeddings=False, qkv_bias=True,
                  sliding_window_key="sliding_window", sliding_window_switch="use_sliding_window"),
     Architecture("GemmaForCausalLM", "gemma", tie_embeddings=True, gemma=True),
+    Architecture("Gemma2ForCausalLM", "gemma2", tie_embeddings=True, gemma=True, gemma2=True),
     Architecture("Qwen3ForCausalLM", "qwen3", tie_embeddings=False, qk_norm=True,
                  sliding_window_key="sliding_window", sliding_window_switch="use_sliding_window"),
 )}
@@ -90,7 +92,16 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rope_scaling": (lambda v: v is None or isinstance(v, Mapping), "an object (or null)"),
     "rope_parameters": (lambda v: v is None or isinstance(v, Mapping), "an object (or null)"),
     "tie_word_embeddings": (lambda v: isinstance(v, bool), "true or false"),
+    "query_pre_attn_scalar": (_positive_number, "a positive number"),
+    "attn_logit_softcapping": (lambda v: v is None or _positive_number(v), "a positive number (or null)"),
+    "final_logit_softcapping": (lambda v: v is None or _positive_number(v), "a positive number (or null)"),
+    "layer_types": (lambda v: v is None or (isinstance(v, list) and all(t in LAYER_TYPES for t in v)),
+                    "a list of 'sliding_attention' / 'full_attention'"),
 }
+LAYER_TYPES = ("sliding_attention", "full_attention")
+# Gemma 2's defaults (transformers' Gemma2Config) where its config.json leaves a field out.
+GEMMA2_DEFAULTS = {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                   "sliding_window": 4096}
 
 
 def _check_fields(config: Mapping[str, Any], source: str) -> None:
@@ -161,7 +172,27 @@ def to_gpt_config(config: Mapping[str, Any], source: str, *, seq_len: int | None
         mlp_activation=activations[act],
         rope_scaling=_rope_scaling(rope, config, source, seq_len),
         qk_norm=arch.qk_norm,
+        **(_gemma2_fields(config, source) if arch.gemma2 else {}),
     )
+
+
+def _gemma2_fields(config: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Gemma 2's attention and norms as `GPTConfig` fields: each layer's window from ``layer_types``
+    (default: sliding on even layers, as transformers fills it in), the two soft-caps, the query scale."""
+    get = {k: config.get(k, v) for k, v in GEMMA2_DEFAULTS.items()}
+    if config.get("use_bidirectional_attention"):
+        raise UnsupportedModel(f"{source}: use_bidirectional_attention is not supported (shardlib's decoder is causal)")
+    n = _int(config, "num_hidden_layers", source)
+    types = config.get("layer_types") or [LAYER_TYPES[i % 2] for i in range(n)]
+    if len(types) != n:
+        raise UnsupportedModel(f"{source}: layer_types has {len(types)} entries for num_hidden_layers={n}")
+    window = get["sliding_window"]
+    if "sliding_attention" in types and not _positive_int(window):
+        raise UnsupportedModel(f"{source}: sliding_window must be a positive integer for its sliding_attention layers, "
+                               f"got {window!r}")
+    return dict(query_scale=float(get["query_pre_attn_scalar"]), attn_softcap=get["attn_logit_softcapping"],
+                final_softcap=get["final_logit_softcapping"], sandwich_norm=True,
+                layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types))
 
 
 def _int(config: Mapping[str, Any], field: str, source: str) -> int:
@@ -266,6 +297,16 @@ def from_gpt_config(config: GPTConfig, arch: Architecture | None = None, base: M
                **legacy_rope_fields(rope))
     if arch.name == "LlamaForCausalLM":
         out.update(attention_bias=False, mlp_bias=False)
+    if arch.gemma:
+        out.update(hidden_activation=activation)
+    if arch.gemma2:
+        windows = config.layer_windows or ()
+        scalar = config.query_scale  # transformers' Gemma2Config takes an int
+        out.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar, attn_logit_softcapping=config.attn_softcap,
+                   final_logit_softcapping=config.final_softcap,
+                   layer_types=[LAYER_TYPES[0] if w else LAYER_TYPES[1] for w in windows])
+        if any(windows):
+            out.update(sliding_window=max(windows))
     return out
 
 
@@ -339,7 +380,15 @@ TENSORS: tuple[TensorMap, ...] = (
     TensorMap("blocks/attn/q_norm/scale", "model.layers.{i}.self_attn.q_norm.weight", SAME_1D, when=lambda c: c.qk_norm),
     TensorMap("blocks/attn/k_norm/scale", "model.layers.{i}.self_attn.k_norm.weight", SAME_1D, when=lambda c: c.qk_norm),
     TensorMap("blocks/attn/wo", "model.layers.{i}.self_attn.o_proj.weight", FROM_HEADS),
-    TensorMap("blocks/mlp_norm/scale", "model.layers.{i}.post_attention_layernorm.weight", SAME_1D),
+    TensorMap("blocks/mlp_norm/scale", "model.layers.{i}.post_attention_layernorm.weight", SAME_1D,
+              when=lambda c: not c.sandwich_norm),
+    # Gemma 2's sandwich: post_attention_layernorm is the attention branch's output norm there
+    TensorMap("blocks/attn_post_norm/scale", "model.layers.{i}.post_attention_layernorm.weight", SAME_1D,
+              when=lambda c: c.sandwich_norm),
+    TensorMap("blocks/mlp_norm/scale", "model.layers.{i}.pre_feedforward_layernorm.weight", SAME_1D,
+              when=lambda c: c.sandwich_norm),
+    TensorMap("blocks/mlp_post_norm/scale", "model.layers.{i}.post_feedforward_layernorm.weight", SAME_1D,
+              when=lambda c: c.sandwich_norm),
     TensorMap("blocks/mlp/w_gate", "model.layers.{i}.mlp.gate_proj.weight", LINEAR),
     TensorMap("blocks/mlp/w_up", "model.layers.{i}.mlp.up_proj.weight", LINEAR),
     TensorMap("blocks/mlp/w_down", "model.layers.{i}.mlp.down_proj.weight", LINEAR),
