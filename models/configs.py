@@ -63,6 +63,7 @@ class GPTConfig:
     layer_windows: tuple[int, ...] | None = None
     final_softcap: float | None = None
     sandwich_norm: bool = False
+    local_rope_theta: float | None = None  # Gemma 3: the windowed layers' rope base (unscaled); rope_theta the others'
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:

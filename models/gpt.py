@@ -395,18 +395,25 @@ class GPT(nnx.Module):
 
     def apply_blocks(self, x: jax.Array) -> jax.Array:
         """Scan the stacked blocks (all of them, or one pipeline stage's slice) over the residual stream."""
-        sin, cos = self.rope(x.shape[1])
+        tables = self.rope(x.shape[1]), self._local_rope(x.shape[1])
         graphdef, stacked = nnx.split(self.blocks)
 
         def body(x: jax.Array, layer: tuple[nnx.State, jax.Array | None]) -> tuple[jax.Array, None]:
             layer_state, window = layer
             block = nnx.merge(graphdef, gather_layer(layer_state))
-            return block(x, sin, cos, window), None
+            return block(x, *_layer_rope(window, *tables), window), None
 
         if self.config.remat:  # prevent_cse is not needed inside scan
             body = jax.checkpoint(body, prevent_cse=False, policy=REMAT_POLICIES[self.config.remat_policy]())
         x, _ = jax.lax.scan(body, x, (stacked, self._windows(stacked)))
         return x
+
+    def _local_rope(self, seq_len: int, positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array] | None:
+        """Gemma 3: the windowed layers' own rope tables (their base, no scaling), or None."""
+        c = self.config
+        if c.local_rope_theta is None:
+            return None
+        return rope_tables(seq_len, c.head_dim, c.local_rope_theta, positions=positions)
 
     def _windows(self, stacked: nnx.State) -> jax.Array | None:
         """int32[layers]: each layer's attention window (0: none), scanned beside its weights (Gemma 2)."""
@@ -437,15 +444,26 @@ class GPT(nnx.Module):
         prefill (``start=0``) then one token a step, each step attending over the cache instead of
         recomputing the sequence."""
         x = self.embed(tokens)
-        sin, cos = self.rope(tokens.shape[1], positions=start + jnp.arange(tokens.shape[1]))
+        positions = start + jnp.arange(tokens.shape[1])
+        tables = (self.rope(tokens.shape[1], positions=positions),
+                  self._local_rope(tokens.shape[1], positions=positions))
         graphdef, stacked = nnx.split(self.blocks)
 
         def body(x: jax.Array, layer: tuple[nnx.State, KVCache, jax.Array | None]) -> tuple[jax.Array, KVCache]:
             layer_state, layer_cache, window = layer
+            sin, cos = _layer_rope(window, *tables)
             return nnx.merge(graphdef, layer_state).cached(x, sin, cos, layer_cache, start, window)
 
         x, cache = jax.lax.scan(body, x, (stacked, cache, self._windows(stacked)))
         return self.head(x), cache
+
+
+def _layer_rope(window: jax.Array | None, tables: tuple[jax.Array, jax.Array],
+                local: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, jax.Array]:
+    """One layer's (sin, cos): the local tables on a windowed layer where the model has them (Gemma 3)."""
+    if local is None or window is None:
+        return tables
+    return jnp.where(window > 0, local[0], tables[0]), jnp.where(window > 0, local[1], tables[1])
 
 
 def build(config: GPTConfig, rngs: nnx.Rngs | int = 0) -> GPT:

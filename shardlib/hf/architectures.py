@@ -42,6 +42,7 @@ class Architecture:
     sliding_window_switch: str | None = None  # the field that turns that window on, where there is one (Qwen2)
     qk_norm: bool = False  # RMSNorm of each head's queries and keys before the rotation (Qwen3)
     gemma2: bool = False  # soft-capping, query_pre_attn_scalar, sliding/full layer_types, sandwich norms
+    gemma3: bool = False  # Gemma 2's layers without soft-caps by default, a local rope base on sliding layers
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -51,6 +52,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  sliding_window_key="sliding_window", sliding_window_switch="use_sliding_window"),
     Architecture("GemmaForCausalLM", "gemma", tie_embeddings=True, gemma=True),
     Architecture("Gemma2ForCausalLM", "gemma2", tie_embeddings=True, gemma=True, gemma2=True),
+    Architecture("Gemma3ForCausalLM", "gemma3_text", tie_embeddings=True, gemma=True, gemma2=True, gemma3=True,
+                 qk_norm=True),
     Architecture("Qwen3ForCausalLM", "qwen3", tie_embeddings=False, qk_norm=True,
                  sliding_window_key="sliding_window", sliding_window_switch="use_sliding_window"),
 )}
@@ -102,6 +105,10 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 # Gemma 2's defaults (transformers' Gemma2Config) where its config.json leaves a field out.
 GEMMA2_DEFAULTS = {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
                    "sliding_window": 4096}
+# Gemma 3's (Gemma3TextConfig): no soft-caps, five sliding layers to a full one, local and global rope bases.
+GEMMA3_DEFAULTS = {"query_pre_attn_scalar": 256, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                   "sliding_window": 4096}
+GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 
 
 def _check_fields(config: Mapping[str, Any], source: str) -> None:
@@ -140,7 +147,7 @@ def to_gpt_config(config: Mapping[str, Any], source: str, *, seq_len: int | None
         if config.get(field, value) != value:
             raise UnsupportedModel(f"{source}: {field}={config[field]!r} is not supported (shardlib reproduces "
                                    f"{field}={value!r})")
-    rope = rope_parameters(config)
+    rope, local_theta = gemma3_rope(config, source) if arch.gemma3 else (rope_parameters(config), None)
     if rope.get("rope_type", "default") not in ROPE_TYPES:
         raise UnsupportedModel(f"{source}: rope type {rope.get('rope_type')!r} is not supported; shardlib reproduces "
                                f"{' and '.join(ROPE_TYPES)}")
@@ -172,18 +179,46 @@ def to_gpt_config(config: Mapping[str, Any], source: str, *, seq_len: int | None
         mlp_activation=activations[act],
         rope_scaling=_rope_scaling(rope, config, source, seq_len),
         qk_norm=arch.qk_norm,
-        **(_gemma2_fields(config, source) if arch.gemma2 else {}),
+        **(_gemma2_fields(config, source, arch) if arch.gemma2 else {}),
+        local_rope_theta=local_theta,
     )
 
 
-def _gemma2_fields(config: Mapping[str, Any], source: str) -> dict[str, Any]:
+def gemma3_rope(config: Mapping[str, Any], source: str) -> tuple[dict[str, Any], float]:
+    """Gemma 3's rope: the full layers' parameters (scaling included) and the sliding layers' base,
+    from transformers 5's ``rope_parameters`` nested by layer type or 4.x's ``rope_theta`` +
+    ``rope_scaling`` + ``rope_local_base_freq``. A scaled sliding-layer rope is refused."""
+    nested = config.get("rope_parameters") or {}
+    if any(k in nested for k in GEMMA3_THETA):
+        full = {"rope_type": "default", "rope_theta": GEMMA3_THETA["full_attention"],
+                **dict(nested.get("full_attention") or {})}
+        local = {"rope_type": "default", "rope_theta": GEMMA3_THETA["sliding_attention"],
+                 **dict(nested.get("sliding_attention") or {})}
+    else:
+        full = rope_parameters({"rope_theta": GEMMA3_THETA["full_attention"], **config})
+        local = {"rope_type": "default", "rope_theta": config.get("rope_local_base_freq",
+                                                                  GEMMA3_THETA["sliding_attention"])}
+    if local.get("rope_type", "default") != "default":
+        raise UnsupportedModel(f"{source}: rope_parameters.sliding_attention type {local['rope_type']!r} is not "
+                               "supported (shardlib reproduces the default rope on Gemma 3's sliding layers)")
+    for label, part in (("full_attention", full), ("sliding_attention", local)):
+        if not _positive_number(part.get("rope_theta")):
+            raise UnsupportedModel(f"{source}: rope_parameters.{label}.rope_theta must be a positive number, "
+                                   f"got {part.get('rope_theta')!r}")
+    return full, float(local["rope_theta"])
+
+
+def _gemma2_fields(config: Mapping[str, Any], source: str, arch: Architecture) -> dict[str, Any]:
     """Gemma 2's attention and norms as `GPTConfig` fields: each layer's window from ``layer_types``
     (default: sliding on even layers, as transformers fills it in), the two soft-caps, the query scale."""
-    get = {k: config.get(k, v) for k, v in GEMMA2_DEFAULTS.items()}
+    get = {k: config.get(k, v) for k, v in (GEMMA3_DEFAULTS if arch.gemma3 else GEMMA2_DEFAULTS).items()}
     if config.get("use_bidirectional_attention"):
         raise UnsupportedModel(f"{source}: use_bidirectional_attention is not supported (shardlib's decoder is causal)")
     n = _int(config, "num_hidden_layers", source)
-    types = config.get("layer_types") or [LAYER_TYPES[i % 2] for i in range(n)]
+    pattern = config.get("sliding_window_pattern", 6) if arch.gemma3 else 2  # transformers' defaults
+    if not _positive_int(pattern):
+        raise UnsupportedModel(f"{source}: sliding_window_pattern must be a positive integer, got {pattern!r}")
+    types = config.get("layer_types") or [LAYER_TYPES[0] if (i + 1) % pattern else LAYER_TYPES[1] for i in range(n)]
     if len(types) != n:
         raise UnsupportedModel(f"{source}: layer_types has {len(types)} entries for num_hidden_layers={n}")
     window = get["sliding_window"]
@@ -307,6 +342,9 @@ def from_gpt_config(config: GPTConfig, arch: Architecture | None = None, base: M
                    layer_types=[LAYER_TYPES[0] if w else LAYER_TYPES[1] for w in windows])
         if any(windows):
             out.update(sliding_window=max(windows))
+    if arch.gemma3:  # both of transformers 5's nested rope and 4.x's fields
+        out.update(rope_parameters={"full_attention": rope, "sliding_attention": {
+            "rope_type": "default", "rope_theta": config.local_rope_theta}}, rope_local_base_freq=config.local_rope_theta)
     return out
 
 
