@@ -58,8 +58,10 @@ LLAMA32_SIZES = {  # config.json fields of each size, and its parameter count as
 }
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=32, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=64)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    # sliding windows of 6, shorter than the sequences and prompt + continuation: on every layer
+    # (Mistral), on the layers from max_window_layers on (Qwen2)
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=6)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
     # a window of 6 on layer 0 (prompt 6 + 10 generated: past it); soft-caps low enough that each (and
@@ -335,9 +337,10 @@ def test_refusals_name_what_is_not_reproduced(checkpoints, tmp_path):
     for attention in ("flash", "cudnn", "blocked"):
         with pytest.raises(ValueError, match=f"attention='{attention}' cannot run sliding windows"):
             dataclasses.replace(gemma2, attention=attention)
-    with pytest.raises(arch_lib.UnsupportedModel, match="sliding_window=64.*at most 64 tokens"):
-        open_pretrained(checkpoints["mistral"], seq_len=128)
-    assert open_pretrained(checkpoints["mistral"], seq_len=64).model_config.n_layers == 2
+    # a window only where it can matter: a run within it keeps full causal attention (and flash)
+    assert open_pretrained(checkpoints["mistral"], seq_len=6).model_config.layer_windows is None
+    assert open_pretrained(checkpoints["mistral"], seq_len=7).model_config.layer_windows == (6, 6)
+    assert open_pretrained(checkpoints["qwen2"]).model_config.layer_windows == (0, 6)
     pickled = tmp_path / "pickled"
     pickled.mkdir()
     (pickled / "config.json").write_text(json.dumps(base))

@@ -153,7 +153,7 @@ def to_gpt_config(config: Mapping[str, Any], source: str, *, seq_len: int | None
                                f"{' and '.join(ROPE_TYPES)}")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModel(f"{source}: partial_rotary_factor={rope['partial_rotary_factor']} is not supported")
-    _check_window(arch, config, source, seq_len)
+    windows = _sliding_windows(arch, config, source, seq_len)
     activations = GEMMA_ACTIVATIONS if arch.gemma else ACTIVATIONS
     act = config.get("hidden_activation") if arch.gemma and config.get("hidden_activation") else config.get("hidden_act", "silu")
     if act not in activations:
@@ -181,6 +181,7 @@ def to_gpt_config(config: Mapping[str, Any], source: str, *, seq_len: int | None
         qk_norm=arch.qk_norm,
         **(_gemma2_fields(config, source, arch) if arch.gemma2 else {}),
         local_rope_theta=local_theta,
+        **({"layer_windows": windows} if windows else {}),
     )
 
 
@@ -287,15 +288,30 @@ def _llama3_scaling(rope: Mapping[str, Any], source: str) -> RopeScaling:
                                f"high_freq_factor and original_max_position_embeddings ({err})") from None
 
 
-def _check_window(arch: Architecture, config: Mapping[str, Any], source: str, seq_len: int | None) -> None:
-    """A sliding window only matters past its length: refuse a run that would go past it."""
+def _sliding_windows(arch: Architecture, config: Mapping[str, Any], source: str,
+                     seq_len: int | None) -> tuple[int, ...] | None:
+    """Mistral's and Qwen's sliding window as `GPTConfig.layer_windows`: on every layer (Mistral) or
+    on those of ``layer_types`` (Qwen: by default the layers from ``max_window_layers`` on), as
+    transformers fills them in. None where no window can matter: none configured, or a run whose
+    ``seq_len`` fits in it (full causal attention is the same there, and keeps the flash kernel)."""
     if arch.sliding_window_key is None or (arch.sliding_window_switch and not config.get(arch.sliding_window_switch)):
-        return
+        return None
     window = config.get(arch.sliding_window_key)
-    if window and seq_len is not None and seq_len > window:
-        raise UnsupportedModel(f"{source}: sliding-window attention ({arch.sliding_window_key}={window}) is not "
-                               f"supported, and a sequence of {seq_len} tokens would need it; use at most {window} "
-                               "tokens (--seq-len), where full causal attention is the same")
+    if window is None or (seq_len is not None and seq_len <= window):
+        return None
+    if not _positive_int(window):
+        raise UnsupportedModel(f"{source}: {arch.sliding_window_key} must be a positive integer, got {window!r}")
+    n = _int(config, "num_hidden_layers", source)
+    types = config.get("layer_types")
+    if not types:
+        first = config.get("max_window_layers", 28) if arch.sliding_window_switch else 0
+        if not isinstance(first, int) or first < 0:
+            raise UnsupportedModel(f"{source}: max_window_layers must be a non-negative integer, got {first!r}")
+        types = [LAYER_TYPES[0] if i >= first else LAYER_TYPES[1] for i in range(n)]
+    if len(types) != n:
+        raise UnsupportedModel(f"{source}: layer_types has {len(types)} entries for num_hidden_layers={n}")
+    windows = tuple(window if t == LAYER_TYPES[0] else 0 for t in types)
+    return windows if any(windows) else None
 
 
 def legacy_rope_fields(rope: Mapping[str, Any]) -> dict[str, Any]:
