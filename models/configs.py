@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # configs stay importable without JAX
+    from .rope_scaling import DynamicRope, LinearRope, YarnRope
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,7 +53,19 @@ class GPTConfig:
     norm_offset: float = 0.0  # RMSNorm multiplies by (offset + scale): 1.0 for Gemma, whose scales start at 0
     embed_scale: bool = False  # the embeddings times sqrt(d_model) (Gemma)
     mlp_activation: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
-    rope_scaling: RopeScaling | None = None  # Llama 3.1's frequency-dependent rotary scaling
+    # Llama 3.1's frequency-dependent rotary scaling, or linear / dynamic / YaRN (`models.rope_scaling`)
+    rope_scaling: RopeScaling | LinearRope | DynamicRope | YarnRope | None = None
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before the rotation (Qwen3)
+    # Gemma 2's attention: scores times query_scale ** -0.5 (query_pre_attn_scalar) instead of head_dim's,
+    # tanh soft-capped at attn_softcap, each layer's keys limited to its window (layer_windows, one per
+    # layer, 0: every earlier key); the logits soft-capped at final_softcap; sandwich_norm adds the
+    # post-attention and post-MLP norms. These run in the einsum attention only (`custom_attention`).
+    query_scale: float | None = None
+    attn_softcap: float | None = None
+    layer_windows: tuple[int, ...] | None = None
+    final_softcap: float | None = None
+    sandwich_norm: bool = False
+    local_rope_theta: float | None = None  # Gemma 3: the windowed layers' rope base (unscaled); rope_theta the others'
     # Low-rank adapters on the projections (`models.lora`): the other parameters are frozen.
     lora: LoraConfig | None = None
 
@@ -69,6 +84,17 @@ class GPTConfig:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
+        if self.layer_windows is not None and len(self.layer_windows) != self.n_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for n_layers={self.n_layers}")
+        if self.custom_attention and self.attention not in ("auto", "einsum"):
+            raise ValueError(f"attention={self.attention!r} cannot run sliding windows, attention soft-capping or "
+                             "query_pre_attn_scalar (the flash, blocked and fused kernels take none of them yet): "
+                             "use attention='einsum' (or 'auto', which picks it for such a model)")
+
+    @property
+    def custom_attention(self) -> bool:
+        """Whether attention needs the einsum path's window, soft-cap or query scale (Gemma 2)."""
+        return bool(self.layer_windows and any(self.layer_windows)) or bool(self.attn_softcap) or bool(self.query_scale)
 
     @property
     def head_dim(self) -> int:
@@ -215,10 +241,12 @@ def _layer_params(config: GPTConfig) -> int:
     attention = d * hd * (2 * config.n_heads + 2 * config.n_kv_heads)  # wq, wo, wk, wv
     if config.qkv_bias:
         attention += hd * (config.n_heads + 2 * config.n_kv_heads)
+    if config.qk_norm:
+        attention += 2 * hd
     mlp = 3 * d * config.d_ff  # w_gate, w_up, w_down
     if isinstance(config, MoEConfig):  # every expert's SwiGLU, and the router
         mlp = config.n_experts * mlp + d * config.n_experts
-    norms = 2 * d
+    norms = (4 if config.sandwich_norm else 2) * d
     return attention + mlp + norms
 
 

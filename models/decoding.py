@@ -31,7 +31,7 @@ from flax import nnx
 
 from shardlib.model import attention as attention_lib
 
-from .gpt import GPT, causal_attention
+from .gpt import GPT, causal_attention, layer_rope
 
 # Queries a prefill chunk holds: each attends to the keys up to its own end (in the flash kernel's
 # key blocks), so the chunks above the diagonal are skipped: 56% of the [T0 x T0] scores at 2048
@@ -163,19 +163,23 @@ def prefill(model: GPT, tokens: jax.Array, lengths: jax.Array, max_len: int, *, 
     slots = jnp.arange(prompt_len, dtype=jnp.int32)[None, :]
     pad = (prompt_len - lengths)[:, None]
     real = slots >= pad
-    sin, cos = model.rope(prompt_len, positions=jnp.maximum(slots - pad, 0))
+    positions = jnp.maximum(slots - pad, 0)
+    tables = model.rope(prompt_len, positions=positions), model.local_rope(prompt_len, positions=positions)
     # the masking positions: padding follows every real query
     order = jnp.where(real, slots, _PAD_SLOT) if ragged else None
 
-    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, **options: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        if model.config.custom_attention:  # a window, soft-cap or query scale: the einsum (Gemma 2)
+            return causal_attention(q, k, v, visible=real if ragged else None, **options), (k, v)
         return prompt_attention(q, k, v, order), (k, v)
 
     graphdef, stacked = nnx.split(model.blocks)
 
-    def body(x: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        return nnx.merge(graphdef, layer_state).cached(x, sin, cos, attend)
+    def body(x: jax.Array, layer: tuple[nnx.State, jax.Array | None]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        layer_state, window = layer
+        return nnx.merge(graphdef, layer_state).cached(x, *layer_rope(window, *tables), attend, window)
 
-    x, (k, v) = jax.lax.scan(body, model.embed(tokens), stacked)
+    x, (k, v) = jax.lax.scan(body, model.embed(tokens), (stacked, model.windows(stacked)))
     grow = ((0, 0), (0, 0), (0, max_len - prompt_len), (0, 0), (0, 0))
     return model.head(x[:, -1:])[:, 0], KVCache(jnp.pad(k, grow), jnp.pad(v, grow))
 
@@ -187,25 +191,28 @@ def decode_step(model: GPT, tokens: jax.Array, cache: KVCache, slot: jax.Array, 
     whole cache is the layer scan's carry, each layer's keys written into it in place (a cache
     passed through as the scan's per-layer input and output is copied whole every step: 2.5x
     slower steps at 2k tokens)."""
-    sin, cos = model.rope(1, positions=(slot - pad)[:, None])
+    positions = (slot - pad)[:, None]
+    tables = model.rope(1, positions=positions), model.local_rope(1, positions=positions)
     visible = jnp.arange(cache.k.shape[2])[None, :] >= pad[:, None]
     graphdef, stacked = nnx.split(model.blocks)
 
-    def body(carry: tuple[jax.Array, jax.Array, KVCache], layer_state: nnx.State
+    def body(carry: tuple[jax.Array, jax.Array, KVCache], layer: tuple[nnx.State, jax.Array | None]
              ) -> tuple[tuple[jax.Array, jax.Array, KVCache], None]:
-        x, layer, cache = carry
+        x, index, cache = carry
+        layer_state, window = layer
 
-        def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, KVCache]:
-            at = (layer, 0, slot, 0, 0)
+        def attend(q: jax.Array, k: jax.Array, v: jax.Array, **options: Any) -> tuple[jax.Array, KVCache]:
+            at = (index, 0, slot, 0, 0)
             new = KVCache(*(jax.lax.dynamic_update_slice(old, kv[None].astype(old.dtype), at)
                             for old, kv in ((cache.k, k), (cache.v, v))))
-            keys, values = (a[layer].astype(q.dtype) for a in (new.k, new.v))
-            return causal_attention(q, keys, values, offset=slot, visible=visible), new
+            keys, values = (a[index].astype(q.dtype) for a in (new.k, new.v))
+            return causal_attention(q, keys, values, offset=slot, visible=visible, **options), new
 
-        x, cache = nnx.merge(graphdef, layer_state).cached(x, sin, cos, attend)
-        return (x, layer + 1, cache), None
+        x, cache = nnx.merge(graphdef, layer_state).cached(x, *layer_rope(window, *tables), attend, window)
+        return (x, index + 1, cache), None
 
-    (x, _, cache), _ = jax.lax.scan(body, (model.embed(tokens[:, None]), jnp.int32(0), cache), stacked)
+    (x, _, cache), _ = jax.lax.scan(body, (model.embed(tokens[:, None]), jnp.int32(0), cache),
+                                    (stacked, model.windows(stacked)))
     return model.head(x)[:, 0], cache
 
 

@@ -24,6 +24,7 @@ from .configs import GPTConfig, RopeScaling
 from shardlib.model import attention as attention_lib
 from shardlib.model import splash
 from shardlib.model.hooks import backend_policy, constrain, gather_layer, global_mean
+from shardlib.model.hooks import current as current_context
 from shardlib.model import Stages
 
 RESIDUAL = ("batch", "seq", "embed")
@@ -52,6 +53,9 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, positions: jax.Array 
     inv_freq = rope_frequencies(head_dim, theta, scaling)
     positions = attention_lib.positions(seq_len) if positions is None else positions
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    factor = getattr(scaling, "attention_factor", 1.0)  # YaRN scales sin and cos (transformers' attention_scaling)
+    if factor != 1.0:
+        return jnp.sin(angles) * factor, jnp.cos(angles) * factor
     return jnp.sin(angles), jnp.cos(angles)
 
 
@@ -59,7 +63,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
     """float32[head_dim // 2]: ``1 / theta^(2i / head_dim)``, computed in that order in float32 as
     the Llama reference does (so imported checkpoints see the same angles), then Llama 3.1's
     scaling when given: long wavelengths divided by ``factor``, short ones kept, the band between
-    interpolated."""
+    interpolated. The other scalings compute their own (`models.rope_scaling`)."""
+    if scaling is not None and not isinstance(scaling, RopeScaling):
+        return scaling.frequencies(head_dim, theta)
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
     if scaling is None:
         return inv_freq
@@ -88,10 +94,10 @@ class RMSNorm(nnx.Module):
     multiplied by ``offset + scale``: Gemma stores its scales as offsets from 1 (``offset=1``, the
     scales start at 0)."""
 
-    def __init__(self, dim: int, *, eps: float, rngs: nnx.Rngs, offset: float = 0.0):
+    def __init__(self, dim: int, *, eps: float, rngs: nnx.Rngs, offset: float = 0.0, axis: str = "embed"):
         self.eps = eps
         self.offset = offset
-        self.scale = _param(rngs, nnx.initializers.zeros if offset else nnx.initializers.ones, (dim,), ("embed",))
+        self.scale = _param(rngs, nnx.initializers.zeros if offset else nnx.initializers.ones, (dim,), (axis,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
@@ -116,14 +122,23 @@ class Attention(nnx.Module):
             self.bq = _param(rngs, nnx.initializers.zeros, (h, hd), ("heads", "head_dim"))
             self.bk = _param(rngs, nnx.initializers.zeros, (kv, hd), ("kv_heads", "head_dim"))
             self.bv = _param(rngs, nnx.initializers.zeros, (kv, hd), ("kv_heads", "head_dim"))
+        self.softcap, self.custom = config.attn_softcap, config.custom_attention
+        self.scale = config.query_scale ** -0.5 if config.query_scale else None
+        if config.qk_norm:  # per head, over head_dim (Qwen3)
+            self.q_norm, self.k_norm = (RMSNorm(hd, eps=config.norm_eps, offset=config.norm_offset, rngs=rngs,
+                                               axis="head_dim") for _ in range(2))
         self.implementation = config.attention
         lora_lib.attach(self, config, rngs)
 
-    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array, window: jax.Array | None = None) -> jax.Array:
         q, k, v = self.project(x, sin, cos)
         # shardlib's attention: the model's own kernel on a whole sequence, a ring or all-gather of
         # K/V when the sequence is split over a context axis
-        out = attention_lib.attention(q, k, v, causal=True, local=functools.partial(_local_attention, self.implementation))
+        local = functools.partial(_local_attention, self.implementation)
+        if self.custom:  # Gemma 2: the einsum with its window, soft-cap and scale
+            _refuse_split_sequence()
+            local = functools.partial(causal_attention, window=window, softcap=self.softcap, scale=self.scale)
+        out = attention_lib.attention(q, k, v, causal=True, local=local)
         return self.output(out)
 
     def project(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -133,6 +148,8 @@ class Attention(nnx.Module):
             "btd,dhk->bthk", x, getattr(self, w)[...].astype(dtype))), "qkv_proj") for w in ("wq", "wk", "wv"))
         if hasattr(self, "bq"):
             q, k, v = (y + b[...].astype(dtype) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(apply_rope(q, sin, cos), ("batch", "seq", "heads", "head_dim"))
         k = constrain(apply_rope(k, sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
         return q, k, constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
@@ -142,12 +159,23 @@ class Attention(nnx.Module):
         return checkpoint_name(lora_lib.adapted(
             self, "wo", out, jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(out.dtype))), "out_proj")
 
-    def cached(self, x: jax.Array, sin: jax.Array, cos: jax.Array, attend: Any) -> tuple[jax.Array, Any]:
-        """Attention of ``x`` whose keys and values live in a KV cache: ``attend(q, k, v) -> (out,
-        carry)`` stores the new keys and values and attends over them (`shardlib.models.decoding`:
-        a prompt's prefill, one decoding step)."""
-        out, carry = attend(*self.project(x, sin, cos))
+    def cached(self, x: jax.Array, sin: jax.Array, cos: jax.Array, attend: Any,
+               window: jax.Array | None = None) -> tuple[jax.Array, Any]:
+        """Attention of ``x`` whose keys and values live in a KV cache: ``attend(q, k, v, window=,
+        softcap=, scale=) -> (out, carry)`` stores the new keys and values and attends over them
+        (`shardlib.models.decoding`: a prompt's prefill, one decoding step) with this layer's
+        window and Gemma 2's soft-cap and scale (None: plain attention)."""
+        q, k, v = self.project(x, sin, cos)
+        out, carry = attend(q, k, v, window=window, softcap=self.softcap, scale=self.scale)
         return self.output(out), carry
+
+
+def _refuse_split_sequence() -> None:
+    """Windows and soft-capping are not in the ring / all-gather attention of a context axis: say so."""
+    ctx = current_context()
+    if ctx is not None and ctx.context_size > 1:
+        raise ValueError("sliding windows and attention soft-capping (Gemma 2) do not run with the sequence split "
+                         f"over a context axis (size {ctx.context_size}): use a mesh without one")
 
 
 def _local_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -193,18 +221,27 @@ def attention_for(policy: Any, dtype: Any) -> str:
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, offset: jax.Array | int = 0,
-                     visible: jax.Array | None = None) -> jax.Array:
+                     visible: jax.Array | None = None, *, window: jax.Array | int | None = None,
+                     softcap: float | None = None, scale: float | None = None) -> jax.Array:
     """softmax(q k^T / sqrt(d)) v under a causal mask, scores in float32; k/v may have fewer heads (GQA).
 
     Query i sits at position ``offset + i`` of the keys (0: the same sequence; a KV cache's keys
     are longer than the new queries) and sees keys 0 .. ``offset + i``, those of them that
-    ``visible`` (bool[batch, keys]: a left-padded row's padding is not) allows."""
+    ``visible`` (bool[batch, keys]: a left-padded row's padding is not) allows. Gemma 2's options,
+    as transformers computes them: ``scale`` replaces 1 / sqrt(d); ``softcap``: scores become
+    ``softcap * tanh(scores / softcap)`` before the mask; ``window`` (> 0, may be traced): only the
+    keys after ``offset + i - window`` are seen."""
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # query groups share a kv head
     scores = jnp.einsum("btngk,bsnk->bngts", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(head_dim)
-    causal = jnp.arange(k.shape[1])[None, :] <= offset + jnp.arange(seq)[:, None]
+    scores = scores / math.sqrt(head_dim) if scale is None else scores * scale
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
+    query_pos, key_pos = offset + jnp.arange(seq)[:, None], jnp.arange(k.shape[1])[None, :]
+    causal = key_pos <= query_pos
+    if window is not None:
+        causal = causal & ((window <= 0) | (key_pos > query_pos - window))
     if visible is not None:
         causal = causal & visible[:, None, None, None, :]
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
@@ -281,16 +318,22 @@ class Block(nnx.Module):
         self.attn = Attention(config, rngs=rngs)
         self.mlp_norm = norm()
         self.mlp = GatedMLP(config, rngs=rngs)
+        if config.sandwich_norm:  # Gemma 2: each branch's output normed too, before it joins the stream
+            self.attn_post_norm, self.mlp_post_norm = norm(), norm()
 
-    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
-        x = constrain(x + self.attn(self.attn_norm(x), sin, cos), RESIDUAL)
-        return constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
+    def _post(self, name: str, y: jax.Array) -> jax.Array:
+        return getattr(self, name)(y) if hasattr(self, name) else y
 
-    def cached(self, x: jax.Array, sin: jax.Array, cos: jax.Array, attend: Any) -> tuple[jax.Array, Any]:
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array, window: jax.Array | None = None) -> jax.Array:
+        x = constrain(x + self._post("attn_post_norm", self.attn(self.attn_norm(x), sin, cos, window)), RESIDUAL)
+        return constrain(x + self._post("mlp_post_norm", self.mlp(self.mlp_norm(x))), RESIDUAL)
+
+    def cached(self, x: jax.Array, sin: jax.Array, cos: jax.Array, attend: Any,
+               window: jax.Array | None = None) -> tuple[jax.Array, Any]:
         """`__call__` with `Attention.cached`'s ``attend`` (generation); returns its carry too."""
-        attended, carry = self.attn.cached(self.attn_norm(x), sin, cos, attend)
-        x = x + attended
-        return x + self.mlp(self.mlp_norm(x)), carry
+        attended, carry = self.attn.cached(self.attn_norm(x), sin, cos, attend, window)
+        x = x + self._post("attn_post_norm", attended)
+        return x + self._post("mlp_post_norm", self.mlp(self.mlp_norm(x))), carry
 
 
 def _stacked_blocks(config: GPTConfig, rngs: nnx.Rngs) -> Block:
@@ -350,7 +393,9 @@ class GPT(nnx.Module):
         def head(x):
             norm = nnx.merge(final_norm[0], gather_layer(final_norm[1]))
             w = gather_layer(weights)[...].astype(x.dtype)
-            return jnp.einsum("btd,vd->btv" if tied else "btd,dv->btv", norm(x), w, preferred_element_type=jnp.float32)
+            logits = jnp.einsum("btd,vd->btv" if tied else "btd,dv->btv", norm(x), w, preferred_element_type=jnp.float32)
+            cap = self.config.final_softcap  # Gemma 2
+            return logits if cap is None else jnp.tanh(logits / cap) * cap
 
         if self.config.remat:
             head = jax.checkpoint(head)
@@ -358,22 +403,49 @@ class GPT(nnx.Module):
 
     def apply_blocks(self, x: jax.Array) -> jax.Array:
         """Scan the stacked blocks (all of them, or one pipeline stage's slice) over the residual stream."""
-        sin, cos = self.rope(x.shape[1])
+        tables = self.rope(x.shape[1]), self.local_rope(x.shape[1])
         graphdef, stacked = nnx.split(self.blocks)
 
-        def body(x: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, None]:
+        def body(x: jax.Array, layer: tuple[nnx.State, jax.Array | None]) -> tuple[jax.Array, None]:
+            layer_state, window = layer
             block = nnx.merge(graphdef, gather_layer(layer_state))
-            return block(x, sin, cos), None
+            return block(x, *layer_rope(window, *tables), window), None
 
         if self.config.remat:  # prevent_cse is not needed inside scan
             body = jax.checkpoint(body, prevent_cse=False, policy=REMAT_POLICIES[self.config.remat_policy]())
-        x, _ = jax.lax.scan(body, x, stacked)
+        x, _ = jax.lax.scan(body, x, (stacked, self.windows(stacked)))
         return x
+
+    def local_rope(self, seq_len: int, positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array] | None:
+        """Gemma 3: the windowed layers' own rope tables (their base, no scaling), or None."""
+        c = self.config
+        if c.local_rope_theta is None:
+            return None
+        return rope_tables(seq_len, c.head_dim, c.local_rope_theta, positions=positions)
+
+    def windows(self, stacked: nnx.State) -> jax.Array | None:
+        """int32[layers]: each layer's attention window (0: none), scanned beside its weights (Gemma 2)."""
+        windows = self.config.layer_windows
+        if windows is None:
+            return None
+        layers = jax.tree.leaves(stacked)[0].shape[0]
+        if layers != len(windows):
+            raise ValueError(f"per-layer attention windows need all {len(windows)} layers in one scan; a pipeline "
+                             f"stage of {layers} is not supported for such a model (Gemma 2): drop the pipeline axis")
+        return jnp.asarray(windows, jnp.int32)
 
     def rope(self, seq_len: int, positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """`rope_tables` of this model's head size, base and scaling."""
         c = self.config
         return rope_tables(seq_len, c.head_dim, c.rope_theta, positions=positions, scaling=c.rope_scaling)
+
+def layer_rope(window: jax.Array | None, tables: tuple[jax.Array, jax.Array],
+               local: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, jax.Array]:
+    """One layer's (sin, cos): the local tables on a windowed layer where the model has them (Gemma 3)."""
+    if local is None or window is None:
+        return tables
+    return jnp.where(window > 0, local[0], tables[0]), jnp.where(window > 0, local[1], tables[1])
+
 
 def build(config: GPTConfig, rngs: nnx.Rngs | int = 0) -> GPT:
     """A freshly initialised model (an int seed is turned into ``nnx.Rngs``)."""

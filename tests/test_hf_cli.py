@@ -47,6 +47,8 @@ def test_train_from_hf_then_export_loads_in_transformers(workspace, trained):
     saved = json.loads((run / "config.json").read_text())
     assert saved["pretrained"]["architecture"] == "LlamaForCausalLM"
     assert (exported / "model.safetensors.index.json").is_file() and (exported / "tokenizer.json").is_file()
+    assert (json.loads((exported / "generation_config.json").read_text())
+            == json.loads((workspace / "llama" / "generation_config.json").read_text()))  # kept from the import
     fine_tuned = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
     original = transformers.AutoModelForCausalLM.from_pretrained(workspace / "llama", dtype=torch.float32)
     ids = torch.tensor([load_tokenizer(workspace / "tokenizer.json").encode("def main():")])
@@ -75,6 +77,27 @@ def test_generate_equals_transformers_greedy(workspace, trained, capsys, source)
                                  pad_token_id=0)[0, len(ids):].tolist()
     assert ours == prompt + tokenizer.decode(out) + "\n"
     assert len(set(out)) > 1 or source == "run"  # the random model's continuation is not one repeated token
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma2", "gemma3"])
+def test_generate_from_a_windowed_or_new_family_checkpoint_equals_transformers_greedy(workspace, capsys, name):
+    """Issue 46: `shardlib generate --from DIR` (zero3 over 8 devices) on transformers-written Qwen3,
+    Gemma 2 and Gemma 3 checkpoints (`tests/test_hf.py`'s rows: sliding windows of 6, shorter than
+    the prompt plus continuation) prints transformers' greedy continuation, token for token."""
+    from tests.test_hf import _save
+
+    directory = _save(name, workspace / f"family-{name}")
+    tokenizer = load_tokenizer(workspace / "tokenizer.json")
+    prompt = "import os"
+    assert main(["generate", "--from", str(directory), "--tokenizer", str(workspace / "tokenizer.json"),
+                 "--prompt", prompt, "--max-new-tokens", "12", "--strategy", "zero3"]) == 0
+    ids = tokenizer.encode(prompt)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+    assert len(ids) + 12 > 6 and len(set(out)) > 1
+    assert capsys.readouterr().out == prompt + tokenizer.decode(out) + "\n"
 
 
 def test_text_is_tokenized_once_and_cached_beside_the_data(workspace, trained):

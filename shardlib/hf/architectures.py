@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from shardlib.models import GPTConfig
+from shardlib.models import rope_scaling as rope_scaling_lib
 from shardlib.models.configs import RopeScaling
 
 
@@ -39,6 +40,9 @@ class Architecture:
     gemma: bool = False  # (1 + w) norms, embeddings times sqrt(d), GeGLU
     sliding_window_key: str | None = None  # the config field of a sliding attention window, checked against seq len
     sliding_window_switch: str | None = None  # the field that turns that window on, where there is one (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each head's queries and keys before the rotation (Qwen3)
+    gemma2: bool = False  # soft-capping, query_pre_attn_scalar, sliding/full layer_types, sandwich norms
+    gemma3: bool = False  # Gemma 2's layers without soft-caps by default, a local rope base on sliding layers
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -47,13 +51,18 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("Qwen2ForCausalLM", "qwen2", tie_embeddings=False, qkv_bias=True,
                  sliding_window_key="sliding_window", sliding_window_switch="use_sliding_window"),
     Architecture("GemmaForCausalLM", "gemma", tie_embeddings=True, gemma=True),
+    Architecture("Gemma2ForCausalLM", "gemma2", tie_embeddings=True, gemma=True, gemma2=True),
+    Architecture("Gemma3ForCausalLM", "gemma3_text", tie_embeddings=True, gemma=True, gemma2=True, gemma3=True,
+                 qk_norm=True),
+    Architecture("Qwen3ForCausalLM", "qwen3", tie_embeddings=False, qk_norm=True,
+                 sliding_window_key="sliding_window", sliding_window_switch="use_sliding_window"),
 )}
 
 # The gate activations config.json names, as `GPTConfig.mlp_activation` (Gemma's "gelu" is its
 # tanh approximation, as its reference implementation reads it).
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 GEMMA_ACTIVATIONS = {**ACTIVATIONS, "gelu": "gelu_tanh"}
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn")
 # Fields that would change the maths, with the value shardlib reproduces.
 MUST_BE = {"attention_bias": False, "mlp_bias": False, "partial_rotary_factor": 1.0, "quantization_config": None}
 
@@ -86,7 +95,20 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rope_scaling": (lambda v: v is None or isinstance(v, Mapping), "an object (or null)"),
     "rope_parameters": (lambda v: v is None or isinstance(v, Mapping), "an object (or null)"),
     "tie_word_embeddings": (lambda v: isinstance(v, bool), "true or false"),
+    "query_pre_attn_scalar": (_positive_number, "a positive number"),
+    "attn_logit_softcapping": (lambda v: v is None or _positive_number(v), "a positive number (or null)"),
+    "final_logit_softcapping": (lambda v: v is None or _positive_number(v), "a positive number (or null)"),
+    "layer_types": (lambda v: v is None or (isinstance(v, list) and all(t in LAYER_TYPES for t in v)),
+                    "a list of 'sliding_attention' / 'full_attention'"),
 }
+LAYER_TYPES = ("sliding_attention", "full_attention")
+# Gemma 2's defaults (transformers' Gemma2Config) where its config.json leaves a field out.
+GEMMA2_DEFAULTS = {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                   "sliding_window": 4096}
+# Gemma 3's (Gemma3TextConfig): no soft-caps, five sliding layers to a full one, local and global rope bases.
+GEMMA3_DEFAULTS = {"query_pre_attn_scalar": 256, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                   "sliding_window": 4096}
+GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 
 
 def _check_fields(config: Mapping[str, Any], source: str) -> None:
@@ -125,13 +147,13 @@ def to_gpt_config(config: Mapping[str, Any], source: str, *, seq_len: int | None
         if config.get(field, value) != value:
             raise UnsupportedModel(f"{source}: {field}={config[field]!r} is not supported (shardlib reproduces "
                                    f"{field}={value!r})")
-    rope = rope_parameters(config)
+    rope, local_theta = gemma3_rope(config, source) if arch.gemma3 else (rope_parameters(config), None)
     if rope.get("rope_type", "default") not in ROPE_TYPES:
         raise UnsupportedModel(f"{source}: rope type {rope.get('rope_type')!r} is not supported; shardlib reproduces "
                                f"{' and '.join(ROPE_TYPES)}")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModel(f"{source}: partial_rotary_factor={rope['partial_rotary_factor']} is not supported")
-    _check_window(arch, config, source, seq_len)
+    windows = _sliding_windows(arch, config, source, seq_len)
     activations = GEMMA_ACTIVATIONS if arch.gemma else ACTIVATIONS
     act = config.get("hidden_activation") if arch.gemma and config.get("hidden_activation") else config.get("hidden_act", "silu")
     if act not in activations:
@@ -155,8 +177,58 @@ def to_gpt_config(config: Mapping[str, Any], source: str, *, seq_len: int | None
         norm_offset=1.0 if arch.gemma else 0.0,
         embed_scale=arch.gemma,
         mlp_activation=activations[act],
-        rope_scaling=_llama3_scaling(rope, source) if rope.get("rope_type") == "llama3" else None,
+        rope_scaling=_rope_scaling(rope, config, source, seq_len),
+        qk_norm=arch.qk_norm,
+        **(_gemma2_fields(config, source, arch) if arch.gemma2 else {}),
+        local_rope_theta=local_theta,
+        **({"layer_windows": windows} if windows else {}),
     )
+
+
+def gemma3_rope(config: Mapping[str, Any], source: str) -> tuple[dict[str, Any], float]:
+    """Gemma 3's rope: the full layers' parameters (scaling included) and the sliding layers' base,
+    from transformers 5's ``rope_parameters`` nested by layer type or 4.x's ``rope_theta`` +
+    ``rope_scaling`` + ``rope_local_base_freq``. A scaled sliding-layer rope is refused."""
+    nested = config.get("rope_parameters") or {}
+    if any(k in nested for k in GEMMA3_THETA):
+        full = {"rope_type": "default", "rope_theta": GEMMA3_THETA["full_attention"],
+                **dict(nested.get("full_attention") or {})}
+        local = {"rope_type": "default", "rope_theta": GEMMA3_THETA["sliding_attention"],
+                 **dict(nested.get("sliding_attention") or {})}
+    else:
+        full = rope_parameters({"rope_theta": GEMMA3_THETA["full_attention"], **config})
+        local = {"rope_type": "default", "rope_theta": config.get("rope_local_base_freq",
+                                                                  GEMMA3_THETA["sliding_attention"])}
+    if local.get("rope_type", "default") != "default":
+        raise UnsupportedModel(f"{source}: rope_parameters.sliding_attention type {local['rope_type']!r} is not "
+                               "supported (shardlib reproduces the default rope on Gemma 3's sliding layers)")
+    for label, part in (("full_attention", full), ("sliding_attention", local)):
+        if not _positive_number(part.get("rope_theta")):
+            raise UnsupportedModel(f"{source}: rope_parameters.{label}.rope_theta must be a positive number, "
+                                   f"got {part.get('rope_theta')!r}")
+    return full, float(local["rope_theta"])
+
+
+def _gemma2_fields(config: Mapping[str, Any], source: str, arch: Architecture) -> dict[str, Any]:
+    """Gemma 2's attention and norms as `GPTConfig` fields: each layer's window from ``layer_types``
+    (default: sliding on even layers, as transformers fills it in), the two soft-caps, the query scale."""
+    get = {k: config.get(k, v) for k, v in (GEMMA3_DEFAULTS if arch.gemma3 else GEMMA2_DEFAULTS).items()}
+    if config.get("use_bidirectional_attention"):
+        raise UnsupportedModel(f"{source}: use_bidirectional_attention is not supported (shardlib's decoder is causal)")
+    n = _int(config, "num_hidden_layers", source)
+    pattern = config.get("sliding_window_pattern", 6) if arch.gemma3 else 2  # transformers' defaults
+    if not _positive_int(pattern):
+        raise UnsupportedModel(f"{source}: sliding_window_pattern must be a positive integer, got {pattern!r}")
+    types = config.get("layer_types") or [LAYER_TYPES[0] if (i + 1) % pattern else LAYER_TYPES[1] for i in range(n)]
+    if len(types) != n:
+        raise UnsupportedModel(f"{source}: layer_types has {len(types)} entries for num_hidden_layers={n}")
+    window = get["sliding_window"]
+    if "sliding_attention" in types and not _positive_int(window):
+        raise UnsupportedModel(f"{source}: sliding_window must be a positive integer for its sliding_attention layers, "
+                               f"got {window!r}")
+    return dict(query_scale=float(get["query_pre_attn_scalar"]), attn_softcap=get["attn_logit_softcapping"],
+                final_softcap=get["final_logit_softcapping"], sandwich_norm=True,
+                layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types))
 
 
 def _int(config: Mapping[str, Any], field: str, source: str) -> int:
@@ -164,6 +236,44 @@ def _int(config: Mapping[str, Any], field: str, source: str) -> int:
     if not isinstance(value, int) or value < 1:
         raise UnsupportedModel(f"{source}: {field} must be a positive integer, got {value!r}")
     return value
+
+
+def _rope_scaling(rope: Mapping[str, Any], config: Mapping[str, Any], source: str, seq_len: int | None) -> Any:
+    """The `GPTConfig.rope_scaling` of a checkpoint's rope parameters, as transformers computes each type."""
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return None
+    if kind == "llama3":
+        return _llama3_scaling(rope, source)
+    factor = rope.get("factor")
+    if not _positive_number(factor):
+        raise UnsupportedModel(f"{source}: rope type {kind!r} needs a positive number 'factor', got {factor!r}")
+    if kind == "linear":
+        return rope_scaling_lib.LinearRope(factor=float(factor))
+    max_len = config.get("max_position_embeddings", 2048)
+    if kind == "dynamic":
+        if seq_len is not None and seq_len > max_len:
+            raise UnsupportedModel(f"{source}: rope type 'dynamic' raises its base per forward past "
+                                   f"max_position_embeddings={max_len}, which shardlib does not reproduce; a sequence "
+                                   f"of {seq_len} tokens would need it: use at most {max_len} tokens (--seq-len)")
+        return rope_scaling_lib.DynamicRope(factor=float(factor), max_len=max_len)
+    return _yarn_scaling(rope, float(factor), source)
+
+
+def _yarn_scaling(rope: Mapping[str, Any], factor: float, source: str) -> Any:
+    original = rope.get("original_max_position_embeddings")
+    if not _positive_int(original):
+        raise UnsupportedModel(f"{source}: rope type 'yarn' needs a positive integer "
+                               f"'original_max_position_embeddings', got {original!r}")
+    for field in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        if rope.get(field) is not None and not _positive_number(rope[field]):
+            raise UnsupportedModel(f"{source}: rope_parameters.{field} must be a positive number, got {rope[field]!r}")
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = rope_scaling_lib.yarn_attention_factor(factor, rope.get("mscale"), rope.get("mscale_all_dim"))
+    return rope_scaling_lib.YarnRope(factor=factor, original_max_len=original, attention_factor=float(attention),
+                                     beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                                     truncate=bool(rope.get("truncate", True)))
 
 
 def _llama3_scaling(rope: Mapping[str, Any], source: str) -> RopeScaling:
@@ -178,15 +288,40 @@ def _llama3_scaling(rope: Mapping[str, Any], source: str) -> RopeScaling:
                                f"high_freq_factor and original_max_position_embeddings ({err})") from None
 
 
-def _check_window(arch: Architecture, config: Mapping[str, Any], source: str, seq_len: int | None) -> None:
-    """A sliding window only matters past its length: refuse a run that would go past it."""
+def _sliding_windows(arch: Architecture, config: Mapping[str, Any], source: str,
+                     seq_len: int | None) -> tuple[int, ...] | None:
+    """Mistral's and Qwen's sliding window as `GPTConfig.layer_windows`: on every layer (Mistral) or
+    on those of ``layer_types`` (Qwen: by default the layers from ``max_window_layers`` on), as
+    transformers fills them in. None where no window can matter: none configured, or a run whose
+    ``seq_len`` fits in it (full causal attention is the same there, and keeps the flash kernel)."""
     if arch.sliding_window_key is None or (arch.sliding_window_switch and not config.get(arch.sliding_window_switch)):
-        return
+        return None
     window = config.get(arch.sliding_window_key)
-    if window and seq_len is not None and seq_len > window:
-        raise UnsupportedModel(f"{source}: sliding-window attention ({arch.sliding_window_key}={window}) is not "
-                               f"supported, and a sequence of {seq_len} tokens would need it; use at most {window} "
-                               "tokens (--seq-len), where full causal attention is the same")
+    if window is None or (seq_len is not None and seq_len <= window):
+        return None
+    if not _positive_int(window):
+        raise UnsupportedModel(f"{source}: {arch.sliding_window_key} must be a positive integer, got {window!r}")
+    n = _int(config, "num_hidden_layers", source)
+    types = config.get("layer_types")
+    if not types:
+        first = config.get("max_window_layers", 28) if arch.sliding_window_switch else 0
+        if not isinstance(first, int) or first < 0:
+            raise UnsupportedModel(f"{source}: max_window_layers must be a non-negative integer, got {first!r}")
+        types = [LAYER_TYPES[0] if i >= first else LAYER_TYPES[1] for i in range(n)]
+    if len(types) != n:
+        raise UnsupportedModel(f"{source}: layer_types has {len(types)} entries for num_hidden_layers={n}")
+    windows = tuple(window if t == LAYER_TYPES[0] else 0 for t in types)
+    return windows if any(windows) else None
+
+
+def legacy_rope_fields(rope: Mapping[str, Any]) -> dict[str, Any]:
+    """``rope_parameters`` as transformers 4.x (and the vLLM / llama.cpp converters) read it:
+    ``rope_theta`` beside ``rope_scaling`` (null for the default rope, else the parameters with both
+    ``rope_type`` and the older ``type`` key). Without them a 4.x reader runs θ = 10000 unscaled."""
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if scaling.get("rope_type", "default") == "default":
+        return {"rope_theta": rope["rope_theta"], "rope_scaling": None}
+    return {"rope_theta": rope["rope_theta"], "rope_scaling": {**scaling, "type": scaling["rope_type"]}}
 
 
 def from_gpt_config(config: GPTConfig, arch: Architecture | None = None, base: Mapping[str, Any] | None = None,
@@ -195,7 +330,9 @@ def from_gpt_config(config: GPTConfig, arch: Architecture | None = None, base: M
     with every field that `to_gpt_config` reads, or a Llama config for a model born in shardlib."""
     arch = arch or ARCHITECTURES["LlamaForCausalLM"]
     rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
-    if config.rope_scaling is not None:
+    if config.rope_scaling is not None and not isinstance(config.rope_scaling, RopeScaling):
+        rope.update(config.rope_scaling.to_hf())
+    elif config.rope_scaling is not None:
         s = config.rope_scaling
         rope.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
                     high_freq_factor=s.high_freq_factor, original_max_position_embeddings=s.original_max_len)
@@ -207,9 +344,23 @@ def from_gpt_config(config: GPTConfig, arch: Architecture | None = None, base: M
                num_attention_heads=config.n_heads, num_key_value_heads=config.n_kv_heads,
                intermediate_size=config.d_ff, max_position_embeddings=config.max_seq_len,
                rms_norm_eps=config.norm_eps, head_dim=config.head_dim, hidden_act=activation,
-               tie_word_embeddings=config.tie_embeddings, rope_parameters=rope, dtype=dtype)
+               tie_word_embeddings=config.tie_embeddings, rope_parameters=rope, dtype=dtype, torch_dtype=dtype,
+               **legacy_rope_fields(rope))
     if arch.name == "LlamaForCausalLM":
         out.update(attention_bias=False, mlp_bias=False)
+    if arch.gemma:
+        out.update(hidden_activation=activation)
+    if arch.gemma2:
+        windows = config.layer_windows or ()
+        scalar = config.query_scale  # transformers' Gemma2Config takes an int
+        out.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar, attn_logit_softcapping=config.attn_softcap,
+                   final_logit_softcapping=config.final_softcap,
+                   layer_types=[LAYER_TYPES[0] if w else LAYER_TYPES[1] for w in windows])
+        if any(windows):
+            out.update(sliding_window=max(windows))
+    if arch.gemma3:  # both of transformers 5's nested rope and 4.x's fields
+        out.update(rope_parameters={"full_attention": rope, "sliding_attention": {
+            "rope_type": "default", "rope_theta": config.local_rope_theta}}, rope_local_base_freq=config.local_rope_theta)
     return out
 
 
@@ -280,8 +431,18 @@ TENSORS: tuple[TensorMap, ...] = (
     TensorMap("blocks/attn/bq", "model.layers.{i}.self_attn.q_proj.bias", BIAS_HEADS, when=lambda c: c.qkv_bias),
     TensorMap("blocks/attn/bk", "model.layers.{i}.self_attn.k_proj.bias", BIAS_HEADS, when=lambda c: c.qkv_bias),
     TensorMap("blocks/attn/bv", "model.layers.{i}.self_attn.v_proj.bias", BIAS_HEADS, when=lambda c: c.qkv_bias),
+    TensorMap("blocks/attn/q_norm/scale", "model.layers.{i}.self_attn.q_norm.weight", SAME_1D, when=lambda c: c.qk_norm),
+    TensorMap("blocks/attn/k_norm/scale", "model.layers.{i}.self_attn.k_norm.weight", SAME_1D, when=lambda c: c.qk_norm),
     TensorMap("blocks/attn/wo", "model.layers.{i}.self_attn.o_proj.weight", FROM_HEADS),
-    TensorMap("blocks/mlp_norm/scale", "model.layers.{i}.post_attention_layernorm.weight", SAME_1D),
+    TensorMap("blocks/mlp_norm/scale", "model.layers.{i}.post_attention_layernorm.weight", SAME_1D,
+              when=lambda c: not c.sandwich_norm),
+    # Gemma 2's sandwich: post_attention_layernorm is the attention branch's output norm there
+    TensorMap("blocks/attn_post_norm/scale", "model.layers.{i}.post_attention_layernorm.weight", SAME_1D,
+              when=lambda c: c.sandwich_norm),
+    TensorMap("blocks/mlp_norm/scale", "model.layers.{i}.pre_feedforward_layernorm.weight", SAME_1D,
+              when=lambda c: c.sandwich_norm),
+    TensorMap("blocks/mlp_post_norm/scale", "model.layers.{i}.post_feedforward_layernorm.weight", SAME_1D,
+              when=lambda c: c.sandwich_norm),
     TensorMap("blocks/mlp/w_gate", "model.layers.{i}.mlp.gate_proj.weight", LINEAR),
     TensorMap("blocks/mlp/w_up", "model.layers.{i}.mlp.up_proj.weight", LINEAR),
     TensorMap("blocks/mlp/w_down", "model.layers.{i}.mlp.down_proj.weight", LINEAR),

@@ -72,7 +72,7 @@ def read_hf_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
 def open_pretrained(directory: str | os.PathLike[str], *, seq_len: int | None = None) -> Pretrained:
     """The model directory ``directory``, checked: config supported, every tensor present and of
     the shape the config implies, no tensor the model would ignore. ``seq_len``: the longest
-    sequence the run will see (a sliding attention window is refused past its length)."""
+    sequence the run will see (a sliding attention window is applied only past its length)."""
     directory = Path(directory).expanduser()
     hf_config = read_hf_config(directory)
     source = str(directory / "config.json")

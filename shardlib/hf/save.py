@@ -33,6 +33,7 @@ import ml_dtypes
 import numpy as np
 
 from shardlib.hf import architectures as arch_lib
+from shardlib.hf.generation_config import NAME as GENERATION_CONFIG, generation_config_text
 from shardlib.hf.load import INDEX, SINGLE
 from shardlib.hf.safetensors_io import TensorWriter
 from shardlib.models import GPTConfig
@@ -83,7 +84,8 @@ def _leaf(params: Mapping[str, Any], path: str) -> Any:
 def save_pretrained(params: Mapping[str, Any], config: GPTConfig, out: str | os.PathLike[str], *,
                     hf_config: Mapping[str, Any] | None = None, architecture: str | None = None,
                     dtype: str = "bf16", max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                    tokenizer_file: str | os.PathLike[str] | None = None) -> HfExport:
+                    tokenizer_file: str | os.PathLike[str] | None = None,
+                    generation_config: Mapping[str, Any] | None = None) -> HfExport:
     """Write ``params`` (the decoder's parameter tree, sharded or not) of a model of ``config`` to
     the Hugging Face directory ``out``.
 
@@ -91,6 +93,7 @@ def save_pretrained(params: Mapping[str, Any], config: GPTConfig, out: str | os.
     architecture (its other fields, token ids and such, are kept); a model born in shardlib is
     written as ``LlamaForCausalLM``. ``dtype``: "bf16" or "f32" (f32 is bit-exact).
     ``tokenizer_file``: a tokenizer.json copied beside the weights, with its tokenizer_config.json.
+    ``generation_config``: the imported model's generation_config.json, written back as it was.
     Call on every process of a job (the gathers are collective); process 0 writes."""
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"export dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
@@ -126,6 +129,9 @@ def save_pretrained(params: Mapping[str, Any], config: GPTConfig, out: str | os.
                 os.fsync(file.fileno())
                 file.close()
             _write_metadata(staging, config, arch, hf_config, dtype, files, entries, tokenizer_file)
+            if generation_config is not None:
+                (staging / GENERATION_CONFIG).write_text(generation_config_text(dict(generation_config)),
+                                                         encoding="utf-8")
             write_marker(staging)
             commit(staging, out_dir)
     except BaseException:
@@ -227,7 +233,7 @@ def _assign_files(entries: list[tuple[str, np.dtype, tuple[int, ...]]], max_byte
     return {name: f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k, group in enumerate(groups) for name in group}
 
 
-_METADATA = ("config.json", INDEX, "tokenizer.json", "tokenizer_config.json")
+_METADATA = ("config.json", INDEX, "tokenizer.json", "tokenizer_config.json", GENERATION_CONFIG)
 
 
 def _open_writers(staging: Path, entries, files: dict[str, str]) -> dict[str, tuple[Any, TensorWriter]]:

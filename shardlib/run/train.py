@@ -258,8 +258,11 @@ def saved_config(run) -> dict[str, Any]:
     Face model adds that model's config.json (``pretrained``), which `shardlib export --hf` writes back."""
     saved = dataclasses.asdict(run.config)
     if run.pretrained is not None:
+        from shardlib.hf.generation_config import read_generation_config
+
         saved["pretrained"] = {"architecture": run.pretrained.architecture.name, "config": run.pretrained.hf_config,
-                               "source": str(run.pretrained.directory)}
+                               "source": str(run.pretrained.directory),
+                               "generation_config": read_generation_config(run.pretrained.directory)}
     lora = getattr(run.model_config, "lora", None)
     if lora is not None:  # what `export --hf / --peft` rebuilds the model from
         saved["lora"] = dataclasses.asdict(lora)
