@@ -642,7 +642,13 @@ def export_hf(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, 
     return step, save_pretrained(params, model_config, out, hf_config=pretrained.get("config"),
                                  architecture=pretrained.get("architecture"), dtype=dtype,
                                  max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES,
-                                 tokenizer_file=config.get("tokenizer_file"))
+                                 tokenizer_file=config.get("tokenizer_file"), generation_config=_generation_config(pretrained))
+
+
+def _generation_config(pretrained: dict[str, Any]) -> Path | None:
+    """The imported model's generation_config.json, when its directory still holds one."""
+    source = pretrained.get("source")
+    return Path(source) / "generation_config.json" if source else None
 
 
 def export_peft(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, step: int | None = None) -> Any:
