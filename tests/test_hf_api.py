@@ -1,6 +1,7 @@
 """The one-call Python API (issue 45 §6): `shardlib.hf.from_pretrained` gives the sharded model and
 its tokenizer, whose logits are transformers'; `shardlib.hf.save_pretrained` writes it back
-bit-exact in f32, with its tokenizer, chat template and generation_config.json."""
+bit-exact in f32, with its tokenizer, chat template and generation_config.json;
+`shardlib.hf.generate` continues prompts as transformers' greedy ``generate`` does."""
 
 from __future__ import annotations
 
@@ -48,6 +49,18 @@ def test_from_pretrained_then_save_pretrained(llama, tmp_path):
     assert json.loads((out / "generation_config.json").read_text()) == json.loads(
         (llama / "generation_config.json").read_text())
     np.testing.assert_array_equal(_reference_logits(out, ids), expected)  # f32: the same weights, bit for bit
+
+
+def test_generate_is_transformers_greedy(llama):
+    model, tokenizer = shardlib.hf.from_pretrained(llama, strategy="zero3")
+    prompts = ["def main():", "import os"]
+    texts = shardlib.hf.generate(model, tokenizer, prompts, max_new_tokens=8)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32)
+    for prompt, text in zip(prompts, texts):
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        with torch.no_grad():
+            out = reference.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert text == tokenizer.decode(out[0, ids.shape[1]:].numpy())
 
 
 def test_bfloat16_and_a_bad_dtype(llama):

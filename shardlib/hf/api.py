@@ -92,3 +92,26 @@ def save_pretrained(model: PretrainedModel, out: str | os.PathLike[str], *, like
                     dtype=dtype, tokenizer_file=tokenizer_file,
                     generation_config=source.directory / GENERATION_CONFIG)
     return Path(written.directory)
+
+
+def generate(model: PretrainedModel, tokenizer: Any, prompts: str | list[str], max_new_tokens: int = 64, *,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             seed: int = 0) -> list[str]:
+    """The text each prompt continues with (greedy by default), as ``shardlib generate`` decodes it
+    (`shardlib.models.gpt.generate`: a KV cache; a row stops at the tokenizer's end-of-sequence
+    token, which is not part of the text). Prompts are decoded one at a time."""
+    import jax
+
+    from shardlib.models.gpt import generate as sample
+
+    module = model.module()
+    texts = []
+    for k, prompt in enumerate([prompts] if isinstance(prompts, str) else list(prompts)):
+        ids = np.asarray([tokenizer.encode(prompt)], np.int32)
+        out = sample(module, ids, max_new_tokens, rng=jax.random.fold_in(jax.random.key(seed), k),
+                     temperature=temperature, top_k=top_k, top_p=top_p, stop_token=tokenizer.eos_id)
+        new = [int(t) for t in np.asarray(jax.device_get(out))[0, ids.shape[1]:]]
+        if tokenizer.eos_id in new:
+            new = new[:new.index(tokenizer.eos_id)]
+        texts.append(tokenizer.decode(new))
+    return texts
