@@ -142,7 +142,8 @@ def test_instruction_data_counts_only_the_completions(workspace, tmp_path):
 
 
 def test_chat_messages_count_the_assistant_turns(workspace, tmp_path):
-    """A chat rendered by the tokenizer's chat_template: the assistant's tokens count, the rest not."""
+    """A chat rendered by the tokenizer's chat_template: the assistant's content counts, the rest not (this
+    template writes no EOS; tests/test_chat_templates.py checks the EOS and the generation blocks)."""
     directory = tmp_path / "tok"
     directory.mkdir()
     (directory / "tokenizer.json").write_bytes((workspace / "tokenizer.json").read_bytes())
@@ -155,10 +156,10 @@ def test_chat_messages_count_the_assistant_turns(workspace, tmp_path):
     tokenizer = load_tokenizer(directory)
     rows = instruction_rows(tokenizer, data, seq_len=64)
     counted = np.flatnonzero(rows.mask[0]) + 1  # the tokens the counted targets predict
-    assert tokenizer.decode(rows.tokens[0][counted]) == "<assistant>hello!\n<assistant>see you\n"
+    assert tokenizer.decode(rows.tokens[0][counted]) == "hello!see you"
     no_template = tmp_path / "plain.jsonl"
     no_template.write_text(json.dumps(chat) + "\n")
-    with pytest.raises(ValueError, match="no chat_template"):
+    with pytest.raises(ValueError, match="no chat template"):
         instruction_rows(load_tokenizer(workspace / "tokenizer.json"), no_template, seq_len=64)
 
 
@@ -192,16 +193,22 @@ def test_generate_places_the_import_over_two_processes(workspace, capsys):
     assert not any(line.startswith("[p1] ") and prompt in line for line in done.stdout.splitlines())
 
 
-def test_resuming_a_fine_tune_without_init_from_names_the_flag(workspace, trained, capsys):
-    """The run's checkpoint holds the imported architecture: a rerun without --init-from is refused
-    in one line that names the directory to pass (nothing is written)."""
+def test_resuming_a_fine_tune_takes_init_from_and_the_batch_from_its_record(workspace, trained, capsys):
+    """A rerun into the run without --init-from, --tokenizer, --data, --seq-len or --batch-size takes
+    them from the run's config.json (said in one line), resumes, and its header says so: the weights
+    and optimizer state are the checkpoint's, not fresh."""
     run, _ = trained
-    before = sorted(p.name for p in (run / "checkpoints").iterdir())
-    assert main(["train", "--resume-from", str(run), "--steps", "6", "--no-progress", "--batch-size", "8",
-                 "--seq-len", "32"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--init-from" in err[0] and str(workspace / "llama") in err[0]
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    assert main(["train", "--resume-from", str(run), "--steps", "6", "--no-progress", "--sample-tokens", "0"]) == 0
+    captured = capsys.readouterr()
+    taken = [line for line in captured.err.splitlines() if "(the run's record)" in line]
+    assert taken == [f"shardlib: from {run / 'config.json'} (the run's record): --init-from {workspace / 'llama'}, "
+                     f"--tokenizer {workspace / 'tokenizer.json'}, --data {workspace / 'corpus.txt'}, --seq-len 32, "
+                     "--batch-size 8"]
+    weights = next(line for line in captured.out.splitlines() if line.startswith("weights "))
+    assert weights.endswith("resumed: weights and optimizer state from the checkpoint") and "fresh" not in weights
+    assert "resumed    step 5" in captured.out
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r][-1] == 6
 
 
 def test_export_hf_onto_its_own_run_exits_2_and_keeps_the_checkpoints(workspace, trained, capsys):

@@ -42,3 +42,4 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
         assert f"\n{strategy} " in text
     assert "final validation loss:" in text
     assert "restored identical: True" in text
+    assert "logits after the round trip: max difference" in text  # shardlib.hf.from_pretrained's section

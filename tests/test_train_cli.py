@@ -230,7 +230,7 @@ def test_missing_data_path_is_worded_for_the_flag(tmp_path, capsys):
 
 
 def test_ctrl_c_without_checkpoints_says_nothing_was_saved(monkeypatch, capsys):
-    def interrupted(config):
+    def interrupted(config, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr("shardlib.run.train.train", interrupted)

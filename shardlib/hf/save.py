@@ -11,7 +11,7 @@ so a failed export leaves any previous one intact and nothing half-written at ``
 An export replaces only an earlier export: it writes a marker (``MARKER``) listing its files, and
 ``out`` must be new, empty, or a directory whose every entry that marker lists. A run directory
 (``checkpoints/``, ``.lock``), the ``--ckpt`` directory or one holding it, a link, or a directory
-holding any other file (a Hub model's ``generation_config.json``, your notes) is refused in one
+holding any other file (a Hub model's ``README.md``, your notes) is refused in one
 line before anything is restored, and the replaced export's files are removed by name, never
 the directory's other contents.
 """
@@ -92,7 +92,8 @@ def save_pretrained(params: Mapping[str, Any], config: GPTConfig, out: str | os.
     ``hf_config`` / ``architecture``: the config.json the weights were imported from and its
     architecture (its other fields, token ids and such, are kept); a model born in shardlib is
     written as ``LlamaForCausalLM``. ``dtype``: "bf16" or "f32" (f32 is bit-exact).
-    ``tokenizer_file``: a tokenizer.json copied beside the weights, with its tokenizer_config.json.
+    ``tokenizer_file``: a tokenizer.json copied beside the weights, with the tokenizer_config.json
+    and chat_template.jinja beside it (``apply_chat_template`` on the export renders as in training).
     ``generation_config``: the imported model's generation_config.json, written back as it was.
     Call on every process of a job (the gathers are collective); process 0 writes."""
     if dtype not in EXPORT_DTYPES:
@@ -233,7 +234,8 @@ def _assign_files(entries: list[tuple[str, np.dtype, tuple[int, ...]]], max_byte
     return {name: f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k, group in enumerate(groups) for name in group}
 
 
-_METADATA = ("config.json", INDEX, "tokenizer.json", "tokenizer_config.json", GENERATION_CONFIG)
+TOKENIZER_FILES = ("tokenizer_config.json", "chat_template.jinja")  # copied from beside the tokenizer.json
+_METADATA = ("config.json", INDEX, "tokenizer.json", GENERATION_CONFIG, *TOKENIZER_FILES)
 
 
 def _open_writers(staging: Path, entries, files: dict[str, str]) -> dict[str, tuple[Any, TensorWriter]]:
@@ -259,8 +261,9 @@ def _write_metadata(staging: Path, config: GPTConfig, arch: arch_lib.Architectur
     if tokenizer_file is not None and Path(tokenizer_file).is_file():
         source = Path(tokenizer_file)
         shutil.copyfile(source, staging / "tokenizer.json")
-        if (source.parent / "tokenizer_config.json").is_file():
-            shutil.copyfile(source.parent / "tokenizer_config.json", staging / "tokenizer_config.json")
+        for name in TOKENIZER_FILES:
+            if (source.parent / name).is_file():
+                shutil.copyfile(source.parent / name, staging / name)
 
 
 def commit(staging: Path, out_dir: Path) -> None:

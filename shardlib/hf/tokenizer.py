@@ -23,6 +23,8 @@ from shardlib.runtime.files import AtomicFile
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves the template (it wins over the config's)
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")  # the strings a template may write
 
 
 class TokenizerError(ValueError):
@@ -39,6 +41,17 @@ class Tokenizer:
     backend: Any  # tokenizers.Tokenizer
     eos_id: int | None
     chat_template: str | None
+    template_file: Path | None = None  # where chat_template was read (named in its errors)
+    special: dict[str, str] = dataclasses.field(default_factory=dict)  # bos_token, eos_token, ... as text
+    _compiled: Any = dataclasses.field(default=None, repr=False)
+
+    def template(self) -> Any:
+        """The chat template, compiled once (`shardlib.hf.chat_template.ChatTemplate`)."""
+        from shardlib.hf.chat_template import ChatTemplate
+
+        if self._compiled is None:
+            self._compiled = ChatTemplate(self.chat_template or "", str(self.template_file))
+        return self._compiled
 
     @property
     def vocab_size(self) -> int:
@@ -69,15 +82,39 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     except Exception as err:  # the library raises its own Exception subclasses for any bad file
         raise TokenizerError(f"{file} is not a tokenizers file: {' '.join(str(err).split())}") from None
     settings = _json(file.parent / TOKENIZER_CONFIG)
-    eos = settings.get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    eos_id = backend.token_to_id(eos) if isinstance(eos, str) else None
+    special = {name: _token_text(settings.get(name)) for name in SPECIAL_TOKENS}
+    special = {name: text for name, text in special.items() if text is not None}
+    eos_id = backend.token_to_id(special["eos_token"]) if "eos_token" in special else None
     if eos_id is None:
         eos_id = _json(file.parent / "config.json").get("eos_token_id")
         eos_id = eos_id[0] if isinstance(eos_id, list) and eos_id else eos_id
-    template = settings.get("chat_template")
-    return Tokenizer(file, backend, eos_id if isinstance(eos_id, int) else None,
-                     template if isinstance(template, str) else None)
+    eos_id = eos_id if isinstance(eos_id, int) else None
+    if "eos_token" not in special and eos_id is not None and backend.id_to_token(eos_id) is not None:
+        special["eos_token"] = backend.id_to_token(eos_id)
+    template, template_file = _chat_template(file.parent, settings)
+    return Tokenizer(file, backend, eos_id, template, template_file, special)
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken's ``{"content": ...}``."""
+    value = value.get("content") if isinstance(value, dict) else value
+    return value if isinstance(value, str) else None
+
+
+def _chat_template(directory: Path, settings: dict[str, Any]) -> tuple[str | None, Path | None]:
+    """The template and its file: ``chat_template.jinja`` (transformers 5) over the config's field,
+    which may also be a list of named templates (the ``default`` one is taken)."""
+    jinja = directory / CHAT_TEMPLATE_FILE
+    if jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8"), jinja
+        except (OSError, UnicodeDecodeError) as err:
+            raise TokenizerError(f"{jinja} cannot be read as UTF-8 text ({' '.join(str(err).split())}): fix or "
+                                 "remove it") from None
+    found = settings.get("chat_template")
+    if isinstance(found, list):
+        found = next((t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"), None)
+    return (found, directory / TOKENIZER_CONFIG) if isinstance(found, str) else (None, None)
 
 
 def _json(path: Path) -> dict[str, Any]:
@@ -240,30 +277,55 @@ def _example(tokenizer: Tokenizer, row: dict[str, Any], path: Path, number: int,
 
 def _chat(tokenizer: Tokenizer, messages: list[Any], path: Path, number: int,
           budget: int) -> tuple[list[int], list[int]]:
-    """A conversation rendered by the chat template; the assistant turns' tokens count. Each turn's
-    tokens are what rendering up to it adds to rendering up to the turn before."""
+    """A conversation rendered once by the chat template, with the tokenizer's BOS/EOS strings, and
+    tokenized as transformers' ``apply_chat_template`` does (no special tokens added: a BOS the
+    template writes is not doubled). The tokens the loss counts: the template's ``{% generation %}``
+    blocks where it has them; otherwise each assistant message's content and the EOS the template
+    writes right after it (`_assistant_spans`)."""
     if tokenizer.chat_template is None:
-        raise TokenizerError(f"{path}:{number} is a chat ('messages'), and {tokenizer.path.parent / TOKENIZER_CONFIG} "
-                             "has no chat_template to render it: use prompt/completion rows, or a tokenizer with one")
-    from shardlib.hf.chat_template import ChatTemplate
-
+        raise TokenizerError(f"{path}:{number} is a chat ('messages'), and {tokenizer.path.parent} has no chat template "
+                             f"({CHAT_TEMPLATE_FILE}, or chat_template in {TOKENIZER_CONFIG}) to render it: use "
+                             "prompt/completion rows, or a tokenizer with one")
     if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                for m in messages):
         raise TokenizerError(f"{path}:{number}: each message needs string 'role' and 'content' fields")
-    template = ChatTemplate(tokenizer.chat_template, str(tokenizer.path.parent / TOKENIZER_CONFIG))
-    cut = budget * CHARS_PER_TOKEN  # each turn's text bounded by what --seq-len keeps, before rendering
-    messages = [{**m, "content": m["content"][:cut]} for m in messages]
-    ids: list[int] = []
-    counted: list[int] = []
-    for i, message in enumerate(messages):
-        text = template.render(messages=messages[:i + 1], add_generation_prompt=False, bos_token="", eos_token="")
-        upto = tokenizer.encode(text)
-        if upto[:len(ids)] != ids:
-            raise TokenizerError(f"{path}:{number}: the chat template renders turn {i} differently once more turns "
-                                 "follow, so its tokens cannot be told apart; use prompt/completion rows")
-        new = upto[len(ids):]
-        ids += new
-        counted += [int(message["role"] == "assistant")] * len(new)
-        if len(ids) > budget:  # the later turns would be cut anyway: not rendered
+    template = tokenizer.template()
+    cut = budget * CHARS_PER_TOKEN  # the text --seq-len can keep bounds what is rendered
+    kept, size = [], 0
+    for m in messages:
+        if size > cut:  # later turns would be cut anyway: not rendered
             break
-    return ids, counted
+        kept.append({**m, "content": m["content"][:cut]})
+        size += len(kept[-1]["content"])
+    text, spans = template.render_marked(messages=kept, add_generation_prompt=False, **tokenizer.special)
+    if not template.has_generation:
+        spans = _assistant_spans(text, kept, tokenizer.special.get("eos_token"), path, number)
+    encoding = tokenizer.backend.encode(text, add_special_tokens=False)
+    counted = [int(any(a < end and start < b for start, end in spans)) for a, b in encoding.offsets]
+    return list(encoding.ids), counted
+
+
+def _assistant_spans(text: str, messages: list[dict[str, Any]], eos: str | None, path: Path,
+                     number: int) -> list[tuple[int, int]]:
+    """Each message's content found in order in ``text``; an assistant's span is its content and the
+    EOS string when the template writes it next (after whitespace at most): what it must learn to end with."""
+    spans, at = [], 0
+    for i, m in enumerate(messages):
+        content = m["content"]
+        start = text.find(content, at)
+        if start < 0 and content.strip():
+            content = content.strip()
+            start = text.find(content, at)
+        if start < 0:
+            raise TokenizerError(f"{path}:{number}: the chat template rewrites message {i}'s content, so its tokens "
+                                 "cannot be found; mark the assistant's text with {% generation %} blocks in the "
+                                 "template, or use prompt/completion rows")
+        at = start + len(content)
+        if m["role"] == "assistant":
+            end = at
+            rest = len(text[at:]) - len(text[at:].lstrip())
+            if eos and text.startswith(eos, at + rest):
+                end = at + rest + len(eos)
+            spans.append((start, end))
+            at = end
+    return spans

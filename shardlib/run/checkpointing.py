@@ -81,28 +81,27 @@ def run_history(out_dir: Path) -> list[str]:
     return found
 
 
-def keep_schedule(config: TrainConfig, out_dir: Path) -> tuple[TrainConfig, str | None]:
+def keep_schedule(config: TrainConfig, out_dir: Path) -> tuple[TrainConfig, str | None, bool]:
     """A run resumed with another ``--steps`` keeps the lr schedule it started with (re-planned over
     the new count, the rate would jump at the resumed step: 0.00038 to 0.0019): the config that
-    does, and the note to print once it has resumed."""
+    does, the note to print once it has resumed, and whether it resumes."""
     import dataclasses
 
-    if config.schedule_steps is not None:
-        return config, None
     ckpt, resume = open_checkpointer(config, out_dir)
     if ckpt is None:
-        return config, None
+        return config, None, False
     try:
-        saved = ckpt.saved_config() if resume and ckpt.latest_step() is not None else {}
+        resumes = resume and ckpt.latest_step() is not None
+        saved = ckpt.saved_config() if resumes and config.schedule_steps is None else {}
     finally:
         ckpt.close()
     planned = saved.get("schedule_steps") or saved.get("steps")
     if planned is None or planned == config.steps:
-        return config, None
+        return config, None, resumes
     note = (f"shardlib: note: the lr schedule stays the one this run started with, planned over {planned} steps "
             f"(after step {planned}: {config.lr * config.min_lr_ratio:g}, its final rate); --schedule-steps "
             f"{config.steps} re-plans it over the new count")
-    return dataclasses.replace(config, schedule_steps=planned), note
+    return dataclasses.replace(config, schedule_steps=planned), note, resumes
 
 
 def model_mismatch(config: TrainConfig, ckpt: Any, target: Any, err: Exception) -> Exception:

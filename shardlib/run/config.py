@@ -263,13 +263,27 @@ def _value_type(hint: Any) -> type | None:
     return next((t for t in (int, float) if t in options), None)
 
 
+class _Default:
+    """A flag's default as argparse holds it: told apart from the same value given (`given_fields`)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
 def _argument(field: dataclasses.Field, spec: Flag, hint: Any) -> dict[str, Any]:
     """argparse keyword arguments for one field."""
     kwargs: dict[str, Any] = {"dest": field.name, "help": spec.help}
     if hint is bool:
         kwargs["action"] = "store_false" if spec.negate else "store_true"
+        kwargs["default"] = _Default(field.default)
         return kwargs
-    kwargs["default"] = field.default if spec.cli_default is _UNSET else spec.cli_default
+    kwargs["default"] = _Default(field.default if spec.cli_default is _UNSET else spec.cli_default)
     if spec.parse is None and _value_type(hint) is not None:
         kwargs["type"] = _value_type(hint)
     if spec.metavar is not None:
@@ -292,8 +306,14 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
     values = {}
     for field, spec in _flags():
         value = getattr(args, field.name)
+        value = value.value if isinstance(value, _Default) else value
         values[field.name] = spec.parse(value) if spec.parse is not None else value
     return TrainConfig(**values)
+
+
+def given_fields(args: argparse.Namespace) -> frozenset[str]:
+    """The fields whose flag was on the command line (even at its default value)."""
+    return frozenset(field.name for field, _ in _flags() if not isinstance(getattr(args, field.name), _Default))
 
 
 def check_numbers(config: TrainConfig) -> None:

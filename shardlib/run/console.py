@@ -31,8 +31,9 @@ def device_line(note: str | None) -> str:
     return line + (f"\n           note: {note}" if note else "")
 
 
-def banner(run: Prepared, note: str | None) -> str:
-    """The lines printed before the first step; one line per fact, so a new one is one more entry."""
+def banner(run: Prepared, note: str | None, *, resumes: bool = False) -> str:
+    """The lines printed before the first step; one line per fact, so a new one is one more entry.
+    ``resumes``: the weights and optimizer state come from the run's checkpoint, not the import."""
     import jax
 
     from shardlib.run import lora as lora_lib
@@ -45,7 +46,9 @@ def banner(run: Prepared, note: str | None) -> str:
     lines = [
         f"shardlib train: {name} ({run.n_params / 1e6:.2f}M params, compute {config.precision}) "
         f"for {plural(config.steps, 'step')}",
-        *([f"weights    {run.pretrained.describe()}; optimizer state fresh"] if run.pretrained is not None else []),
+        *([f"weights    {run.pretrained.describe()}; "
+           + ("resumed: weights and optimizer state from the checkpoint" if resumes else "optimizer state fresh")]
+          if run.pretrained is not None else []),
         *([trains] if (trains := lora_lib.describe(run)) is not None else []),
         *([f"tokenizer  {run.tokenizer.path} ({run.tokenizer.vocab_size:,} ids)"] if run.tokenizer is not None else []),
         device_line(note),

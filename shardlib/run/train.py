@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from shardlib.run import console
@@ -31,6 +32,7 @@ from shardlib.run.config import (  # noqa: F401  (re-exported: the CLI and noteb
     add_arguments,
     check_numbers,
     from_args,
+    given_fields,
 )
 from shardlib.exits import EXIT_DIVERGED, EXIT_INTERRUPTED
 from shardlib.run.nonfinite import DivergedError  # light: imports neither JAX nor NumPy
@@ -149,7 +151,7 @@ def _device_count_error(n: int) -> TrainConfigError:
 # --------------------------------------------------------------------------------------------
 
 
-def train(config: TrainConfig, data: Any = None, *, model: Any = None) -> TrainResult:
+def train(config: TrainConfig, data: Any = None, *, model: Any = None, notes: Sequence[str] = ()) -> TrainResult:
     """Train ``config.model`` under ``config.strategy``; write metrics, plots and a sample.
 
     ``model``: your own `shardlib.Model` (what `from_nnx`, `from_linen` or `from_functions`
@@ -160,6 +162,9 @@ def train(config: TrainConfig, data: Any = None, *, model: Any = None) -> TrainR
     ``Shard -> grain.IterDataset | grain.DataLoader`` (any process count can resume it), a
     pipeline already sharded by process, or a `GrainBatches`; each example a dict with
     ``inputs`` and ``targets`` of length ``seq_len``. Its state is saved in each checkpoint.
+
+    ``notes``: lines printed (stderr) after the header, once the run has passed its checks (the CLI's
+    flags taken from the run's record), so a refused run still says only why.
 
     Before anything compiles, process 0 claims the run directory (``OUT/.lock``, held until this
     returns): a directory that cannot be written, or that another run is using, stops here.
@@ -186,12 +191,12 @@ def train(config: TrainConfig, data: Any = None, *, model: Any = None) -> TrainR
         refuse_planted_links(out_dir)
         refuse_silent_restart(config, out_dir)
         # Reading the checkpoints opens them, which sets aside incomplete steps: only under the lock.
-        config, schedule_note = keep_schedule(config, out_dir)
-        return _train(config, out_dir, note, t_begin, data, model, schedule_note)
+        config, schedule_note, resumes = keep_schedule(config, out_dir)
+        return _train(config, out_dir, note, t_begin, data, model, (*notes, schedule_note), resumes)
 
 
 def _train(config: TrainConfig, out_dir: Path, note: str | None, t_begin: float, data: Any = None,
-           model: Any = None, schedule_note: str | None = None) -> TrainResult:
+           model: Any = None, notes: Sequence[str | None] = (), resumes: bool = False) -> TrainResult:
     import jax
 
     from shardlib.run.metrics_io import MetricsLog
@@ -205,10 +210,10 @@ def _train(config: TrainConfig, out_dir: Path, note: str | None, t_begin: float,
             closing.callback(tracker.close)
         run = prepare(config, out_dir, data=data, model=model)
         if run.is_main and config.verbose:
-            print(console.banner(run, note), flush=True)
+            print(console.banner(run, note, resumes=resumes), flush=True)
         ckpt, state, start, resume_step = _initial_state(run)
-        if schedule_note and run.is_main and config.verbose:  # once resumed: a refused resume says only why
-            print(schedule_note, file=sys.stderr, flush=True)
+        for line in filter(None, notes) if run.is_main and config.verbose else ():  # once resumed: a refused
+            print(line, file=sys.stderr, flush=True)  # resume says only why
         log = closing.enter_context(contextlib.closing(
             MetricsLog(run.out_dir, enabled=run.is_main, tensorboard=config.tensorboard, resume_step=resume_step)))
         config_path = _write_config(run)
@@ -404,10 +409,12 @@ def _write_outputs(run, log, summary: str, sample: str | None, steps: int, *, pr
 
 
 def run(args) -> int:
-    """Flags -> TrainConfig -> train()."""
-    config = from_args(args)
+    """Flags -> TrainConfig (a rerun's unset flags from its run's record) -> train()."""
+    from shardlib.run.record import with_recorded
+
+    config, lines = with_recorded(from_args(args), given_fields(args))
     try:
-        train(config)
+        train(config, notes=lines)
     except DivergedError as err:  # not a usage error (exit 2): one line, its own status
         print(f"shardlib train: error: {err}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
