@@ -194,8 +194,8 @@ def run_cli_recorded(record_dir: str, cli_args: list[str]) -> int:
 
     original_train = train_module.train
 
-    def recorded_train(config):
-        result = original_train(config)
+    def recorded_train(config, **kwargs):  # notes=: the run's record lines (`shardlib.run.train.run`)
+        result = original_train(config, **kwargs)
         record = {"process": jax.process_index(), "processes": jax.process_count(),
                   "devices": jax.device_count(), "local_devices": jax.local_device_count(),
                   "steps": result.steps, "ids": {str(k): v for k, v in sorted(ids.items())},

@@ -97,6 +97,9 @@ def test_generate_from_a_windowed_or_new_family_checkpoint_equals_transformers_g
         out = reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
                                  pad_token_id=0)[0, len(ids):].tolist()
     assert len(ids) + 12 > 6 and len(set(out)) > 1
+    eos = reference.config.eos_token_id  # the CLI stops at the model's end-of-sequence ids (issue 43)
+    stops = {eos} if isinstance(eos, int) else set(eos or ())
+    out = out[:next((i for i, t in enumerate(out) if t in stops), len(out))]
     assert capsys.readouterr().out == prompt + tokenizer.decode(out) + "\n"
 
 

@@ -43,7 +43,7 @@ def block(seq_len: int) -> int | None:
 def misfit(q: jax.Array, k: jax.Array) -> str | None:
     """Why the kernel cannot take these operands, or None."""
     policy = hooks.backend_policy()
-    if policy is None or policy.platform != "tpu":
+    if policy is None or policy.attention != "splash":  # the TPU policy's attention
         return "not inside a shardlib step on TPU"
     t = q.shape[1]
     if block(t) is None:

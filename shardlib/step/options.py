@@ -161,6 +161,7 @@ OPTIONS: dict[str, Option] = {
     "stage_layers": Option("pipeline", "stage_layers", lambda c: c.stage_layers is not None),
     "donate": Option("memory"),
     "offload": Option("memory", "offload"),
+    "block_recompute": Option("memory"),  # `shardlib train` picks it: "weights" where it fits, else "block"
     "staleness": Option("overlap", "staleness", lambda c: c.staleness > 0),
     "layerwise": Option("overlap", None, lambda c: c.layerwise is True),
     "axis_name": Option("model"),
