@@ -100,16 +100,15 @@ def generate(model: PretrainedModel, tokenizer: Any, prompts: str | list[str], m
              seed: int = 0) -> list[str]:
     """The text each prompt continues with (greedy by default), as ``shardlib generate`` decodes it
     (`shardlib.models.decoding.generate`: a KV cache, the prompts of different lengths left-padded
-    into one batch). A row stops at its first stop id, the model's ``generation_config.json``
-    ``eos_token_id`` (one or a list) or else the tokenizer's end-of-sequence token, which is not
-    part of the text."""
+    into one batch). A row stops at its first stop id (`shardlib.hf.generation_config.stop_ids`:
+    ``generation_config.json``'s, config.json's, else the tokenizer's end-of-sequence id), which is
+    not part of the text."""
     import jax
 
-    from shardlib.hf.generation_config import read_generation_config
-    from shardlib.models.decoding import generate as sample, left_pad, stop_ids, until_stop
+    from shardlib.hf.generation_config import stop_ids
+    from shardlib.models.decoding import generate as sample, left_pad, until_stop
 
-    eos = (read_generation_config(model.source.directory) or {}).get("eos_token_id", tokenizer.eos_id)
-    stops = stop_ids(eos if eos is not None else None)
+    stops = stop_ids(model.source.directory, tokenizer)  # as `shardlib generate` stops
     rows = [tokenizer.encode(prompt) for prompt in ([prompts] if isinstance(prompts, str) else list(prompts))]
     tokens, lengths = left_pad(rows, pad_id=stops[0] if stops else 0)
     out = sample(model.module(), tokens, max_new_tokens, rng=jax.random.key(seed), temperature=temperature,

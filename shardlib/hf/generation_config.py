@@ -37,3 +37,20 @@ def read_generation_config(directory: str | os.PathLike[str]) -> dict[str, Any] 
 def generation_config_text(value: dict[str, Any]) -> str:
     """The file's text as an export writes it."""
     return json.dumps(value, indent=2, sort_keys=True) + "\n"
+
+
+def stop_ids(directory: Path | None, tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a continuation: ``generation_config.json``'s ``eos_token_id`` in
+    ``directory`` (an int or a list), else its ``config.json``'s, else the tokenizer's."""
+    for name in (NAME, "config.json"):
+        path = None if directory is None else directory / name
+        if path is not None and path.is_file():
+            try:
+                eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+            except (ValueError, UnicodeDecodeError, AttributeError) as err:
+                raise ValueError(f"{path}: not a JSON object ({err}); fix or remove it") from None
+            ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+            if ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                return tuple(ids)
+    eos = getattr(tokenizer, "eos_id", None)
+    return () if eos is None else (eos,)

@@ -12,7 +12,6 @@ ends at the first stop id: ``generation_config.json``'s ``eos_token_id`` (one or
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -107,6 +106,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stop_ids(directory: Path | None, tokenizer: Any) -> tuple[int, ...]:
+    from shardlib.hf.generation_config import stop_ids
+
+    try:
+        return stop_ids(directory, tokenizer)
+    except ValueError as err:
+        raise GenerateError(str(err)) from None
+
+
 class GenerateError(ValueError):
     """A generate request that cannot run: one line, exit 2."""
 
@@ -128,25 +136,8 @@ def load_for_generation(args: argparse.Namespace) -> tuple[Any, Any, Any, str, t
         layout = _layout(pretrained.model_config, args)
         params = load_params(pretrained, layout.param_shardings(), dtype=_DTYPES[args.precision])
         return (_with_precision(pretrained.model_config, args), params, tokenizer, pretrained.describe(),
-                stop_ids_of(source, tokenizer))
+                _stop_ids(source, tokenizer))
     return _from_run(source, args)
-
-
-def stop_ids_of(directory: Path | None, tokenizer: Any) -> tuple[int, ...]:
-    """The ids that end a continuation: ``generation_config.json``'s ``eos_token_id`` in
-    ``directory`` (an int or a list), else its ``config.json``'s, else the tokenizer's."""
-    for name in ("generation_config.json", "config.json"):
-        path = None if directory is None else directory / name
-        if path is not None and path.is_file():
-            try:
-                eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-            except (ValueError, UnicodeDecodeError, AttributeError) as err:
-                raise GenerateError(f"{path}: not a JSON object ({err}); fix or remove it") from None
-            ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
-            if ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                return tuple(ids)
-    eos = getattr(tokenizer, "eos_id", None)
-    return () if eos is None else (eos,)
 
 
 def _from_run(source: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
@@ -186,7 +177,7 @@ def _from_run(source: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, st
     dtype = _DTYPES[args.precision]
     params = jax.tree.map(lambda a: a.astype(dtype) if a.dtype != dtype else a, params)
     return (_with_precision(config, args), params, tokenizer, f"{source} step {step}",
-            stop_ids_of(tokenizer.path.parent if tokenizer is not None else None, tokenizer))
+            _stop_ids(tokenizer.path.parent if tokenizer is not None else None, tokenizer))
 
 
 def _abstract(config: Any) -> Any:
