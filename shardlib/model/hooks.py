@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from shardlib import compat
+from shardlib.sharding import staged
 from shardlib.sharding.rules import as_axes
 
 SPEC_METADATA = "shardlib_spec"  # Variable metadata: (path, storage spec over the manual axes)
@@ -85,6 +86,9 @@ class ComputeContext:
     # What the backward pass of a block gathered per call recomputes (`shardlib.model.blocks`):
     # "weights" re-gathers its weights and keeps its matmuls' outputs, "block" reruns the whole block
     block_recompute: str = "weights"
+    # Gather axes whose backward reduce-scatter spans the whole mesh and goes in two stages: the
+    # axes -> the inner group size (`shardlib.sharding.staged.stages_for`; empty: one stage)
+    scatter_stages: Mapping[tuple[str, ...], int] = dataclasses.field(default_factory=dict)
 
 
 _CONTEXT: contextvars.ContextVar[ComputeContext | None] = contextvars.ContextVar(
@@ -375,11 +379,12 @@ def _floating(dtype: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _gather_dim(axes: Any, dim: int, in_dtype: Any, wire_dtype: Any, reduce_dtype: Any, backend: Any):
+def _gather_dim(axes: Any, dim: int, in_dtype: Any, wire_dtype: Any, reduce_dtype: Any, backend: Any,
+                stages: int | None = None):
     """``all_gather(x.astype(wire_dtype), axes, axis=dim, tiled=True)`` whose backward casts the
-    cotangent to ``reduce_dtype``, reduce-scatters it (`matmul_ordered` first) and returns it in
-    the shard's ``in_dtype``: the gradient is reduced in ``reduce_dtype`` whatever dtype the weight
-    was gathered in."""
+    cotangent to ``reduce_dtype``, reduce-scatters it (`matmul_ordered` first; in two stages with
+    ``stages`` as the inner group) and returns it in the shard's ``in_dtype``: the gradient is
+    reduced in ``reduce_dtype`` whatever dtype the weight was gathered in."""
 
     @jax.custom_vjp
     def gather(x):
@@ -387,7 +392,11 @@ def _gather_dim(axes: Any, dim: int, in_dtype: Any, wire_dtype: Any, reduce_dtyp
 
     def bwd(_, cotangent):
         cotangent = matmul_ordered(_cast(cotangent, reduce_dtype), dim, backend)
-        return (_cast(jax.lax.psum_scatter(cotangent, axes, scatter_dimension=dim, tiled=True), in_dtype),)
+        if stages is None:
+            reduced = jax.lax.psum_scatter(cotangent, axes, scatter_dimension=dim, tiled=True)
+        else:
+            reduced = staged.psum_scatter(cotangent, as_axes(axes), dim, stages)
+        return (_cast(reduced, in_dtype),)
 
     gather.defvjp(lambda x: (gather(x), None), bwd)
     return gather
@@ -398,20 +407,22 @@ def _cast(x: jax.Array, dtype: Any) -> jax.Array:
 
 
 def gather_dim(x: jax.Array, axes: Any, dim: int, *, backend: Any = None, wire_dtype: Any = None,
-               reduce_dtype: Any = None) -> jax.Array:
+               reduce_dtype: Any = None, stages: int | None = None) -> jax.Array:
     """All-gather ``x`` along ``dim`` over ``axes``, cast to ``wire_dtype`` first (None: as it is),
     its backward reduce-scattering in ``reduce_dtype`` (None: the gathered dtype). Where nothing
     asks otherwise it is autodiff's own all_gather / reduce-scatter pair (forward-mode included);
-    else `_gather_dim`: a dtype change between the wire and the reduction, or ``backend``'s
-    ``custom_vjp_gather`` for a matrix's first dim (XLA:CPU's matmul-ordered reduce-scatter)."""
+    else `_gather_dim`: a dtype change between the wire and the reduction, ``backend``'s
+    ``custom_vjp_gather`` for a matrix's first dim (XLA:CPU's matmul-ordered reduce-scatter), or a
+    reduce-scatter over the whole mesh in two stages (``stages``: the inner group,
+    `shardlib.sharding.staged`)."""
     if not _floating(x.dtype):
         return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
     wire = jnp.dtype(x.dtype if wire_dtype is None else wire_dtype)
     reduce = wire if reduce_dtype is None else jnp.dtype(reduce_dtype)
     custom = backend is not None and backend.custom_vjp_gather and x.ndim == 2 and dim == 0
-    if not custom and reduce == wire:
+    if not custom and reduce == wire and stages is None:
         return jax.lax.all_gather(_cast(x, wire), axes, axis=dim, tiled=True)
-    return _gather_dim(axes, dim, jnp.dtype(x.dtype), wire, reduce, backend)(x)
+    return _gather_dim(axes, dim, jnp.dtype(x.dtype), wire, reduce, backend, stages)(x)
 
 
 def all_gather_spec(x: jax.Array, spec: Sequence[Any]) -> jax.Array:
@@ -420,9 +431,11 @@ def all_gather_spec(x: jax.Array, spec: Sequence[Any]) -> jax.Array:
     to the wire dtype rides the first gather."""
     ctx = _CONTEXT.get()
     backend, wire, reduce = (None, None, None) if ctx is None else (ctx.backend, ctx.gather_dtype, ctx.reduce_dtype)
+    stages = {} if ctx is None else ctx.scatter_stages
     for dim, axes in enumerate(spec):
         if axes:
-            x = gather_dim(x, axes, dim, backend=backend, wire_dtype=wire, reduce_dtype=reduce)
+            x = gather_dim(x, axes, dim, backend=backend, wire_dtype=wire, reduce_dtype=reduce,
+                           stages=stages.get(as_axes(axes)))
     return x
 
 

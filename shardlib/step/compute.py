@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from shardlib.model import Call, Model, Stages, hooks
 from shardlib.model import blocks as blocks_lib
 from shardlib.sharding import rules as rules_lib
+from shardlib.sharding import staged
 from shardlib.sharding.layout import Layout, known_names, restrict, spec_axes
 from shardlib.sharding.mesh import EXPERT_AXIS
 from shardlib.sharding.strategies import BATCH_RULES, Strategy
@@ -246,6 +247,12 @@ def warn_whole_gather(layout: Layout, specs: Any, reads_gather: bool) -> None:
         "or name its blocks (docs/your-model.md, 'ZeRO-3 one block at a time')", WholeGatherWarning, stacklevel=4)
 
 
+def _gather_groups(specs: Any) -> set[tuple[str, ...]]:
+    """The mesh-axes groups the gathers of ``specs`` run over (one per sharded dim entry)."""
+    leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    return {rules_lib.as_axes(entry) for spec in leaves if isinstance(spec, P) for entry in spec if entry}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelCall:
     """The model as one device computes it: parameters cast to the compute dtype and gathered
@@ -276,6 +283,8 @@ class ModelCall:
     # context parallelism: (devices the sequence is split over, balanced, attention mode) (`hooks.ComputeContext`)
     context: tuple[int, bool, str] = (1, True, "auto")
     block_recompute: str = "weights"  # what a per-call block's backward recomputes (`hooks.ComputeContext`)
+    # gather axes whose backward reduce-scatter goes in two stages -> inner group (`hooks.ComputeContext`)
+    scatter_stages: Mapping[tuple[str, ...], int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def for_layout(cls, model: Model, layout: Layout, policy: precision_lib.Precision,
@@ -297,7 +306,8 @@ class ModelCall:
                    backend=backend, reduce_dtype=policy.reduce_dtype,
                    stored=jax.tree.map(lambda spec: bool(spec_axes(spec)), layout.manual(layout.params, gathered_axes(layout))),
                    expert_split=expert_split_paths(layout),
-                   context=(layout.context_size, layout.context_balance, layout.context_attention))
+                   context=(layout.context_size, layout.context_balance, layout.context_attention),
+                   scatter_stages=staged.stages_for(layout.mesh, _gather_groups(specs), backend))
 
     def _compute(self, tree: Any) -> Any:
         """``tree`` in the compute dtype; a layerwise state shard keeps the master dtype, so its
@@ -340,7 +350,8 @@ class ModelCall:
                                     rows_split=self.rows_split, row_axes=self.key_axes, microbatches=microbatches,
                                     note_names=None if self.activation_names is None else self.activation_names.note,
                                     context_size=self.context[0], context_balance=self.context[1],
-                                    context_attention=self.context[2], block_recompute=self.block_recompute)
+                                    context_attention=self.context[2], block_recompute=self.block_recompute,
+                                    scatter_stages=self.scatter_stages)
 
     def probe(self, params: Any, rows: Any, ctx: StepContext) -> hooks.ComputeContext:
         """The compute context an abstract trace of the loss leaves: which parameters the model
