@@ -1,0 +1,160 @@
+"""Sliding windows and document (segment) masks in every attention kernel, at kernel level.
+
+Each kernel (shardlib's tiled flash on one sequence, the context-parallel ring and all-gather,
+``jax.nn.dot_product_attention`` as the cuDNN route builds its arguments, run here by its "xla"
+implementation) is compared, values and gradients, with `masked_reference`: a softmax attention
+written in this test with the same mask. The tile counts are checked against a brute-force count
+of the tiles with at least one visible (query, key) pair, so a tile the window or a document
+boundary hides entirely is never computed, forward or backward. The Pallas splash kernel's are in
+`tests/test_splash.py`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from shardlib import make_mesh
+from shardlib.model import attention as attention_lib
+from shardlib.model import hooks
+from shardlib.sharding import sequence
+from tests.test_context_parallel import _blocks, _count_tiles, _triangle
+
+T = 32
+# two packed rows: documents of 5, 11, 16 tokens and of 20, 12
+SEGMENTS = np.array([[0] * 5 + [1] * 11 + [2] * 16, [0] * 20 + [1] * 12], np.int32)
+
+
+def sees(t: int, segment_ids=None, window=None) -> np.ndarray:
+    """bool [b or 1, t, t]: query i sees key j (causal, within the window and its document)."""
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    see = (j <= i) & ((j > i - window) if window else True)
+    see = see[None]
+    return see if segment_ids is None else see & (segment_ids[:, :, None] == segment_ids[:, None, :])
+
+
+def masked_reference(q, k, v, segment_ids=None, window=None):
+    """softmax(q k^T / sqrt(d)) v where `sees`, float32, GQA by repeating kv heads."""
+    rep = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
+    s = jnp.where(sees(q.shape[1], segment_ids, window)[:, None], s, -1e30)
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v)
+
+
+def visible_tiles(t: int, tile: int, segment_ids=None, window=None) -> int:
+    """[tile x tile] blocks of the [t x t] scores holding at least one visible pair, in any row."""
+    see = sees(t, segment_ids, window)
+    n = t // tile
+    return int(see.reshape(see.shape[0], n, tile, n, tile).any(axis=(0, 2, 4)).sum())
+
+
+def _operands(t: int = T):
+    keys = jax.random.split(jax.random.key(3), 4)
+    q, w = (jax.random.normal(key, (2, t, 4, 8)) for key in keys[:2])
+    k, v = (jax.random.normal(key, (2, t, 2, 8)) for key in keys[2:])
+    return q, k, v, w
+
+
+def _assert_matches(attend, segment_ids, window, t: int = T):
+    """``attend(q, k, v)`` and its gradients equal `masked_reference`'s."""
+    q, k, v, w = _operands(t)
+    got, pull = jax.vjp(attend, q, k, v)
+    grads = pull(w)
+    want, want_pull = jax.vjp(lambda q, k, v: masked_reference(q, k, v, segment_ids, window), q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, want_pull(w)):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+CASES = {"window": (None, 6), "documents": (SEGMENTS, None), "both": (SEGMENTS, 6)}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_flash_masks_match_and_hidden_tiles_are_never_computed(case, monkeypatch):
+    """One sequence of 32 tokens in tiles of 4 x 4 (GQA): values and gradients equal the
+    reference, and forward and backward each compute exactly the tiles with a visible pair, fewer
+    than the causal triangle's 36. The window is traced (a jit argument, as under the layers' scan)."""
+    segment_ids, window = CASES[case]
+    _blocks(monkeypatch, 4)
+    computed = _count_tiles(monkeypatch)
+    ids = None if segment_ids is None else jnp.asarray(segment_ids)
+
+    @jax.jit
+    def attend(q, k, v, window):
+        return attention_lib.causal_flash(q, k, v, segment_ids=ids, window=window)
+
+    _assert_matches(lambda q, k, v: attend(q, k, v, None if window is None else jnp.int32(window)), segment_ids, window)
+    expected = visible_tiles(T, 4, segment_ids, window)
+    assert expected < _triangle(T // 4)
+    assert len(computed) == 2 * expected
+
+
+def test_a_traced_window_of_zero_is_no_window(monkeypatch):
+    """A layer without a window in a model with some (Gemma 2's global layers: window 0 in the
+    scanned array) computes the whole causal triangle, and equals plain causal attention."""
+    _blocks(monkeypatch, 4)
+    computed = _count_tiles(monkeypatch)
+    attend = jax.jit(lambda q, k, v, w: attention_lib.causal_flash(q, k, v, window=w))
+    _assert_matches(lambda q, k, v: attend(q, k, v, jnp.int32(0)), None, None)
+    assert len(computed) == 2 * _triangle(T // 4)
+
+
+@pytest.mark.parametrize("mode,balanced", [("ring", True), ("ring", False), ("allgather", True)])
+def test_split_sequence_masks_match_and_hidden_tiles_are_never_computed(mode, balanced, monkeypatch):
+    """The sequence split over context=4 (the ring's hops carry the keys' segment ids with them),
+    tiles of 2 x 2: documents and a window of 6 give the reference's values and gradients, and over
+    all devices each pass computes only the tiles with a visible pair."""
+    size = 4
+    _blocks(monkeypatch, 2)
+    computed = _count_tiles(monkeypatch)
+    order = sequence.order(T, size, balanced)
+    mesh = make_mesh({"context": size}, devices=jax.devices()[:size])
+    ids = jnp.asarray(SEGMENTS)
+
+    def split(q, k, v):
+        def body(q, k, v, ids, window):
+            ctx = hooks.ComputeContext(lambda names, shape: P(), context_size=size, context_balance=balanced,
+                                       context_attention=mode)
+            with hooks.compute_context(ctx):
+                return attention_lib.attention(q, k, v, causal=True, segment_ids=ids, window=window)
+
+        spec = P(None, "context")
+        run = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4 + (P(),), out_specs=spec)
+        out = run(q[:, order], k[:, order], v[:, order], ids[:, order], jnp.int32(6))
+        return out[:, np.argsort(order)]
+
+    _assert_matches(jax.jit(split), SEGMENTS, 6)
+    assert len(computed) == 2 * visible_tiles(T, 2, SEGMENTS, 6)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fused_attention_arguments_match(case):
+    """The cuDNN route's arguments (``local_window_size`` (window - 1, 0), documents as a mask),
+    run by jax.nn.dot_product_attention's XLA implementation; the window traced and switched
+    between the model's values (0 and 6), as under the layers' scan."""
+    from shardlib.models.gpt import fused_attention
+
+    segment_ids, window = CASES[case]
+    ids = None if segment_ids is None else jnp.asarray(segment_ids)
+    if window is None:
+        attend = jax.jit(lambda q, k, v: fused_attention("xla", q, k, v, segment_ids=ids))
+    else:
+        traced = jax.jit(lambda q, k, v, w: fused_attention("xla", q, k, v, segment_ids=ids, window=w, windows=(0, 6)))
+        attend = lambda q, k, v: traced(q, k, v, jnp.int32(window))  # noqa: E731
+    _assert_matches(attend, segment_ids, window)
+    if window is not None:  # the other branch of the switch: no window
+        _assert_matches(lambda q, k, v: traced(q, k, v, jnp.int32(0)), segment_ids, None)
+
+
+def test_a_static_mask_kernel_with_a_traced_window_and_no_values_is_refused():
+    from shardlib.models.gpt import fused_attention
+
+    q, k, v, _ = _operands()
+    with pytest.raises(ValueError, match=r"traced window needs the values it can take \(windows="):
+        jax.jit(lambda q, k, v, w: fused_attention("xla", q, k, v, window=w))(q, k, v, jnp.int32(6))
