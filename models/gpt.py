@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +25,6 @@ from .configs import GPTConfig, RopeScaling
 from shardlib.model import attention as attention_lib
 from shardlib.model import splash
 from shardlib.model.hooks import backend_policy, constrain, gather_layer, global_mean
-from shardlib.model.hooks import current as current_context
 from shardlib.model import Stages
 
 RESIDUAL = ("batch", "seq", "embed")
@@ -137,12 +137,9 @@ class Attention(nnx.Module):
         # shardlib's attention: the model's own kernel on a whole sequence, a ring or all-gather of
         # K/V when the sequence is split over a context axis
         local = functools.partial(_local_attention, self.implementation, windows=self.windows)
-        if self.softcap:  # Gemma 2's soft-capped scores: the einsum only
-            _refuse_split_sequence()
-            local = functools.partial(causal_attention, softcap=self.softcap, scale=self.scale)
-        elif self.scale is not None:  # query_pre_attn_scalar: the queries scaled, for kernels that scale by 1/sqrt(d)
+        if self.scale is not None:  # query_pre_attn_scalar: the queries scaled, the kernels scale by 1/sqrt(d)
             q = (q * (self.scale * math.sqrt(q.shape[-1]))).astype(q.dtype)
-        out = attention_lib.attention(q, k, v, causal=True, local=local, window=window)
+        out = attention_lib.attention(q, k, v, causal=True, local=local, window=window, softcap=self.softcap)
         return self.output(out)
 
     def project(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -174,39 +171,45 @@ class Attention(nnx.Module):
         return self.output(out), carry
 
 
-def _refuse_split_sequence() -> None:
-    """Soft-capping is not in the ring / all-gather attention of a context axis: say so."""
-    ctx = current_context()
-    if ctx is not None and ctx.context_size > 1:
-        raise ValueError("attention soft-capping (Gemma 2) does not run with the sequence split over a context axis "
-                         f"(size {ctx.context_size}): use a mesh without one")
-
-
 def _local_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array, *,
                      segment_ids: jax.Array | None = None, window: jax.Array | int | None = None,
-                     windows: tuple[int, ...] | None = None) -> jax.Array:
+                     windows: tuple[int, ...] | None = None, softcap: float | None = None) -> jax.Array:
     """Causal attention over a whole sequence with ``GPTConfig.attention``'s implementation, within
-    the documents of ``segment_ids`` and the sliding ``window`` (`shardlib.model.attention.attention`'s
-    arguments; ``windows``: the values a traced window takes, for the kernels with static masks)."""
+    the documents of ``segment_ids`` and the sliding ``window``, scores soft-capped at ``softcap``
+    (`shardlib.model.attention.attention`'s arguments; ``windows``: the values a traced window
+    takes, for the kernels with static masks)."""
     implementation = resolve_attention(implementation, q.dtype, q.shape[1])
     if implementation == "splash":
         why = splash.misfit(q, k)
         if why is None:
-            return splash.causal(q, k, v, segment_ids=segment_ids, window=window, windows=windows)
+            return splash.causal(q, k, v, segment_ids=segment_ids, window=window, windows=windows, softcap=softcap)
         splash.say_fallback(q, why)
         implementation = "flash" if q.shape[1] >= attention_lib.FLASH_MIN_SEQ else "einsum"
+    if implementation in ("xla", "cudnn") and softcap:  # "auto" picked cuDNN (explicit: refused by GPTConfig)
+        _say_once(f"shardlib: attention: jax.nn.dot_product_attention ({implementation}) takes no soft-cap "
+                  f"(attn_softcap={softcap}); running shardlib's flash attention instead")
+        implementation = "flash"
     if implementation == "flash":
-        return attention_lib.causal_flash(q, k, v, segment_ids=segment_ids, window=window)
+        return attention_lib.causal_flash(q, k, v, segment_ids=segment_ids, window=window, softcap=softcap)
     if implementation == "einsum":
         if segment_ids is not None:
             pos = jnp.arange(q.shape[1])
-            return attention_lib.dense(q, k, v, pos, pos, True, segment_ids=segment_ids, window=window)
-        return causal_attention(q, k, v, window=window)
+            return attention_lib.dense(q, k, v, pos, pos, True, segment_ids=segment_ids, window=window, softcap=softcap)
+        return causal_attention(q, k, v, window=window, softcap=softcap)
     if implementation == "blocked":
-        if segment_ids is not None or window is not None:
-            raise ValueError("attention='blocked' takes no sliding window or segment ids: use 'flash'")
+        if segment_ids is not None or window is not None or softcap:
+            raise ValueError("attention='blocked' takes no sliding window, segment ids or soft-cap: use 'flash'")
         return blocked_causal_attention(q, k, v)
     return fused_attention(implementation, q, k, v, segment_ids=segment_ids, window=window, windows=windows)
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        print(message, file=sys.stderr)
 
 
 def fused_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array, *,

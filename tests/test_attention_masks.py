@@ -11,6 +11,7 @@ boundary hides entirely is never computed, forward or backward. The Pallas splas
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -38,11 +39,13 @@ def sees(t: int, segment_ids=None, window=None) -> np.ndarray:
     return see if segment_ids is None else see & (segment_ids[:, :, None] == segment_ids[:, None, :])
 
 
-def masked_reference(q, k, v, segment_ids=None, window=None):
-    """softmax(q k^T / sqrt(d)) v where `sees`, float32, GQA by repeating kv heads."""
+def masked_reference(q, k, v, segment_ids=None, window=None, softcap=None):
+    """softmax(q k^T / sqrt(d)) v where `sees`, float32, GQA by repeating kv heads; ``softcap``:
+    the scores ``softcap * tanh(s / softcap)`` first (Gemma 2)."""
     rep = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
     s = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
+    s = s if softcap is None else softcap * jnp.tanh(s / softcap)
     s = jnp.where(sees(q.shape[1], segment_ids, window)[:, None], s, -1e30)
     return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v)
 
@@ -158,3 +161,62 @@ def test_a_static_mask_kernel_with_a_traced_window_and_no_values_is_refused():
     q, k, v, _ = _operands()
     with pytest.raises(ValueError, match=r"traced window needs the values it can take \(windows="):
         jax.jit(lambda q, k, v, w: fused_attention("xla", q, k, v, window=w))(q, k, v, jnp.int32(6))
+
+
+def test_softcapped_flash_and_ring_match(monkeypatch):
+    """Gemma 2's soft-cap (scores 5 tanh(s / 5), its derivative in the backward) with a window and
+    documents: shardlib's flash on one sequence, and the balanced ring over context=4."""
+    _blocks(monkeypatch, 4)
+    ids = jnp.asarray(SEGMENTS)
+    q, k, v, w = _operands()
+    q = q * 4  # scores large enough for the cap to bend them
+
+    size, order = 4, sequence.order(T, 4, True)
+    mesh = make_mesh({"context": size}, devices=jax.devices()[:size])
+
+    def ring(q, k, v):
+        def body(q, k, v, ids):
+            ctx = hooks.ComputeContext(lambda names, shape: P(), context_size=size, context_balance=True,
+                                       context_attention="ring")
+            with hooks.compute_context(ctx):
+                return attention_lib.attention(q, k, v, segment_ids=ids, window=6, softcap=5.0)
+
+        spec = P(None, "context")
+        out = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)(q[:, order], k[:, order],
+                                                                                   v[:, order], ids[:, order])
+        return out[:, np.argsort(order)]
+
+    want, want_pull = jax.vjp(lambda q, k, v: masked_reference(q, k, v, SEGMENTS, 6, 5.0), q, k, v)
+    flash = jax.jit(lambda q, k, v: attention_lib.causal_flash(q, k, v, segment_ids=ids, window=6, softcap=5.0))
+    for attend in (flash, jax.jit(ring)):
+        got, pull = jax.vjp(attend, q, k, v)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        for g, r in zip(pull(w), want_pull(w)):
+            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_windowed_softcapped_model_runs_every_attention_alike():
+    """A Gemma-2-shaped model (windows 6 and 0 alternating under the layers' scan, soft-cap, query
+    scale) gives the einsum's logits and gradients with attention="flash"; a Mistral-shaped one
+    (window 6 on every layer) with jax.nn.dot_product_attention's route ("xla", the cuDNN route's
+    arguments) too."""
+    from flax import nnx
+
+    from shardlib.models import GPT, GPTConfig
+
+    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=T)
+    gemma = GPTConfig(**base, layer_windows=(6, 0), attn_softcap=5.0, query_scale=12.0)
+    mistral = GPTConfig(**base, layer_windows=(6, 6))
+    tokens = jax.random.randint(jax.random.key(0), (2, T), 0, 64)
+
+    def run(config, attention):
+        model = GPT(dataclasses.replace(config, attention=attention), rngs=nnx.Rngs(0))
+        graph, params = nnx.split(model)
+        loss = lambda p: jnp.mean(jnp.square(nnx.merge(graph, p)(tokens)))  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    for config, fused in ((gemma, "flash"), (mistral, "xla")):
+        (want, want_grads), (got, grads) = run(config, "einsum"), run(config, fused)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)

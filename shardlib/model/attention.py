@@ -87,15 +87,16 @@ def _resolve(mode: str, seq_len: int, size: int) -> str:
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
               local: Callable[..., jax.Array] | None = None, segment_ids: jax.Array | None = None,
-              window: jax.Array | int | None = None) -> jax.Array:
+              window: jax.Array | int | None = None, softcap: float | None = None) -> jax.Array:
     """softmax(q k^T / sqrt(d)) v for q [batch, seq, heads, head_dim] and k, v [batch, seq,
     kv_heads, head_dim] (``kv_heads`` divides ``heads``: GQA), over the whole sequence even when
     each device holds a part of it. ``segment_ids`` int32 [batch, seq] (this device's tokens'):
     a query sees only keys of its own id (packed documents; None: one document). ``window`` (int
     or traced int32 scalar): > 0, a query at position i sees only keys after i - window; 0 or
-    None, every earlier key. ``local(q, k, v, segment_ids=, window=)``: the causal attention to
-    run when the sequence is not split (a fused kernel of the model's; the two keywords passed
-    only when given); default a float32-softmax einsum."""
+    None, every earlier key. ``softcap``: scores ``softcap * tanh(s / softcap)`` (Gemma 2).
+    ``local(q, k, v, segment_ids=, window=, softcap=)``: the causal attention to run when the
+    sequence is not split (a fused kernel of the model's; each keyword passed only when given);
+    default a float32-softmax einsum."""
     if window is not None and not causal:
         raise ValueError("attention: a sliding window needs causal=True (it limits how far back a query sees)")
     ctx = hooks.current()
@@ -104,13 +105,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
         ctx.attention_calls.append(q.shape)
     if size == 1:
         if local is not None and causal:
-            given = {name: x for name, x in (("segment_ids", segment_ids), ("window", window)) if x is not None}
+            given = {name: x for name, x in (("segment_ids", segment_ids), ("window", window), ("softcap", softcap))
+                     if x is not None}
             return local(q, k, v, **given)
         pos = jnp.arange(q.shape[1])
-        return dense(q, k, v, pos, pos, causal, segment_ids=segment_ids, window=window)
+        return dense(q, k, v, pos, pos, causal, segment_ids=segment_ids, window=window, softcap=softcap)
     mode = _resolve(ctx.context_attention, q.shape[1] * size, size)
     run = ring if mode == "ring" else gathered
-    return run(q, k, v, causal=causal, size=size, balanced=ctx.context_balance, segment_ids=segment_ids, window=window)
+    return run(q, k, v, causal=causal, size=size, balanced=ctx.context_balance, segment_ids=segment_ids, window=window,
+               softcap=softcap)
 
 
 # ---- blocks: scores [b, t, n, g, s] (query groups g share kv head n), float32 statistics
@@ -123,19 +126,22 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
     return q.reshape(b, t, kv_heads, h // kv_heads, d)
 
 
-def dense(q, k, v, pq, pk, causal: bool, *, segment_ids=None, window=None) -> jax.Array:
+def dense(q, k, v, pq, pk, causal: bool, *, segment_ids=None, window=None, softcap=None) -> jax.Array:
     """Attention of queries at positions ``pq`` to keys at ``pk`` in one block (the whole [T x T]
     scores; ``segment_ids`` the queries' and keys' both)."""
     q5 = _grouped(q, k.shape[2])
     s = jnp.einsum("btngk,bsnk->btngs", q5, k, preferred_element_type=jnp.float32) / math.sqrt(q5.shape[-1])
     mask = flash_lib.Mask(pq, pk, causal, flash_lib.window_of(window), segment_ids, segment_ids)
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
     if mask.hides:
         s = jnp.where(mask.visible()[:, :, None, None, :], s, _NEG)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     return jnp.einsum("btngs,bsnk->btngk", p, v).reshape(q.shape).astype(q.dtype)
 
 
-def gathered(q, k, v, *, causal: bool, size: int, balanced: bool, segment_ids=None, window=None) -> jax.Array:
+def gathered(q, k, v, *, causal: bool, size: int, balanced: bool, segment_ids=None, window=None,
+             softcap=None) -> jax.Array:
     """Every device gathers all K/V (and their positions and segment ids) over `context` and
     attends to them, `flash`-style: one [QUERY_BLOCK x KEY_BLOCK] tile of scores at a time,
     never [T/C x T]."""
@@ -144,28 +150,28 @@ def gathered(q, k, v, *, causal: bool, size: int, balanced: bool, segment_ids=No
     k_all, v_all = (jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True) for x in (k, v))
     sk = None if segment_ids is None else jax.lax.all_gather(segment_ids, CONTEXT_AXIS, axis=1, tiled=True)
     pk = jnp.concatenate([sequence.positions(d, k.shape[1], size, balanced, xp=jnp) for d in range(size)])
-    return flash(q, k_all, v_all, pq, pk, causal, segment_ids, sk, flash_lib.window_of(window))
+    return flash(q, k_all, v_all, pq, pk, causal, segment_ids, sk, flash_lib.window_of(window), softcap)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def flash(q, k, v, pq, pk, causal: bool, sq=None, sk=None, window=None) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 9))
+def flash(q, k, v, pq, pk, causal: bool, sq=None, sk=None, window=None, softcap=None) -> jax.Array:
     """`dense`, with memory linear in the keys and the hidden tiles skipped: an online softmax over
     [query x key] tiles forward (`shardlib.model.flash`), and a backward pass that recomputes each
     visible tile's probabilities from the saved log-sum-exp. ``sq`` / ``sk``: the queries' and
-    keys' segment ids [b, t] / [b, s]; ``window``: an int32 scalar (`flash_lib.Mask`)."""
-    return _flash_forward(q, k, v, pq, pk, causal, sq, sk, window)[0]
+    keys' segment ids [b, t] / [b, s]; ``window``: an int32 scalar; ``softcap`` (`flash_lib.Mask`)."""
+    return _flash_forward(q, k, v, pq, pk, causal, sq, sk, window, softcap)[0]
 
 
-def _flash_forward(q, k, v, pq, pk, causal, sq, sk, window):
-    mask = flash_lib.Mask(pq, pk, causal, window, sq, sk)
+def _flash_forward(q, k, v, pq, pk, causal, sq, sk, window, softcap):
+    mask = flash_lib.Mask(pq, pk, causal, window, sq, sk, softcap)
     qh, kh, vh = flash_lib.heads(q, k.shape[2]), flash_lib.kv_heads(k), flash_lib.kv_heads(v)
     out, lse = flash_lib.finish(flash_lib.fold(flash_lib.empty(qh, vh), qh, kh, vh, mask), q.dtype)
     return flash_lib.unheads(out), (qh, kh, vh, (pq, pk, sq, sk, window), out, lse)
 
 
-def _flash_backward(causal, residuals, d_out):
+def _flash_backward(causal, softcap, residuals, d_out):
     qh, kh, vh, (pq, pk, sq, sk, window), out, lse = residuals
-    mask = flash_lib.Mask(pq, pk, causal, window, sq, sk)
+    mask = flash_lib.Mask(pq, pk, causal, window, sq, sk, softcap)
     do = flash_lib.heads(d_out, kh.shape[1])
     dq, dk, dv = flash_lib.unfold(qh, kh, vh, mask, do, lse, flash_lib.output_grads(out, do))
     return _from_heads(dq, dk, dv, qh.dtype, kh.dtype, vh.dtype) + (None,) * 5
@@ -188,12 +194,12 @@ FLASH_MIN_SEQ = 512
 
 
 def causal_flash(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None = None,
-                 window: jax.Array | int | None = None) -> jax.Array:
+                 window: jax.Array | int | None = None, softcap: float | None = None) -> jax.Array:
     """Causal `flash` attention over one whole sequence: memory linear in its length; within each
-    document of ``segment_ids`` and each query's ``window`` (as `attention`'s), the tiles they
-    hide never computed."""
+    document of ``segment_ids`` and each query's ``window`` (as `attention`'s, and its
+    ``softcap``), the tiles they hide never computed."""
     pos = jnp.arange(q.shape[1])
-    return flash(q, k, v, pos, pos, True, segment_ids, segment_ids, flash_lib.window_of(window))
+    return flash(q, k, v, pos, pos, True, segment_ids, segment_ids, flash_lib.window_of(window), softcap)
 
 
 def static_window(run: Callable[[int], jax.Array], window, windows, kernel: str) -> jax.Array:
@@ -300,16 +306,16 @@ def _switch(device, source, causal, balanced, run, operand):
                           *operand)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _ring(q, k, v, segment_ids, window, causal, size, balanced):
-    return _ring_forward(q, k, v, segment_ids, window, causal, size, balanced)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _ring(q, k, v, segment_ids, window, causal, size, balanced, softcap):
+    return _ring_forward(q, k, v, segment_ids, window, causal, size, balanced, softcap)[0]
 
 
-def _ring_forward(q, k, v, segment_ids, window, causal, size, balanced):
+def _ring_forward(q, k, v, segment_ids, window, causal, size, balanced, softcap):
     device = jax.lax.axis_index(CONTEXT_AXIS)
     q5, k, v = flash_lib.heads(q, k.shape[2]), flash_lib.kv_heads(k), flash_lib.kv_heads(v)
     pq = sequence.positions(device, q.shape[1], size, balanced, xp=jnp)
-    mask = flash_lib.Mask(pq, pq, causal, window, segment_ids, segment_ids)
+    mask = flash_lib.Mask(pq, pq, causal, window, segment_ids, segment_ids, softcap)
     acc = _forward_part(FULL, flash_lib.empty(q5, v), q5, k, v, mask)  # its own block first: every row sees itself
     held = (k, v, segment_ids)  # keys travel with their documents' ids
     for hop in range(1, size):
@@ -325,13 +331,13 @@ def _ring_forward(q, k, v, segment_ids, window, causal, size, balanced):
     return flash_lib.unheads(out), (q5, k, v, segment_ids, window, out, lse)
 
 
-def _ring_backward(causal, size, balanced, residuals, d_out):
+def _ring_backward(causal, size, balanced, softcap, residuals, d_out):
     q5, k, v, segment_ids, window, out, lse = residuals
     device = jax.lax.axis_index(CONTEXT_AXIS)
     do5 = flash_lib.heads(d_out, k.shape[1])
     delta = flash_lib.output_grads(out, do5)
     pq = sequence.positions(device, q5.shape[_T], size, balanced, xp=jnp)
-    mask = flash_lib.Mask(pq, pq, causal, window, segment_ids, segment_ids)
+    mask = flash_lib.Mask(pq, pq, causal, window, segment_ids, segment_ids, softcap)
     grads = _backward_part(FULL, (jnp.zeros(q5.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
                                   jnp.zeros(v.shape, jnp.float32)), q5, k, v, mask, do5, lse, delta)
     dq, dk, dv = grads
@@ -352,8 +358,9 @@ def _ring_backward(causal, size, balanced, residuals, d_out):
 _ring.defvjp(_ring_forward, _ring_backward)
 
 
-def ring(q, k, v, *, causal: bool, size: int, balanced: bool, segment_ids=None, window=None) -> jax.Array:
-    """Ring attention over the `context` axis (inside the step's shard_map); ``segment_ids`` and
-    ``window`` as `attention`'s."""
+def ring(q, k, v, *, causal: bool, size: int, balanced: bool, segment_ids=None, window=None,
+         softcap=None) -> jax.Array:
+    """Ring attention over the `context` axis (inside the step's shard_map); ``segment_ids``,
+    ``window`` and ``softcap`` as `attention`'s."""
     _grouped(q, k.shape[2])
-    return _ring(q, k, v, segment_ids, flash_lib.window_of(window), causal, size, balanced)
+    return _ring(q, k, v, segment_ids, flash_lib.window_of(window), causal, size, balanced, softcap)

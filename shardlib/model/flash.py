@@ -60,7 +60,8 @@ def unheads(x: jax.Array) -> jax.Array:
 class Mask(NamedTuple):
     """Which keys each query sees: all of them, but only ``pk <= pq`` where ``causal``, only
     ``pk > pq - window`` where ``window`` (an int32 scalar, may be traced) is > 0, and only equal
-    ids where the segment ids ``sq`` [b, t] / ``sk`` [b, s] are given (None: one document)."""
+    ids where the segment ids ``sq`` [b, t] / ``sk`` [b, s] are given (None: one document).
+    ``softcap`` (a float, static): Gemma 2's scores, ``softcap * tanh(s / softcap)`` before the mask."""
 
     pq: jax.Array
     pk: jax.Array
@@ -68,6 +69,7 @@ class Mask(NamedTuple):
     window: jax.Array | None = None
     sq: jax.Array | None = None
     sk: jax.Array | None = None
+    softcap: float | None = None
 
     @property
     def hides(self) -> bool:
@@ -169,6 +171,8 @@ def scores(qt, kt, mask, masked):
     """One tile's float32 scores q k^T / sqrt(d); ``masked``: those ``mask`` (the tile's `Mask`)
     hides `_NEG`."""
     s = jnp.einsum("bngtd,bnsd->bngts", qt, kt, preferred_element_type=jnp.float32) * (1.0 / math.sqrt(qt.shape[-1]))
+    if mask.softcap:
+        s = mask.softcap * jnp.tanh(s / mask.softcap)
     return jnp.where(mask.visible()[:, None, None], s, _NEG) if masked else s
 
 
@@ -226,7 +230,10 @@ def unfold(q, k, v, mask, do, lse, delta):
         p = jnp.exp(s - _at(lse, qs, bq, 3)[..., None])
         dv_t = jnp.einsum("bngts,bngtd->bnsd", p.astype(do.dtype), dot, preferred_element_type=jnp.float32)
         dp = jnp.einsum("bngtd,bnsd->bngts", dot, vt, preferred_element_type=jnp.float32)
-        ds = (p * (dp - _at(delta, qs, bq, 3)[..., None])).astype(q.dtype)
+        ds = p * (dp - _at(delta, qs, bq, 3)[..., None])
+        if mask.softcap:  # through the cap: d/dx c tanh(x / c) = 1 - tanh(x / c)^2 (0 where hidden: p = 0)
+            ds = ds * (1.0 - jnp.square(jnp.clip(s / mask.softcap, -1.0, 1.0)))
+        ds = ds.astype(q.dtype)
         dq_t = jnp.einsum("bngts,bnsd->bngtd", ds, kt, preferred_element_type=jnp.float32) * scale
         dk_t = jnp.einsum("bngts,bngtd->bnsd", ds, qt, preferred_element_type=jnp.float32) * scale
         return _put(dq, dq_t, qs, 3, add=True), _put(dk, dk_t, ks, 2, add=True), _put(dv, dv_t, ks, 2, add=True)

@@ -68,7 +68,7 @@ def say_fallback(q: jax.Array, why: str) -> None:
               "running shardlib's flash attention instead", file=sys.stderr)
 
 
-def _kernel(heads: int, seq_len: int, window: int):
+def _kernel(heads: int, seq_len: int, window: int, softcap: float | None):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 
@@ -80,16 +80,16 @@ def _kernel(heads: int, seq_len: int, window: int):
     one = mask_lib.LocalMask(shape, (window - 1, 0), 0) if window > 0 else mask_lib.CausalMask(shape)
     return jax.vmap(kernel_lib.make_splash_mha(mask_lib.MultiHeadMask([one] * heads), block_sizes=sizes,
                                                head_shards=1, q_seq_shards=1, save_residuals=True,
-                                               interpret=INTERPRET))
+                                               attn_logits_soft_cap=softcap, interpret=INTERPRET))
 
 
-def _forward(q, k, v, segment_ids, window: int):
+def _forward(q, k, v, segment_ids, window: int, softcap: float | None):
     """The kernel's causal attention of q [b, t, h, d] to k/v [b, t, n, d] within ``window`` (0:
     none) and the documents of ``segment_ids`` [b, t] (None: one), and its log-sum-exp [b, h, t]
-    (natural log, of the scaled scores)."""
+    (natural log, of the scaled, capped scores)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
 
-    run = _kernel(q.shape[2], q.shape[1], window)
+    run = _kernel(q.shape[2], q.shape[1], window, softcap)
     q = q * (1.0 / math.sqrt(q.shape[-1]))  # the kernel does not scale
     ids = None if segment_ids is None else kernel_lib.SegmentIds(q=segment_ids, kv=segment_ids)
     out, (lse,) = run(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), segment_ids=ids)
@@ -106,22 +106,23 @@ def _free_axes() -> tuple[tuple[str, ...], int]:
 
 
 def causal(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None = None,
-           window: jax.Array | int | None = None, windows: tuple[int, ...] | None = None) -> jax.Array:
+           window: jax.Array | int | None = None, windows: tuple[int, ...] | None = None,
+           softcap: float | None = None) -> jax.Array:
     """Causal softmax(q k^T / sqrt(d)) v, forward by the splash kernel (the caller checked
     `misfit`), backward by shardlib's tiled flash loop from the kernel's log-sum-exp; within the
-    documents of ``segment_ids`` and ``window`` (as `shardlib.model.attention.attention`'s; a
-    traced one must be one of the static ``windows``)."""
-    return attention_lib.static_window(functools.partial(_causal, q, k, v, segment_ids), window, windows,
-                                       "the Pallas splash kernel")
+    documents of ``segment_ids``, ``window`` and ``softcap`` (as `shardlib.model.attention.attention`'s;
+    a traced window must be one of the static ``windows``)."""
+    return attention_lib.static_window(functools.partial(_causal, q, k, v, segment_ids, softcap=softcap), window,
+                                       windows, "the Pallas splash kernel")
 
 
-def _causal(q, k, v, segment_ids, window: int):
+def _causal(q, k, v, segment_ids, window: int, softcap: float | None = None):
     free, tensor = _free_axes()
     split = tensor > 1 and k.shape[2] % tensor == 0
     if tensor > 1 and not split:
         say_fallback(q, f"{k.shape[2]} key/value heads do not split over {HEAD_AXIS}={tensor}: each device runs all heads")
     spec, lse_spec = (P(None, None, HEAD_AXIS), P(None, HEAD_AXIS)) if split else (P(), P())
-    run = functools.partial(_forward, window=window)
+    run = functools.partial(_forward, window=window, softcap=softcap)
     forward = run if not free else jax.shard_map(run, in_specs=(spec,) * 3 + (P(),), out_specs=(spec, lse_spec),
                                                   axis_names=set(free), check_vma=False)
     vary = tuple(sorted(compat.varying_axes(q) | compat.varying_axes(k) | compat.varying_axes(v)))
@@ -141,7 +142,7 @@ def _causal(q, k, v, segment_ids, window: int):
         n = k.shape[2]
         qh, kh, vh, do = flash_lib.heads(q, n), flash_lib.kv_heads(k), flash_lib.kv_heads(v), flash_lib.heads(d_out, n)
         pos = jnp.arange(q.shape[1])
-        mask = flash_lib.Mask(pos, pos, True, flash_lib.window_of(window), segment_ids, segment_ids)
+        mask = flash_lib.Mask(pos, pos, True, flash_lib.window_of(window), segment_ids, segment_ids, softcap)
         dq, dk, dv = flash_lib.unfold(qh, kh, vh, mask, do, lse.reshape(qh.shape[:4]).astype(jnp.float32),
                                       flash_lib.output_grads(flash_lib.heads(out, n), do))
         return (flash_lib.unheads(dq).astype(q.dtype), flash_lib.kv_heads(dk).astype(k.dtype),
