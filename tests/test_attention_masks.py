@@ -220,3 +220,17 @@ def test_windowed_softcapped_model_runs_every_attention_alike():
         np.testing.assert_allclose(got, want, rtol=1e-5)
         for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
             np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", ["einsum", "flash", "xla", "splash"])
+def test_the_models_dispatch_passes_documents_and_window_on(implementation, capsys):
+    """`models.gpt._local_attention` (what a model's attention runs on one sequence) with documents
+    and a window of 6: each implementation equals the reference (splash outside a TPU step: flash,
+    said on stderr)."""
+    from shardlib.models.gpt import _local_attention
+
+    q, k, v, _ = _operands()
+    got = jax.jit(lambda q, k, v: _local_attention(implementation, q, k, v, segment_ids=jnp.asarray(SEGMENTS),
+                                                   window=6))(q, k, v)
+    np.testing.assert_allclose(got, masked_reference(q, k, v, SEGMENTS, 6), rtol=1e-5, atol=1e-6)
+    assert ("the Pallas splash kernel does not take" in capsys.readouterr().err) == (implementation == "splash")

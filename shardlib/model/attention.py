@@ -34,7 +34,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from shardlib.model import flash as flash_lib
 from shardlib.model import hooks
@@ -204,11 +203,11 @@ def causal_flash(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.A
 
 def static_window(run: Callable[[int], jax.Array], window, windows, kernel: str) -> jax.Array:
     """``run(w)`` for a kernel whose mask must be known before tracing (Pallas splash, cuDNN):
-    an int ``window`` (None: 0, no window) directly; a traced one, one of ``windows`` (the static
-    values it can take: a model's per-layer windows under the layers' scan), by ``lax.switch``
-    over one kernel per value."""
-    if window is None or isinstance(window, (int, np.integer)):
-        return run(max(int(window or 0), 0))
+    a known ``window`` (an int or a concrete array; None: 0, no window) directly; a traced one,
+    one of ``windows`` (the static values it can take: a model's per-layer windows under the
+    layers' scan), by ``lax.switch`` over one kernel per value."""
+    if window is None or not isinstance(window, jax.core.Tracer):
+        return run(max(int(0 if window is None else window), 0))
     if not windows:
         raise ValueError(f"attention: {kernel} builds its mask before tracing, so a traced window needs the values "
                          "it can take (windows=, e.g. GPTConfig.layer_windows); pass an int window or use flash")
