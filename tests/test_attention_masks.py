@@ -58,18 +58,19 @@ def visible_tiles(t: int, tile: int, segment_ids=None, window=None) -> int:
 
 
 def _operands(t: int = T):
+    """q (scores large enough for a soft-cap of 5 to bend them), k, v and an output cotangent."""
     keys = jax.random.split(jax.random.key(3), 4)
     q, w = (jax.random.normal(key, (2, t, 4, 8)) for key in keys[:2])
     k, v = (jax.random.normal(key, (2, t, 2, 8)) for key in keys[2:])
-    return q, k, v, w
+    return 4 * q, k, v, w
 
 
-def _assert_matches(attend, segment_ids, window, t: int = T):
+def _assert_matches(attend, segment_ids, window, softcap=None, t: int = T):
     """``attend(q, k, v)`` and its gradients equal `masked_reference`'s."""
     q, k, v, w = _operands(t)
     got, pull = jax.vjp(attend, q, k, v)
     grads = pull(w)
-    want, want_pull = jax.vjp(lambda q, k, v: masked_reference(q, k, v, segment_ids, window), q, k, v)
+    want, want_pull = jax.vjp(lambda q, k, v: masked_reference(q, k, v, segment_ids, window, softcap), q, k, v)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     for g, r in zip(grads, want_pull(w)):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
@@ -108,11 +109,11 @@ def test_a_traced_window_of_zero_is_no_window(monkeypatch):
     assert len(computed) == 2 * _triangle(T // 4)
 
 
-@pytest.mark.parametrize("mode,balanced", [("ring", True), ("ring", False), ("allgather", True)])
-def test_split_sequence_masks_match_and_hidden_tiles_are_never_computed(mode, balanced, monkeypatch):
+@pytest.mark.parametrize("mode,balanced,softcap", [("ring", True, 5.0), ("ring", False, None), ("allgather", True, 5.0)])
+def test_split_sequence_masks_match_and_hidden_tiles_are_never_computed(mode, balanced, softcap, monkeypatch):
     """The sequence split over context=4 (the ring's hops carry the keys' segment ids with them),
-    tiles of 2 x 2: documents and a window of 6 give the reference's values and gradients, and over
-    all devices each pass computes only the tiles with a visible pair."""
+    tiles of 2 x 2: documents and a window of 6 (and Gemma 2's soft-cap of 5) give the reference's
+    values and gradients, and over all devices each pass computes only the tiles with a visible pair."""
     size = 4
     _blocks(monkeypatch, 2)
     computed = _count_tiles(monkeypatch)
@@ -125,14 +126,14 @@ def test_split_sequence_masks_match_and_hidden_tiles_are_never_computed(mode, ba
             ctx = hooks.ComputeContext(lambda names, shape: P(), context_size=size, context_balance=balanced,
                                        context_attention=mode)
             with hooks.compute_context(ctx):
-                return attention_lib.attention(q, k, v, causal=True, segment_ids=ids, window=window)
+                return attention_lib.attention(q, k, v, causal=True, segment_ids=ids, window=window, softcap=softcap)
 
         spec = P(None, "context")
         run = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4 + (P(),), out_specs=spec)
         out = run(q[:, order], k[:, order], v[:, order], ids[:, order], jnp.int32(6))
         return out[:, np.argsort(order)]
 
-    _assert_matches(jax.jit(split), SEGMENTS, 6)
+    _assert_matches(jax.jit(split), SEGMENTS, 6, softcap)
     assert len(computed) == 2 * visible_tiles(T, 2, SEGMENTS, 6)
 
 
@@ -163,36 +164,13 @@ def test_a_static_mask_kernel_with_a_traced_window_and_no_values_is_refused():
         jax.jit(lambda q, k, v, w: fused_attention("xla", q, k, v, window=w))(q, k, v, jnp.int32(6))
 
 
-def test_softcapped_flash_and_ring_match(monkeypatch):
+def test_softcapped_flash_matches(monkeypatch):
     """Gemma 2's soft-cap (scores 5 tanh(s / 5), its derivative in the backward) with a window and
-    documents: shardlib's flash on one sequence, and the balanced ring over context=4."""
+    documents, shardlib's flash on one sequence (the split sequence's: above)."""
     _blocks(monkeypatch, 4)
     ids = jnp.asarray(SEGMENTS)
-    q, k, v, w = _operands()
-    q = q * 4  # scores large enough for the cap to bend them
-
-    size, order = 4, sequence.order(T, 4, True)
-    mesh = make_mesh({"context": size}, devices=jax.devices()[:size])
-
-    def ring(q, k, v):
-        def body(q, k, v, ids):
-            ctx = hooks.ComputeContext(lambda names, shape: P(), context_size=size, context_balance=True,
-                                       context_attention="ring")
-            with hooks.compute_context(ctx):
-                return attention_lib.attention(q, k, v, segment_ids=ids, window=6, softcap=5.0)
-
-        spec = P(None, "context")
-        out = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)(q[:, order], k[:, order],
-                                                                                   v[:, order], ids[:, order])
-        return out[:, np.argsort(order)]
-
-    want, want_pull = jax.vjp(lambda q, k, v: masked_reference(q, k, v, SEGMENTS, 6, 5.0), q, k, v)
-    flash = jax.jit(lambda q, k, v: attention_lib.causal_flash(q, k, v, segment_ids=ids, window=6, softcap=5.0))
-    for attend in (flash, jax.jit(ring)):
-        got, pull = jax.vjp(attend, q, k, v)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-        for g, r in zip(pull(w), want_pull(w)):
-            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+    attend = jax.jit(lambda q, k, v: attention_lib.causal_flash(q, k, v, segment_ids=ids, window=6, softcap=5.0))
+    _assert_matches(attend, SEGMENTS, 6, 5.0)
 
 
 def test_windowed_softcapped_model_runs_every_attention_alike():
