@@ -59,7 +59,8 @@ class GPTConfig:
     # Gemma 2's attention: scores times query_scale ** -0.5 (query_pre_attn_scalar) instead of head_dim's,
     # tanh soft-capped at attn_softcap, each layer's keys limited to its window (layer_windows, one per
     # layer, 0: every earlier key); the logits soft-capped at final_softcap; sandwich_norm adds the
-    # post-attention and post-MLP norms. These run in the einsum attention only (`custom_attention`).
+    # post-attention and post-MLP norms. Windows run in every attention but "blocked"; the soft-cap in all but
+    # "blocked" and jax.nn.dot_product_attention's ("xla", "cudnn").
     query_scale: float | None = None
     attn_softcap: float | None = None
     layer_windows: tuple[int, ...] | None = None
@@ -86,10 +87,11 @@ class GPTConfig:
             raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
         if self.layer_windows is not None and len(self.layer_windows) != self.n_layers:
             raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for n_layers={self.n_layers}")
-        if self.custom_attention and self.attention not in ("auto", "einsum"):
-            raise ValueError(f"attention={self.attention!r} cannot run sliding windows, attention soft-capping or "
-                             "query_pre_attn_scalar (the flash, blocked and fused kernels take none of them yet): "
-                             "use attention='einsum' (or 'auto', which picks it for such a model)")
+        if self.attn_softcap and self.attention in ("blocked", "xla", "cudnn"):
+            raise ValueError(f"attention={self.attention!r} cannot run attention soft-capping (attn_softcap, Gemma 2): "
+                             "use 'flash', 'splash', 'einsum' or 'auto'")
+        if self.attention == "blocked" and self.layer_windows and any(self.layer_windows):
+            raise ValueError("attention='blocked' cannot run sliding windows (layer_windows): use 'flash', or 'auto'")
 
     @property
     def custom_attention(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +25,6 @@ from .configs import GPTConfig, RopeScaling
 from shardlib.model import attention as attention_lib
 from shardlib.model import splash
 from shardlib.model.hooks import backend_policy, constrain, gather_layer, global_mean
-from shardlib.model.hooks import current as current_context
 from shardlib.model import Stages
 
 RESIDUAL = ("batch", "seq", "embed")
@@ -122,7 +122,9 @@ class Attention(nnx.Module):
             self.bq = _param(rngs, nnx.initializers.zeros, (h, hd), ("heads", "head_dim"))
             self.bk = _param(rngs, nnx.initializers.zeros, (kv, hd), ("kv_heads", "head_dim"))
             self.bv = _param(rngs, nnx.initializers.zeros, (kv, hd), ("kv_heads", "head_dim"))
-        self.softcap, self.custom = config.attn_softcap, config.custom_attention
+        self.softcap = config.attn_softcap
+        # the values a layer's (traced) window takes: the kernels whose masks are static need them
+        self.windows = tuple(sorted(set(config.layer_windows))) if config.layer_windows else None
         self.scale = config.query_scale ** -0.5 if config.query_scale else None
         if config.qk_norm:  # per head, over head_dim (Qwen3)
             self.q_norm, self.k_norm = (RMSNorm(hd, eps=config.norm_eps, offset=config.norm_offset, rngs=rngs,
@@ -134,11 +136,10 @@ class Attention(nnx.Module):
         q, k, v = self.project(x, sin, cos)
         # shardlib's attention: the model's own kernel on a whole sequence, a ring or all-gather of
         # K/V when the sequence is split over a context axis
-        local = functools.partial(_local_attention, self.implementation)
-        if self.custom:  # Gemma 2: the einsum with its window, soft-cap and scale
-            _refuse_split_sequence()
-            local = functools.partial(causal_attention, window=window, softcap=self.softcap, scale=self.scale)
-        out = attention_lib.attention(q, k, v, causal=True, local=local)
+        local = functools.partial(_local_attention, self.implementation, windows=self.windows)
+        if self.scale is not None:  # query_pre_attn_scalar: the queries scaled, the kernels scale by 1/sqrt(d)
+            q = (q * (self.scale * math.sqrt(q.shape[-1]))).astype(q.dtype)
+        out = attention_lib.attention(q, k, v, causal=True, local=local, window=window, softcap=self.softcap)
         return self.output(out)
 
     def project(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -170,30 +171,61 @@ class Attention(nnx.Module):
         return self.output(out), carry
 
 
-def _refuse_split_sequence() -> None:
-    """Windows and soft-capping are not in the ring / all-gather attention of a context axis: say so."""
-    ctx = current_context()
-    if ctx is not None and ctx.context_size > 1:
-        raise ValueError("sliding windows and attention soft-capping (Gemma 2) do not run with the sequence split "
-                         f"over a context axis (size {ctx.context_size}): use a mesh without one")
-
-
-def _local_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal attention over a whole sequence with ``GPTConfig.attention``'s implementation."""
+def _local_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                     segment_ids: jax.Array | None = None, window: jax.Array | int | None = None,
+                     windows: tuple[int, ...] | None = None, softcap: float | None = None) -> jax.Array:
+    """Causal attention over a whole sequence with ``GPTConfig.attention``'s implementation, within
+    the documents of ``segment_ids`` and the sliding ``window``, scores soft-capped at ``softcap``
+    (`shardlib.model.attention.attention`'s arguments; ``windows``: the values a traced window
+    takes, for the kernels with static masks)."""
     implementation = resolve_attention(implementation, q.dtype, q.shape[1])
     if implementation == "splash":
         why = splash.misfit(q, k)
         if why is None:
-            return splash.causal(q, k, v)
+            return splash.causal(q, k, v, segment_ids=segment_ids, window=window, windows=windows, softcap=softcap)
         splash.say_fallback(q, why)
         implementation = "flash" if q.shape[1] >= attention_lib.FLASH_MIN_SEQ else "einsum"
+    if implementation in ("xla", "cudnn") and softcap:  # "auto" picked cuDNN (explicit: refused by GPTConfig)
+        _say_once(f"shardlib: attention: jax.nn.dot_product_attention ({implementation}) takes no soft-cap "
+                  f"(attn_softcap={softcap}); running shardlib's flash attention instead")
+        implementation = "flash"
     if implementation == "flash":
-        return attention_lib.causal_flash(q, k, v)
+        return attention_lib.causal_flash(q, k, v, segment_ids=segment_ids, window=window, softcap=softcap)
     if implementation == "einsum":
-        return causal_attention(q, k, v)
+        if segment_ids is not None:
+            pos = jnp.arange(q.shape[1])
+            return attention_lib.dense(q, k, v, pos, pos, True, segment_ids=segment_ids, window=window, softcap=softcap)
+        return causal_attention(q, k, v, window=window, softcap=softcap)
     if implementation == "blocked":
+        if segment_ids is not None or window is not None or softcap:
+            raise ValueError("attention='blocked' takes no sliding window, segment ids or soft-cap: use 'flash'")
         return blocked_causal_attention(q, k, v)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    return fused_attention(implementation, q, k, v, segment_ids=segment_ids, window=window, windows=windows)
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        print(message, file=sys.stderr)
+
+
+def fused_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                    segment_ids: jax.Array | None = None, window: jax.Array | int | None = None,
+                    windows: tuple[int, ...] | None = None) -> jax.Array:
+    """``jax.nn.dot_product_attention`` ("cudnn" or "xla"), causal: a window as its
+    ``local_window_size`` (left, right) = (window - 1, 0), i.e. keys i - window + 1 .. i (cuDNN's
+    sliding window of ``window``); documents as a boolean ``mask`` [batch, 1, seq, seq] (the
+    function takes no segment ids: the mask is quadratic in the sequence)."""
+    mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+    def run(w: int) -> jax.Array:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation,
+                                            local_window_size=(w - 1, 0) if w > 0 else None)
+
+    return attention_lib.static_window(run, window, windows, f"jax.nn.dot_product_attention ({implementation})")
 
 
 # The dtypes cuDNN's fused attention kernel takes.

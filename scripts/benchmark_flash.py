@@ -8,12 +8,15 @@
   one row) with ``attention="flash"`` against ``attention="einsum"``. Goal: <= 0.75x at 4096.
 * ``sweep``: flash / einsum forward + backward over ``--lengths``, the measurement
   ``FLASH_MIN_SEQ`` is set from (the shortest length from which flash is not slower).
+* ``window``: forward + backward at ``--seq-len`` tokens with a sliding ``--window`` (issue 46):
+  windowed flash (the tiles the window hides never computed) against the causal flash and
+  against the windowed einsum (`causal_attention(window=)`, the whole [T x T] scores).
 
 Each figure is the minimum over ``--repeats`` runs after a warm-up, in wall seconds or with
 ``--cpu-time`` this process's CPU seconds (the CPU is shared; ratios in one process are what
 compare).
 
-    python scripts/benchmark_flash.py [--seq-len 4096] [--only op,step,sweep]
+    python scripts/benchmark_flash.py [--seq-len 4096] [--only op,step,sweep,window] [--window 512]
 """
 
 from __future__ import annotations
@@ -112,6 +115,19 @@ def sweep(args) -> None:
         print(f"  T={seq_len}: flash {flash:.3f} s, einsum {einsum:.3f} s, ratio {flash / einsum:.2f}")
 
 
+def window(args) -> None:
+    x = operands(args.seq_len, args.heads, args.head_dim)
+    w = args.window
+    calls = (lambda q, k, v: attention_lib.causal_flash(q, k, v, window=w), attention_lib.causal_flash,
+             lambda q, k, v: causal_attention(q, k, v, window=w))
+    windowed, causal, einsum = race([lambda f=fwd_bwd(f): f(*x) for f in calls], args.repeats)
+    print(f"window T={args.seq_len} window={w} {args.heads} heads of {args.head_dim}, tiles {flash_lib.QUERY_BLOCK}x"
+          f"{flash_lib.KEY_BLOCK}, fwd+bwd: windowed flash {windowed:.3f} s, causal flash {causal:.3f} s, "
+          f"windowed einsum {einsum:.3f} s")
+    print(f"  windowed flash / causal flash = {windowed / causal:.2f}; windowed flash / windowed einsum = "
+          f"{windowed / einsum:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq-len", type=int, default=4096)
@@ -120,6 +136,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[512, 1024, 2048, 4096])
     parser.add_argument("--only", default="op,step,sweep")
+    parser.add_argument("--window", type=int, default=512, help="the sliding window of the ``window`` measure")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time this process's CPU seconds, not wall seconds (steadier on a loaded machine)")
     parser.add_argument("--block", type=int, default=None, help="QUERY_BLOCK = KEY_BLOCK (default the module's)")
@@ -130,7 +147,7 @@ def main() -> None:
     if args.block:
         flash_lib.QUERY_BLOCK = flash_lib.KEY_BLOCK = args.block
     for name in args.only.split(","):
-        {"op": op, "step": step, "sweep": sweep}[name](args)
+        {"op": op, "step": step, "sweep": sweep, "window": window}[name](args)
 
 
 if __name__ == "__main__":

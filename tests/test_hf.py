@@ -329,10 +329,12 @@ def test_refusals_name_what_is_not_reproduced(checkpoints, tmp_path):
     for label, (config, message) in cases.items():
         with pytest.raises(arch_lib.UnsupportedModel, match=message):
             arch_lib.to_gpt_config(config, label, seq_len=64)
-    gemma2 = open_pretrained(checkpoints["gemma2"]).model_config  # windows and soft-caps: the einsum only, for now
-    for attention in ("flash", "cudnn", "blocked"):
-        with pytest.raises(ValueError, match=f"attention='{attention}' cannot run sliding windows"):
+    gemma2 = open_pretrained(checkpoints["gemma2"]).model_config  # soft-caps: not in jax.nn.dot_product_attention
+    for attention in ("cudnn", "xla", "blocked"):
+        with pytest.raises(ValueError, match=f"attention='{attention}' cannot run attention soft-capping"):
             dataclasses.replace(gemma2, attention=attention)
+    for attention in ("flash", "splash"):  # windows and soft-caps run there (tests/test_attention_masks.py)
+        dataclasses.replace(gemma2, attention=attention)
     # a window only where it can matter: a run within it keeps full causal attention (and flash)
     assert open_pretrained(checkpoints["mistral"], seq_len=6).model_config.layer_windows is None
     assert open_pretrained(checkpoints["mistral"], seq_len=7).model_config.layer_windows == (6, 6)

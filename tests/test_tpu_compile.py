@@ -130,6 +130,23 @@ def test_tpu_bf16_attention_is_the_pallas_splash_kernel(chips, name):
         assert re.search(rf"bf16\[[0-9,]*{heads},{CONFIG.max_seq_len},{CONFIG.d_model // CONFIG.n_heads}\][^\n]*custom_call_target=\"tpu_custom_call\"", text)
 
 
+def test_tpu_bf16_windowed_softcapped_attention_is_the_splash_kernel_per_window(chips):
+    """A Gemma-2-shaped model (windows 64 and 0 alternating under the layers' scan, soft-capped
+    scores) compiles with the splash kernel: one kernel per window value (``lax.switch``), so the
+    program holds more kernel calls than the plain model's one."""
+    def kernel_calls(text: str) -> int:
+        return len(re.findall(r'custom_call_target="tpu_custom_call"', text))
+
+    config = dataclasses.replace(CONFIG, compute_dtype="bfloat16", layer_windows=(64, 0), attn_softcap=50.0)
+    model = trainable(config)
+    prog = build(model, optimizer(), make_layout(model, "zero3", make_mesh({"fsdp": N}, devices=chips)),
+                 precision=get_precision("bf16"))
+    shape = ((ROWS, CONFIG.max_seq_len), jnp.int32)
+    text = prog.step.lower(prog.abstract_state(), prog.abstract_batch({"inputs": shape, "targets": shape})) \
+        .compile().as_text()
+    assert kernel_calls(text) > kernel_calls(program(chips, "zero3", "bf16").compiled.as_text()) > 0
+
+
 def test_the_cpu_construct_is_seen_where_the_cpu_policy_builds_it(chips):
     """The check above can fail: the same zero3 step built with XLA:CPU's policy has the barriers."""
     from shardlib.backend import forced

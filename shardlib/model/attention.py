@@ -1,6 +1,8 @@
 """Attention that model code calls so that one model runs with its sequence split over devices.
 
-``attention(q, k, v, causal=True)`` is softmax(q k^T / sqrt(d)) v. Outside a step, or on a mesh
+``attention(q, k, v, causal=True)`` is softmax(q k^T / sqrt(d)) v, a query seeing only the keys of
+its own document (``segment_ids``, packed sequences) and of its sliding ``window``, where given:
+every path below applies both, and skips the tiles they hide. Outside a step, or on a mesh
 without a `context` axis, it is plain attention over the local sequence (or the model's own
 implementation, ``local=``). Under context parallelism (``context = C > 1``) each device holds
 ``T / C`` tokens of every sequence (`shardlib.sharding.sequence`) and reaches the others' keys
@@ -83,24 +85,34 @@ def _resolve(mode: str, seq_len: int, size: int) -> str:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
-              local: Callable[[jax.Array, jax.Array, jax.Array], jax.Array] | None = None) -> jax.Array:
+              local: Callable[..., jax.Array] | None = None, segment_ids: jax.Array | None = None,
+              window: jax.Array | int | None = None, softcap: float | None = None) -> jax.Array:
     """softmax(q k^T / sqrt(d)) v for q [batch, seq, heads, head_dim] and k, v [batch, seq,
     kv_heads, head_dim] (``kv_heads`` divides ``heads``: GQA), over the whole sequence even when
-    each device holds a part of it. ``local(q, k, v)``: the causal attention to run when the
-    sequence is not split (a fused kernel of the model's); default a float32-softmax einsum."""
+    each device holds a part of it. ``segment_ids`` int32 [batch, seq] (this device's tokens'):
+    a query sees only keys of its own id (packed documents; None: one document). ``window`` (int
+    or traced int32 scalar): > 0, a query at position i sees only keys after i - window; 0 or
+    None, every earlier key. ``softcap``: scores ``softcap * tanh(s / softcap)`` (Gemma 2).
+    ``local(q, k, v, segment_ids=, window=, softcap=)``: the causal attention to run when the
+    sequence is not split (a fused kernel of the model's; each keyword passed only when given);
+    default a float32-softmax einsum."""
+    if window is not None and not causal:
+        raise ValueError("attention: a sliding window needs causal=True (it limits how far back a query sees)")
     ctx = hooks.current()
     size = 1 if ctx is None else ctx.context_size
     if ctx is not None:
         ctx.attention_calls.append(q.shape)
     if size == 1:
         if local is not None and causal:
-            return local(q, k, v)
+            given = {name: x for name, x in (("segment_ids", segment_ids), ("window", window), ("softcap", softcap))
+                     if x is not None}
+            return local(q, k, v, **given)
         pos = jnp.arange(q.shape[1])
-        return dense(q, k, v, pos, pos, causal)
+        return dense(q, k, v, pos, pos, causal, segment_ids=segment_ids, window=window, softcap=softcap)
     mode = _resolve(ctx.context_attention, q.shape[1] * size, size)
-    if mode == "ring":
-        return ring(q, k, v, causal=causal, size=size, balanced=ctx.context_balance)
-    return gathered(q, k, v, causal=causal, size=size, balanced=ctx.context_balance)
+    run = ring if mode == "ring" else gathered
+    return run(q, k, v, causal=causal, size=size, balanced=ctx.context_balance, segment_ids=segment_ids, window=window,
+               softcap=softcap)
 
 
 # ---- blocks: scores [b, t, n, g, s] (query groups g share kv head n), float32 statistics
@@ -113,46 +125,55 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
     return q.reshape(b, t, kv_heads, h // kv_heads, d)
 
 
-def dense(q, k, v, pq, pk, causal: bool) -> jax.Array:
-    """Attention of queries at positions ``pq`` to keys at ``pk`` in one block (the reference)."""
+def dense(q, k, v, pq, pk, causal: bool, *, segment_ids=None, window=None, softcap=None) -> jax.Array:
+    """Attention of queries at positions ``pq`` to keys at ``pk`` in one block (the whole [T x T]
+    scores; ``segment_ids`` the queries' and keys' both)."""
     q5 = _grouped(q, k.shape[2])
     s = jnp.einsum("btngk,bsnk->btngs", q5, k, preferred_element_type=jnp.float32) / math.sqrt(q5.shape[-1])
-    if causal:
-        s = jnp.where((pk[None, :] <= pq[:, None])[None, :, None, None, :], s, _NEG)
+    mask = flash_lib.Mask(pq, pk, causal, flash_lib.window_of(window), segment_ids, segment_ids)
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    if mask.hides:
+        s = jnp.where(mask.visible()[:, :, None, None, :], s, _NEG)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     return jnp.einsum("btngs,bsnk->btngk", p, v).reshape(q.shape).astype(q.dtype)
 
 
-def gathered(q, k, v, *, causal: bool, size: int, balanced: bool) -> jax.Array:
-    """Every device gathers all K/V (and their positions) over `context` and attends to them,
-    `flash`-style: one [QUERY_BLOCK x KEY_BLOCK] tile of scores at a time, never [T/C x T]."""
+def gathered(q, k, v, *, causal: bool, size: int, balanced: bool, segment_ids=None, window=None,
+             softcap=None) -> jax.Array:
+    """Every device gathers all K/V (and their positions and segment ids) over `context` and
+    attends to them, `flash`-style: one [QUERY_BLOCK x KEY_BLOCK] tile of scores at a time,
+    never [T/C x T]."""
     device = jax.lax.axis_index(CONTEXT_AXIS)
     pq = sequence.positions(device, q.shape[1], size, balanced, xp=jnp)
-    k_all = jax.lax.all_gather(k, CONTEXT_AXIS, axis=1, tiled=True)
-    v_all = jax.lax.all_gather(v, CONTEXT_AXIS, axis=1, tiled=True)
+    k_all, v_all = (jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True) for x in (k, v))
+    sk = None if segment_ids is None else jax.lax.all_gather(segment_ids, CONTEXT_AXIS, axis=1, tiled=True)
     pk = jnp.concatenate([sequence.positions(d, k.shape[1], size, balanced, xp=jnp) for d in range(size)])
-    return flash(q, k_all, v_all, pq, pk, causal)
+    return flash(q, k_all, v_all, pq, pk, causal, segment_ids, sk, flash_lib.window_of(window), softcap)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def flash(q, k, v, pq, pk, causal: bool) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 9))
+def flash(q, k, v, pq, pk, causal: bool, sq=None, sk=None, window=None, softcap=None) -> jax.Array:
     """`dense`, with memory linear in the keys and the hidden tiles skipped: an online softmax over
     [query x key] tiles forward (`shardlib.model.flash`), and a backward pass that recomputes each
-    visible tile's probabilities from the saved log-sum-exp."""
-    return _flash_forward(q, k, v, pq, pk, causal)[0]
+    visible tile's probabilities from the saved log-sum-exp. ``sq`` / ``sk``: the queries' and
+    keys' segment ids [b, t] / [b, s]; ``window``: an int32 scalar; ``softcap`` (`flash_lib.Mask`)."""
+    return _flash_forward(q, k, v, pq, pk, causal, sq, sk, window, softcap)[0]
 
 
-def _flash_forward(q, k, v, pq, pk, causal):
+def _flash_forward(q, k, v, pq, pk, causal, sq, sk, window, softcap):
+    mask = flash_lib.Mask(pq, pk, causal, window, sq, sk, softcap)
     qh, kh, vh = flash_lib.heads(q, k.shape[2]), flash_lib.kv_heads(k), flash_lib.kv_heads(v)
-    out, lse = flash_lib.finish(flash_lib.fold(flash_lib.empty(qh, vh), qh, kh, vh, pq, pk, causal), q.dtype)
-    return flash_lib.unheads(out), (qh, kh, vh, pq, pk, out, lse)
+    out, lse = flash_lib.finish(flash_lib.fold(flash_lib.empty(qh, vh), qh, kh, vh, mask), q.dtype)
+    return flash_lib.unheads(out), (qh, kh, vh, (pq, pk, sq, sk, window), out, lse)
 
 
-def _flash_backward(causal, residuals, d_out):
-    qh, kh, vh, pq, pk, out, lse = residuals
+def _flash_backward(causal, softcap, residuals, d_out):
+    qh, kh, vh, (pq, pk, sq, sk, window), out, lse = residuals
+    mask = flash_lib.Mask(pq, pk, causal, window, sq, sk, softcap)
     do = flash_lib.heads(d_out, kh.shape[1])
-    dq, dk, dv = flash_lib.unfold(qh, kh, vh, pq, pk, do, lse, flash_lib.output_grads(out, do), causal)
-    return _from_heads(dq, dk, dv, qh.dtype, kh.dtype, vh.dtype) + (None, None)
+    dq, dk, dv = flash_lib.unfold(qh, kh, vh, mask, do, lse, flash_lib.output_grads(out, do))
+    return _from_heads(dq, dk, dv, qh.dtype, kh.dtype, vh.dtype) + (None,) * 5
 
 
 def _from_heads(dq, dk, dv, *dtypes):
@@ -171,10 +192,30 @@ flash.defvjp(_flash_forward, _flash_backward)
 FLASH_MIN_SEQ = 512
 
 
-def causal_flash(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal `flash` attention over one whole sequence: memory linear in its length."""
+def causal_flash(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None = None,
+                 window: jax.Array | int | None = None, softcap: float | None = None) -> jax.Array:
+    """Causal `flash` attention over one whole sequence: memory linear in its length; within each
+    document of ``segment_ids`` and each query's ``window`` (as `attention`'s, and its
+    ``softcap``), the tiles they hide never computed."""
     pos = jnp.arange(q.shape[1])
-    return flash(q, k, v, pos, pos, True)
+    return flash(q, k, v, pos, pos, True, segment_ids, segment_ids, flash_lib.window_of(window), softcap)
+
+
+def static_window(run: Callable[[int], jax.Array], window, windows, kernel: str) -> jax.Array:
+    """``run(w)`` for a kernel whose mask must be known before tracing (Pallas splash, cuDNN):
+    a known ``window`` (an int or a concrete array; None: 0, no window) directly; a traced one,
+    one of ``windows`` (the static values it can take: a model's per-layer windows under the
+    layers' scan), by ``lax.switch`` over one kernel per value."""
+    if window is None or not isinstance(window, jax.core.Tracer):
+        return run(max(int(0 if window is None else window), 0))
+    if not windows:
+        raise ValueError(f"attention: {kernel} builds its mask before tracing, so a traced window needs the values "
+                         "it can take (windows=, e.g. GPTConfig.layer_windows); pass an int window or use flash")
+    values = tuple(sorted({max(int(w), 0) for w in windows}))
+    if len(values) == 1:
+        return run(values[0])
+    index = jnp.argmax(jnp.asarray(values, jnp.int32) == jnp.maximum(window, 0))
+    return jax.lax.switch(index, [functools.partial(run, w) for w in values])
 
 
 # ---- the ring's schedule: which part of a [local x local] block each hop computes
@@ -224,25 +265,31 @@ def _paste(acc, value, halves, axis, add=False):
 _T, _S = 3, 2
 
 
-def _forward_part(which, acc, q, k, v, pq, pk, causal):
+def _cut_mask(mask, rows, cols):
+    """The `flash_lib.Mask` of the queries' ``rows`` and the keys' ``cols`` halves."""
+    sq, sk = (None, None) if mask.sq is None else (_cut(mask.sq, rows, 1), _cut(mask.sk, cols, 1))
+    return mask._replace(pq=_cut(mask.pq, rows, 0), pk=_cut(mask.pk, cols, 0), sq=sq, sk=sk)
+
+
+def _forward_part(which, acc, q, k, v, mask):
     """Fold the part ``which`` of the block (k, v) into the online-softmax state (o, m, l)."""
     if which == SKIP:
         return acc
     rows, cols = PART_SLICES[which]
     new = flash_lib.fold(tuple(_cut(a, rows, _T) for a in acc), _cut(q, rows, _T), _cut(k, cols, _S),
-                         _cut(v, cols, _S), _cut(pq, rows, 0), _cut(pk, cols, 0), causal)
+                         _cut(v, cols, _S), _cut_mask(mask, rows, cols))
     return tuple(_paste(a, a_new, rows, _T) for a, a_new in zip(acc, new))
 
 
-def _backward_part(which, grads, q, k, v, pq, pk, do, lse, delta, causal):
+def _backward_part(which, grads, q, k, v, mask, do, lse, delta):
     """Add the part ``which`` of the block's gradients to (dq, dk, dv)."""
     if which == SKIP:
         return grads
     rows, cols = PART_SLICES[which]
     dq, dk, dv = grads
     dq_part, dk_part, dv_part = flash_lib.unfold(
-        _cut(q, rows, _T), _cut(k, cols, _S), _cut(v, cols, _S), _cut(pq, rows, 0), _cut(pk, cols, 0),
-        _cut(do, rows, _T), _cut(lse, rows, _T), _cut(delta, rows, _T), causal)
+        _cut(q, rows, _T), _cut(k, cols, _S), _cut(v, cols, _S), _cut_mask(mask, rows, cols),
+        _cut(do, rows, _T), _cut(lse, rows, _T), _cut(delta, rows, _T))
     return _paste(dq, dq_part, rows, _T, add=True), _paste(dk, dk_part, cols, _S, add=True), \
         _paste(dv, dv_part, cols, _S, add=True)
 
@@ -258,59 +305,61 @@ def _switch(device, source, causal, balanced, run, operand):
                           *operand)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _ring(q, k, v, causal, size, balanced):
-    return _ring_forward(q, k, v, causal, size, balanced)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _ring(q, k, v, segment_ids, window, causal, size, balanced, softcap):
+    return _ring_forward(q, k, v, segment_ids, window, causal, size, balanced, softcap)[0]
 
 
-def _ring_forward(q, k, v, causal, size, balanced):
+def _ring_forward(q, k, v, segment_ids, window, causal, size, balanced, softcap):
     device = jax.lax.axis_index(CONTEXT_AXIS)
-    local = q.shape[1]
     q5, k, v = flash_lib.heads(q, k.shape[2]), flash_lib.kv_heads(k), flash_lib.kv_heads(v)
-    pq = sequence.positions(device, local, size, balanced, xp=jnp)
-    acc = _forward_part(FULL, flash_lib.empty(q5, v), q5, k, v, pq, pq, causal)  # its own block first: every row sees itself
-    held_k, held_v = k, v
+    pq = sequence.positions(device, q.shape[1], size, balanced, xp=jnp)
+    mask = flash_lib.Mask(pq, pq, causal, window, segment_ids, segment_ids, softcap)
+    acc = _forward_part(FULL, flash_lib.empty(q5, v), q5, k, v, mask)  # its own block first: every row sees itself
+    held = (k, v, segment_ids)  # keys travel with their documents' ids
     for hop in range(1, size):
-        held_k, held_v = _hop(held_k, size), _hop(held_v, size)
+        held = tuple(None if x is None else _hop(x, size) for x in held)
         source = (device - hop) % size
-        pk = sequence.positions(source, local, size, balanced, xp=jnp)
+        pk = sequence.positions(source, q.shape[1], size, balanced, xp=jnp)
 
-        def run(which, acc_o, acc_m, acc_l, kk, vv, pkk):
-            return _forward_part(which, (acc_o, acc_m, acc_l), q5, kk, vv, pq, pkk, causal)
+        def run(which, acc_o, acc_m, acc_l, kk, vv, skk, pkk):
+            return _forward_part(which, (acc_o, acc_m, acc_l), q5, kk, vv, mask.keys(pkk, skk))
 
-        acc = _switch(device, source, causal, balanced, run, (*acc, held_k, held_v, pk))
+        acc = _switch(device, source, causal, balanced, run, (*acc, *held, pk))
     out, lse = flash_lib.finish(acc, q.dtype)
-    return flash_lib.unheads(out), (q5, k, v, out, lse)
+    return flash_lib.unheads(out), (q5, k, v, segment_ids, window, out, lse)
 
 
-def _ring_backward(causal, size, balanced, residuals, d_out):
-    q5, k, v, out, lse = residuals
+def _ring_backward(causal, size, balanced, softcap, residuals, d_out):
+    q5, k, v, segment_ids, window, out, lse = residuals
     device = jax.lax.axis_index(CONTEXT_AXIS)
-    local = q5.shape[_T]
     do5 = flash_lib.heads(d_out, k.shape[1])
     delta = flash_lib.output_grads(out, do5)
-    pq = sequence.positions(device, local, size, balanced, xp=jnp)
+    pq = sequence.positions(device, q5.shape[_T], size, balanced, xp=jnp)
+    mask = flash_lib.Mask(pq, pq, causal, window, segment_ids, segment_ids, softcap)
     grads = _backward_part(FULL, (jnp.zeros(q5.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
-                                  jnp.zeros(v.shape, jnp.float32)), q5, k, v, pq, pq, do5, lse, delta, causal)
+                                  jnp.zeros(v.shape, jnp.float32)), q5, k, v, mask, do5, lse, delta)
     dq, dk, dv = grads
-    held_k, held_v = k, v
-    for hop in range(1, size):  # K/V and their gradients travel on together
-        held_k, held_v, dk, dv = (_hop(x, size) for x in (held_k, held_v, dk, dv))
+    held = (k, v, segment_ids)
+    for hop in range(1, size):  # K/V (and their ids) and their gradients travel on together
+        held, dk, dv = tuple(None if x is None else _hop(x, size) for x in held), _hop(dk, size), _hop(dv, size)
         source = (device - hop) % size
-        pk = sequence.positions(source, local, size, balanced, xp=jnp)
+        pk = sequence.positions(source, q5.shape[_T], size, balanced, xp=jnp)
 
-        def run(which, g_q, g_k, g_v, kk, vv, pkk):
-            return _backward_part(which, (g_q, g_k, g_v), q5, kk, vv, pq, pkk, do5, lse, delta, causal)
+        def run(which, g_q, g_k, g_v, kk, vv, skk, pkk):
+            return _backward_part(which, (g_q, g_k, g_v), q5, kk, vv, mask.keys(pkk, skk), do5, lse, delta)
 
-        dq, dk, dv = _switch(device, source, causal, balanced, run, (dq, dk, dv, held_k, held_v, pk))
+        dq, dk, dv = _switch(device, source, causal, balanced, run, (dq, dk, dv, *held, pk))
     dk, dv = _hop(dk, size), _hop(dv, size)  # the C-th hop brings each block's gradients home
-    return _from_heads(dq, dk, dv, q5.dtype, k.dtype, v.dtype)
+    return _from_heads(dq, dk, dv, q5.dtype, k.dtype, v.dtype) + (None, None)
 
 
 _ring.defvjp(_ring_forward, _ring_backward)
 
 
-def ring(q, k, v, *, causal: bool, size: int, balanced: bool) -> jax.Array:
-    """Ring attention over the `context` axis (inside the step's shard_map)."""
+def ring(q, k, v, *, causal: bool, size: int, balanced: bool, segment_ids=None, window=None,
+         softcap=None) -> jax.Array:
+    """Ring attention over the `context` axis (inside the step's shard_map); ``segment_ids``,
+    ``window`` and ``softcap`` as `attention`'s."""
     _grouped(q, k.shape[2])
-    return _ring(q, k, v, causal, size, balanced)
+    return _ring(q, k, v, segment_ids, flash_lib.window_of(window), causal, size, balanced, softcap)
