@@ -108,7 +108,7 @@ def pool_tasks_per_step(programs: dict[str, Any], states: dict[str, Any], batch:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from shardlib.tools.hlo import unfused_dots
+    from shardlib.tools.hlo_parse import unfused_dots
     from shardlib.tools.plan_candidates import setup_devices
 
     setup_devices(args.devices)
