@@ -1,4 +1,6 @@
-"""`shardlib export`: consolidated weights (parameters and model state) from a sharded checkpoint.
+"""`shardlib export` (over 600 lines: the exporter, its two formats and its reader change together).
+
+Consolidated weights (parameters and model state) from a sharded checkpoint.
 
 The parameters, and the model state when the model keeps one (BatchNorm statistics, without
 which it cannot run inference), are restored sharded over all devices (Orbax partial restore:
