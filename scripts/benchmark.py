@@ -89,7 +89,7 @@ def bench_strategy(name: str, args: argparse.Namespace, config: Any, model: Any,
     import optax
 
     from shardlib import build, make_layout, make_mesh
-    from shardlib.tools.plan import default_mesh
+    from shardlib.tools.plan_candidates import default_mesh
 
     sizes = default_mesh(name, args.devices, config)
     mesh = make_mesh(sizes, devices=jax.devices()[: args.devices])
@@ -139,7 +139,7 @@ def render(rows: Sequence[dict[str, Any]], markdown: bool) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from shardlib.tools.plan import check_strategy, setup_devices
+    from shardlib.tools.plan_candidates import check_strategy, setup_devices
 
     setup_devices(args.devices)
     import jax

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def _digest_timing(state, repeats: int) -> tuple[float, float]:
     """Median (dispatch seconds, seconds until the digests are on the host)."""
-    from shardlib.runtime.checkpoint import digest_arrays, digest_hex
+    from shardlib.runtime.checkpoint_digests import digest_arrays, digest_hex
 
     digest_hex(*digest_arrays(state))  # compile
     dispatch, total = [], []
@@ -49,14 +49,14 @@ def _digest_timing(state, repeats: int) -> tuple[float, float]:
 @contextlib.contextmanager
 def _digests_off():
     """Save without array digests (the baseline); such a checkpoint is for timing only."""
-    from shardlib.runtime import checkpoint
+    from shardlib.runtime import checkpoint_digests
 
-    real = checkpoint.digest_arrays
-    checkpoint.digest_arrays = lambda tree: ([], None)
+    real = checkpoint_digests.digest_arrays
+    checkpoint_digests.digest_arrays = lambda tree: ([], None)
     try:
         yield
     finally:
-        checkpoint.digest_arrays = real
+        checkpoint_digests.digest_arrays = real
 
 
 def main() -> None:

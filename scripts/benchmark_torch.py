@@ -353,7 +353,7 @@ class ShardlibSide:
         import optax
 
         from shardlib import build, make_layout, make_mesh
-        from shardlib.tools.plan import default_mesh
+        from shardlib.tools.plan_candidates import default_mesh
 
         mesh = make_mesh(default_mesh(strategy, ranks, config), devices=jax.devices()[:ranks])
         layout = make_layout(model, strategy, mesh)
@@ -454,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if torch is None:
         raise SystemExit(MISSING_TORCH)
-    from shardlib.tools.plan import setup_devices
+    from shardlib.tools.plan_candidates import setup_devices
 
     setup_devices(args.ranks)
     import numpy as np

@@ -38,7 +38,9 @@ def main() -> None:
     simulate_cpu_devices(1)
     import jax
 
-    from shardlib.tools.plan import Planner, compiler_versions, plan_cache_dir
+    from shardlib.tools.plan import Planner
+    from shardlib.tools.plan_cli import plan_cache_dir
+    from shardlib.tools.plan_report import compiler_versions
     from shardlib.text import format_bytes
 
     cache_dir = plan_cache_dir(args.cache_dir)

@@ -231,7 +231,7 @@ def bench(name: str, strategy: str, args: argparse.Namespace, batch_np: dict) ->
     import optax
 
     from shardlib import build, make_layout, make_mesh
-    from shardlib.tools.plan import default_mesh
+    from shardlib.tools.plan_candidates import default_mesh
 
     model, loss = user_model(name, args, batch_np, named=strategy in NAMED_STRATEGIES)
     sizes = default_mesh(strategy, 8, argparse.Namespace(n_heads=args.heads, n_kv_heads=args.heads))
@@ -255,7 +255,7 @@ def bench(name: str, strategy: str, args: argparse.Namespace, batch_np: dict) ->
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from shardlib.tools.plan import setup_devices
+    from shardlib.tools.plan_candidates import setup_devices
 
     setup_devices(8)
     import numpy as np

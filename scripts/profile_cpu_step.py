@@ -108,8 +108,8 @@ def pool_tasks_per_step(programs: dict[str, Any], states: dict[str, Any], batch:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from shardlib.tools.hlo import unfused_dots
-    from shardlib.tools.plan import setup_devices
+    from shardlib.tools.hlo_parse import unfused_dots
+    from shardlib.tools.plan_candidates import setup_devices
 
     setup_devices(args.devices)
     import jax
@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from shardlib import build, make_layout, make_mesh
     from shardlib.models import get_config, trainable
-    from shardlib.tools.plan import default_mesh
+    from shardlib.tools.plan_candidates import default_mesh
 
     config = get_config(args.model)
     seq_len = args.seq_len or config.max_seq_len

@@ -19,7 +19,7 @@ from shardlib.exits import EXIT_USAGE, exit_interrupted
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("shardlib.run.train", "train a model (default: a small byte-level GPT on a built-in corpus)"),
-    "plan": ("shardlib.tools.plan", "compile a step for N virtual devices and report memory and communication"),
+    "plan": ("shardlib.tools.plan_cli", "compile a step for N virtual devices and report memory and communication"),
     "inspect": ("shardlib.tools.inspect", "per-parameter sharding table for a model, strategy and device count"),
     "launch": ("shardlib.runtime.launch", "run a command as N local processes of one distributed JAX job"),
     "export": ("shardlib.tools.export", "write consolidated weights from a checkpoint"),

@@ -29,8 +29,8 @@ from shardlib.runtime.checkpoint import (
     Checkpointer,
     NonFiniteStateError,
     PreemptionGuard,
-    is_finite_state,
 )
+from shardlib.runtime.checkpoint_contents import is_finite_state
 from shardlib.runtime.data import ByteBatches, load_text
 from shardlib.tools.export import export_params, load_exported, read_export_metadata
 from shardlib.sharding.mesh import MESH_AXES

@@ -27,16 +27,10 @@ import pytest
 from shardlib import build, make_layout, make_mesh
 from shardlib.cli import main
 from shardlib.run.checkpointing import SaveCheckpoint
-from shardlib.runtime import checkpoint as ckpt_mod
-from shardlib.runtime.checkpoint import (
-    CheckpointDamagedError,
-    Checkpointer,
-    CheckpointReadError,
-    CheckpointSaveError,
-    digest_arrays,
-    digest_hex,
-    incomplete_reason,
-)
+from shardlib.runtime import checkpoint_digests
+from shardlib.runtime.checkpoint import CheckpointDamagedError, Checkpointer, CheckpointReadError, CheckpointSaveError
+from shardlib.runtime.checkpoint_damage import LEGACY_FORMATS, incomplete_reason
+from shardlib.runtime.checkpoint_digests import digest_arrays, digest_hex
 from tests.helpers import assert_bitwise, batches, host_copy, optimizer, tiny_model
 
 STEPS = (2, 4, 6)
@@ -250,7 +244,7 @@ def test_checkpoint_saved_before_digests_restores_unverified(work, caplog):
     directory, copies, program = work
     shutil.rmtree(directory / "6" / "digests")
     meta = json.loads((directory / "6" / "meta" / "metadata").read_text())
-    (directory / "6" / "meta" / "metadata").write_text(json.dumps({**meta, "format": ckpt_mod.LEGACY_FORMATS[0]}))
+    (directory / "6" / "meta" / "metadata").write_text(json.dumps({**meta, "format": LEGACY_FORMATS[0]}))
     with caplog.at_level(logging.WARNING, logger="shardlib.runtime.checkpoint"):
         state, _, _ = Checkpointer(directory).restore(program.abstract_state())
     assert int(state.step) == 6 and "saved before digests" in caplog.text
@@ -260,14 +254,14 @@ def test_checkpoint_saved_before_digests_restores_unverified(work, caplog):
 def test_failed_background_save_is_reported_at_once_and_stops_the_next_step(saved, tmp_path, monkeypatch, caplog):
     _, copies, program = saved
     state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), copies[2], program.abstract_state())
-    real = ckpt_mod._DigestHandler._save_fn
+    real = checkpoint_digests.DigestHandler._save_fn
 
     async def disk_full(self, x, directory):
         if "/4.orbax-checkpoint-tmp" in str(directory):
             raise OSError(28, "No space left on device")
         return await real(self, x, directory)
 
-    monkeypatch.setattr(ckpt_mod._DigestHandler, "_save_fn", disk_full)
+    monkeypatch.setattr(checkpoint_digests.DigestHandler, "_save_fn", disk_full)
     ckpt = Checkpointer(tmp_path / "ckpt", keep=None)
     saver = SaveCheckpoint(ckpt, lambda step: step % 2 == 0, seed=0, config={"model": "tiny"})
     with caplog.at_level(logging.ERROR, logger="shardlib.runtime.checkpoint"):

@@ -313,7 +313,8 @@ def test_cli_trains_with_a_context_axis(tmp_path):
 
 def test_plan_offers_context_candidates_for_long_sequences():
     """`shardlib plan` adds zero3 x context=C rows (dp when C is every device) from CONTEXT_SEQ_LEN tokens on."""
-    from shardlib.tools.plan import CONTEXT_SEQ_LEN, Planner
+    from shardlib.tools.plan import Planner
+    from shardlib.tools.plan_candidates import CONTEXT_SEQ_LEN
 
     long = Planner("tiny", 8, batch_size=8, seq_len=CONTEXT_SEQ_LEN)
     assert long.context_candidates() == [("zero3", {"fsdp": 4, "context": 2}), ("zero3", {"fsdp": 2, "context": 4}),

@@ -14,7 +14,7 @@ import pytest
 
 from shardlib.models import GPTConfig, trainable
 from shardlib import build, make_layout, make_mesh
-from shardlib.tools.hlo import parse_shape, shape_leaves
+from shardlib.tools.hlo_parse import parse_shape, shape_leaves
 from shardlib.tools.report import collective_stats, memory_stats
 from tests.helpers import BATCH, SEQ, TINY, optimizer
 

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from shardlib import build, make_layout, make_mesh
-from shardlib.runtime.checkpoint import Checkpointer, is_finite_state
+from shardlib.runtime.checkpoint import Checkpointer
+from shardlib.runtime.checkpoint_contents import is_finite_state
 from shardlib.cli import main
 from shardlib.runtime.data import VOCAB_SIZE, ByteBatches, load_text, split_train_val
 from shardlib.run.examples import read_examples

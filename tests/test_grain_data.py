@@ -24,7 +24,7 @@ import pytest
 
 grain = pytest.importorskip("grain")
 
-from shardlib.runtime.checkpoint import pick_data_state  # noqa: E402
+from shardlib.runtime.checkpoint_contents import pick_data_state  # noqa: E402
 from shardlib.runtime.grain_data import GrainBatches, Shard, require_grain  # noqa: E402
 from tests import grain_worker  # noqa: E402
 

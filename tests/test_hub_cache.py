@@ -84,7 +84,7 @@ def test_a_model_not_in_the_cache_is_one_line_and_no_download(hub, monkeypatch, 
 
 
 def test_plan_reads_a_hub_id_from_the_cache_too(hub, monkeypatch, offline):
-    from shardlib.tools.plan import PlanError, resolve_config
+    from shardlib.tools.plan_candidates import PlanError, resolve_config
 
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
     assert resolve_config("tiny-org/tiny-llama").d_model == 32

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from shardlib import build, make_layout, make_mesh
-from shardlib.tools.hlo import parse_hlo_module
+from shardlib.tools.hlo_parse import parse_hlo_module
 from shardlib.tools.report import collective_stats
 from tests.helpers import TINY, batches, optimizer, reference, tiny_model
 

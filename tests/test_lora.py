@@ -124,7 +124,7 @@ def test_plan_says_what_trains_and_the_command_keeps_the_lora_flags():
     import argparse
 
     from shardlib.tools import plan_lora
-    from shardlib.tools.plan import PlanError
+    from shardlib.tools.plan_candidates import PlanError
 
     args = argparse.Namespace(lora_rank=4, lora_alpha=8.0, lora_targets="q,v,o,down")
     lora = plan_lora.from_args(args, PlanError)

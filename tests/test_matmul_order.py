@@ -13,7 +13,7 @@ import jax
 import pytest
 
 from shardlib import build, make_layout, make_mesh
-from shardlib.tools.hlo import unfused_dots
+from shardlib.tools.hlo_parse import unfused_dots
 from tests.helpers import batches, optimizer, tiny_model
 
 

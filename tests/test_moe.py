@@ -334,7 +334,7 @@ def test_export_hf_and_generate_refuse_an_moe_run_in_one_line(tmp_path, capsys):
 
 def test_plan_gives_moe_models_an_expert_axis_and_inspect_shows_it(capsys):
     from shardlib.cli import main
-    from shardlib.tools.plan import default_mesh
+    from shardlib.tools.plan_candidates import default_mesh
 
     assert default_mesh("dp", 8, TINY) == {"data": 2, "expert": 4}
     assert default_mesh("zero3", 8, TINY) == {"fsdp": 2, "expert": 4}  # zero3 keeps fsdp > 1

@@ -22,6 +22,7 @@ from shardlib.run.setup import build_program, lr_schedule
 from shardlib.runtime.checkpoint import Checkpointer
 from shardlib.step import offload as offload_lib
 from shardlib.tools import plan as plan_lib
+from shardlib.tools import plan_report
 from shardlib.tools.memory import memory_stats, peak_bytes
 from tests import helpers
 
@@ -149,6 +150,6 @@ def test_plan_shows_host_bytes_and_says_offload_makes_it_fit():
     offloaded = plan_lib.Planner(helpers.TINY, N, batch_size=N, seq_len=helpers.SEQ, offload="opt_state")
     rows = offloaded.decide([offloaded.candidate("zero3")], hbm=row.peak_bytes - 1)
     assert rows[0].fits and rows[0].fits_by_offload and rows[0].host_bytes == advice["host_bytes"]
-    text = plan_lib.render(offloaded, rows, [advice])
+    text = plan_report.render(offloaded, rows, [advice])
     header = next(line for line in text.splitlines() if "strategy" in line and "peak" in line)
     assert "host" in header and "fits because of --offload opt_state" in text and advice["text"] in text

@@ -22,7 +22,7 @@ from shardlib.hf.save import MARKER, ExportError, save_pretrained
 from shardlib.models import CONFIGS, trainable
 from shardlib.run.config import TrainConfig
 from shardlib.run.metrics_io import plot_loss_curve
-from shardlib.run.setup import claim_run_directory
+from shardlib.run.directory import claim_run_directory
 from shardlib.runtime.files import LinkedOutputError, write_atomic
 from shardlib.tools import export
 

@@ -18,7 +18,8 @@ import pytest
 from shardlib.models import get_config, param_count
 from shardlib import cli
 from shardlib.tools import hardware
-from shardlib.tools.plan import PlanError, PlanRow, Planner, mark_best, plan
+from shardlib.tools.plan import Planner, mark_best, plan
+from shardlib.tools.plan_candidates import PlanError, PlanRow
 
 ROW_KEYS = set(PlanRow.__dataclass_fields__) | {"mesh_text"}
 DOC_KEYS = {"schema_version", "model", "config", "params", "devices", "batch_size", "seq_len", "precision",
@@ -198,7 +199,7 @@ def test_more_devices_than_the_process_has_says_how_to_get_them():
 
 def test_plot_draws_memory_and_step_time_against_chips(tmp_path):
     """`plan --plot`: a line per strategy over the plans' chip counts (zero3 planned on 4 and 8 devices)."""
-    from shardlib.tools.plan import plan_document
+    from shardlib.tools.plan_report import plan_document
     from shardlib.tools.plan_plot import plot_plans
 
     documents = []

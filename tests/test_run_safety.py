@@ -34,7 +34,7 @@ from shardlib.run.config import TrainConfig, TrainConfigError
 from shardlib.cli import main
 from shardlib.run.checkpointing import refuse_silent_restart
 from shardlib.run.metrics_io import MetricsLog, read_metrics
-from shardlib.run.setup import LOCK_NAME, claim_run_directory
+from shardlib.run.directory import LOCK_NAME, claim_run_directory
 from tests import compile_flags
 
 ROOT = Path(__file__).resolve().parent.parent

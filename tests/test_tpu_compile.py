@@ -27,7 +27,8 @@ from shardlib import build, make_layout, make_mesh
 from shardlib.models import GPTConfig, trainable
 from shardlib.step.precision import get_precision
 from shardlib.tools.hardware import HARDWARE
-from shardlib.tools.hlo import collective_stats, parse_hlo_module
+from shardlib.tools.hlo import collective_stats
+from shardlib.tools.hlo_parse import parse_hlo_module
 from shardlib.tools.memory import memory_stats, peak_bytes
 from tests.helpers import optimizer, tpu_chips
 
@@ -301,7 +302,7 @@ def test_hlo_reader_reads_tpu_loop_trip_counts(chips):
 
 def test_hlo_reader_reads_memory_spaces(chips):
     """The offloaded optimizer state is in host memory (``S(5)`` layouts) in the TPU program."""
-    from shardlib.tools.hlo import HOST_MEMORY_SPACE, parameter_bytes_by_memory_space, parse_shape
+    from shardlib.tools.hlo_parse import HOST_MEMORY_SPACE, parameter_bytes_by_memory_space, parse_shape
 
     assert parse_shape("bf16[64,128]{1,0:T(8,128)(2,1)S(1)}").memory_space == 1
     prog = program(chips, "zero3_offload", "bf16")

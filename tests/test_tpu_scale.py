@@ -150,7 +150,7 @@ def test_the_plan_cache_key_includes_the_options(monkeypatch):
 def test_plan_names_its_default_batch_and_ends_with_the_command_that_runs_its_pick(capsys):
     from shardlib.cli import main
     from shardlib.run.config import DEFAULT_BATCH
-    from shardlib.tools.plan import DEFAULT_TRAIN_BATCH
+    from shardlib.tools.plan_report import DEFAULT_TRAIN_BATCH
 
     assert DEFAULT_TRAIN_BATCH == DEFAULT_BATCH
     assert main(["plan", "--model", "tiny", "--devices", "8", "--strategy", "zero3", "dp", "--remat",

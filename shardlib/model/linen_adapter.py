@@ -1,5 +1,7 @@
-"""`from_linen`: a Flax linen module as a `Model` (the ``params`` collection trained, every other
-collection carried as model state, rng streams drawn from the step's key).
+"""`from_linen` (over 600 lines: the adapter and the linen misuses it refuses, which follow linen's API).
+
+A Flax linen module as a `Model` (the ``params`` collection trained, every other collection
+carried as model state, rng streams drawn from the step's key).
 
 Not every linen collection is state the step may carry: a ``cache`` exists in decode mode
 only and is sized by the batch, and a collection written with ``self.sow`` holds a tuple that

@@ -1,5 +1,7 @@
-"""`from_nnx`: a Flax NNX module as a `Model` (parameters trained, other variables carried as model
-state, rng streams re-seeded from the step's key, sown intermediates dropped)."""
+"""`from_nnx` (over 600 lines: the adapter and the NNX misuses it refuses, which follow NNX's API).
+
+A Flax NNX module as a `Model` (parameters trained, other variables carried as model state, rng
+streams re-seeded from the step's key, sown intermediates dropped)."""
 
 from __future__ import annotations
 

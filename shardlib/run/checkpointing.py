@@ -109,7 +109,7 @@ def model_mismatch(config: TrainConfig, ckpt: Any, target: Any, err: Exception) 
     one sentence naming both and the two fixes, then the first few tensors that differ."""
     saved_config = ckpt.saved_config()
     saved, pretrained = saved_config.get("model"), saved_config.get("pretrained")
-    from shardlib.runtime.checkpoint import signature_mismatches, tree_signature
+    from shardlib.runtime.checkpoint_contents import signature_mismatches, tree_signature
     from shardlib.sharding.rules import listed
 
     diff = signature_mismatches(ckpt.saved_signature(), tree_signature(target))

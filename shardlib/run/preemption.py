@@ -1,6 +1,6 @@
 """Preemption: SIGTERM or Ctrl-C (SIGINT) means "finish this step, record it, save it, exit 0".
 
-`shardlib.runtime.checkpoint.PreemptionGuard` catches the signal (or asks JAX's preemption
+`shardlib.runtime.preemption.PreemptionGuard` catches the signal (or asks JAX's preemption
 service); `Preemption` is the loop's side of it. Without checkpointing nothing catches them:
 SIGTERM ends the process and Ctrl-C raises KeyboardInterrupt.
 """
@@ -18,7 +18,7 @@ from shardlib.run.checkpointing import SaveCheckpoint
 
 @contextlib.contextmanager
 def preemption_guard(enabled: bool) -> Iterator[Any]:
-    """A `shardlib.runtime.checkpoint.PreemptionGuard`, or None when disabled or off the main thread.
+    """A `shardlib.runtime.preemption.PreemptionGuard`, or None when disabled or off the main thread.
 
     Python delivers signals to the main thread only; a loop running elsewhere (a notebook
     thread) keeps SIGTERM's default behaviour unless JAX's preemption service handles it.
@@ -27,9 +27,9 @@ def preemption_guard(enabled: bool) -> Iterator[Any]:
     if not enabled:
         yield None
         return
-    from shardlib.runtime.checkpoint import PreemptionGuard, _preemption_sync_available
+    from shardlib.runtime.preemption import PreemptionGuard, preemption_sync_available
 
-    if threading.current_thread() is not threading.main_thread() and not _preemption_sync_available():
+    if threading.current_thread() is not threading.main_thread() and not preemption_sync_available():
         yield None
         return
     with PreemptionGuard(signals=STOP_SIGNALS) as guard:

@@ -1,30 +1,23 @@
-"""Everything a run builds before its first step: model, data, mesh, layout, program, loaders.
+"""Everything a run builds before its first step: model, mesh, layout, program, and the step compiled.
 
 `prepare` turns a checked `TrainConfig` into a `Prepared` run; each building block names the
-flag behind a setting that does not work (`TrainConfigError`).
+flag behind a setting that does not work (`TrainConfigError`). The data it reads is
+`shardlib.run.data_setup`'s, the directory it writes `shardlib.run.directory`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import errno
-import fcntl
-import json
 import math
-import os
-import socket
-import stat
 import sys
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shardlib.run.checkpointing import checkpoint_dir
 from shardlib.run.config import DEFAULT_SEQ_LEN, PRECISIONS, TrainConfig, TrainConfigError
+from shardlib.run.data_setup import batch_shapes, check_vocab_flag, grain_loader, load_data, loaders, own_vocab, tokenizer_for
+from shardlib.run.directory import run_directory
 from shardlib.run.fits import check_fits, held_output
-from shardlib.runtime.files import make_dir
 
 
 @dataclasses.dataclass
@@ -121,13 +114,13 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
     pretrained = _pretrained(config)  # refuses --init-from beside a --model of any kind
     model, model_name = _own_model(config, model)
     model_config = _model_config(config, pretrained) if model is None else None
-    tokenizer = _tokenizer(config, model_config)
+    tokenizer = tokenizer_for(config, model_config)
     no_bytes = np.zeros(0, np.uint8)
-    vocab_size = model_config.vocab_size if model is None else _own_vocab(config)
+    vocab_size = model_config.vocab_size if model is None else own_vocab(config)
     from shardlib.run import epochs, eval_data
 
     if data is None:
-        train_bytes, val_bytes = eval_data.loaded(config, lambda c: _load_data(c, vocab_size, tokenizer))
+        train_bytes, val_bytes = eval_data.loaded(config, lambda c: load_data(c, vocab_size, tokenizer, main=jax_main()))
         config = epochs.apply(config, train_bytes, main=jax_main())  # --epochs: the steps that read the data N times
     else:  # a Grain pipeline brings its own data
         for refuse in (eval_data.refuse_with_pipeline, epochs.refuse_with_pipeline):
@@ -143,11 +136,11 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
     if out_dir is None:
         out_dir = run_directory(config)
     _record_restart(out_dir, mesh)
-    loader, val_local = (_loaders(config, layout, train_bytes, val_bytes) if data is None
-                         else (_grain_loader(config, layout, data), []))
+    loader, val_local = (loaders(config, layout, train_bytes, val_bytes) if data is None
+                         else (grain_loader(config, layout, data), []))
     schedule = lr_schedule(config)
     program = build_program(config, model, layout, schedule)
-    abstract_batch = program.abstract_batch(_batch_shapes(config, masked))
+    abstract_batch = program.abstract_batch(batch_shapes(config, masked))
     _check_batch_split(layout, program, abstract_batch)
     recompute = "weights" if _gathers_per_block(model, layout) else None
     with held_output():  # XLA's logs while compiling a step it then refuses would bury the one line
@@ -205,40 +198,6 @@ def _own_model(config: TrainConfig, model: Any) -> tuple[Any, str]:
     return None, config.model
 
 
-def _own_vocab(config: TrainConfig) -> int:
-    """The vocabulary a token file is checked against: only ``--vocab-size`` knows it for the user's model."""
-    from shardlib.runtime.tokens import is_token_file
-
-    if config.vocab_size is not None:
-        _check_vocab_flag(config)
-        return config.vocab_size
-    if is_token_file(config.data):
-        raise TrainConfigError("vocab_size", "with your own --model and a token file, give the tokenizer's vocabulary "
-                                             "size (--vocab-size V), which every token id is checked against")
-    return 256
-
-
-def _check_vocab_flag(config: TrainConfig) -> None:
-    """``--vocab-size`` sets a token file's vocabulary: refused with text, or below 2."""
-    from shardlib.runtime.tokens import is_token_file
-
-    if not is_token_file(config.data):
-        raise TrainConfigError("vocab_size", "sets the vocabulary of a token file (--data FILE.bin or .npy); text "
-                                             "is read as bytes (256 ids), so drop --vocab-size or pass a token file")
-    if config.vocab_size < 2:
-        raise TrainConfigError("vocab_size", f"must be at least 2, got {config.vocab_size}")
-
-
-def _batch_shapes(config: TrainConfig, masked: bool = False) -> dict[str, Any]:
-    """The batch the loader yields: inputs and targets, and with instruction rows a ``loss_mask``."""
-    import numpy as np
-
-    shapes = {k: ((config.batch_size, config.seq_len), np.int32) for k in ("inputs", "targets")}
-    if masked:
-        shapes["loss_mask"] = ((config.batch_size, config.seq_len), np.float32)
-    return shapes
-
-
 def _compiled_peak(config: TrainConfig, model, layout, schedule, masked: bool = False,
                    block_recompute: str = "weights") -> int:
     """Peak bytes a device of ``config``'s step, compiled (for `check_fits`'s other batch sizes)."""
@@ -246,7 +205,7 @@ def _compiled_peak(config: TrainConfig, model, layout, schedule, masked: bool = 
 
     program = build_program(config, model, layout, schedule, block_recompute)
     return peak_bytes(memory_stats(program.compile_step(program.abstract_state(),
-                                                        program.abstract_batch(_batch_shapes(config, masked)))))
+                                                        program.abstract_batch(batch_shapes(config, masked)))))
 
 
 def _with_context_options(config: TrainConfig, layout):
@@ -292,31 +251,6 @@ def _pretrained(config: TrainConfig):
         raise TrainConfigError("init_from", str(err)) from None
 
 
-def _tokenizer(config: TrainConfig, model_config):
-    """``--tokenizer``, checked against the model's vocabulary, or None."""
-    from shardlib.runtime.tokens import is_token_file
-
-    if config.tokenizer is None:
-        if config.init_from is not None and not is_token_file(config.data):  # bytes are not the model's ids
-            raise TrainConfigError("init_from", f"{config.init_from}'s vocabulary is its tokenizer's, not bytes: pass "
-                                                "--tokenizer (its tokenizer.json or directory) and --data (text or "
-                                                ".jsonl), or --data a token file of its ids")
-        return None
-    from shardlib.hf.tokenizer import TokenizerError, check_vocab, load_tokenizer
-
-    if is_token_file(config.data):
-        raise TrainConfigError("tokenizer", "tokenizes text, and --data is a token file (already ids): drop one")
-    if model_config is None:
-        raise TrainConfigError("tokenizer", "checks its vocabulary against a reference decoder's (--init-from or a "
-                                            "config name); with your own --model pass a token file and --vocab-size")
-    try:
-        tokenizer = load_tokenizer(config.tokenizer)
-        check_vocab(tokenizer, model_config.vocab_size, config.init_from or f"model {config.model!r}")
-    except TokenizerError as err:
-        raise TrainConfigError("tokenizer", str(err)) from None
-    return tokenizer
-
-
 def _model_config(config: TrainConfig, pretrained=None):
     from shardlib.models import get_config
 
@@ -336,7 +270,7 @@ def _model_config(config: TrainConfig, pretrained=None):
     if config.vocab_size is not None:
         if config.init_from is not None:
             raise TrainConfigError("vocab_size", f"the vocabulary is {config.init_from}'s; drop --vocab-size")
-        _check_vocab_flag(config)
+        check_vocab_flag(config)
         model_config = dataclasses.replace(model_config, vocab_size=config.vocab_size)
     from shardlib.models import MoEConfig
 
@@ -491,57 +425,6 @@ def _precision(config: TrainConfig):
     return dataclasses.replace(get_precision(config.precision), reduce_dtype=config.reduce_dtype)
 
 
-def _loaders(config: TrainConfig, layout, train_bytes, val_bytes):
-    """This process's rows of each training batch, and its validation windows, checked against the mesh."""
-    import jax
-
-    from shardlib.runtime.data import ByteBatches, val_batches
-    from shardlib.runtime.rows import RowBatches, val_row_batches
-
-    geometry = dict(data_parallel_size=layout.batch_size_multiple,
-                    process_index=jax.process_index(), process_count=jax.process_count())
-    if isinstance(train_bytes, tuple):  # instruction rows (tokens, mask)
-        if config.record_examples:
-            raise TrainConfigError("record_examples", "records window offsets of a text corpus; instruction examples "
-                                                      "are whole rows: drop --record-examples")
-        try:
-            return (RowBatches(*train_bytes, config.batch_size, seed=config.seed, **geometry),
-                    val_row_batches(*val_bytes, config.batch_size, config.eval_batches, **geometry))
-        except ValueError as err:
-            raise TrainConfigError("batch_size", str(err)) from None
-    try:
-        loader = ByteBatches(train_bytes, config.batch_size, config.seq_len, seed=config.seed, **geometry)
-        val_local = val_batches(val_bytes, config.batch_size, config.seq_len, None, **geometry)
-        if len(val_local) > config.eval_batches:  # fewer windows, still spread over the whole split
-            val_local = val_batches(val_bytes, config.batch_size, config.seq_len, config.eval_batches, **geometry)
-    except ValueError as err:
-        field = "batch_size" if "batch size" in str(err) else "seq_len" if "seq_len" in str(err) else "data"
-        raise TrainConfigError(field, str(err)) from None
-    return loader, val_local
-
-
-def _grain_loader(config: TrainConfig, layout, data):
-    """A Grain pipeline (or a `GrainBatches`) as the loop's loader, its state saved with each checkpoint."""
-    import jax
-
-    from shardlib.run.grain_source import GrainLoader
-    from shardlib.runtime.grain_data import GrainBatches
-
-    if config.record_examples:
-        raise TrainConfigError("record_examples", "records window offsets of the built-in loader; a Grain pipeline has "
-                                                  "none: drop --record-examples and log an id field in the pipeline")
-    try:
-        batches = data if isinstance(data, GrainBatches) else GrainBatches(
-            data, config.batch_size, data_parallel_size=layout.batch_size_multiple,
-            process_index=jax.process_index(), process_count=jax.process_count())
-    except ValueError as err:
-        raise TrainConfigError("batch_size", str(err)) from None
-    if batches.global_batch_size != config.batch_size:
-        raise TrainConfigError("batch_size", f"is {config.batch_size}, but the GrainBatches given make batches of "
-                                             f"{batches.global_batch_size}; make them agree")
-    return GrainLoader(batches, seed=config.seed)
-
-
 def with_model_defaults(config: TrainConfig) -> TrainConfig:
     """``seq_len=None``: DEFAULT_SEQ_LEN, or the model's ``max_seq_len`` when that is shorter
     (``tiny`` is 64), so a bare ``--model`` runs without ``--seq-len``."""
@@ -552,234 +435,6 @@ def with_model_defaults(config: TrainConfig) -> TrainConfig:
     known = CONFIGS.get(config.model)
     longest = known.max_seq_len if known is not None else DEFAULT_SEQ_LEN
     return dataclasses.replace(config, seq_len=min(DEFAULT_SEQ_LEN, longest))
-
-
-def check_out_path(config: TrainConfig) -> None:
-    """``--out`` below or at an existing file cannot become a run directory: one line, before JAX starts."""
-    if config.out is None:
-        return
-    out_dir = Path(config.out).expanduser()
-    if _blocking_file(out_dir) is not None:
-        raise _unusable(config, out_dir, FileExistsError(errno.EEXIST, "a file is in the way", str(out_dir)))
-
-
-def run_directory(config: TrainConfig) -> Path:
-    """Where the run writes: ``--out``; a resumed run without ``--out`` keeps writing into the run it resumes."""
-    if config.resume_from is not None and config.out is None:
-        return checkpoint_dir(config.resume_from).parent
-    return _out_dir(config)
-
-
-# --------------------------------------------------------------------------------------------
-# One run per directory, and a directory that can be written, before anything compiles
-# --------------------------------------------------------------------------------------------
-
-LOCK_NAME = ".lock"
-
-
-def _out_field(config: TrainConfig) -> str:
-    return "resume_from" if config.out is None and config.resume_from is not None else "out"
-
-
-def _blocking_file(path: Path) -> Path | None:
-    """The first part of ``path`` that exists but is not a directory (so nothing can be created below it)."""
-    for part in reversed([path, *path.parents]):
-        if part.exists() and not part.is_dir():
-            return part
-    return None
-
-
-def _unusable(config: TrainConfig, out_dir: Path, err: OSError) -> TrainConfigError:
-    blocker = _blocking_file(out_dir)
-    if blocker is not None:
-        why = f"{blocker} is a file, not a directory"
-    elif err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        why = "it is not writable (" + ("read-only file system" if err.errno == errno.EROFS else "permission denied") + ")"
-    else:
-        why = err.strerror or str(err)
-    hint = "pick another --out" if config.out is not None or config.resume_from is None else "pass --out DIR"
-    return TrainConfigError(_out_field(config), f"cannot write the run directory {out_dir}: {why}; {hint}")
-
-
-def _holder(text: str) -> dict:
-    try:
-        found = json.loads(text)
-        return found if isinstance(found, dict) else {}
-    except ValueError:
-        return {}
-
-
-def _describe_holder(holder: dict) -> str:
-    started = holder.get("started")
-    since = f", since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(started))}" if isinstance(started, (int, float)) else ""
-    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{since}"
-
-
-def _resumed_run(config: TrainConfig, out_dir: Path) -> Path | None:
-    """The run directory of ``--resume-from`` when it is not ``out_dir``: its checkpoints are
-    where this run saves, sets aside and deletes (`saves_to`), so it needs the same lock."""
-    if config.resume_from is None:
-        return None
-    resumed = checkpoint_dir(config.resume_from).parent
-    return None if resumed.resolve() == out_dir.expanduser().resolve() else resumed
-
-
-def _open_lock(lock: Path) -> int:
-    """``lock`` opened for reading and writing, never through a symbolic link (a planted
-    ``.lock -> file`` would otherwise be truncated) and only if it is a regular file."""
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, 0o644)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise IsADirectoryError(errno.EISDIR, "not a regular file", str(lock))
-    return fd
-
-
-def _lock_refused(field: str, lock: Path, err: OSError) -> TrainConfigError | None:
-    """The error for a ``.lock`` that is a symbolic link or no regular file; None for other errors."""
-    if err.errno == errno.ELOOP:
-        what = f"a symbolic link (to {os.readlink(lock)})"
-    elif err.errno == errno.EISDIR:
-        what = "not a regular file"
-    else:
-        return None
-    return TrainConfigError(field, f"{lock} is {what}; shardlib writes its lock only into a regular file in the run "
-                                   "directory, never through a link: remove it and run again")
-
-
-@contextlib.contextmanager
-def claim_run_directory(config: TrainConfig, out_dir: Path, *, main: bool) -> Iterator[None]:
-    """Create ``out_dir`` and, on process 0, hold ``OUT/.lock`` for the whole run; and the lock of
-    the ``--resume-from`` run directory when that is another one, since the run saves there.
-
-    Two runs writing one directory interleave ``metrics.jsonl`` and delete each other's
-    checkpoints, so a second run stops at once, naming the holder's host and PID (a
-    `TrainConfigError`: one line, exit 2). ``flock`` is released by the kernel when its
-    process dies, so a lock file that still names a holder but is not locked was left by a
-    dead run: it is taken over with a note. A directory that cannot be created or written is
-    reported here too, before anything compiles. Other processes only create the directory
-    when they write into it (``--record-examples``). A resumed directory is never created.
-    """
-    resumed = _resumed_run(config, out_dir)
-    with contextlib.ExitStack() as held:
-        held.enter_context(_claim(config, _out_field(config), out_dir, main=main))
-        if resumed is not None and main and resumed.is_dir():
-            held.enter_context(_claim(config, "resume_from", resumed, main=True))
-        yield
-
-
-@contextlib.contextmanager
-def _claim(config: TrainConfig, field: str, out_dir: Path, *, main: bool) -> Iterator[None]:
-    """`claim_run_directory` of one directory; ``field`` is the flag that named it."""
-    if not main and not config.record_examples:
-        yield
-        return
-    lock = out_dir / LOCK_NAME
-    try:
-        make_dir(out_dir, "a run")
-        if not main and not os.access(out_dir, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, "permission denied", str(out_dir))
-        fd = _open_lock(lock) if main else None
-    except OSError as err:
-        raise (_lock_refused(field, lock, err) or _unusable(config, out_dir, err)) from None
-    if fd is None:  # another process: checked, nothing to hold
-        yield
-        return
-    ours = False
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
-            raise TrainConfigError(
-                field,
-                f"{out_dir} is in use by another run ({_describe_holder(holder)}): two runs in one directory mix their "
-                "metrics and delete each other's checkpoints; wait for that run to finish, stop it, or pick another "
-                + ("--out" if field == "out" else "--resume-from (a run that has stopped)"),
-            ) from None
-        except OSError as err:  # a file system without locks (some network mounts): run unguarded, say so
-            print(f"shardlib: note: cannot lock {lock} ({err.strerror}); nothing stops a second run from writing "
-                  f"{out_dir} at the same time", file=sys.stderr, flush=True)
-        ours = True
-        left = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
-        if left:
-            print(f"shardlib: note: took over {lock}, left by a run that is no longer running "
-                  f"({_describe_holder(left)})", file=sys.stderr, flush=True)
-        me = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": round(time.time(), 3)})
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, (me + "\n").encode(), 0)
-        except OSError as err:
-            raise _unusable(config, out_dir, err) from None
-        yield
-    finally:
-        if ours:
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)  # an empty lock file: released cleanly (a named holder means it died)
-        os.close(fd)  # releases the flock
-
-
-def _out_dir(config: TrainConfig) -> Path:
-    """``--out`` or ``runs/<timestamp>``; every process agrees on the name (process 0's clock)."""
-    if config.out:
-        return Path(config.out).expanduser()
-    import jax
-    import numpy as np
-
-    stamp = int(time.time())
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        stamp = int(multihost_utils.broadcast_one_to_all(np.int64(stamp)))
-    return Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.localtime(stamp))
-
-
-def _load_data(config: TrainConfig, vocab_size: int, tokenizer=None):
-    """(train, validation) arrays: the bytes of text, or the ids of a token file (each below
-    ``vocab_size``); with a tokenizer, text's ids (cached) or instruction rows, each a (tokens, mask)."""
-    from shardlib.runtime.data import load_text, split_train_val
-    from shardlib.runtime.tokens import check_vocab, is_token_file, load_tokens
-
-    if tokenizer is not None:
-        return _tokenized_data(config, tokenizer)
-    if Path(config.data or "").suffix.lower() == ".jsonl":
-        raise TrainConfigError("data", "a .jsonl file is read as instruction examples, which need a tokenizer: add "
-                                       "--tokenizer (the model's tokenizer.json or its directory)")
-
-    if config.token_dtype != TrainConfig.token_dtype and Path(config.data or "").suffix.lower() != ".bin":
-        raise TrainConfigError("token_dtype", "sets the element type of a raw .bin token file (a .npy file carries "
-                                              "its own, text is bytes); drop it or pass a .bin file")
-    try:
-        if not is_token_file(config.data):
-            return split_train_val(load_text(config.data))
-        tokens = load_tokens(config.data, config.token_dtype)
-        check_vocab(tokens, vocab_size, config.data)
-        return split_train_val(tokens)
-    except (ValueError, OSError) as err:
-        field = "vocab_size" if "--vocab-size" in str(err) else "data"
-        raise TrainConfigError(field, str(err)) from None
-
-
-def _tokenized_data(config: TrainConfig, tokenizer):
-    """--data through --tokenizer: instruction rows from a .jsonl, else text as cached token ids."""
-    from shardlib.hf.tokenizer import TokenizerError, instruction_rows, tokenize_text
-    from shardlib.runtime.data import split_train_val
-    from shardlib.runtime.rows import split_rows
-
-    if config.data is None:
-        raise TrainConfigError("tokenizer", "tokenizes --data, and none was given: pass --data TEXT_OR_JSONL")
-    try:
-        if Path(config.data).suffix.lower() == ".jsonl":
-            rows = instruction_rows(tokenizer, config.data, config.seq_len)
-            if rows.truncated:
-                print(f"shardlib: note: {rows.truncated} of {len(rows.tokens)} examples are longer than --seq-len "
-                      f"{config.seq_len} + 1 tokens and were cut", file=sys.stderr, flush=True)
-            return split_rows(rows.tokens, rows.mask)
-        tokens, cache, cached = tokenize_text(tokenizer, config.data)
-        if jax_main():
-            print(f"tokens     {len(tokens):,} ids {'read from' if cached else 'cached in'} {cache}", flush=True)
-        return split_train_val(tokens)
-    except (TokenizerError, ValueError, OSError) as err:
-        raise TrainConfigError("data", str(err)) from None
 
 
 def jax_main() -> bool:

@@ -172,7 +172,8 @@ def train(config: TrainConfig, data: Any = None, *, model: Any = None, notes: Se
     import jax
 
     from shardlib.run.checkpointing import keep_schedule, refuse_silent_restart
-    from shardlib.run.setup import check_out_path, claim_run_directory, run_directory, with_model_defaults
+    from shardlib.run.directory import check_out_path, claim_run_directory, run_directory
+    from shardlib.run.setup import with_model_defaults
 
     from shardlib.run.outputs import refuse_out_over_sources, refuse_planted_links
     from shardlib.run.trackers import check_trackers

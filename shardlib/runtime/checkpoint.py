@@ -1,4 +1,7 @@
-"""Orbax checkpoints of a `TrainState`: async, sharded, restorable onto any mesh and strategy.
+"""Orbax checkpoints of a `TrainState` (over 600 lines: one `Checkpointer` around one Orbax manager).
+
+Async, sharded, restorable onto any mesh and strategy; the save, the background failures and the
+restore share the manager and its state, so they stay one class.
 
 One checkpoint is one Orbax step directory ``DIR/<step>/`` with four items:
 
@@ -33,40 +36,83 @@ carrying NamedShardings). Orbax reads each device's slice of every array from th
 so the device count, mesh and strategy may all differ from the run that saved it. The transient
 fields (fp16's loss scale, int8's per-device residuals) are the exception: where the target has
 other shapes or none, they start afresh (``fresh=program.fresh_transient``) or are dropped, noted.
+
+The rest lives beside it: `checkpoint_contents` (trees compared, JSON items),
+`checkpoint_digests` (the digests and their Orbax item), `checkpoint_damage` (what is damaged,
+what is a read error), `checkpoint_errors` (re-exported here), and `preemption`
+(`PreemptionGuard`, re-exported here).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import os
-import re
-import signal
-import sys
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlib import compat
-from shardlib.runtime.files import write_new_file
+from shardlib.runtime.checkpoint_contents import (
+    empty_nodes,
+    field_of,
+    gather_data_states,
+    json_bytes,
+    mesh_of,
+    metrics_nonfinite,
+    nonfinite_paths,
+    pick_data_state,
+    refuse_zero_size,
+    signature_mismatches,
+    staleness_of,
+    structure_mismatches,
+    transient_changes,
+    tree_signature,
+)
+from shardlib.runtime.checkpoint_damage import (
+    LEGACY_FORMATS,
+    ReadingStep,
+    agree,
+    check_arrays,
+    check_items,
+    complete_steps,
+    incomplete_reason,
+    note_damage,
+    read_digests,
+    read_json_item,
+)
+from shardlib.runtime.checkpoint_digests import DIGEST_ITEM, DigestHandler, DigestSave, PendingDigests
+from shardlib.runtime.checkpoint_errors import (
+    CheckpointDamagedError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointReadError,
+    CheckpointSaveError,
+    NonFiniteStateError,
+)
+from shardlib.runtime.preemption import PreemptionGuard
 from shardlib.sharding.rules import describe_mismatches, listed, path_str
 from shardlib.step.state import TRANSIENT_FIELDS
+
+__all__ = [
+    "Checkpointer", "PreemptionGuard", "ReadOnlyNotice", "READ_ONLY_NOTICE", "FORMAT", "resolve_directory",
+    "CheckpointError", "CheckpointNotFoundError", "CheckpointMismatchError", "NonFiniteStateError",
+    "CheckpointDamagedError", "CheckpointReadError", "CheckpointSaveError",
+]
 
 log = logging.getLogger("shardlib.runtime.checkpoint")
 
 
-class _ReadOnlyNotice(logging.Filter):
+class ReadOnlyNotice(logging.Filter):
     """Drops Orbax's ``WARNING:absl:Given directory is read only``: a read-only Checkpointer
     (``create=False``: export, evaluation, inspection) is what was asked for, not a problem."""
 
@@ -74,64 +120,9 @@ class _ReadOnlyNotice(logging.Filter):
         return not str(record.msg).startswith("Given directory is read only")
 
 
-_READ_ONLY_NOTICE = _ReadOnlyNotice()
+READ_ONLY_NOTICE = ReadOnlyNotice()  # the one filter: every read-only Checkpointer adds it to absl's logger
 
-FORMAT = "shardlib.runtime.checkpoint/2"
-LEGACY_FORMATS = ("shardlib.runtime.checkpoint/1",)  # saved before digests: restored unverified, with a warning
-DIGEST_ITEM = "digests"
-DIGEST_KIND = "shardlib.poshash64/1"
-COMMIT_MARKER = "commit_success.txt"  # Orbax writes it into the step directory before the commit rename
-JSON_ITEMS = ("data", "config", "meta")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used as asked; the message names the directory and the fix."""
-
-    user_facing = True
-
-
-class CheckpointNotFoundError(CheckpointError):
-    """The directory, or the requested step in it, holds no complete checkpoint."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """The checkpoint's tree (paths, shapes, dtypes) differs from the restore target."""
-
-
-class NonFiniteStateError(CheckpointError):
-    """A state with NaN or Inf values, which must never replace a good checkpoint."""
-
-
-class CheckpointDamagedError(CheckpointError):
-    """A checkpoint whose files are missing, unreadable, or differ from the digests saved with it.
-
-    ``reason`` is one word (``incomplete``, ``missing-file``, ``unreadable``, ``metadata``,
-    ``data-step``, ``digest``); the message names the step, the file or tensor, and why.
-    """
-
-    def __init__(self, directory: str, step: int, reason: str, detail: str) -> None:
-        self.directory, self.step, self.reason, self.detail = directory, int(step), reason, detail
-        super().__init__(f"checkpoint {directory} step {step} is damaged ({reason}): {detail}")
-
-
-class CheckpointReadError(CheckpointError):
-    """A checkpoint could not be read for a reason its bytes do not show (storage outage,
-    permissions, credentials, an error about the restore target): nothing is set aside."""
-
-    def __init__(self, directory: str, step: int, detail: str) -> None:
-        self.directory, self.step, self.detail = directory, int(step), detail
-        super().__init__(f"checkpoint {directory} step {step} could not be read ({detail}); this says nothing about "
-                         "its files, so nothing was set aside: fix the cause (storage, permissions, credentials) and "
-                         "run again")
-
-
-class CheckpointSaveError(CheckpointError):
-    """A background (async) save failed: the run must stop; the last good checkpoint is named."""
-
-
-# --------------------------------------------------------------------------------------------
-# Small pure helpers
-# --------------------------------------------------------------------------------------------
+FORMAT = "shardlib.runtime.checkpoint/2"  # checkpoint_damage.LEGACY_FORMATS: the formats before digests
 
 
 def resolve_directory(directory: str | os.PathLike[str]) -> str:
@@ -140,403 +131,6 @@ def resolve_directory(directory: str | os.PathLike[str]) -> str:
     if "://" in text:
         return text
     return str(Path(text).expanduser().resolve())
-
-
-def _leaf_signature(leaf: Any) -> tuple[tuple[int, ...], str]:
-    return tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype).name
-
-
-def tree_signature(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``{"params/blocks/attn/wq": ((2, 64, 4, 16), "float32"), ...}`` for arrays, structs or metadata.
-
-    Paths are spelled the same whether the tree holds dict keys (Orbax metadata), attributes
-    (TrainState, optax namedtuples) or sequence indices, so trees of either kind compare.
-    """
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {path_str(path): _leaf_signature(leaf) for path, leaf in flat}
-
-
-def signature_mismatches(saved: Mapping[str, tuple], target: Mapping[str, tuple]) -> list[str]:
-    """Human-readable differences between a checkpoint's tree and a restore target."""
-    problems = []
-    params_first = lambda path: (not path.startswith("params/"), path)  # the paths users recognise
-    for path in sorted(saved.keys() | target.keys(), key=params_first):
-        if path not in target:
-            problems.append(f"{path}: in the checkpoint {saved[path][0]} {saved[path][1]}, not in the target")
-        elif path not in saved:
-            problems.append(f"{path}: in the target {target[path][0]} {target[path][1]}, not in the checkpoint")
-        elif saved[path] != target[path]:
-            (s_shape, s_dtype), (t_shape, t_dtype) = saved[path], target[path]
-            problems.append(f"{path}: checkpoint {s_shape} {s_dtype} vs target {t_shape} {t_dtype}")
-    return problems
-
-
-def empty_nodes(tree: Any) -> set[str]:
-    """Paths of the subtrees that hold no array (``optax.EmptyState``, ``MaskedNode``, None).
-
-    Leaf signatures cannot see them, yet they are part of the tree Orbax restores into: the
-    checkpoint keeps each as None, and a target with one more or one fewer fails inside Orbax.
-    The topmost empty subtree counts once, spelled as `tree_signature` spells paths.
-    """
-    is_empty = lambda node: not jax.tree.leaves(node)
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_empty)
-    return {path_str(path) for path, leaf in flat if is_empty(leaf)}
-
-
-def structure_mismatches(saved: set[str], target: set[str], field: str) -> list[str]:
-    """The empty nodes of ``field`` present on one side only, worded like `signature_mismatches`."""
-    problems = []
-    for path in sorted(p for p in saved ^ target if _field(p) == field):
-        where = "in the checkpoint, not in the target" if path in saved else "in the target, not in the checkpoint"
-        problems.append(f"{path}: an empty node (no arrays, e.g. optax.EmptyState) {where}")
-    return problems
-
-
-def staleness_of(signature: Mapping[str, tuple]) -> int:
-    """The ``staleness`` a state was built with: the number of gradients queued in ``pending``."""
-    return len({p.split("/")[1] for p in signature if _field(p) == "pending" and "/" in p})
-
-
-def _finite_flags(leaves: list[jax.Array]) -> jax.Array:
-    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
-
-
-def nonfinite_paths(tree: Any) -> list[str]:
-    """Paths of floating-point leaves holding a NaN or Inf (one fused device reduction, 1 bool per leaf)."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    floats = [(path, leaf) for path, leaf in flat if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.inexact)]
-    if not floats:
-        return []
-    leaves = [leaf for _, leaf in floats]
-    sharding = getattr(leaves[0], "sharding", None)
-    out = NamedSharding(sharding.mesh, P()) if isinstance(sharding, NamedSharding) else None
-    flags = np.asarray(jax.jit(_finite_flags, out_shardings=out)(leaves))
-    return [path_str(path) for (path, _), ok in zip(floats, flags) if not ok]
-
-
-def _refuse_zero_size(state: Any) -> None:
-    """Orbax refuses zero-size arrays (naming an internal ParamInfo); name the tensors instead."""
-    empty = [path_str(path) for path, leaf in jax.tree_util.tree_leaves_with_path(state) if np.size(leaf) == 0]
-    if empty:
-        raise CheckpointError(
-            f"cannot checkpoint zero-size tensors ({listed(empty)}): Orbax does not save arrays with no elements. "
-            "They hold no values: leave them out of the parameters (create the layer only when its size is > 0)")
-
-
-def is_finite_state(state: Any) -> bool:
-    """True when every floating-point value of ``state`` (params, optimizer state) is finite."""
-    return not nonfinite_paths(state)
-
-
-def _metrics_nonfinite(metrics: Mapping[str, Any] | None) -> str | None:
-    """Why these step metrics say the step's loss was not finite, or None."""
-    if metrics is None:
-        return None
-    if "loss" in metrics and not np.all(np.isfinite(np.asarray(metrics["loss"]))):
-        return f"loss is {float(np.asarray(metrics['loss']))}"
-    if "skipped" in metrics and int(np.asarray(metrics["skipped"])):
-        return "the step was skipped (non-finite loss or gradient norm)"
-    return None
-
-
-def _mesh_of(state: Any) -> dict[str, int] | None:
-    for leaf in jax.tree.leaves(state):
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding):
-            return {str(k): int(v) for k, v in sharding.mesh.shape.items()}
-    return None
-
-
-def _field(path: str) -> str:
-    return path.split("/", 1)[0]
-
-
-def transient_changes(saved: Mapping[str, tuple], target: Mapping[str, tuple]) -> dict[str, str]:
-    """Transient field -> why the checkpoint's value cannot be restored into ``target`` (absent
-    from either side, or other shapes: another precision, compression or device count)."""
-    changes = {}
-    for name in TRANSIENT_FIELDS:
-        s = {p: v for p, v in saved.items() if _field(p) == name}
-        t = {p: v for p, v in target.items() if _field(p) == name}
-        if s == t:
-            continue
-        changes[name] = ("the checkpoint holds none" if not s else "the restore target keeps none" if not t
-                         else "their shapes differ: another device count or layout")
-    return changes
-
-
-# --------------------------------------------------------------------------------------------
-# Digests: a position-aware 64-bit sum hash of each array's logical value
-# --------------------------------------------------------------------------------------------
-#
-# h(x) = sum over elements i of fmix32((i * G + seed) ^ bits(x[i]))  (mod 2**32), two seeds.
-# Each term depends only on the element's row-major index in the *logical* array and its bits,
-# and the sum is order-free, so the digest is the same whatever mesh, sharding or process count
-# holds the array: every device hashes its own shard and one all-reduce adds them up. For a
-# fixed index the term is a bijection of the bits, so any single changed element always changes
-# the digest; several changes cancel with probability about 2**-64.
-
-_GOLDEN = np.uint32(0x9E3779B9)
-_SEEDS = (np.uint32(0x3C6EF372), np.uint32(0xA54FF53A))
-
-
-def _fmix32(h: jax.Array) -> jax.Array:
-    """MurmurHash3's finaliser: a bijection of uint32 that mixes every bit into every other."""
-    h = h ^ (h >> np.uint32(16))
-    h = h * np.uint32(0x85EBCA6B)
-    h = h ^ (h >> np.uint32(13))
-    h = h * np.uint32(0xC2B2AE35)
-    return h ^ (h >> np.uint32(16))
-
-
-def _words(x: jax.Array) -> jax.Array:
-    """The bits of ``x`` as uint32, shape ``x.shape + (k,)`` (k = 2 for 64-bit values, else 1)."""
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
-    dtype = np.dtype(x.dtype)
-    if dtype == np.bool_ or dtype.itemsize < 1 or dtype.name in ("int4", "uint4", "int2", "uint2", "float4_e2m1fn"):
-        x = x.astype(jnp.float32 if jnp.issubdtype(dtype, jnp.floating) else jnp.int32)  # exact for these
-        dtype = np.dtype(x.dtype)
-    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
-    if dtype.itemsize == 8:
-        return lax.bitcast_convert_type(x, jnp.uint32)  # adds a trailing axis of 2
-    return lax.bitcast_convert_type(x, unsigned[dtype.itemsize]).astype(jnp.uint32)[..., None]
-
-
-def _array_digest(x: jax.Array) -> jax.Array:
-    words = _words(x)
-    index = jnp.zeros(words.shape, jnp.uint32)
-    stride = 1
-    for axis in reversed(range(words.ndim)):  # the row-major index, built elementwise (no reshape, no resharding)
-        index = index + lax.broadcasted_iota(jnp.uint32, words.shape, axis) * np.uint32(stride & 0xFFFFFFFF)
-        stride *= words.shape[axis]
-    position = index * _GOLDEN
-    lanes = [jnp.sum(_fmix32((position + seed) ^ words), dtype=jnp.uint32) for seed in _SEEDS]
-    return jnp.stack(lanes)
-
-
-def _digest_all(leaves: list[jax.Array]) -> jax.Array:
-    return jnp.stack([_array_digest(x) for x in leaves])
-
-
-_digest_fns: dict[Any, Callable] = {}
-
-
-def _in_device_memory(x: Any) -> Any:
-    """``x``, copied into device memory if it lives in host memory (offloaded optimizer state): one
-    computation cannot mix memory spaces. The copy keeps the sharding and is dispatched async."""
-    sharding = getattr(x, "sharding", None)
-    kind = getattr(sharding, "memory_kind", None)
-    if kind is None or kind == "device":
-        return x
-    return jax.device_put(x, sharding.with_memory_kind("device"))
-
-
-def digest_arrays(tree: Any) -> tuple[list[str], jax.Array | None]:
-    """(paths, a [n, 2] uint32 device array of digests) for the arrays of ``tree``.
-
-    Dispatched asynchronously: nothing waits for the devices until the result is read
-    (`digest_hex`). The result is replicated, so every process can read it.
-    """
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    flat = [(path_str(path), leaf) for path, leaf in flat if leaf is not None]
-    if not flat:
-        return [], None
-    leaves = [_in_device_memory(leaf) for _, leaf in flat]
-    sharding = getattr(leaves[0], "sharding", None)
-    out = NamedSharding(sharding.mesh, P()) if isinstance(sharding, NamedSharding) else None
-    fn = _digest_fns.get(out)
-    if fn is None:
-        fn = _digest_fns[out] = jax.jit(_digest_all, out_shardings=out)
-    return [p for p, _ in flat], fn(leaves)
-
-
-def digest_hex(paths: list[str], digests: jax.Array | None) -> dict[str, str]:
-    """``{path: "16 hex digits"}``; blocks until the digests are computed."""
-    if digests is None:
-        return {}
-    values = np.asarray(digests)
-    return {path: f"{int(a):08x}{int(b):08x}" for path, (a, b) in zip(paths, values)}
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-class _PendingDigests:
-    """The digests item of one save, read from the devices in Orbax's background write.
-
-    `start` dispatches the reduction. An async save calls it right after Orbax has copied the
-    arrays to the host, so that the copy (which the loop waits for) is not queued behind it;
-    `resolve` (in the background write) waits for `start`, then for the devices.
-    """
-
-    def __init__(self, step: int, json_items: Mapping[str, Any], data_step_tied: bool) -> None:
-        self.head = {
-            "kind": DIGEST_KIND,
-            "step": int(step),
-            # the same bytes JsonCheckpointHandler writes: json.dumps(item)
-            "files": {f"{name}/metadata": _sha256(json.dumps(item).encode("utf-8")) for name, item in json_items.items()},
-            "data_step_tied": bool(data_step_tied),
-        }
-        self._started = threading.Event()
-        self._paths: list[str] = []
-        self._digests: jax.Array | None = None
-        self._error: BaseException | None = None
-
-    def start(self, tree: Any) -> None:
-        try:
-            self._paths, self._digests = digest_arrays(tree)
-        except BaseException as err:  # noqa: BLE001 - raised by resolve, in the save it belongs to
-            self._error = err
-            raise
-        finally:
-            self._started.set()
-
-    def cancel(self, err: BaseException) -> None:
-        if not self._started.is_set():
-            self._error = err
-            self._started.set()
-
-    def resolve(self) -> dict[str, Any]:
-        self._started.wait()
-        if self._error is not None:
-            raise self._error
-        return {**self.head, "arrays": digest_hex(self._paths, self._digests)}
-
-
-class _DigestHandler(ocp.JsonCheckpointHandler):
-    """Orbax's JSON item, except that the value is computed in the background thread."""
-
-    async def _save_fn(self, x, directory):
-        if ocp.multihost.is_primary_host(self._primary_host):
-            value = x.resolve() if isinstance(x, _PendingDigests) else x
-            (directory / self._filename).write_text(json.dumps(value))
-
-
-@ocp.args.register_with_handler(_DigestHandler, for_save=True)
-@dataclasses.dataclass
-class _DigestSave(ocp.args.CheckpointArgs):
-    item: Any
-
-
-@ocp.args.register_with_handler(_DigestHandler, for_restore=True)
-@dataclasses.dataclass
-class _DigestRestore(ocp.args.CheckpointArgs):
-    item: Any = None
-
-
-def incomplete_reason(step_dir: str | os.PathLike[str] | Any) -> str | None:
-    """Why ``step_dir`` (a committed-looking ``DIR/<step>``) is not a complete checkpoint, or None.
-
-    The one rule: Orbax's commit marker and the digests item. A checkpoint written before
-    digests existed (format ``/1``, named in its ``meta``) counts as complete, unverified.
-    """
-    path = step_dir if hasattr(step_dir, "exists") else Path(step_dir)
-    if not (path / COMMIT_MARKER).exists():
-        return f"no Orbax commit marker ({COMMIT_MARKER})"
-    if (path / DIGEST_ITEM / "metadata").exists():
-        return None
-    try:
-        if json.loads((path / "meta" / "metadata").read_text()).get("format") in LEGACY_FORMATS:
-            return None
-    except (OSError, ValueError, AttributeError):
-        pass
-    return f"no digests ({DIGEST_ITEM}/metadata is missing)"
-
-
-def complete_steps(directory: str | os.PathLike[str] | Any) -> list[int]:
-    """Steps with a complete checkpoint in ``directory``, ascending: the step directories Orbax
-    names (``ocp.utils.checkpoint_steps``: not the tmp dirs of saves in flight) that
-    `incomplete_reason` passes. The one rule of the `Checkpointer` and the elastic launcher."""
-    try:
-        named = ocp.utils.checkpoint_steps(directory)
-    except (OSError, ValueError):
-        return []
-    name_format = ocp.path.step.standard_name_format()
-    return sorted(s for s in named if incomplete_reason(ocp.path.step.build_step_path(directory, name_format, s)) is None)
-
-
-# --------------------------------------------------------------------------------------------
-# Data-iterator state of every process
-# --------------------------------------------------------------------------------------------
-
-
-def _json_problem(value: Any, where: str) -> str | None:
-    """Where ``value`` holds something JSON would refuse or silently change, or None.
-
-    A NumPy or JAX scalar (``np.int64`` from an index, ``state.step``) is refused by ``json``; a
-    non-string dict key would come back as a string after a restore, another key than was saved.
-    """
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                return f"{where} has the key {key!r} ({type(key).__name__}), which JSON would give back as {str(key)!r}"
-            found = _json_problem(item, f"{where}[{key!r}]")
-            if found:
-                return found
-        return None
-    if isinstance(value, (list, tuple)):
-        return next(filter(None, (_json_problem(item, f"{where}[{i}]") for i, item in enumerate(value))), None)
-    if value is None or isinstance(value, (str, int, float)):
-        return None
-    return f"{where} is a {type(value).__module__}.{type(value).__qualname__}"
-
-
-def _json_bytes(value: Any, what: str) -> bytes:
-    """``value`` as JSON, or an error naming the entry that JSON cannot hold and what to pass."""
-    problem = _json_problem(value, what)
-    if problem is None:
-        try:
-            return json.dumps(value, sort_keys=True).encode("utf-8")
-        except ValueError as err:  # a cycle, or NaN under allow_nan=False
-            problem = f"{what}: {err}"
-    raise CheckpointError(
-        f"checkpoint {problem}: the {what} is saved as JSON, which holds dicts with str keys, lists, str, int, "
-        "float, bool and None only. Pass plain Python values (int(x), float(x), x.tolist())")
-
-
-def gather_data_states(data_state: Mapping[str, Any]) -> dict[str, Any]:
-    """Every process's data state, so process 0's JSON write holds them all.
-
-    Single-process: no communication. Multi-process: two small all-gathers (lengths, then the
-    zero-padded UTF-8 JSON bytes); every process must call this (``save`` does).
-    """
-    encoded = _json_bytes(dict(data_state), "data_state")
-    count = jax.process_count()
-    if count == 1:
-        return {"process_count": 1, "states": [json.loads(encoded)]}
-    from jax.experimental import multihost_utils
-
-    lengths = np.asarray(multihost_utils.process_allgather(np.array([len(encoded)], np.int32))).reshape(-1)
-    padded = np.zeros(int(lengths.max()), np.uint8)
-    padded[: len(encoded)] = np.frombuffer(encoded, np.uint8)
-    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(count, -1)
-    return {"process_count": count, "states": [json.loads(bytes(r[:n])) for r, n in zip(rows, lengths)]}
-
-
-def pick_data_state(saved: Mapping[str, Any], directory: str, step: int) -> dict[str, Any]:
-    """This process's data state: the common one if all processes agreed, else its own by index.
-
-    States that hold ``"shards"`` (a loader cut into logical shards, `shardlib.runtime.grain_data`)
-    are merged instead: every shard's state, whatever process saved it, so any process count can
-    take the shards over.
-    """
-    states = list(saved["states"])
-    if all(s == states[0] for s in states):
-        return dict(states[0])
-    if all(isinstance(s.get("shards"), dict) and s.get("step") == states[0].get("step") for s in states):
-        return {**states[0], "shards": {k: v for s in states for k, v in s["shards"].items()}}
-    count, index = jax.process_count(), jax.process_index()
-    if len(states) != count:
-        raise CheckpointError(
-            f"checkpoint {directory} step {step}: the {len(states)} processes that saved it had different data "
-            f"iterator states, so they cannot be split across {count} processes; resume with {len(states)} processes "
-            "or restart the data iterator"
-        )
-    return dict(states[index])
 
 
 # --------------------------------------------------------------------------------------------
@@ -611,13 +205,13 @@ class Checkpointer:
             step_name_format=self._name_format,
         )
         if not create:
-            logging.getLogger("absl").addFilter(_READ_ONLY_NOTICE)  # once: the same filter is added once
+            logging.getLogger("absl").addFilter(READ_ONLY_NOTICE)  # once: the same filter is added once
         handlers = {
             "state": ocp.StandardCheckpointHandler(),
             "data": ocp.JsonCheckpointHandler(),
             "config": ocp.JsonCheckpointHandler(),
             "meta": ocp.JsonCheckpointHandler(),
-            DIGEST_ITEM: _DigestHandler(),
+            DIGEST_ITEM: DigestHandler(),
         }
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._writable = create
@@ -706,11 +300,11 @@ class Checkpointer:
         if step in self._manager.all_steps():  # Orbax's list (in-flight saves too): the same on every process
             log.warning("checkpoint %s step %d is already saved or being saved; not overwriting it", self.directory, step)
             return False
-        reason = _metrics_nonfinite(metrics)
+        reason = metrics_nonfinite(metrics)
         if reason is not None:
             log.warning("not saving checkpoint step %d in %s: %s; the last good checkpoint stays", step, self.directory, reason)
             return False
-        _refuse_zero_size(state)
+        refuse_zero_size(state)
         bad = nonfinite_paths(state)
         if bad:
             raise NonFiniteStateError(
@@ -718,19 +312,19 @@ class Checkpointer:
                 f"the last good checkpoint (step {self.latest_step()}) is kept. Lower the learning rate, enable "
                 "gradient clipping or loss scaling, and resume from it"
             )
-        config_json = json.loads(_json_bytes(dict(config or {}), "config"))
+        config_json = json.loads(json_bytes(dict(config or {}), "config"))
         meta = {
             "format": FORMAT,
             "step": step,
             "process_count": jax.process_count(),
             "device_count": jax.device_count(),
-            "mesh": _mesh_of(state),
+            "mesh": mesh_of(state),
             "jax": jax.__version__,
             "orbax": getattr(ocp, "__version__", "unknown"),
         }
         data = gather_data_states(data_state)
         tied = bool(data["states"]) and all(isinstance(d.get("step"), int) and d["step"] == step for d in data["states"])
-        digests = _PendingDigests(step, {"data": data, "config": config_json, "meta": meta}, tied)
+        digests = PendingDigests(step, {"data": data, "config": config_json, "meta": meta}, tied)
         if not self._async:  # a synchronous save writes the item before returning: the digests must be under way
             digests.start(state)
         args = ocp.args.Composite(
@@ -738,7 +332,7 @@ class Checkpointer:
             data=ocp.args.JsonSave(data),
             config=ocp.args.JsonSave(config_json),
             meta=ocp.args.JsonSave(meta),
-            **{DIGEST_ITEM: _DigestSave(digests)},
+            **{DIGEST_ITEM: DigestSave(digests)},
         )
         try:
             started = bool(self._manager.save(step, args=args, force=True))
@@ -856,46 +450,36 @@ class Checkpointer:
 
     def _read_json(self, step: int, name: str) -> dict[str, Any]:
         """A JSON item of ``step`` as a dict, or `CheckpointDamagedError` naming the file."""
-        path = self._step_path(step) / name / "metadata"
-        where = f"{name}/metadata"
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            raise CheckpointDamagedError(self.directory, step, "missing-file", f"{path} is missing") from None
-        except OSError as err:  # permissions, an outage: no evidence against the bytes
-            raise CheckpointReadError(self.directory, step, f"{path}: {err}") from None
-        try:
-            value = json.loads(raw.decode("utf-8"))
-        except ValueError as err:
-            raise CheckpointDamagedError(self.directory, step, "metadata", f"{where} is not valid JSON ({err})") from None
-        if not isinstance(value, dict):
-            raise CheckpointDamagedError(self.directory, step, "metadata",
-                                         f"{where} holds a {type(value).__name__}, not a JSON object")
-        return value
+        return read_json_item(self.directory, step, self._step_path(step), name)
 
     # ---- integrity ------------------------------------------------------------------------
 
     def _reading(self, step: int, what: str):
         """Context: an error reading ``step`` (Orbax, TensorStore, the file system) becomes
         `CheckpointDamagedError`; shardlib's own errors (a target that does not match) pass."""
-        return _Reading(self, step, what)
+        return ReadingStep(self.directory, step, self._step_path(step), what)
+
+    def _agreed(self, step: int, read: Callable[[], Any], reading: str | None = None) -> Any:
+        """``read()`` of ``step``, its damage or read error raised only once every process has said
+        how its own read went (`agree`); ``reading``: what it reads, its other errors classified."""
+        err, result = None, None
+        try:
+            with self._reading(step, reading) if reading is not None else contextlib.nullcontext():
+                result = read()
+        except (CheckpointDamagedError, CheckpointReadError) as found:
+            err = found
+        err = agree(self.directory, step, err)
+        if err is not None:
+            raise err
+        return result
 
     def _digests(self, step: int) -> dict[str, Any] | None:
-        """The digests item of ``step`` (None for a checkpoint saved before digests)."""
-        if not (self._step_path(step) / DIGEST_ITEM / "metadata").exists():
-            why = incomplete_reason(self._step_path(step))
-            if why is not None:
-                raise CheckpointDamagedError(self.directory, step, "incomplete", why)
-            if step not in self._warned_legacy:
-                self._warned_legacy.add(step)
-                log.warning("checkpoint %s step %d was saved before digests (format %s); restored unverified",
-                            self.directory, step, LEGACY_FORMATS[0])
-            return None
-        digests = self._read_json(step, DIGEST_ITEM)
-        if digests.get("kind") != DIGEST_KIND or not isinstance(digests.get("arrays"), dict) \
-                or not isinstance(digests.get("files"), dict):
-            raise CheckpointDamagedError(self.directory, step, "metadata",
-                                         f"{DIGEST_ITEM}/metadata is not a {DIGEST_KIND} digest record")
+        """The digests item of ``step`` (None for a checkpoint saved before digests, warned once)."""
+        digests = read_digests(self.directory, step, self._step_path(step))
+        if digests is None and step not in self._warned_legacy:
+            self._warned_legacy.add(step)
+            log.warning("checkpoint %s step %d was saved before digests (format %s); restored unverified",
+                        self.directory, step, LEGACY_FORMATS[0])
         return digests
 
     def inspect(self, step: int) -> dict[str, Any] | None:
@@ -906,61 +490,13 @@ class Checkpointer:
         if why is not None:
             raise CheckpointDamagedError(self.directory, step, "incomplete", why)
         digests = self._digests(step)
-        items = {name: self._read_json(step, name) for name in JSON_ITEMS}
-        if items["meta"].get("step", step) != step:
-            raise CheckpointDamagedError(self.directory, step, "metadata",
-                                         f"meta/metadata says step {items['meta'].get('step')!r}, not {step}")
-        states = items["data"].get("states")
-        if not isinstance(states, list) or not all(isinstance(d, dict) for d in states):
-            raise CheckpointDamagedError(self.directory, step, "metadata",
-                                         "data/metadata holds no list of data states ('states')")
-        if digests is not None and digests.get("data_step_tied"):
-            wrong = [d.get("step") for d in states if d.get("step") != step]
-            if wrong:
-                raise CheckpointDamagedError(
-                    self.directory, step, "data-step",
-                    f"data/metadata says the data iterator stood at step {wrong[0]!r}, but the checkpoint is step "
-                    f"{step}: resuming would repeat or skip batches")
-        if digests is not None:
-            for name in JSON_ITEMS:
-                want = digests["files"].get(f"{name}/metadata")
-                got = _sha256((self._step_path(step) / name / "metadata").read_bytes())
-                if want != got:
-                    raise CheckpointDamagedError(self.directory, step, "metadata",
-                                                 f"{name}/metadata differs from the SHA-256 saved with it")
+        check_items(self.directory, step, self._step_path(step), digests)
         return digests
 
     def verify(self, step: int, tree: Any, digests: Mapping[str, Any] | None = None) -> None:
         """Compare the arrays of ``tree`` (restored from ``step``, any mesh) with their saved digests;
         `CheckpointDamagedError` names the tensors that differ."""
-        digests = self._digests(step) if digests is None else digests
-        if digests is None:
-            return
-        saved = digests["arrays"]
-        got = digest_hex(*digest_arrays(tree))
-        bad = [path for path, value in got.items() if saved.get(path) != value]
-        if bad:
-            raise CheckpointDamagedError(
-                self.directory, step, "digest",
-                f"the restored values of {listed(bad)} differ from the digests saved with them (a changed bit in "
-                "a data file)")
-
-    def _agree(self, step: int, err: CheckpointError | None) -> CheckpointError | None:
-        """Every process takes the same view of ``step``: unread if any process could not read it
-        (nothing is set aside then), else damaged if any process found it so."""
-        if jax.process_count() == 1:
-            return err
-        from jax.experimental import multihost_utils
-
-        code = 2 if isinstance(err, CheckpointReadError) else int(err is not None)
-        codes = np.asarray(multihost_utils.process_allgather(np.array([code], np.int32))).reshape(-1)
-        worst = int(codes.max())
-        if worst == code:
-            return err
-        bad = [int(i) for i in np.flatnonzero(codes == worst)]
-        if worst == 2:
-            return CheckpointReadError(self.directory, step, f"process(es) {bad} could not read it")
-        return CheckpointDamagedError(self.directory, step, "unreadable", f"process(es) {bad} found it damaged")
+        check_arrays(self.directory, step, tree, self._digests(step) if digests is None else digests)
 
     def _set_aside(self, err: CheckpointDamagedError, *, sync: bool = True) -> str | None:
         """Rename the damaged ``DIR/<step>`` to ``DIR/<step>.damaged-<reason>`` (process 0; never
@@ -978,7 +514,7 @@ class Checkpointer:
         source = self._step_path(err.step)
         if jax.process_index() == 0 and source.exists():
             source.rename(target)
-            _note_damage(target, err)
+            note_damage(target, err)
         if sync and jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -1006,7 +542,7 @@ class Checkpointer:
         differs (top-level fields in ``ignore`` aside), and every empty node of the optimizer
         state present on one side only (another optimizer chain with the same arrays)."""
         step = self.resolve_step(step)
-        keep = lambda sig: {p: v for p, v in sig.items() if _field(p) not in ignore}
+        keep = lambda sig: {p: v for p, v in sig.items() if field_of(p) not in ignore}
         saved_tree = self.saved_tree(step)
         saved, wanted = keep(tree_signature(saved_tree)), keep(tree_signature(target))
         self._check_staleness(saved, wanted, step)
@@ -1090,36 +626,16 @@ class Checkpointer:
                       fresh: Callable[[], Mapping[str, Any]] | None) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         """`restore` of one step: its files checked, its arrays read and verified against the digests."""
         if getattr(abstract_state, "steps_taken", None) is not None and not any(
-                _field(p) == "steps_taken" for p in self.saved_signature(step)):
+                field_of(p) == "steps_taken" for p in self.saved_signature(step)):
             return self._restore_counting_from_step(abstract_state, step, fresh)
-        err = None
-        try:
-            digests = self.inspect(step)
-        except (CheckpointDamagedError, CheckpointReadError) as found:
-            err = found
-        err = self._agree(step, err)
-        if err is not None:
-            raise err
+        digests = self._agreed(step, lambda: self.inspect(step))
         reinit = transient_changes(self.saved_signature(step), tree_signature(abstract_state))
         self.check_compatible(abstract_state, step, ignore=tuple(reinit))
         if reinit:
             return self._restore_reinitialising(abstract_state, step, reinit, fresh)
-        restored = None
-        try:
-            with self._reading(step, "state"):
-                restored = self._manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract_state),
-                        data=ocp.args.JsonRestore(),
-                        config=ocp.args.JsonRestore(),
-                    ),
-                )
-        except (CheckpointDamagedError, CheckpointReadError) as found:
-            err = found
-        err = self._agree(step, err)
-        if err is not None:
-            raise err
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+                                  config=ocp.args.JsonRestore())
+        restored = self._agreed(step, lambda: self._manager.restore(step, args=args), reading="state")
         self.verify(step, restored["state"], digests)
         return restored["state"], pick_data_state(restored["data"], self.directory, step), dict(restored["config"])
 
@@ -1171,131 +687,11 @@ class Checkpointer:
             )
         restore_args = ocp.checkpoint_utils.construct_restore_args(dict(target))
         digests = self._digests(step)
-        err, restored = None, None
-        try:
-            with self._reading(step, "state"):
-                restored = ocp.PyTreeCheckpointer().restore(
-                    self.state_path(step),
-                    args=ocp.args.PyTreeRestore(item=dict(target), restore_args=restore_args, partial_restore=True),
-                )
-        except (CheckpointDamagedError, CheckpointReadError) as found:
-            err = found
-        err = self._agree(step, err)
-        if err is not None:
-            raise err
+        args = ocp.args.PyTreeRestore(item=dict(target), restore_args=restore_args, partial_restore=True)
+        restored = self._agreed(step, lambda: ocp.PyTreeCheckpointer().restore(self.state_path(step), args=args),
+                                reading="state")
         self.verify(step, restored, digests)
         return restored
-
-
-def _quiet_abandoned_reads() -> None:
-    """After a failed read, Orbax leaves the other chunk reads of that restore to be collected
-    later, each printing "Exception ignored in <coroutine _read_array_index_and_device_put>"
-    (and "Event loop is closed"); the damage is already named, so drop those reports only."""
-    previous = sys.unraisablehook
-    if getattr(previous, "_shardlib_quiet", False):
-        return
-
-    def hook(unraisable) -> None:
-        err, obj = unraisable.exc_value, unraisable.object
-        text = str(err)
-        abandoned = ("_read_array_index_and_device_put" in repr(obj)
-                     or text.startswith("Encountered error while reading array index")
-                     or (isinstance(err, RuntimeError) and text == "Event loop is closed"))
-        if not abandoned:
-            previous(unraisable)
-
-    hook._shardlib_quiet = True
-    sys.unraisablehook = hook
-
-
-class _Reading:
-    """See `Checkpointer._reading`."""
-
-    def __init__(self, ckpt: Checkpointer, step: int, what: str) -> None:
-        self.ckpt, self.step, self.what = ckpt, step, what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, err, tb) -> bool:
-        if err is None or isinstance(err, CheckpointError) or not isinstance(err, Exception):
-            return False
-        chain, seen = [], err
-        while seen is not None and len(chain) < 8:  # Orbax wraps TensorStore's error; the cause says what
-            chain.append(seen)
-            seen = seen.__cause__ or seen.__context__
-        text = " | ".join(" ".join(str(e).split()) for e in chain)
-        if any(mark in text for mark in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")):
-            return False  # the devices are full, the checkpoint may be fine
-        _quiet_abandoned_reads()
-        cause = chain[-1]
-        brief = " ".join(str(cause).split())
-        detail = f"reading {self.what}: {type(cause).__name__}: {brief.split(' See full TensorStore details')[0][:300]}"
-        reason = damage_shown(chain, text)
-        if reason is None:
-            raise CheckpointReadError(self.ckpt.directory, self.step, detail) from err
-        missing = missing_data_files(self.ckpt._step_path(self.step) / "state") if reason == "unreadable" else []
-        if missing:  # OCDBT reads a deleted data file as empty bytes, "truncated": name what is gone
-            reason, detail = "missing-file", f"reading {self.what}: its data file(s) {listed(missing)} are missing"
-        raise CheckpointDamagedError(self.ckpt.directory, self.step, reason, detail) from err
-
-
-def missing_data_files(state_dir: Any) -> list[str]:
-    """The data files that the OCDBT b-tree of a local ``state`` item refers to and that are not on
-    disk, relative to it; [] when none are, or the tree cannot be read (cloud storage: not checked)."""
-    if "://" in str(state_dir):
-        return []
-    import tensorstore as ts
-
-    try:
-        kv = ts.KvStore.open(f"file://{state_dir}/").result()
-        versions = ts.ocdbt.dump(kv).result().get("versions") or []
-        nodes, files = [versions[-1]["root"]["location"]] if versions else [], set()
-        while nodes:
-            node = nodes.pop()
-            files.add(_ocdbt_file(node))
-            for entry in ts.ocdbt.dump(kv, node).result().get("entries", []):
-                for value in entry.values():
-                    if isinstance(value, str) and value.startswith("value:"):
-                        files.add(_ocdbt_file(value))
-                    elif isinstance(value, str) and value.startswith("btreenode:"):
-                        nodes.append(value)
-    except Exception:  # noqa: BLE001 - a best-effort diagnosis of a read that already failed
-        return []
-    return sorted(f for f in files if not (Path(str(state_dir)) / f).is_file())
-
-
-def _ocdbt_file(location: str) -> str:
-    """``value:ocdbt.process_0/:d/e3bc...:0:3837`` -> ``ocdbt.process_0/d/e3bc...``."""
-    base, relative = location.split(":", 1)[1].rsplit(":", 2)[0].split(":", 1)
-    return base + relative
-
-
-# TensorStore's status codes for bytes that are absent, short or do not decode; the others
-# (UNAVAILABLE, PERMISSION_DENIED, UNAUTHENTICATED, DEADLINE_EXCEEDED, ...) say nothing about them.
-_DAMAGE_CODES = re.compile(r"\b(NOT_FOUND|OUT_OF_RANGE|DATA_LOSS|FAILED_PRECONDITION): ")
-
-
-def damage_shown(chain: Sequence[BaseException], text: str) -> str | None:
-    """The damage reason an error reading a checkpoint is evidence of, or None when it is not:
-    only a missing file, or bytes that are short or do not decode, may mark a checkpoint damaged."""
-    if any(isinstance(e, FileNotFoundError) for e in chain) or "NOT_FOUND: " in text:
-        return "missing-file"
-    if any(isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) for e in chain) or _DAMAGE_CODES.search(text):
-        return "unreadable"
-    return None
-
-
-def _note_damage(step_dir: Any, err: CheckpointDamagedError) -> None:
-    """``DAMAGED.txt`` in a set-aside step directory: into that directory only, never through a
-    link (a linked step directory's target is someone else's); the log names the reason anyway."""
-    try:
-        if "://" in str(step_dir):
-            (step_dir / "DAMAGED.txt").write_text(str(err) + "\n")
-        else:
-            write_new_file(step_dir, "DAMAGED.txt", str(err) + "\n")
-    except OSError:
-        pass
 
 
 def _finish_before_exit(manager: ocp.CheckpointManager, directory: str) -> None:
@@ -1324,88 +720,3 @@ def _finish_before_exit(manager: ocp.CheckpointManager, directory: str) -> None:
                       "newest good one", directory, type(err).__name__, err)
 
     compat.at_exit_before_threads(finish)  # while Orbax's writer threads can still finish the save
-
-
-# --------------------------------------------------------------------------------------------
-# Preemption
-# --------------------------------------------------------------------------------------------
-
-
-def _preemption_sync_available() -> bool:
-    """True when jax.distributed runs a preemption sync manager (which owns SIGTERM)."""
-    from shardlib.compat import distributed_state
-
-    state = distributed_state()
-    return state.client is not None and getattr(state, "preemption_sync_manager", None) is not None
-
-
-class PreemptionGuard:
-    """Turns SIGTERM (the usual preemption notice) into a step at which every process stops.
-
-    Single process: a handler sets a flag, and ``should_stop(step)`` returns it. Multi-process
-    without JAX's preemption service: the flag is or-ed over processes (one tiny all-gather per
-    call). Multi-process with ``jax.distributed`` initialised: JAX's preemption service
-    already catches SIGTERM on each host and agrees on a sync step over the coordinator, so no
-    Python handler is installed (it would replace JAX's) and ``should_stop`` asks
-    ``multihost_utils.reached_preemption_sync_point(step)``; it is True on the same step on all
-    processes. That protocol needs every process to call ``should_stop`` at every step.
-
-    How a training loop uses it (``step`` counts completed steps, as the loader state does)::
-
-        with PreemptionGuard() as guard, Checkpointer(dir, every=k) as ckpt:
-            for step in range(start + 1, total + 1):
-                state, metrics = program.step(state, next(batches))
-                if ckpt.should_save(step):
-                    ckpt.save(step, state, data_state=batches.state(), config=cfg, metrics=metrics)
-                if guard.should_stop(step):                       # finish the current step, then
-                    ckpt.save(step, state, data_state=batches.state(), config=cfg, force=True)
-                    ckpt.wait()                                   # the save must commit
-                    return 0                                      # exit 0: a clean stop, resumable
-    """
-
-    def __init__(self, signals: Sequence[int] = (signal.SIGTERM,)) -> None:
-        self.signals = tuple(signals)
-        self._event = threading.Event()
-        self._previous: dict[int, Any] = {}
-        self.synced = False
-        self._logged = False
-        self.received: int | None = None  # the signal that asked to stop (None: none, or JAX's service holds it)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.received = signum
-        self._event.set()  # nothing else: a handler must not take locks (logging) the loop may hold
-
-    def __enter__(self) -> PreemptionGuard:
-        self.synced = _preemption_sync_available()
-        if self.synced:
-            return self
-        if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("PreemptionGuard must be entered on the main thread (Python delivers signals there)")
-        for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    @property
-    def requested(self) -> bool:
-        """A stop signal arrived on this process (always False in synced mode: JAX holds it)."""
-        return self._event.is_set()
-
-    def should_stop(self, step: int) -> bool:
-        """True on the step at which the loop should save (force=True), wait and exit 0."""
-        from jax.experimental import multihost_utils
-
-        if self.synced:
-            stop = bool(multihost_utils.reached_preemption_sync_point(int(step)))
-        elif jax.process_count() > 1:  # no preemption service: agree with one tiny all-gather
-            stop = bool(np.asarray(multihost_utils.process_allgather(np.array([self.requested], np.int32))).any())
-        else:
-            stop = self.requested
-        if stop and not self._logged:
-            self._logged = True
-            log.warning("preemption requested: saving a checkpoint and stopping after step %d", step)
-        return stop

@@ -1,4 +1,6 @@
-"""Joining a multi-process JAX job: explicit arguments, shardlib's env vars, or the cluster's own.
+"""Joining a multi-process JAX job (over 600 lines: every cluster's way to join, and leaving together).
+
+Explicit arguments, shardlib's env vars, or the cluster's own.
 
 Call :func:`initialize` first thing in ``main``, before anything touches a JAX device. Where the
 settings come from, first match wins:

@@ -128,9 +128,9 @@ def _flag_value(command: Sequence[str], flag: str) -> str | None:
 
 def latest_checkpoint(out_dir: Path) -> int | None:
     """The newest complete checkpoint step in ``OUT/checkpoints``, or None: complete by the
-    checkpointer's one rule (`shardlib.runtime.checkpoint.complete_steps`), so neither a save in
+    checkpointer's one rule (`shardlib.runtime.checkpoint_damage.complete_steps`), so neither a save in
     flight nor an empty step directory is one."""
-    from shardlib.runtime.checkpoint import complete_steps  # Orbax loads only when this is asked
+    from shardlib.runtime.checkpoint_damage import complete_steps  # Orbax loads only when this is asked
 
     directory = out_dir / "checkpoints"
     steps = complete_steps(directory) if directory.is_dir() else []

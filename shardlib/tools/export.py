@@ -1,4 +1,6 @@
-"""`shardlib export`: consolidated weights (parameters and model state) from a sharded checkpoint.
+"""`shardlib export` (over 600 lines: the exporter, its two formats and its reader change together).
+
+Consolidated weights (parameters and model state) from a sharded checkpoint.
 
 The parameters, and the model state when the model keeps one (BatchNorm statistics, without
 which it cannot run inference), are restored sharded over all devices (Orbax partial restore:
@@ -26,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import math
 import os
 import struct
@@ -512,24 +513,12 @@ def _params_template(ckpt: Checkpointer, step: int, config: dict[str, Any]) -> A
     return model_params
 
 
-class _DropReadOnlyNotice(logging.Filter):
-    """Orbax warns "Given directory is read only" whenever a read-only manager opens; export means it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Given directory is read only")
-
-
 def _open_checkpoints(path: str | os.PathLike[str]) -> Checkpointer:
     """The checkpoints of ``path``, read-only: a checkpoint directory, or a run folder holding ``checkpoints/``."""
     directory = Path(path).expanduser()
     if (directory / "checkpoints").is_dir():  # `shardlib train --out RUN` saves to RUN/checkpoints
         directory = directory / "checkpoints"
-    absl_logger, notice = logging.getLogger("absl"), _DropReadOnlyNotice()
-    absl_logger.addFilter(notice)
-    try:
-        return Checkpointer(directory, create=False)
-    finally:
-        absl_logger.removeFilter(notice)
+    return Checkpointer(directory, create=False)  # it silences Orbax's read-only notice (READ_ONLY_NOTICE)
 
 
 def _model_state_template(ckpt: Checkpointer, step: int) -> Any | None:

@@ -20,7 +20,7 @@ The time model (deliberately simple, stated in every plan):
 
 Device i of the mesh (row-major over data, pipe, fsdp, tensor) is placed in domain
 i // domain_size, which is how shardlib lays meshes over hosts: outer axes cross hosts first. The
-devices each collective joins come from `shardlib.tools.hlo` (the one replica-group parser).
+devices each collective joins come from `shardlib.tools.hlo_parse` (the one replica-group parser).
 
 The profiles are also the one table of peak FLOP/s: ``profile_for_device`` maps a
 ``jax.Device.device_kind`` to its profile for MFU (`shardlib.tools.flops.peak_flops_for`).
@@ -33,7 +33,8 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from shardlib.tools.hlo import CollectiveRecord, replica_groups
+from shardlib.tools.hlo import CollectiveRecord
+from shardlib.tools.hlo_parse import replica_groups
 
 GB = 1e9
 GIB = 2**30
@@ -211,7 +212,7 @@ def parse_bytes(text: str | int | float) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Which link a collective uses: its replica groups (read by shardlib.tools.hlo)
+# Which link a collective uses: its replica groups (read by shardlib.tools.hlo_parse)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -328,6 +329,6 @@ __all__ = [
     "parse_bytes",
     "profile_for_device",
     "profile_for_topology",
-    "replica_groups",  # from shardlib.tools.hlo: the one replica-group parser
+    "replica_groups",  # from shardlib.tools.hlo_parse: the one replica-group parser
     "step_time",
 ]

@@ -15,7 +15,14 @@ import json
 import sys
 from typing import Any
 
-from shardlib.tools.plan import PlanError, check_strategy, default_mesh, resolve_config, select_devices, setup_devices
+from shardlib.tools.plan_candidates import (
+    PlanError,
+    check_strategy,
+    default_mesh,
+    resolve_config,
+    select_devices,
+    setup_devices,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

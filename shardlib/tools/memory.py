@@ -6,7 +6,7 @@ import dataclasses
 import re
 from typing import Any
 
-from shardlib.tools.hlo import dtype_bits
+from shardlib.tools.hlo_parse import dtype_bits
 from shardlib.text import format_bytes, format_table
 
 

@@ -1,4 +1,8 @@
-"""`shardlib plan`: will this model train on N devices, with which strategy, how fast? Before renting them.
+"""`shardlib plan`'s estimate (over 600 lines: one `Planner`, one model, device set and compile cache).
+
+Will this model train on N devices, with which strategy, how fast? Before renting them. Its
+compiles, measurements and advice share the planner's model, devices and cache, so they stay
+one class.
 
 For every candidate (strategy, mesh) the REAL training step is built and compiled for N devices
 from ShapeDtypeStructs (nothing is allocated; the command simulates N CPU devices), and read:
@@ -18,36 +22,46 @@ from ShapeDtypeStructs (nothing is allocated; the command simulates N CPU device
 
 The best candidate is the fastest estimated step that fits in HBM. When none fits, the plan says
 what would: more devices, gradient accumulation, remat, or another strategy, with figures.
+
+Beside it: `plan_candidates` (configs, devices, meshes, the row), `plan_report` (the document and
+the tables) and `plan_cli` (the command line).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import glob
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-from shardlib.backend import parse_options, platform_of, policy_for, step_compiler_options
+from shardlib.backend import platform_of, policy_for, step_compiler_options
+from shardlib.text import format_bytes
 from shardlib.tools import hardware as hw
-from shardlib.tools import plan_lora
 from shardlib.tools.compiled_cache import compile_cached
 from shardlib.tools.hlo import collective_stats
 from shardlib.tools.memory import memory_stats, peak_bytes
-from shardlib.text import format_bytes, format_table
+from shardlib.tools.plan_candidates import (
+    ALL_STRATEGIES,
+    CONTEXT_SEQ_LEN,
+    HPZ_STRATEGIES,
+    PlanError,
+    PlanRow,
+    check_strategy,
+    default_mesh,
+    resolve_config,
+    select_devices,
+    select_topology,
+    topology_profile,
+)
+from shardlib.tools.plan_report import compiler_versions, progress_line
 
 _gib = format_bytes  # the short name the advice texts use
 
-PRECISIONS: dict[str, str] = {"f32": "float32", "bf16": "bfloat16"}
-ALL_STRATEGIES: tuple[str, ...] = ("dp", "zero1", "zero2", "zero3", "tp", "fsdp_tp", "hsdp")
-HPZ_STRATEGIES: tuple[str, ...] = ("zero3_hpz",)  # planned by default only across link domains
 REMAT_FLOPS = 4 / 3  # a rematerialised step runs the forward twice: (2 + 4 + 2) / (2 + 4)
 
 
@@ -65,258 +79,11 @@ def remat_flops_factor(config: Any, seq_len: int) -> float:
         return REMAT_FLOPS
     again = 2 * 2 * config.d_model * config.d_ff * config.n_layers
     return 1.0 + again / flops_per_token(config, seq_len)
+
+
 # XLA pass before which the CPU pipeline starts changing dtypes; the module dumped there is the
 # SPMD-partitioned program with its collectives still in their original element types.
 _PARTITIONED_DUMP_PASS = "batched_gather_scatter_normalizer"
-SCHEMA_VERSION = 1
-
-
-# From this many tokens per sequence `plan` also tries context parallelism (the sequence split
-# over a `context` axis): attention's [T x T] scores then outgrow the rest of the activations.
-CONTEXT_SEQ_LEN = 4096
-
-
-class PlanError(ValueError):
-    """A plan that cannot be made as asked (shown as one line by the CLI)."""
-
-    user_facing = True
-
-
-@dataclasses.dataclass
-class PlanRow:
-    """One candidate (strategy x mesh): per-device memory, communication, FLOPs and estimated time.
-
-    Bytes are per device; collective bytes are sent per device per step. ``error`` is set (and the
-    figures left None) when the candidate cannot be built or compiled.
-    """
-
-    strategy: str
-    mesh: dict[str, int]
-    devices: int
-    batch_size: int
-    seq_len: int
-    precision: str
-    persistent_bytes: int | None = None
-    params_bytes: int | None = None
-    opt_state_bytes: int | None = None
-    host_bytes: int | None = None  # state in host memory (offload), per device, from the compiled program
-    offload: str = "none"
-    fits_by_offload: bool = False  # fits, and would not with the host bytes in device memory
-    argument_bytes: int | None = None
-    temp_bytes: int | None = None
-    peak_bytes: int | None = None
-    transient_bytes: int | None = None  # peak - persistent: activations, gathered weights, gradients
-    collective_bytes: dict[str, int] | None = None
-    collective_total_bytes: int | None = None
-    intra_domain_bytes: int | None = None
-    inter_domain_bytes: int | None = None
-    model_flops: float | None = None  # whole step, all devices, without remat recomputation
-    flops_per_device: float | None = None  # with remat recomputation
-    compute_s: float | None = None
-    comm_s: float | None = None
-    step_s: float | None = None  # max(compute, comm)
-    step_serial_s: float | None = None  # compute + comm
-    tokens_per_s: float | None = None
-    mfu: float | None = None
-    hbm_bytes: int | None = None
-    fits: bool = False
-    best: bool = False
-    compile_s: float | None = None
-    attention: str | None = None  # the attention kernel the compiled step runs (`plan_attention.kernel`)
-    pipeline_stages: int = 1
-    microbatches: int = 1
-    bubble: float = 0.0  # (S-1)/(M+S-1) of a pipelined candidate
-    stage_costs: dict[str, Any] | None = None  # pipelined: per-stage FLOPs / bytes, even split and chosen
-    error: str | None = None
-    notes: list[str] = dataclasses.field(default_factory=list)
-
-    @property
-    def mesh_text(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1) or "single"
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["mesh_text"] = self.mesh_text
-        return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Inputs: model config, devices, meshes
-# ----------------------------------------------------------------------------------------------
-
-
-def _is_hf_config(model: str) -> bool:
-    from shardlib.hf.hub_cache import is_hub_id
-
-    path = Path(model).expanduser()
-    return path.name == "config.json" and path.is_file() or (path / "config.json").is_file() or is_hub_id(model)
-
-
-def _hf_config(model: str) -> Any:
-    """The `GPTConfig` of a Hugging Face config.json (or the model directory holding one, or an
-    ``org/name`` snapshot in the local Hugging Face cache): a plan needs the shapes only, so no
-    weights need be present."""
-    from shardlib.hf.architectures import UnsupportedModel, to_gpt_config
-    from shardlib.hf.hub_cache import resolve
-
-    try:
-        path = resolve(model)[0].expanduser()  # org/name: the cached snapshot; a path: itself
-        path = path if path.name == "config.json" else path / "config.json"
-        return to_gpt_config(json.loads(path.read_text(encoding="utf-8")), str(path))
-    except (UnsupportedModel, ValueError) as err:
-        raise PlanError(f"{err} (--model)") from None
-
-
-def resolve_config(model: Any, precision: str = "f32", remat: bool | None = None) -> Any:
-    """A GPTConfig from a name or a config, with the plan's compute dtype (and remat) applied."""
-    from shardlib.models import GPTConfig, get_config
-
-    if precision not in PRECISIONS:
-        raise PlanError(f"unknown precision {precision!r} (--precision); choose one of {', '.join(PRECISIONS)}")
-    if isinstance(model, str) and _is_hf_config(model):
-        config = _hf_config(model)
-    elif isinstance(model, str):
-        try:
-            config = get_config(model)
-        except ValueError as err:
-            raise PlanError(f"{err} or a Hugging Face config.json / model directory (--model)") from None
-    elif isinstance(model, GPTConfig):
-        config = model
-    else:
-        raise PlanError(f"plan needs a model config name or a models.GPTConfig, got {type(model).__name__}")
-    changes: dict[str, Any] = {"compute_dtype": PRECISIONS[precision]}
-    changes.update(remat_fields(remat))
-    return dataclasses.replace(config, **changes)
-
-
-def remat_fields(remat: bool | str | None) -> dict[str, Any]:
-    """`GPTConfig` fields of a remat setting: None keeps the model's, False / "none" turns it off,
-    True / a policy name (`models.configs.REMAT_POLICIES`) rematerialises with that policy."""
-    from shardlib.models.configs import REMAT_POLICIES
-
-    if remat is None:
-        return {}
-    if remat in (False, "none"):
-        return {"remat": False}
-    if remat is True:
-        return {"remat": True}
-    if remat not in REMAT_POLICIES:
-        raise PlanError(f"unknown remat policy {remat!r} (--remat); choose none or one of {', '.join(REMAT_POLICIES)}")
-    return {"remat": True, "remat_policy": remat}
-
-
-def check_strategy(name: str) -> str:
-    """The strategy's canonical name, or a PlanError naming the flag and the known strategies."""
-    from shardlib.sharding.strategies import get_strategy
-
-    try:
-        return get_strategy(name).name
-    except ValueError as err:
-        raise PlanError(f"{err} (--strategy)") from None
-
-
-def select_devices(n: int) -> list[Any]:
-    """The first ``n`` devices of the current backend, or a clear error saying how to get more."""
-    import jax
-
-    if n < 1:
-        raise PlanError(f"--devices must be at least 1, got {n}")
-    available = jax.devices()
-    if len(available) < n:
-        raise PlanError(
-            f"planning for {n} devices needs {n} JAX devices but the {platform_of(available)} backend has "
-            f"{len(available)}; run `shardlib plan --devices {n}` (it simulates them on CPU), or call "
-            f"jax.config.update('jax_num_cpu_devices', {n}) right after `import jax`, before any JAX operation"
-        )
-    return list(available[:n])
-
-
-def select_topology(name: str, slices: int, devices: int | None) -> list[Any]:
-    """The chips of a TPU topology (``--topology``, ``--slices``), checked against ``--devices`` if given."""
-    from shardlib.runtime.devices import TopologyError, topology_devices
-
-    try:
-        chips = topology_devices(name, slices)
-    except TopologyError as err:
-        raise PlanError(str(err)) from None
-    if devices is not None and devices != len(chips):
-        raise PlanError(f"--devices {devices} does not match --topology {name} x {slices} slice(s), which has "
-                        f"{len(chips)} chips; leave --devices out")
-    return chips
-
-
-def topology_profile(name: str, slices: int, chips: int, hardware: Any) -> hw.HardwareProfile:
-    """The generation's profile, its fast-link domain set to one slice: collectives within a slice
-    use ICI, across slices DCN."""
-    try:
-        profile = hw.get_hardware(hardware) if hardware else hw.profile_for_topology(name)
-    except hw.HardwareError as err:
-        raise PlanError(str(err)) from None
-    return dataclasses.replace(profile, domain_size=chips // slices)
-
-
-def _largest_divisor(n: int, limit: int, *also: int) -> int:
-    """Largest t <= limit dividing n and every number in ``also`` (1 if none larger)."""
-    for t in range(max(1, limit), 0, -1):
-        if n % t == 0 and all(x % t == 0 for x in also):
-            return t
-    return 1
-
-
-def default_mesh(strategy: str, devices: int, config: Any, domain: int = 8) -> dict[str, int]:
-    """The mesh a strategy gets for N devices in `--all` (its default mesh, made to divide).
-
-    tp: tensor = the largest t <= min(8, N) dividing N and the (kv) head counts, data = the rest;
-    fsdp_tp: tensor = 2 when the heads divide; hsdp: fsdp = up to 8 devices (one node), data = rest;
-    zero3_hpz: fsdp = up to ``domain`` devices (one fast-link domain), data = the domains. An MoE
-    model (``n_experts``) then splits its experts over ``expert`` (`_with_experts`).
-    """
-    from shardlib.sharding.strategies import get_strategy
-
-    return _with_experts(_strategy_mesh(strategy, devices, config, domain), config, get_strategy(strategy))
-
-
-def _with_experts(sizes: dict[str, int], config: Any, strat: Any) -> dict[str, int]:
-    """``sizes`` with ``expert`` = the largest divisor of the expert count that the first
-    data-parallel axis (data, then fsdp) divides into, taken from that axis; an axis the strategy
-    shards over keeps at least 2 devices. Unchanged for a dense model."""
-    experts = getattr(config, "n_experts", 1)
-    axis = next((a for a in ("data", "fsdp") if sizes.get(a, 1) > 1), None)
-    if experts < 2 or axis is None:
-        return sizes
-    keep = 2 if any(axis in group for group in strat.requires) else 1
-    e = _largest_divisor(experts, sizes[axis] // keep, sizes[axis])
-    if e == 1:
-        return sizes
-    out = {**sizes, axis: sizes[axis] // e, "expert": e}
-    return {k: v for k, v in out.items() if v > 1}
-
-
-def _strategy_mesh(strategy: str, devices: int, config: Any, domain: int = 8) -> dict[str, int]:
-    from shardlib.sharding.mesh import resolve_axis_sizes
-    from shardlib.sharding.strategies import get_strategy
-
-    strat = get_strategy(strategy)
-    heads = (config.n_heads, config.n_kv_heads)
-    if strat.name == "tp":
-        t = _largest_divisor(devices, min(8, devices), *heads)
-        if t == 1 and devices > 1:
-            raise PlanError(f"tp: no tensor-parallel size in 2..{min(8, devices)} divides {devices} devices and "
-                            f"the {config.n_heads} heads / {config.n_kv_heads} kv heads; give --mesh")
-        return {"data": devices // t, "tensor": t}
-    if strat.name == "fsdp_tp":
-        t = _largest_divisor(devices, 2, *heads)
-        if t == 1 and devices > 1:
-            raise PlanError(f"fsdp_tp: tensor=2 does not divide {devices} devices and the heads; give --mesh")
-        return {"fsdp": devices // t, "tensor": t}
-    if strat.name == "hsdp":
-        f = _largest_divisor(devices, min(8, max(1, devices // 2)))
-        return {"data": devices // f, "fsdp": f}
-    if strat.secondary_axis:
-        f = _largest_divisor(devices, min(domain, max(1, devices // 2)))
-        return {strat.secondary_axis: devices // f, "fsdp": f}
-    sizes = resolve_axis_sizes(strat.default_mesh, devices)
-    return {k: v for k, v in sizes.items() if v > 1} or {"data": 1}
 
 
 def _shard_bytes(tree: Any) -> int:
@@ -419,7 +186,7 @@ class Planner:
         self.stage_layers = stage_layers  # None, "auto" or layers per stage
         if batch_per_device is not None:
             batch_size = batch_per_device * self.n
-        self._batch_given = batch_size is not None
+        self.batch_given = batch_size is not None
         self.batch_size = batch_size or self.n
         if self.seq_len < 1 or self.batch_size < 1:
             raise PlanError(f"--batch-size and --seq-len must be positive, got {self.batch_size} and {self.seq_len}")
@@ -533,7 +300,7 @@ class Planner:
 
         stages = sizes.get("pipe", 1)
         batch_size = self.batch_size
-        if stages > 1 and not self._batch_given:  # one row per data-parallel device per microbatch
+        if stages > 1 and not self.batch_given:  # one row per data-parallel device per microbatch
             batch_size = self.n // stages // sizes.get("tensor", 1) * self.microbatches
         row = PlanRow(strategy=strategy, mesh=dict(sizes), devices=self.n, batch_size=batch_size,
                       seq_len=self.seq_len, precision=self.precision, hbm_bytes=self.hbm_bytes)
@@ -886,288 +653,3 @@ def plan(model: Any, devices: int, strategies: Sequence[str] | None = None, *,
                       hardware=hardware, hbm=hbm, remat=remat, pipeline_stages=pipeline_stages,
                       microbatches=microbatches, schedule=schedule, offload=offload)
     return planner.run(strategies, mesh)
-
-
-def plan_document(planner: Planner, rows: Sequence[PlanRow], advice: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The one JSON document `shardlib plan --json` prints (stable keys, schema_version 1)."""
-    best = next((r for r in rows if r.best), None)
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "model": planner.model_name,
-        "config": {k: (str(v) if not isinstance(v, (int, float, bool, type(None))) else v)
-                   for k, v in dataclasses.asdict(planner.config).items()},
-        "params": planner.params,
-        "devices": planner.n,
-        "batch_size": planner.batch_size,
-        "seq_len": planner.seq_len,
-        "precision": planner.precision,
-        "hbm_bytes": planner.hbm_bytes,
-        "hardware": planner.profile.to_dict(),
-        "topology": planner.topology,
-        "slices": planner.slices,
-        "compiler": compiler_versions(platform_of(planner.devices)),
-        # which link each domain figure is: one slice's chips share ICI, slices talk over DCN
-        "links": ({"intra_domain_bytes": "ICI", "inter_domain_bytes": "DCN"} if planner.topology else
-                  {"intra_domain_bytes": "fast domain (NVLink node / ICI slice)", "inter_domain_bytes": "across domains"}),
-        "candidates": [r.to_dict() for r in rows],
-        "best": None if best is None else {"strategy": best.strategy, "mesh": best.mesh,
-                                           "command": train_command(planner, best)},
-        "suggestions": list(advice),
-        "model_notes": MODEL_NOTES,
-    }
-
-
-def compiler_versions(platform: str) -> dict[str, str | None]:
-    """The compiler that produced the plan's programs: the platform, jax and (for TPU) libtpu."""
-    import importlib.metadata
-
-    import jax
-
-    try:
-        libtpu = importlib.metadata.version("libtpu") if platform == "tpu" else None
-    except importlib.metadata.PackageNotFoundError:
-        libtpu = None
-    return {"platform": platform, "jax": jax.__version__, "libtpu": libtpu}
-
-
-MODEL_NOTES: dict[str, str] = {
-    "persistent_bytes": "params + optimizer state per device in device memory, from the train state's shardings",
-    "host_bytes": "state per device in host memory (--offload), from the compiled step's parameter layouts; "
-                  "not counted in persistent, args or peak",
-    "peak_bytes": "XLA buffer assignment of the compiled step: arguments + outputs - donated + temporaries "
-                  "(with --topology: the TPU compiler's own, tiled layouts included; else XLA:CPU's, an estimate "
-                  "for GPU/TPU)",
-    "collective_bytes": "bytes one device sends per step, ring volumes (all-reduce 2(N-1)/N S, all-gather and "
-                        "reduce-scatter (N-1)/N S), from the optimised HLO; bf16 collectives counted at 2 bytes",
-    "flops": "model_flops = models.flops_per_token x tokens; flops_per_device adds remat's extra forward (x4/3) / N",
-    "step_s": "roofline: max(flops_per_device / peak_flops, sum of collective bytes / link bandwidth); "
-              "step_serial_s = their sum (no overlap)",
-    "best": "fits in HBM, then shortest step_s, then shortest step_serial_s (each within 1%), then smallest peak",
-}
-
-
-# ----------------------------------------------------------------------------------------------
-# CLI
-# ----------------------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model config name (models.CONFIGS), e.g. llama-7b, or a Hugging "
-                                                       "Face config.json or model directory (the shapes only)")
-    parser.add_argument("--devices", type=int, help="number of devices to plan for (simulated CPU devices)")
-    parser.add_argument("--topology", nargs="+", metavar="NAME",
-                        help="plan with the real TPU compiler for a TPU slice, JAX's names: v5e:2x4, v5p:4x4x4, "
-                             "v6e:8x8 (needs jax[tpu]); several names plan each (with --plot: against chip count)")
-    parser.add_argument("--slices", type=int, default=1, help="--topology: that many slices joined by DCN")
-    parser.add_argument("--plot", metavar="FILE.png", help="draw per-chip memory and estimated step time against "
-                                                           "chip count (one point per --topology or --devices run)")
-    parser.add_argument("--cache-dir", help="where compiled candidates are kept, so a rerun plan skips compiling "
-                                            "(default $SHARDLIB_PLAN_CACHE or ~/.cache/shardlib/jax; 'none': off)")
-    from shardlib.sharding.strategies import STRATEGIES
-
-    parser.add_argument("--strategy", nargs="+", action="extend", metavar="S",
-                        help=f"strategies to compare, any of {', '.join(STRATEGIES)} (default: "
-                             f"{', '.join(ALL_STRATEGIES)}, and {', '.join(HPZ_STRATEGIES)} when the devices span "
-                             "more than one link domain)")
-    parser.add_argument("--all", action="store_true", help="every strategy on its default mesh for N devices")
-    parser.add_argument("--mesh", help="one mesh for every strategy, e.g. data=2,fsdp=4 (default: per strategy)")
-    parser.add_argument("--batch-size", type=int, help="global sequences per step (default: one per device)")
-    parser.add_argument("--batch-per-device", type=int, metavar="B",
-                        help="sequences per device per step (the global batch is B x devices), as published runs state it")
-    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's max_seq_len)")
-    parser.add_argument("--dump-hlo", metavar="DIR", help="write each candidate's compiled HLO text to DIR "
-                        "(<strategy>_<mesh>.hlo.txt): a Pallas kernel shows as tpu_custom_call")
-    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="f32", help="compute dtype")
-    parser.add_argument("--pipeline-stages", type=int, default=1, metavar="S",
-                        help="add a pipe=S axis to every candidate's default mesh (or give pipe in --mesh)")
-    parser.add_argument("--microbatches", type=int, metavar="M", help="pipeline microbatches (default 2 x stages)")
-    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
-    parser.add_argument("--stage-layers", metavar="auto|N,N",
-                        help="layers per pipeline stage (auto: balance the compiled stage costs; default even)")
-    parser.add_argument("--offload", default="none", choices=["none", "opt_state"],
-                        help="keep the optimizer state in host memory (ZeRO-Offload, docs/offload.md)")
-    parser.add_argument("--hbm", type=_hbm_flag, help="memory per device with its unit, e.g. 80GB or 16GiB "
-                                                      "(default: the hardware's)")
-    parser.add_argument("--hardware", help=f"profile for the time estimate: {', '.join(hw.HARDWARE)} (default: "
-                                           "the --topology's generation, else h100)")
-    parser.add_argument("--no-remat", action="store_true", help="plan without rematerialisation (--remat none)")
-    parser.add_argument("--remat", choices=["none", "full", "save_dots_except_mlp_in", "save_dots", "offload_dots"],
-                        help="what each block keeps for the backward pass (docs/tpu.md, \"Remat policies\"; default: "
-                             "the model's, full)")
-    parser.add_argument("--xla-options", metavar="NAME=VALUE,...",
-                        help="XLA options every step compiles with, over the backend's own (on TPU the collective "
-                             "options of docs/tpu.md) and over LIBTPU_INIT_ARGS")
-    plan_lora.add_arguments(parser)
-    parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
-
-
-def _hbm_flag(text: str) -> int:
-    """``--hbm`` in bytes, read before JAX starts; a size without a unit is a usage error."""
-    try:
-        return hw.parse_bytes(text)
-    except hw.HardwareError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def setup_devices(n: int) -> None:
-    """Simulate ``n`` CPU devices if JAX has not started yet; else keep the backend (it must have >= n).
-
-    A started backend with more devices than the plan needs is fine (the plan takes the first n),
-    which is why this does not call `simulate_cpu_devices` then: that asks for exactly n.
-    """
-    from shardlib.compat import backends_initialized
-    from shardlib.runtime.devices import simulate_cpu_devices
-
-    if not backends_initialized():
-        simulate_cpu_devices(max(n, 1))
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.all and args.strategy:
-        raise PlanError("give --strategy or --all, not both")
-    if args.devices is None and not args.topology:
-        raise PlanError("give --devices N (simulated CPU devices) or --topology NAME (a TPU slice, e.g. v5e:2x4)")
-    if args.hardware is not None:
-        hw.get_hardware(args.hardware)  # unknown hardware: fail before JAX starts
-    if args.batch_per_device is not None and args.batch_size is not None:
-        raise PlanError("give --batch-size or --batch-per-device, not both")
-    setup_devices(1 if args.topology else args.devices)
-    cache_dir = plan_cache_dir(args.cache_dir)
-    documents = []
-    for topology in args.topology or [None]:
-        planner = Planner(args.model, args.devices, batch_size=args.batch_size, seq_len=args.seq_len,
-                          batch_per_device=args.batch_per_device,
-                          precision=args.precision, hardware=args.hardware, hbm=args.hbm,
-                          remat=False if args.no_remat else args.remat, pipeline_stages=args.pipeline_stages,
-                          microbatches=args.microbatches, schedule=args.schedule, offload=args.offload,
-                          stage_layers=_stage_layers_flag(args.stage_layers), topology=topology, slices=args.slices,
-                          cache_dir=cache_dir, compiler_options=_options_flag(args.xla_options),
-                          lora=plan_lora.from_args(args, PlanError), dump_hlo=args.dump_hlo)
-        if planner.topology_note:
-            print(f"shardlib plan: note: {planner.topology_note}", file=sys.stderr, flush=True)
-        planner.progress = lambda line: print(f"shardlib plan: {line}", file=sys.stderr, flush=True)
-        rows = planner.run(None if args.all else args.strategy, args.mesh)
-        advice = planner.advise(rows)
-        documents.append(plan_document(planner, rows, advice))
-        if not args.json:
-            print(render(planner, rows, advice))
-    if args.json:
-        json.dump(documents[0] if len(documents) == 1 else {"plans": documents}, sys.stdout, indent=1)
-        print()
-    if args.plot:
-        from shardlib.tools.plan_plot import plot_plans
-
-        print(f"plot: {plot_plans(documents, args.plot)}", file=sys.stderr if args.json else sys.stdout)
-    ok = [c for d in documents for c in d["candidates"] if c["error"] is None]
-    return 0 if ok else 1
-
-
-def plan_cache_dir(cache_dir: str | None) -> str | None:
-    """The folder that keeps the plan's compiles (minutes each for a large model on a large
-    topology), so planning the same candidates again reads them back: ``--cache-dir``, else
-    ``$SHARDLIB_PLAN_CACHE``, else ``~/.cache/shardlib/jax``; None when either says ``none``."""
-    folder = cache_dir or os.environ.get("SHARDLIB_PLAN_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "shardlib", "jax")
-    return None if folder == "none" else folder
-
-
-DEFAULT_TRAIN_BATCH = 32  # shardlib.run.config.DEFAULT_BATCH (run is a layer above; tests/test_tpu_scale.py checks they agree)
-
-
-def progress_line(k: int, total: int, row: PlanRow) -> str:
-    """``[2/7] zero3 fsdp=8: peak 21.03 GiB, 40.28 GiB/step, fits (96 s)``, or the candidate's error."""
-    where = f"[{k}/{total}] {row.strategy} {row.mesh_text if row.mesh else ''}".rstrip()
-    if row.error:
-        return f"{where}: {row.error[:160]}"
-    return (f"{where}: peak {format_bytes(row.peak_bytes)}, {format_bytes(row.collective_total_bytes)}/step, "
-            f"attention {row.attention}, {'fits' if row.fits else 'does not fit'} ({row.compile_s:.0f} s)")
-
-
-def train_command(planner: Planner, row: PlanRow) -> str:
-    """The `shardlib train` command that runs ``row``'s candidate: its model, strategy, mesh, batch,
-    sequence length, precision and remat (flags a default already gives are left out)."""
-    c = planner.config
-    model = planner.model_name
-    source = ("" if model == "custom" else
-              f"--init-from {Path(model).parent if Path(model).name == 'config.json' else model}" if _is_hf_config(model)
-              else f"--model {model}")
-    words = ["shardlib train", source,
-             f"--strategy {row.strategy}", f"--mesh {','.join(f'{k}={v}' for k, v in row.mesh.items())}",
-             f"--batch-size {row.batch_size}", f"--seq-len {row.seq_len}", f"--precision {row.precision}",
-             "" if not c.remat else "" if c.remat_policy == "full" else f"--remat {c.remat_policy}",
-             "--remat none" if not c.remat else "", f"--offload {planner.offload}" if planner.offload != "none" else ""]
-    if row.pipeline_stages > 1:
-        words.append(f"--pipeline-stages {row.pipeline_stages} --microbatches {row.microbatches}")
-    words += plan_lora.train_flags(c)
-    return " ".join(w for w in words if w)
-
-
-def _options_flag(text: str | None) -> dict[str, str]:
-    try:
-        return parse_options(text)
-    except ValueError as err:
-        raise PlanError(f"--xla-options: {err}") from None
-
-
-def _stage_layers_flag(text: str | None) -> Any:
-    from shardlib.step.stage_balance import parse_stage_layers
-
-    try:
-        return parse_stage_layers(text)
-    except ValueError as err:
-        raise PlanError(str(err)) from None
-
-
-def render(planner: Planner, rows: Sequence[PlanRow], advice: Sequence[Mapping[str, Any]]) -> str:
-    """Human-readable plan: a header, one line per candidate, notes and suggestions."""
-    from shardlib.step.stage_balance import format_stage_table
-
-    c, p = planner.config, planner.profile
-    lines = [
-        f"plan: {planner.model_name} ({planner.params / 1e6:,.1f}M params, {c.n_layers} layers, d={c.d_model}) "
-        f"on {planner.n} devices, batch {planner.batch_size} x {planner.seq_len} tokens, {planner.precision}, "
-        f"remat {'on' if c.remat else 'off'}, offload {planner.offload}",
-        *plan_lora.header(c, planner.params),
-        f"hardware: {p.description}; HBM limit {format_bytes(planner.hbm_bytes)} per device",
-        *([f"batch: one sequence a device by default, the smallest batch every strategy splits (shardlib train's "
-           f"default is {DEFAULT_TRAIN_BATCH}); --batch-size plans another"] if not planner._batch_given else []),
-        "",
-    ]
-    table = []
-    for r in rows:
-        if r.error:
-            table.append({"": "", "strategy": r.strategy, "mesh": r.mesh_text if r.mesh else "-",
-                          "persistent": "error: " + r.error[:100]})
-            continue
-        table.append({
-            "": "*" if r.best else "", "strategy": r.strategy, "mesh": r.mesh_text,
-            "persistent": format_bytes(r.persistent_bytes), "args": format_bytes(r.argument_bytes),
-            "host": format_bytes(r.host_bytes),
-            "peak": format_bytes(r.peak_bytes), "comm/step": format_bytes(r.collective_total_bytes),
-            "compute ms": r.compute_s * 1e3, "comm ms": r.comm_s * 1e3,
-            "step ms": r.step_s * 1e3, "MFU": f"{r.mfu:.0%}" if r.mfu is not None else "-",
-            "attention": r.attention or "-", "fits": "yes" if r.fits else "NO",
-        })
-    lines.append(format_table(table, ["", "strategy", "mesh", "persistent", "args", "host", "peak", "comm/step",
-                                      "compute ms", "comm ms", "step ms", "MFU", "attention", "fits"]))
-    kinds = [(r.strategy, {k: v for k, v in (r.collective_bytes or {}).items() if v}) for r in rows if not r.error]
-    lines += ["", "collective bytes per device per step, by kind:"]
-    lines += [f"  {s}: " + (", ".join(f"{k} {format_bytes(v)}" for k, v in d.items()) or "none") for s, d in kinds]
-    for r in rows:
-        for note in r.notes:
-            lines.append(f"  note ({r.strategy}): {note}")
-        if r.fits_by_offload:
-            lines.append(f"  note ({r.strategy}): fits because of --offload {r.offload}: {format_bytes(r.host_bytes)} "
-                         f"per device in host memory; without it ~{format_bytes(r.peak_bytes + r.host_bytes)} > "
-                         f"{format_bytes(r.hbm_bytes)}")
-    for r in (r for r in rows if r.stage_costs):
-        lines += [f"  stage costs ({r.strategy}, one microbatch forward + backward):", *format_stage_table(r.stage_costs)]
-    best = next((r for r in rows if r.best), None)
-    lines.append("")
-    lines.append(f"best: {best.strategy} on {best.mesh_text} (* above)" if best else
-                 f"nothing fits in {format_bytes(planner.hbm_bytes)} per device. What would:")
-    if best is not None:
-        lines.append(f"run it: {train_command(planner, best)}")
-    lines += [f"  - {a['text']}" for a in advice]
-    lines += ["", "model: " + MODEL_NOTES["step_s"] + "; peak = " + MODEL_NOTES["peak_bytes"]]
-    return "\n".join(lines)
