@@ -449,7 +449,8 @@ def layer_rope(window: jax.Array | None, tables: tuple[jax.Array, jax.Array],
 
 def build(config: GPTConfig, rngs: nnx.Rngs | int = 0) -> GPT:
     """A freshly initialised model (an int seed is turned into ``nnx.Rngs``)."""
-    return GPT(config, rngs=nnx.Rngs(rngs) if isinstance(rngs, int) else rngs)
+    with nnx.use_eager_sharding(False):  # shardlib places the parameters (no mesh needed here)
+        return GPT(config, rngs=nnx.Rngs(rngs) if isinstance(rngs, int) else rngs)
 
 
 def from_params(config: GPTConfig, params: Any) -> GPT:

@@ -201,7 +201,8 @@ class MoEGPT(GPT):
 
 def build(config: MoEConfig, rngs: nnx.Rngs | int = 0) -> MoEGPT:
     """A freshly initialised MoE model (an int seed is turned into ``nnx.Rngs``)."""
-    return MoEGPT(config, rngs=nnx.Rngs(rngs) if isinstance(rngs, int) else rngs)
+    with nnx.use_eager_sharding(False):  # shardlib places the parameters (no mesh needed here)
+        return MoEGPT(config, rngs=nnx.Rngs(rngs) if isinstance(rngs, int) else rngs)
 
 
 def moe_loss(model: MoEGPT, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -15,6 +15,8 @@ import argparse
 import importlib
 import sys
 
+from shardlib.backend import quiet_libtpu
+from shardlib.compat import backends_initialized
 from shardlib.exits import EXIT_USAGE, exit_interrupted
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -88,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         close = _close(name, list(COMMANDS))
         hint = f"; did you mean 'shardlib {close[0]}'?" if close else ""
         return _fail("", UsageError(f"unknown command {name!r} (the commands: {', '.join(COMMANDS)}){hint}"))
+    if not backends_initialized():  # the command chooses the devices: no libtpu noise without TPUs
+        quiet_libtpu()
     try:  # Ctrl-C while the command's modules import (JAX takes seconds) is as quiet as during its run
         return _dispatch(name, rest)
     except KeyboardInterrupt as err:

@@ -22,26 +22,22 @@ from shardlib.sharding import rules as rules_lib
 EAGER_SHARDING_ENV = "FLAX_ALWAYS_SHARD_VARIABLE"
 
 
-def place_parameters_in_the_step() -> None:
-    """Turn Flax's eager sharding off, unless ``FLAX_ALWAYS_SHARD_VARIABLE`` says otherwise.
+def parameters_placed_by_shardlib() -> Any:
+    """A context in which Flax's eager sharding is off, unless ``FLAX_ALWAYS_SHARD_VARIABLE`` is set.
 
     Flax 0.12 places each annotated parameter as it is created, on a mesh whose axes are the
     annotation's names, so ``Model(nnx.Rngs(0))`` annotated with logical names fails with "An auto
-    mesh context or metadata is required" before `from_nnx` is reached. shardlib places the
-    parameters itself (the rule tables map logical names to mesh axes), so `import shardlib`
-    calls this; ``FLAX_ALWAYS_SHARD_VARIABLE=true`` keeps Flax's placement (docs/nnx.md).
+    mesh context or metadata is required". shardlib places the parameters itself (the rule tables
+    map logical names to mesh axes), so where it runs the user's model code (`shardlib train
+    --model pkg.mod:factory`) it runs it inside this; ``FLAX_ALWAYS_SHARD_VARIABLE`` set keeps
+    Flax's own choice (docs/nnx.md). Flax's global config is never changed.
     """
+    import contextlib
     import os
-    import sys
 
-    if EAGER_SHARDING_ENV in os.environ:
-        return
-    if "flax" in sys.modules:  # imported before shardlib: its config already read the environment
-        import flax
+    from flax import nnx
 
-        flax.config.update("flax_always_shard_variable", False)
-    else:
-        os.environ[EAGER_SHARDING_ENV] = "false"
+    return contextlib.nullcontext() if EAGER_SHARDING_ENV in os.environ else nnx.use_eager_sharding(False)
 
 
 # What shardlib does with each kind of NNX variable; the first kind a variable is an instance of
