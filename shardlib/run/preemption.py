@@ -27,12 +27,15 @@ def preemption_guard(enabled: bool) -> Iterator[Any]:
     if not enabled:
         yield None
         return
-    from shardlib.runtime.checkpoint import PreemptionGuard, _preemption_sync_available
+    from shardlib.runtime.checkpoint import PreemptionGuard
 
-    if threading.current_thread() is not threading.main_thread() and not _preemption_sync_available():
-        yield None
-        return
-    with PreemptionGuard(signals=STOP_SIGNALS) as guard:
+    with contextlib.ExitStack() as stack:
+        try:
+            guard = stack.enter_context(PreemptionGuard(signals=STOP_SIGNALS))
+        except RuntimeError:  # the guard refuses a thread signals never reach, unless JAX's service holds them
+            if threading.current_thread() is threading.main_thread():
+                raise
+            guard = None
         yield guard
 
 

@@ -519,7 +519,7 @@ class _DropReadOnlyNotice(logging.Filter):
         return not record.getMessage().startswith("Given directory is read only")
 
 
-def _open_checkpoints(path: str | os.PathLike[str]) -> Checkpointer:
+def open_checkpoints(path: str | os.PathLike[str]) -> Checkpointer:
     """The checkpoints of ``path``, read-only: a checkpoint directory, or a run folder holding ``checkpoints/``."""
     directory = Path(path).expanduser()
     if (directory / "checkpoints").is_dir():  # `shardlib train --out RUN` saves to RUN/checkpoints
@@ -560,7 +560,7 @@ def _tensor_records(parts: dict[str, Any]) -> tuple[list[jax.Array], list[dict[s
 
 def _restore_parts(ckpt_dir: str | os.PathLike[str], step: int | None) -> tuple[int, dict[str, Any], dict[str, Any]]:
     """(step, run config, {"params": ..., ["model_state": ...]}) restored spread over all devices."""
-    ckpt = _open_checkpoints(ckpt_dir)
+    ckpt = open_checkpoints(ckpt_dir)
     try:
         step = ckpt.resolve_step(step)
         config = ckpt.saved_config(step)
