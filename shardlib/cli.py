@@ -12,8 +12,11 @@ with status 2; no usage dump, no traceback. Bugs still raise with a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 from shardlib.backend import quiet_libtpu
 from shardlib.compat import backends_initialized
@@ -77,7 +80,38 @@ def _fail(command: str, err: BaseException) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The ``shardlib`` command (``argv``: its arguments; None reads ``sys.argv``, as the installed
+    command does, and then prints Python warnings as notes too: `warnings_as_notes`)."""
+    if argv is None:
+        with warnings_as_notes():
+            return _main(sys.argv[1:])
+    return _main(list(argv))
+
+
+@contextlib.contextmanager
+def warnings_as_notes() -> Iterator[None]:
+    """Inside, a Python warning prints as one ``shardlib: note: ...`` line, not as Python's file,
+    line number and source line. Only the command's entry installs it: a library user, and a
+    caller of ``main([...])`` (tests recording warnings), keep Python's own."""
+    import warnings
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        kind = "" if category is UserWarning or category.__module__.startswith("shardlib") else f" ({category.__name__})"
+        try:
+            print(f"shardlib: note: {_one_line(message)}{kind}", file=file or sys.stderr)
+        except OSError:  # stderr closed: a warning is not worth a crash
+            pass
+
+    previous = warnings.showwarning
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="shardlib", description="Sharded training for JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
