@@ -31,14 +31,14 @@ RESIDUAL = ("batch", "seq", "embed")
 Initializer = Any  # jax.nn.initializers.Initializer
 
 
-def _param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], names: Sequence[str]) -> nnx.Param:
+def named_param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], names: Sequence[str]) -> nnx.Param:
     """A float32 parameter with one logical axis name per dimension."""
     if len(names) != len(shape):
         raise ValueError(f"{len(names)} logical names {tuple(names)} for a parameter of shape {tuple(shape)}")
     return nnx.Param(init(rngs.params(), tuple(shape), jnp.float32), out_sharding=tuple(names))
 
 
-def _fan_in(in_axis: int | Sequence[int], out_axis: int | Sequence[int], scale: float = 1.0) -> Initializer:
+def fan_in_init(in_axis: int | Sequence[int], out_axis: int | Sequence[int], scale: float = 1.0) -> Initializer:
     """Variance ``scale / fan_in`` for multi-dimensional einsum kernels."""
     return nnx.initializers.variance_scaling(scale, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
 
@@ -97,7 +97,7 @@ class RMSNorm(nnx.Module):
     def __init__(self, dim: int, *, eps: float, rngs: nnx.Rngs, offset: float = 0.0, axis: str = "embed"):
         self.eps = eps
         self.offset = offset
-        self.scale = _param(rngs, nnx.initializers.zeros if offset else nnx.initializers.ones, (dim,), (axis,))
+        self.scale = named_param(rngs, nnx.initializers.zeros if offset else nnx.initializers.ones, (dim,), (axis,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
@@ -111,17 +111,17 @@ class Attention(nnx.Module):
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         d, h, kv, hd = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
-        qkv_init = _fan_in(in_axis=0, out_axis=(1, 2))
-        self.wq = _param(rngs, qkv_init, (d, h, hd), ("embed", "heads", "head_dim"))
-        self.wk = _param(rngs, qkv_init, (d, kv, hd), ("embed", "kv_heads", "head_dim"))
-        self.wv = _param(rngs, qkv_init, (d, kv, hd), ("embed", "kv_heads", "head_dim"))
+        qkv_init = fan_in_init(in_axis=0, out_axis=(1, 2))
+        self.wq = named_param(rngs, qkv_init, (d, h, hd), ("embed", "heads", "head_dim"))
+        self.wk = named_param(rngs, qkv_init, (d, kv, hd), ("embed", "kv_heads", "head_dim"))
+        self.wv = named_param(rngs, qkv_init, (d, kv, hd), ("embed", "kv_heads", "head_dim"))
         # Residual-branch outputs scaled by 1/sqrt(2 L) (GPT-2) so the stream's variance stays O(1).
-        out_init = _fan_in(in_axis=(0, 1), out_axis=2, scale=1.0 / (2 * config.n_layers))
-        self.wo = _param(rngs, out_init, (h, hd, d), ("heads", "head_dim", "embed"))
+        out_init = fan_in_init(in_axis=(0, 1), out_axis=2, scale=1.0 / (2 * config.n_layers))
+        self.wo = named_param(rngs, out_init, (h, hd, d), ("heads", "head_dim", "embed"))
         if config.qkv_bias:
-            self.bq = _param(rngs, nnx.initializers.zeros, (h, hd), ("heads", "head_dim"))
-            self.bk = _param(rngs, nnx.initializers.zeros, (kv, hd), ("kv_heads", "head_dim"))
-            self.bv = _param(rngs, nnx.initializers.zeros, (kv, hd), ("kv_heads", "head_dim"))
+            self.bq = named_param(rngs, nnx.initializers.zeros, (h, hd), ("heads", "head_dim"))
+            self.bk = named_param(rngs, nnx.initializers.zeros, (kv, hd), ("kv_heads", "head_dim"))
+            self.bv = named_param(rngs, nnx.initializers.zeros, (kv, hd), ("kv_heads", "head_dim"))
         self.softcap = config.attn_softcap
         # the values a layer's (traced) window takes: the kernels whose masks are static need them
         self.windows = tuple(sorted(set(config.layer_windows))) if config.layer_windows else None
@@ -324,9 +324,9 @@ class GatedMLP(nnx.Module):
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         d, f = config.d_model, config.d_ff
-        self.w_gate = _param(rngs, _fan_in(0, 1), (d, f), ("embed", "mlp"))
-        self.w_up = _param(rngs, _fan_in(0, 1), (d, f), ("embed", "mlp"))
-        self.w_down = _param(rngs, _fan_in(0, 1, scale=1.0 / (2 * config.n_layers)), (f, d), ("mlp", "embed"))
+        self.w_gate = named_param(rngs, fan_in_init(0, 1), (d, f), ("embed", "mlp"))
+        self.w_up = named_param(rngs, fan_in_init(0, 1), (d, f), ("embed", "mlp"))
+        self.w_down = named_param(rngs, fan_in_init(0, 1, scale=1.0 / (2 * config.n_layers)), (f, d), ("mlp", "embed"))
         self.activation = config.mlp_activation
         lora_lib.attach(self, config, rngs)
 
@@ -393,11 +393,11 @@ class GPT(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         self.config = config
         d, vocab = config.d_model, config.vocab_size
-        self.embedding = _param(rngs, nnx.initializers.normal(1.0), (vocab, d), ("vocab", "embed"))
+        self.embedding = named_param(rngs, nnx.initializers.normal(1.0), (vocab, d), ("vocab", "embed"))
         self.blocks = _stacked_blocks(config, rngs)
         self.final_norm = RMSNorm(d, eps=config.norm_eps, offset=config.norm_offset, rngs=rngs)
         if not config.tie_embeddings:  # tied: the head is the embedding table, transposed
-            self.lm_head = _param(rngs, _fan_in(0, 1), (d, vocab), ("embed", "vocab"))
+            self.lm_head = named_param(rngs, fan_in_init(0, 1), (d, vocab), ("embed", "vocab"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return self.head(self.apply_blocks(self.embed(tokens)))
@@ -481,7 +481,8 @@ def layer_rope(window: jax.Array | None, tables: tuple[jax.Array, jax.Array],
 
 def build(config: GPTConfig, rngs: nnx.Rngs | int = 0) -> GPT:
     """A freshly initialised model (an int seed is turned into ``nnx.Rngs``)."""
-    return GPT(config, rngs=nnx.Rngs(rngs) if isinstance(rngs, int) else rngs)
+    with nnx.use_eager_sharding(False):  # shardlib places the parameters (no mesh needed here)
+        return GPT(config, rngs=nnx.Rngs(rngs) if isinstance(rngs, int) else rngs)
 
 
 def from_params(config: GPTConfig, params: Any) -> GPT:
@@ -499,10 +500,10 @@ def next_token_loss(model: GPT, batch: dict[str, jax.Array]) -> tuple[jax.Array,
 
     With a ``batch["loss_mask"]`` (1 where a target counts: an instruction's completion, 0 on its
     prompt and padding) the mean is over the counted targets of the whole batch (`global_mean`)."""
-    return _logits_loss(model(batch["inputs"]), batch["targets"], batch.get("loss_mask"))
+    return logits_loss(model(batch["inputs"]), batch["targets"], batch.get("loss_mask"))
 
 
-def _logits_loss(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None
+def logits_loss(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
@@ -518,7 +519,7 @@ def pipeline_stages() -> Stages:
         stacked="blocks",
         embed=lambda model, batch: model.embed(batch["inputs"]),
         stage=lambda model, x: model.apply_blocks(x),
-        head_loss=lambda model, x, batch: _logits_loss(model.head(x), batch["targets"], batch.get("loss_mask")),
+        head_loss=lambda model, x, batch: logits_loss(model.head(x), batch["targets"], batch.get("loss_mask")),
     )
 
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .configs import MoEConfig
-from .gpt import GPT, RESIDUAL, Attention, RMSNorm, _fan_in, _logits_loss, _param, rope_tables
+from .gpt import GPT, RESIDUAL, Attention, RMSNorm, fan_in_init, logits_loss, named_param, rope_tables
 from shardlib.model import experts as experts_lib
 from shardlib.model.hooks import batch_sum, constrain, gather_layer, global_mean, global_sum
 
@@ -38,9 +38,9 @@ class Experts(nnx.Module):
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
         e, d, f = config.n_experts, config.d_model, config.d_ff
         names = ("experts", "embed", "mlp")
-        self.w_gate = _param(rngs, _fan_in(1, 2), (e, d, f), names)
-        self.w_up = _param(rngs, _fan_in(1, 2), (e, d, f), names)
-        self.w_down = _param(rngs, _fan_in(1, 2, scale=1.0 / (2 * config.n_layers)), (e, f, d), ("experts", "mlp", "embed"))
+        self.w_gate = named_param(rngs, fan_in_init(1, 2), (e, d, f), names)
+        self.w_up = named_param(rngs, fan_in_init(1, 2), (e, d, f), names)
+        self.w_down = named_param(rngs, fan_in_init(1, 2, scale=1.0 / (2 * config.n_layers)), (e, f, d), ("experts", "mlp", "embed"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``[experts held here, tokens, d]`` -> the same shape, each expert on its own tokens."""
@@ -63,7 +63,7 @@ class Routing(nnx.Module):
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
         self.config = config
-        self.w_router = _param(rngs, _fan_in(0, 1), (config.d_model, config.n_experts), ("embed", None))
+        self.w_router = named_param(rngs, fan_in_init(0, 1), (config.d_model, config.n_experts), ("embed", None))
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, dict[str, jax.Array]]:
         """x [B, T, d] -> (expert int32[B, k*T], slot int32[B, k*T], gate float32[B, k*T], stats of
@@ -169,7 +169,7 @@ class MoEGPT(GPT):
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
         self.config = config
         d, vocab = config.d_model, config.vocab_size
-        self.embedding = _param(rngs, nnx.initializers.normal(1.0), (vocab, d), ("vocab", "embed"))
+        self.embedding = named_param(rngs, nnx.initializers.normal(1.0), (vocab, d), ("vocab", "embed"))
 
         @nnx.split_rngs(splits=config.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=config.n_layers, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -178,7 +178,7 @@ class MoEGPT(GPT):
 
         self.blocks = make(rngs)
         self.final_norm = RMSNorm(d, eps=config.norm_eps, rngs=rngs)
-        self.lm_head = _param(rngs, _fan_in(0, 1), (d, vocab), ("embed", "vocab"))
+        self.lm_head = named_param(rngs, fan_in_init(0, 1), (d, vocab), ("embed", "vocab"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return self.head(self.routed(tokens)[0])
@@ -201,7 +201,8 @@ class MoEGPT(GPT):
 
 def build(config: MoEConfig, rngs: nnx.Rngs | int = 0) -> MoEGPT:
     """A freshly initialised MoE model (an int seed is turned into ``nnx.Rngs``)."""
-    return MoEGPT(config, rngs=nnx.Rngs(rngs) if isinstance(rngs, int) else rngs)
+    with nnx.use_eager_sharding(False):  # shardlib places the parameters (no mesh needed here)
+        return MoEGPT(config, rngs=nnx.Rngs(rngs) if isinstance(rngs, int) else rngs)
 
 
 def moe_loss(model: MoEGPT, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -211,7 +212,7 @@ def moe_loss(model: MoEGPT, batch: dict[str, jax.Array]) -> tuple[jax.Array, dic
     `models.gpt.next_token_loss`."""
     config = model.config
     x, stats = model.routed(batch["inputs"])
-    loss, aux = _logits_loss(model.head(x), batch["targets"], batch.get("loss_mask"))
+    loss, aux = logits_loss(model.head(x), batch["targets"], batch.get("loss_mask"))
     balance = global_mean(stats["aux"].mean(axis=0))  # per row, averaged over the layers
     z_loss = global_mean(stats["z"].mean(axis=0))
     total = loss + config.n_layers * (config.aux_loss_coef * balance + config.z_loss_coef * z_loss)

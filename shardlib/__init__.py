@@ -17,12 +17,11 @@ from shardlib.model.hooks import batch_varying, constrain, gather_batch, gather_
 from shardlib.step import TrainProgram, TrainState, build
 from shardlib.step.compute import batch_axis_names
 from shardlib.step.precision import Precision
-from shardlib.model.nnx_adapter import place_parameters_in_the_step as _place_parameters_in_the_step
-from shardlib.runtime.devices import quiet_libtpu as _quiet_libtpu
 from shardlib.runtime.devices import simulate_cpu_devices
 
-_quiet_libtpu()  # before the user's first JAX call starts the backend: no libtpu noise without TPUs
-_place_parameters_in_the_step()  # Flax's eager sharding off: `Model(nnx.Rngs(0))` needs no mesh
+# Importing shardlib changes neither os.environ nor Flax's config (tests/test_import_effects.py):
+# the CLI, `make_mesh` and `simulate_cpu_devices` quiet libtpu where they choose devices, and
+# shardlib turns Flax's eager sharding off only around the parameters it creates.
 
 # Orbax loads on first use, so `import shardlib` stays quick.
 _LAZY = {"Checkpointer": "shardlib.runtime.checkpoint"}

@@ -217,3 +217,30 @@ def forced(platform: str) -> Iterator[BackendPolicy]:
 
 __all__ = ["POLICIES", "TPU_COLLECTIVE_OPTIONS", "BackendPolicy", "check_options", "env_option_keys", "forced",
            "get_policy", "parse_options", "platform_of", "policy_for", "step_compiler_options"]
+
+
+# libtpu (the `tpu` extra, in `dev`) loads wherever it is installed: JAX probes it for chips and a
+# TPU-topology compile uses it. On a host without TPUs it asks the cloud metadata server what it
+# runs on and prints the failures ("Failed to find host bounds", "E0000 ... unexpected worker
+# hostname"), which read like a crash; these answers leave it nothing to ask. Nothing else reads
+# them there: a host with chips is left alone (`tpu_attached`). Only the places that choose
+# devices set them (the CLI, `make_mesh`, `simulate_cpu_devices`), never `import shardlib`.
+NO_TPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5p-8", "TPU_WORKER_HOSTNAMES": "localhost"}
+
+
+def tpu_attached() -> bool:
+    """Whether this host has TPU chips: their device files (``/dev/accel*``, ``/dev/vfio/N``), read without libtpu."""
+    import glob
+
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def quiet_libtpu() -> None:
+    """On a host without TPUs, set `NO_TPU_ENV` (values already set win); callers do it before
+    a JAX backend starts, as libtpu reads them when it loads."""
+    import os
+
+    if tpu_attached():
+        return
+    for name, value in NO_TPU_ENV.items():
+        os.environ.setdefault(name, value)

@@ -12,9 +12,14 @@ with status 2; no usage dump, no traceback. Bugs still raise with a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
+from collections.abc import Iterator
+from typing import Any
 
+from shardlib.backend import quiet_libtpu
+from shardlib.compat import backends_initialized
 from shardlib.exits import EXIT_USAGE, exit_interrupted
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -75,7 +80,38 @@ def _fail(command: str, err: BaseException) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The ``shardlib`` command (``argv``: its arguments; None reads ``sys.argv``, as the installed
+    command does, and then prints Python warnings as notes too: `warnings_as_notes`)."""
+    if argv is None:
+        with warnings_as_notes():
+            return _main(sys.argv[1:])
+    return _main(list(argv))
+
+
+@contextlib.contextmanager
+def warnings_as_notes() -> Iterator[None]:
+    """Inside, a Python warning prints as one ``shardlib: note: ...`` line, not as Python's file,
+    line number and source line. Only the command's entry installs it: a library user, and a
+    caller of ``main([...])`` (tests recording warnings), keep Python's own."""
+    import warnings
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        kind = "" if category is UserWarning or category.__module__.startswith("shardlib") else f" ({category.__name__})"
+        try:
+            print(f"shardlib: note: {_one_line(message)}{kind}", file=file or sys.stderr)
+        except OSError:  # stderr closed: a warning is not worth a crash
+            pass
+
+    previous = warnings.showwarning
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="shardlib", description="Sharded training for JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
@@ -88,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         close = _close(name, list(COMMANDS))
         hint = f"; did you mean 'shardlib {close[0]}'?" if close else ""
         return _fail("", UsageError(f"unknown command {name!r} (the commands: {', '.join(COMMANDS)}){hint}"))
+    if not backends_initialized():  # the command chooses the devices: no libtpu noise without TPUs
+        quiet_libtpu()
     try:  # Ctrl-C while the command's modules import (JAX takes seconds) is as quiet as during its run
         return _dispatch(name, rest)
     except KeyboardInterrupt as err:

@@ -151,7 +151,7 @@ def test_psum_scatter_matches_jax_layout(method, shape, dim):
     assert np.abs(mine - exact).max() > 1e-4 * np.abs(x).max()  # compressed for real
 
 
-def test_error_feedback_accumulates_to_exact_sum():
+def test_error_feedback_converges_to_the_exact_sum():
     """20 reductions of the same gradients: with feedback the running total converges to 20x
     the exact sum (the error telescopes to sum(r_0) - sum(r_T)); without it the error grows."""
     x = gradients((4000,), seed=2)

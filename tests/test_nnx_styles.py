@@ -337,6 +337,7 @@ def test_custom_variables_are_model_state_carried_averaged_and_restored(tmp_path
 # ---------------------------------------------------------------- stacked layers, tied embeddings, bf16
 
 
+@pytest.mark.filterwarnings("ignore::shardlib.step.compute.WholeGatherWarning")  # ScanLM gathers no layer itself
 def test_layers_stacked_with_vmap_and_scanned_evaluate_under_fsdp_tp_and_draw_dropout():
     """split_rngs + vmap stacks each layer's dropout key: shardlib re-seeds one key per layer, so
     nnx.scan can slice them (one key per stream there failed inside the scan with an IndexError)."""
@@ -473,6 +474,7 @@ def test_a_loss_with_a_train_argument_gets_false_in_evaluate_and_true_in_the_ste
     assert run(False) == 0.0 != run(True)
 
 
+@pytest.mark.filterwarnings("ignore::shardlib.step.compute.WholeGatherWarning")  # the stack gathered up front, compared
 def test_a_scanned_nnx_stack_that_gathers_its_layer_trains_like_plain_jit_and_holds_one_layer():
     """The NNX scan-over-layers pattern with gather_layer on the sliced layer: zero3 trains it like one
     device, and its step needs fewer temporary bytes than the same stack gathered up front."""

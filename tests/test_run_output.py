@@ -13,7 +13,7 @@ import pytest
 
 from shardlib.cli import main
 from shardlib.run.metrics_io import read_metrics
-from shardlib.runtime.devices import NO_TPU_ENV, tpu_attached
+from shardlib.backend import NO_TPU_ENV, tpu_attached
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,7 @@ def _without_tpu_answers() -> dict[str, str]:
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None or tpu_attached(), reason="libtpu on a host without TPUs")
 @pytest.mark.parametrize("code", [
-    "import shardlib, jax; print(jax.devices())",  # a user's script
+    "import shardlib; print(shardlib.make_mesh({'data': -1}).devices)",  # a user's script: the mesh picks the devices
     "from shardlib.cli import main; main(['train', '--model', 'tiny', '--steps', '1', '--batch-size', '8', '--seq-len', "
     "'16', '--sample-tokens', '0', '--eval-every', '0', '--no-tensorboard', '--out', OUT])",
 ])
@@ -63,27 +63,50 @@ def test_no_libtpu_noise_without_tpus(code, tmp_path):
 
 
 BUILD_ANNOTATED = """
+import shardlib
 from flax import nnx
 init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
-model = nnx.Linear(4, 8, kernel_init=init, rngs=nnx.Rngs(0))  # logical names, no mesh
+with nnx.use_eager_sharding(False):  # logical names, no mesh: shardlib places the parameters
+    model = nnx.Linear(4, 8, kernel_init=init, rngs=nnx.Rngs(0))
 params = shardlib.from_nnx(model, lambda m, b: m(b).mean()).init(None)
 print(float(abs(params["kernel"] - model.kernel.value).max()))
 """
 
+FACTORY = """
+from flax import nnx
+import shardlib
 
-@pytest.mark.parametrize("order", ["import shardlib\n", "import flax\nimport shardlib\n"])
-def test_an_nnx_instance_with_logical_names_builds_without_a_mesh(order):
-    # Flax's eager sharding would ask for a mesh ("An auto mesh context or metadata is required");
-    # shardlib turns it off on import, whether Flax was imported before it or after.
+init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+MODEL = nnx.Linear(4, 8, kernel_init=init, rngs=nnx.Rngs(0))  # built on import: the CLI's context
+
+
+def make():
+    return shardlib.from_nnx(MODEL, lambda m, b: m(b).mean())
+"""
+
+
+@pytest.mark.parametrize("eager", [None, "true"])
+def test_an_nnx_instance_with_logical_names_builds_without_a_mesh(eager, tmp_path):
+    # Flax's eager sharding would ask for a mesh ("An auto mesh context or metadata is required").
+    # `import shardlib` leaves Flax's default alone (tests/test_import_effects.py): a script builds
+    # its annotated instance inside `nnx.use_eager_sharding(False)`, and the CLI loads a user's
+    # model module inside it unless FLAX_ALWAYS_SHARD_VARIABLE is set.
     env = _without_tpu_answers()
     env.pop("FLAX_ALWAYS_SHARD_VARIABLE", None)
-    proc = subprocess.run([sys.executable, "-c", order + BUILD_ANNOTATED], env=env, capture_output=True, text=True,
+    if eager:
+        env["FLAX_ALWAYS_SHARD_VARIABLE"] = eager
+    proc = subprocess.run([sys.executable, "-c", BUILD_ANNOTATED], env=env, capture_output=True, text=True,
                           timeout=120, cwd=REPO)
     assert proc.returncode == 0 and proc.stdout.strip() == "0.0", proc.stderr[-1500:]
-    env["FLAX_ALWAYS_SHARD_VARIABLE"] = "true"  # the user's choice wins: Flax's own error
-    proc = subprocess.run([sys.executable, "-c", order + BUILD_ANNOTATED], env=env, capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
-    assert proc.returncode == 1 and "An auto mesh context or metadata is required" in proc.stderr
+    # The CLI loads a user's model file inside shardlib's placement, unless the environment says otherwise.
+    (tmp_path / "annotated_model.py").write_text(FACTORY)
+    load = "from shardlib.run.user_model import load; print(type(load('annotated_model:make')).__name__)"
+    proc = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    if eager:  # the user's choice wins: Flax's own error
+        assert proc.returncode == 1 and "An auto mesh context or metadata is required" in proc.stderr
+    else:
+        assert proc.returncode == 0 and proc.stdout.strip() == "Model", proc.stderr[-1500:]
 
 
 def test_a_read_only_checkpointer_opens_without_orbax_warning(tmp_path, caplog):

@@ -149,7 +149,7 @@ def test_loop_records_each_step_once_one_step_behind_and_validates_at_once():
     assert seen == [(1, 2, None), (2, 3, None), (3, 3, 3.0), (4, 5, None), (5, 5, None), ("stop", 5, 5)]
 
 
-def test_resume_continues_exactly(tmp_path):
+def test_resume_replaces_the_lost_steps_and_continues_within_rounding(tmp_path):
     flags = ["--strategy", "zero3", "--steps", "4", "--eval-every", "0", "--sample-tokens", "0", "--seed", "3"]
     code, out = _run(tmp_path, *flags, "--ckpt-every", "2")
     assert code == 0

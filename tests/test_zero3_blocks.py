@@ -120,6 +120,7 @@ def test_zero3_gathering_block_by_block_equals_plain_jit(kind):
                                zoo.plain_steps(reference, params, tx, batches)[1], rtol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore::shardlib.step.compute.WholeGatherWarning")  # the blocks=() run gathers the whole model
 def test_dropout_draws_as_without_the_per_block_gather():
     """nnx.remat hands the blocks' rng counts back: the masks are those of the whole gather's step."""
     make = lambda rngs: zoo.NnxTransformer(rngs=rngs, n_layers=2, dropout_rate=0.3)
@@ -133,6 +134,7 @@ def test_dropout_draws_as_without_the_per_block_gather():
     assert runs[0][0] != runs[0][1]
 
 
+@pytest.mark.filterwarnings("ignore::shardlib.step.compute.WholeGatherWarning")  # compared with the whole model's gather
 @pytest.mark.parametrize("strategy, mesh, options", [("zero3_hpz", {"data": 2, "fsdp": 4}, {}),
                                                      ("zero3", {"fsdp": 8}, {"weight_gather": "int8", "grad_accum": 2})])
 def test_the_per_block_gather_composes_with_hpz_quantised_gathers_and_accumulation(strategy, mesh, options):
@@ -241,6 +243,7 @@ def activations(chips):
     return peak(2 * B // 8) - peak(B // 8)
 
 
+@pytest.mark.filterwarnings("ignore::shardlib.step.compute.WholeGatherWarning")  # blocks=(): the whole gather, measured
 @pytest.mark.parametrize("kind, blocks", [("nnx", "auto"), ("linen", "auto"), ("nnx", ())])
 def test_zero3_per_block_keeps_dps_flops_and_peak_is_the_shards_one_block_and_the_activations(
         chips, activations, kind, blocks):

@@ -2,12 +2,12 @@
 
 `open_pretrained` reads ``config.json`` (the `GPTConfig` it describes, or a refusal naming what
 is not supported) and the safetensors headers, and checks that every tensor the model needs is
-there with the shape it needs, before any data is read. `load_params` then builds each
-parameter with ``jax.make_array_from_callback``: every device of this process asks for its own
-shard, which is read from the memory-mapped file (only the checkpoint rows that hold it, one
-layer at a time for stacked parameters), converted to the parameter dtype, and placed. No
-process ever holds a whole model in host memory, only its devices' shards and one tensor's
-slice in flight.
+there with the shape it needs, before any data is read. `load_params` then reads each
+checkpoint tensor once a job (`shardlib.hf.rows`): every process reads the rows its own devices
+hold, in positioned reads, places them in the checkpoint's dtype, and one compiled program per
+parameter converts them to the parameter dtype, reorders and stacks them, and reshards them to
+the parameter's sharding. No process ever holds a whole model in host memory, only one slice a
+reading thread and its devices' rows of the tensor being converted.
 """
 
 from __future__ import annotations

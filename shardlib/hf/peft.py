@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from shardlib.hf.save import check_target, commit, write_marker
 from shardlib.models import GPTConfig
 from shardlib.models import lora as lora_lib
 from shardlib.models.configs import LoraConfig
-from shardlib.runtime.files import partial_path
+from shardlib.runtime.files import AtomicDir
 from shardlib.runtime.host import to_host
 
 CONFIG_FILE = "adapter_config.json"
@@ -83,22 +82,18 @@ def save_adapter(params: Mapping[str, Any], config: GPTConfig, out: str | os.Pat
     order = sorted(range(len(entries)), key=lambda k: entries[k][0])
     if jax.process_index() != 0:
         return out_dir, len(entries)
-    staging = partial_path(out_dir)
+    staging = AtomicDir(out_dir, what="a LoRA adapter export")
     try:
-        staging.mkdir(parents=True)
-        with open(staging / WEIGHTS_FILE, "wb") as file:
+        with staging.open(WEIGHTS_FILE) as file:
             writer = TensorWriter(file, [entries[k] for k in order], metadata={"format": "pt"})
             for k in order:
                 writer.add(entries[k][0], arrays[k])
             writer.close()
-            file.flush()
-            os.fsync(file.fileno())
-        (staging / CONFIG_FILE).write_text(json.dumps(adapter_config(config.lora, base), indent=2) + "\n",
-                                           encoding="utf-8")
+        staging.write(CONFIG_FILE, json.dumps(adapter_config(config.lora, base), indent=2) + "\n")
         write_marker(staging)
         commit(staging, out_dir)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        staging.discard()
         raise
     return out_dir, len(entries)
 

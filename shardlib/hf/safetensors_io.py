@@ -22,12 +22,18 @@ from typing import Any, BinaryIO
 import ml_dtypes
 import numpy as np
 
-DTYPES = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+from shardlib.sharding.rules import listed
+
+# The format's dtype codes, by NumPy dtype: what `TensorWriter` writes (the weights of an HF export,
+# and every tensor of `shardlib export`, whose runs may hold unsigned counters).
+CODES = {
+    np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
+    np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.int64): "I64", np.dtype(np.int32): "I32",
+    np.dtype(np.int16): "I16", np.dtype(np.int8): "I8", np.dtype(np.uint64): "U64", np.dtype(np.uint32): "U32",
+    np.dtype(np.uint16): "U16", np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL",
 }
-CODES = {dtype: code for code, dtype in DTYPES.items()}
+# What `TensorFile` reads as model weights (a Hugging Face checkpoint's): no unsigned ints but bytes.
+DTYPES = {code: dtype for dtype, code in CODES.items() if code not in ("U16", "U32", "U64")}
 
 
 class SafetensorsFileError(ValueError):
@@ -145,4 +151,4 @@ class TensorWriter:
 
     def close(self) -> None:
         if self._pending:
-            raise ValueError(f"tensors {[t[0] for t in reversed(self._pending)]} were announced but not written")
+            raise ValueError(f"tensors {listed([t[0] for t in reversed(self._pending)])} were announced but not written")

@@ -22,7 +22,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -37,7 +36,7 @@ from shardlib.hf.generation_config import NAME as GENERATION_CONFIG, generation_
 from shardlib.hf.load import INDEX, SINGLE
 from shardlib.hf.safetensors_io import TensorWriter
 from shardlib.models import GPTConfig
-from shardlib.runtime.files import make_dir, partial_path, refuse_link, remove_stale_partials
+from shardlib.runtime.files import AtomicDir, refuse_link
 from shardlib.runtime.host import to_host
 
 EXPORT_DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "f32": np.dtype(np.float32)}
@@ -109,9 +108,8 @@ def save_pretrained(params: Mapping[str, Any], config: GPTConfig, out: str | os.
                         t.placement.hf_shape(shape[1:] if t.per_layer else shape)))
     files = _assign_files(entries, max_shard_bytes)
     main = jax.process_index() == 0
-    if main:  # the staging directories of exports killed before they were renamed (kill -9, SIGTERM)
-        remove_stale_partials(out_dir, _staging_ours)
-    staging = partial_path(out_dir) if main else None
+    # ours=: the staging directories of exports killed before they were renamed (kill -9, SIGTERM)
+    staging = AtomicDir(out_dir, what="a Hugging Face export", ours=_staging_ours) if main else None
     largest = total = 0
     try:
         writers = _open_writers(staging, entries, files) if main else {}
@@ -126,18 +124,15 @@ def save_pretrained(params: Mapping[str, Any], config: GPTConfig, out: str | os.
         if main:
             for file, writer in writers.values():
                 writer.close()
-                file.flush()
-                os.fsync(file.fileno())
                 file.close()
             _write_metadata(staging, config, arch, hf_config, dtype, files, entries, tokenizer_file)
             if generation_config is not None:
-                (staging / GENERATION_CONFIG).write_text(generation_config_text(dict(generation_config)),
-                                                         encoding="utf-8")
+                staging.write(GENERATION_CONFIG, generation_config_text(dict(generation_config)))
             write_marker(staging)
             commit(staging, out_dir)
     except BaseException:
-        if main and staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            staging.discard()
         raise
     return HfExport(str(out_dir), arch.name, len(entries), len(set(files.values())), total, largest)
 
@@ -210,10 +205,9 @@ def _staging_ours(path: Path) -> bool:
     return all(n == MARKER or n.endswith(".safetensors") or n in _METADATA for n in names)
 
 
-def write_marker(staging: Path) -> None:
-    names = sorted(p.name for p in staging.iterdir())
-    (staging / MARKER).write_text(json.dumps({"format": MARKER_FORMAT, "files": names}, indent=2) + "\n",
-                                  encoding="utf-8")
+def write_marker(staging: AtomicDir) -> None:
+    names = sorted(p.name for p in staging.tmp.iterdir())
+    staging.write(MARKER, json.dumps({"format": MARKER_FORMAT, "files": names}, indent=2) + "\n")
 
 
 def _assign_files(entries: list[tuple[str, np.dtype, tuple[int, ...]]], max_bytes: int) -> dict[str, str]:
@@ -238,44 +232,38 @@ TOKENIZER_FILES = ("tokenizer_config.json", "chat_template.jinja")  # copied fro
 _METADATA = ("config.json", INDEX, "tokenizer.json", GENERATION_CONFIG, *TOKENIZER_FILES)
 
 
-def _open_writers(staging: Path, entries, files: dict[str, str]) -> dict[str, tuple[Any, TensorWriter]]:
-    make_dir(staging.parent)
-    staging.mkdir()  # a fresh name (pid + random): never an existing directory nor a link
+def _open_writers(staging: AtomicDir, entries, files: dict[str, str]) -> dict[str, tuple[Any, TensorWriter]]:
     writers = {}
     for file_name in dict.fromkeys(files.values()):
-        file = open(staging / file_name, "wb")
+        file = staging.open(file_name)
         writers[file_name] = (file, TensorWriter(file, [e for e in entries if files[e[0]] == file_name],
                                                  metadata={"format": "pt"}))
     return writers
 
 
-def _write_metadata(staging: Path, config: GPTConfig, arch: arch_lib.Architecture, hf_config: Mapping[str, Any] | None,
+def _write_metadata(staging: AtomicDir, config: GPTConfig, arch: arch_lib.Architecture, hf_config: Mapping[str, Any] | None,
                     dtype: str, files: dict[str, str], entries, tokenizer_file: Any) -> None:
     torch_dtype = {"bf16": "bfloat16", "f32": "float32"}[dtype]
-    (staging / "config.json").write_text(json.dumps(arch_lib.from_gpt_config(config, arch, hf_config, torch_dtype),
-                                                    indent=2) + "\n", encoding="utf-8")
+    staging.write("config.json", json.dumps(arch_lib.from_gpt_config(config, arch, hf_config, torch_dtype),
+                                            indent=2) + "\n")
     if len(set(files.values())) > 1:
         total = sum(math.prod(shape) * d.itemsize for _, d, shape in entries)
         index = {"metadata": {"total_size": total}, "weight_map": files}
-        (staging / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        staging.write(INDEX, json.dumps(index, indent=2) + "\n")
     if tokenizer_file is not None and Path(tokenizer_file).is_file():
         source = Path(tokenizer_file)
-        shutil.copyfile(source, staging / "tokenizer.json")
+        staging.copy(source, "tokenizer.json")
         for name in TOKENIZER_FILES:
             if (source.parent / name).is_file():
-                shutil.copyfile(source.parent / name, staging / name)
+                staging.copy(source.parent / name, name)
 
 
-def commit(staging: Path, out_dir: Path) -> None:
+def commit(staging: AtomicDir, out_dir: Path) -> None:
     """Rename the complete directory onto ``out_dir``. An earlier export there (checked by
     `check_target` again, in case files appeared since) is set aside first, and only the files its
     marker lists are removed once the new one is in place; anything else keeps the old directory."""
     check_target(out_dir)
-    old = None
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.replaced")
-        os.replace(out_dir, old)
-    os.replace(staging, out_dir)
+    old = staging.commit()
     if old is not None:
         for name in _marked_files(old) or ():
             (old / name).unlink(missing_ok=True)

@@ -187,7 +187,7 @@ def _dtype_shape(x: Any) -> str:
     return f"{np.dtype(x.dtype).name}[{','.join(map(str, x.shape))}]"
 
 
-def _loss_out(out: Any) -> LossOut:
+def loss_out(out: Any) -> LossOut:
     """``(loss, metrics)`` from what ``loss_fn`` returned: aux's scalar entries are metrics
     (averaged over the batch like the loss); the rest is dropped, and the warning says what."""
     loss = out[0] if isinstance(out, tuple) else out
@@ -224,7 +224,7 @@ def _warn_dropped(what: str) -> None:
         UserWarning, stacklevel=2)
 
 
-def _with_call(run: Callable[[Params, Batch, Any, Call], tuple], needs_call: bool) -> Callable:
+def with_call(run: Callable[[Params, Batch, Any, Call], tuple], needs_call: bool) -> Callable:
     """A loss for `Model.takes_call`: called with a `Call` it returns (loss, aux, state); called
     without one (three arguments, as direct callers such as `shardlib.step.pmap` do) it returns
     (loss, aux) in training mode without a key, unless ``needs_call`` (a key or state), then it
@@ -278,15 +278,15 @@ def from_functions(
     logical_axes = _empty_nodes_named(abstract, logical_axes)
     _warn_flax_collections(abstract)
     if takes_call:
-        keyed = _with_eval_key if eval_key else (lambda call: call)
-        run = lambda p, b, specs, call: (*_loss_out(loss_fn(p, b, keyed(call))), call.state)
-        return Model(init=init, loss=_with_call(run, needs_call=True), logical_axes=logical_axes,
+        keyed = with_eval_key if eval_key else (lambda call: call)
+        run = lambda p, b, specs, call: (*loss_out(loss_fn(p, b, keyed(call))), call.state)
+        return Model(init=init, loss=with_call(run, needs_call=True), logical_axes=logical_axes,
                      apply=NO_APPLY if apply is None else apply, takes_call=True, uses_key=True)
-    return Model(init=init, loss=lambda p, b, specs=None: _loss_out(loss_fn(p, b)),
+    return Model(init=init, loss=lambda p, b, specs=None: loss_out(loss_fn(p, b)),
                  logical_axes=logical_axes, apply=NO_APPLY if apply is None else apply)
 
 
-def _with_eval_key(call: Call) -> Call:
+def with_eval_key(call: Call) -> Call:
     """``call`` with evaluation's fixed per-device key where evaluate passes none."""
     if call.key is not None or call.train:
         return call

@@ -55,7 +55,7 @@ def _exchange(x: jax.Array) -> jax.Array:
     """``[P, ...]``: block j to device j, the blocks received stacked by source."""
     if expert_devices() == 1:
         return x
-    hooks._CONTEXT.get().experts_dispatched = True
+    hooks.current().experts_dispatched = True
     return jax.lax.all_to_all(x, EXPERT_AXIS, split_axis=0, concat_axis=0, tiled=True)
 
 

@@ -29,7 +29,7 @@ import jax
 
 from shardlib.model import blocks as blocks_lib
 from shardlib.model import hooks
-from shardlib.model.adapters import Batch, Model, _loss_out, _with_call, noting_no_step
+from shardlib.model.adapters import Batch, Model, loss_out, with_call, noting_no_step
 from shardlib.sharding import rules as rules_lib
 
 Inputs = Callable[[Batch, bool], tuple[tuple[Any, ...], dict[str, Any]]]
@@ -233,13 +233,13 @@ def from_linen(
         # under the per-layer reduction, a scanned stack's whole parameters get their twins on read too
         stacked = scanned.keys() if hooks.reduces_per_layer() else ()
         out, state = apply_call(_gathered_on_read(params, specs, also=stacked, whole=wrapped), call, args, kwargs)
-        loss, aux = _loss_out(call_loss(out, batch, call.step))
+        loss, aux = loss_out(call_loss(out, batch, call.step))
         return loss, aux, state
 
     def init_state(key):
         return {c: v for c, v in nn.unbox(variables(key)).items() if c in collections}
 
-    return Model(init=lambda key: nn.unbox(variables(key)["params"]), loss=_with_call(run, bool(collections)),
+    return Model(init=lambda key: nn.unbox(variables(key)["params"]), loss=with_call(run, bool(collections)),
                  logical_axes=logical, apply=apply_call.outputs, gathers_params=True, gathers_on_read=True,
                  gathered_blocks=per_block,
                  takes_call=True, uses_key=bool(rng_streams), init_state=init_state if collections else None)

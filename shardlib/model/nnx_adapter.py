@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from shardlib import compat
-from shardlib.model.adapters import Batch, Call, Model, Stages, _loss_out, _with_call, noting_no_step, _with_eval_key
+from shardlib.model.adapters import Batch, Call, Model, Stages, loss_out, with_call, noting_no_step, with_eval_key
 from shardlib.model import blocks as blocks_lib
 from shardlib.model import hooks, nnx_blocks
 from shardlib.model.hooks import SPEC_METADATA
@@ -24,26 +24,22 @@ from shardlib.sharding import rules as rules_lib
 EAGER_SHARDING_ENV = "FLAX_ALWAYS_SHARD_VARIABLE"
 
 
-def place_parameters_in_the_step() -> None:
-    """Turn Flax's eager sharding off, unless ``FLAX_ALWAYS_SHARD_VARIABLE`` says otherwise.
+def parameters_placed_by_shardlib() -> Any:
+    """A context in which Flax's eager sharding is off, unless ``FLAX_ALWAYS_SHARD_VARIABLE`` is set.
 
     Flax 0.12 places each annotated parameter as it is created, on a mesh whose axes are the
     annotation's names, so ``Model(nnx.Rngs(0))`` annotated with logical names fails with "An auto
-    mesh context or metadata is required" before `from_nnx` is reached. shardlib places the
-    parameters itself (the rule tables map logical names to mesh axes), so `import shardlib`
-    calls this; ``FLAX_ALWAYS_SHARD_VARIABLE=true`` keeps Flax's placement (docs/nnx.md).
+    mesh context or metadata is required". shardlib places the parameters itself (the rule tables
+    map logical names to mesh axes), so where it runs the user's model code (`shardlib train
+    --model pkg.mod:factory`) it runs it inside this; ``FLAX_ALWAYS_SHARD_VARIABLE`` set keeps
+    Flax's own choice (docs/nnx.md). Flax's global config is never changed.
     """
+    import contextlib
     import os
-    import sys
 
-    if EAGER_SHARDING_ENV in os.environ:
-        return
-    if "flax" in sys.modules:  # imported before shardlib: its config already read the environment
-        import flax
+    from flax import nnx
 
-        flax.config.update("flax_always_shard_variable", False)
-    else:
-        os.environ[EAGER_SHARDING_ENV] = "false"
+    return contextlib.nullcontext() if EAGER_SHARDING_ENV in os.environ else nnx.use_eager_sharding(False)
 
 
 # What shardlib does with each kind of NNX variable; the first kind a variable is an instance of
@@ -143,7 +139,7 @@ def from_nnx(
     stateful = bool(jax.tree.leaves(parts.carried))
     call_loss, loss_extras = _loss_caller(loss_fn)
     frozen = _frozen_mask(parts.params, wrt)
-    keyed = _with_eval_key if _checked_eval_streams(eval_rng_streams, parts.rngs, loss_extras) else (lambda c: c)
+    keyed = with_eval_key if _checked_eval_streams(eval_rng_streams, parts.rngs, loss_extras) else (lambda c: c)
     evaluated = _eval_parts(eval_module, parts)
     per_block = _blocks(blocks, parts, gathers_params, pipeline)
 
@@ -160,13 +156,13 @@ def from_nnx(
             _train_undecided(module)
         else:
             module.eval()
-        loss, aux = _loss_out(call_loss(module, batch, call))
+        loss, aux = loss_out(call_loss(module, batch, call))
         if call.train and stateful:
             _refuse_rows_in_cache(module)
         return loss, aux, parts.carried_of(module) if stateful else None
 
     uses_key = bool(jax.tree.leaves(parts.rngs)) or "rngs" in loss_extras
-    return Model(init=source.params, loss=_with_call(run, uses_key or stateful), logical_axes=logical,
+    return Model(init=source.params, loss=with_call(run, uses_key or stateful), logical_axes=logical,
                  gathers_params=gathers_params or bool(per_block), gathered_blocks=per_block, apply=parts.apply,
                  pipeline=_stages(pipeline, parts), takes_call=uses_key or stateful or bool(loss_extras),
                  uses_key=uses_key, init_state=source.carried if stateful else None, frozen=frozen)
@@ -358,7 +354,7 @@ def _stages(pipeline: Stages | None, parts: _NnxParts) -> Stages | None:
         stacked=pipeline.stacked,
         embed=lambda params, batch, specs=None: pipeline.embed(parts.bind(params, specs), batch),
         stage=lambda params, x, specs=None: pipeline.stage(parts.bind(params, specs), x),
-        head_loss=lambda params, x, batch, specs=None: _loss_out(
+        head_loss=lambda params, x, batch, specs=None: loss_out(
             pipeline.head_loss(parts.bind(params, specs), x, batch)),
     )
 

@@ -9,10 +9,11 @@ Light: imports neither JAX nor NumPy (``shardlib train --help`` stays instant).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from shardlib.exits import EXIT_DIVERGED
@@ -35,10 +36,10 @@ class TrainConfigError(ValueError):
 
     def __init__(self, field: str, message: str) -> None:
         self.field = field
-        super().__init__(f"{_flag_name(field)}: {message}")
+        super().__init__(f"{flag_name(field)}: {message}")
 
 
-def _flag_name(field: str) -> str:
+def flag_name(field: str) -> str:
     """The flag of a `TrainConfig` field: its `Flag.name` when it has one (``--schedule``), else ``--field-name``."""
     spec = next((f.metadata["flag"] for f in dataclasses.fields(TrainConfig) if f.name == field and "flag" in f.metadata),
                 None)
@@ -95,10 +96,20 @@ def _step_range(text: str) -> str:
     return text
 
 
-def _tracker_names(value: str | tuple[str, ...]) -> tuple[str, ...]:
-    from shardlib.run.trackers import parse
+@contextlib.contextmanager
+def flag_errors(field: str, error: type[Exception]) -> Iterator[None]:
+    """``error`` raised inside, from a module that knows no flags, as a `TrainConfigError` naming ``field``'s."""
+    try:
+        yield
+    except error as err:
+        raise TrainConfigError(field, str(err)) from None
 
-    return parse(value) if isinstance(value, str) else tuple(value)
+
+def _tracker_names(value: str | tuple[str, ...]) -> tuple[str, ...]:
+    from shardlib.run.trackers import TrackerError, parse
+
+    with flag_errors("log_to", TrackerError):
+        return parse(value) if isinstance(value, str) else tuple(value)
 
 
 def _strategies() -> list[str]:
@@ -297,7 +308,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One argument per `TrainConfig` field that has a `Flag`, in field order."""
     hints = typing.get_type_hints(TrainConfig)
     for field, spec in _flags():
-        name = "--no-" + field.name.replace("_", "-") if spec.negate and not spec.name else _flag_name(field.name)
+        name = "--no-" + field.name.replace("_", "-") if spec.negate and not spec.name else flag_name(field.name)
         parser.add_argument(name, **_argument(field, spec, hints[field.name]))
 
 

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shardlib.run.config import TrainConfig, _flag_name
+from shardlib.run.config import TrainConfig, flag_name
 
 RECORDED = ("init_from", "tokenizer", "data", "lr", "warmup_steps", "schedule_steps", "seq_len", "batch_size")
 
@@ -47,10 +47,10 @@ def with_recorded(config: TrainConfig, given: frozenset[str]) -> tuple[TrainConf
     lines = []
     if taken:
         lines.append(f"shardlib: from {path} (the run's record): "
-                     + ", ".join(f"{_flag_name(name)} {_shown(value)}" for name, value in taken.items()))
+                     + ", ".join(f"{flag_name(name)} {_shown(value)}" for name, value in taken.items()))
     if changed:
         lines.append(f"shardlib: note: given flags differ from {path}: "
-                     + ", ".join(f"{_flag_name(name)} {_shown(getattr(config, name))} (recorded "
+                     + ", ".join(f"{flag_name(name)} {_shown(getattr(config, name))} (recorded "
                                  f"{_shown(recorded[name])})" for name in changed))
     return dataclasses.replace(config, **taken), lines
 

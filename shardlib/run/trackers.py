@@ -15,7 +15,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shardlib.run.config import TrainConfigError
+
+
+class TrackerError(ValueError):
+    """A tracker that cannot log; `shardlib.run.config.flag_errors` shows it as ``--log-to: ...``
+    (this module imports nothing of the run's config, which imports it)."""
 
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
@@ -97,7 +101,7 @@ def parse(text: str) -> tuple[str, ...]:
     names = tuple(filter(None, (n.strip() for n in text.split(","))))
     unknown = [n for n in names if n not in TRACKERS]
     if unknown or not names:
-        raise TrainConfigError("log_to", f"{text!r}: choose among {', '.join(TRACKERS)} (comma-separated)")
+        raise TrackerError(f"{text!r}: choose among {', '.join(TRACKERS)} (comma-separated)")
     return names
 
 
@@ -109,10 +113,10 @@ def check_trackers(names: tuple[str, ...]) -> None:
     for name in names:
         tracker = TRACKERS[name]
         if importlib.util.find_spec(tracker.package) is None:
-            raise TrainConfigError("log_to", f"{name} is not installed: pip install \"shardlib[{name}]\"")
+            raise TrackerError(f"{name} is not installed: pip install \"shardlib[{name}]\"")
         problem = tracker.missing_credentials()
         if problem is not None:
-            raise TrainConfigError("log_to", problem)
+            raise TrackerError(problem)
 
 
 def open_trackers(names: tuple[str, ...], out_dir: Path, config: Mapping[str, Any], *, enabled: bool) -> list[Any]:
@@ -128,6 +132,6 @@ def open_trackers(names: tuple[str, ...], out_dir: Path, config: Mapping[str, An
         except Exception as err:  # the tracker's own errors (network, login, a bad server URI)
             for tracker in opened:
                 tracker.close()
-            raise TrainConfigError("log_to", f"{name} could not start: {type(err).__name__}: "
-                                             f"{' '.join(str(err).split())[:300]}") from None
+            raise TrackerError(f"{name} could not start: {type(err).__name__}: "
+                               f"{' '.join(str(err).split())[:300]}") from None
     return opened

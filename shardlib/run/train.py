@@ -31,6 +31,7 @@ from shardlib.run.config import (  # noqa: F401  (re-exported: the CLI and noteb
     TrainConfigError,
     add_arguments,
     check_numbers,
+    flag_errors,
     from_args,
     given_fields,
 )
@@ -176,12 +177,13 @@ def train(config: TrainConfig, data: Any = None, *, model: Any = None, notes: Se
     from shardlib.run.setup import with_model_defaults
 
     from shardlib.run.outputs import refuse_out_over_sources, refuse_planted_links
-    from shardlib.run.trackers import check_trackers
+    from shardlib.run.trackers import TrackerError, check_trackers
 
     t_begin = time.perf_counter()
     check_out_path(config)  # before JAX starts: a file in the way costs no start-up
     refuse_out_over_sources(config)
-    check_trackers(config.log_to)  # before --out is touched: a refused tracker leaves it as it was
+    with flag_errors("log_to", TrackerError):  # before --out is touched: a refused tracker leaves it as it was
+        check_trackers(config.log_to)
     xla_note = _set_xla_flags(config.xla_gpu_overlap)
     note = "; ".join(filter(None, (xla_note, setup_devices(config.cpu_devices)))) or None
     config = with_model_defaults(config)
@@ -202,10 +204,11 @@ def _train(config: TrainConfig, out_dir: Path, note: str | None, t_begin: float,
 
     from shardlib.run.metrics_io import MetricsLog
     from shardlib.run.setup import prepare
-    from shardlib.run.trackers import open_trackers
+    from shardlib.run.trackers import TrackerError, open_trackers
 
     # Started before the compile: a tracker that cannot start costs no compile and writes no metrics.
-    trackers = open_trackers(config.log_to, out_dir, dataclasses.asdict(config), enabled=jax.process_index() == 0)
+    with flag_errors("log_to", TrackerError):
+        trackers = open_trackers(config.log_to, out_dir, dataclasses.asdict(config), enabled=jax.process_index() == 0)
     with contextlib.ExitStack() as closing:
         for tracker in trackers:
             closing.callback(tracker.close)

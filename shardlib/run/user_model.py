@@ -25,6 +25,13 @@ def is_factory(name: str) -> bool:
 
 def load(spec: str) -> Any:
     """The `Model` that the factory ``spec`` (``package.module:function``) returns."""
+    from shardlib.model.nnx_adapter import parameters_placed_by_shardlib
+
+    with parameters_placed_by_shardlib():  # an NNX instance built on import or by the factory needs no mesh
+        return _factory_model(spec)
+
+
+def _factory_model(spec: str) -> Any:
     from shardlib.model.adapters import Model
 
     module_name, _, attr = spec.partition(":")

@@ -1,4 +1,4 @@
-"""Simulated CPU devices, the one XLA flag every multi-device CPU run needs, and a quiet libtpu.
+"""Simulated CPU devices and the one XLA flag every multi-device CPU run needs.
 
 XLA:CPU aborts a collective that some device thread joins more than 40 s late. Many simulated
 devices on a few loaded cores reach that (seen with 8 devices on 2 cores), so every
@@ -14,26 +14,7 @@ import os
 CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
 
 
-# libtpu (the `tpu` extra, in `dev`) loads wherever it is installed: JAX probes it for chips and a
-# TPU-topology compile uses it. On a host without TPUs it asks the cloud metadata server what it
-# runs on and prints the failures ("Failed to find host bounds", "E0000 ... unexpected worker
-# hostname"), which read like a crash; these answers leave it nothing to ask. Nothing else reads
-# them there: a host with chips is left alone (`tpu_attached`).
-NO_TPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5p-8", "TPU_WORKER_HOSTNAMES": "localhost"}
-
-
-def tpu_attached() -> bool:
-    """Whether this host has TPU chips: their device files (``/dev/accel*``, ``/dev/vfio/N``), read without libtpu."""
-    import glob
-
-    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
-
-
-def quiet_libtpu() -> None:
-    """On a host without TPUs, set `NO_TPU_ENV` (values already set win) before libtpu loads."""
-    if not tpu_attached():
-        for name, value in NO_TPU_ENV.items():
-            os.environ.setdefault(name, value)
+from shardlib.backend import quiet_libtpu
 
 
 def with_cpu_collective_timeout(flags: str) -> str:
@@ -62,6 +43,7 @@ def simulate_cpu_devices(n: int) -> int:
     from shardlib.compat import backends_initialized
 
     if not backends_initialized():
+        quiet_libtpu()  # a TPU-topology compile later loads libtpu all the same
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", n)
     have = len(jax.devices("cpu"))

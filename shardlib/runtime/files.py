@@ -4,7 +4,7 @@ A symbolic link planted where an output goes (``OUT/loss_curve.png``, ``OUT/chec
 ``--out link.npz``) would send the write, a truncation or a rotation to whatever it points at.
 `refuse_links` says so in one line before any work; `AtomicFile` / `write_atomic` write a
 file under a temporary name opened with ``O_NOFOLLOW | O_EXCL`` in the real directory and
-rename it onto its name (whole or absent); `make_dir` creates a directory that is not a link;
+rename it onto its name (whole or absent), `AtomicDir` a directory of files the same way; `make_dir` creates a directory that is not a link;
 `remove_stale_partials` deletes what a killed writer left behind, and nothing else.
 """
 
@@ -150,6 +150,60 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str, *, what: str =
     with AtomicFile(path, "wb" if isinstance(data, bytes) else "w", what=what) as f:
         f.write(data)
     return Path(path)
+
+
+class AtomicDir:
+    """A directory that appears at ``path`` whole (an export of several files): a fresh staging
+    directory beside it (`partial_path`: created, never an existing name nor a link) takes the
+    files, each created new and never through a link (`open`, `write`, `copy`); `commit` fsyncs
+    them and renames the staging directory onto ``path``; `discard` removes it. ``ours``: what a
+    killed writer's staging directory may hold, so the next writer removes it (`remove_stale_partials`)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, what: str = "an output directory",
+                 ours: Callable[[Path], bool] | None = None) -> None:
+        self.path, self.what = Path(path), what
+        refuse_link(self.path, what)
+        make_dir(self.path.parent, what)
+        if ours is not None:
+            remove_stale_partials(self.path, ours)
+        self.tmp = partial_path(self.path)
+        self.tmp.mkdir()
+
+    def open(self, name: str, mode: str = "wb") -> IO[Any]:
+        """A new file ``name`` in the staging directory (``x``: never over one, nor through a link)."""
+        return open(self.tmp / name, mode.replace("w", "x"), opener=no_follow,
+                    **({} if "b" in mode else {"encoding": "utf-8"}))
+
+    def write(self, name: str, data: bytes | str) -> None:
+        with self.open(name, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+
+    def copy(self, source: str | os.PathLike[str], name: str) -> None:
+        with open(source, "rb") as src, self.open(name) as dst:
+            shutil.copyfileobj(src, dst)
+
+    def commit(self) -> Path | None:
+        """Make every file durable, then rename the staging directory onto ``path``. A directory
+        already there is set aside first, under ``.NAME.<pid>.replaced``, and returned for the
+        caller to empty of what it owns (None when there was none)."""
+        for entry in self.tmp.iterdir():
+            fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(self.tmp)
+        refuse_link(self.path, self.what)  # planted while writing: never replaced
+        old = None
+        if self.path.exists():
+            old = self.path.with_name(f".{self.path.name}.{os.getpid()}.replaced")
+            os.replace(self.path, old)
+        os.replace(self.tmp, self.path)
+        _fsync_dir(self.path.parent)
+        return old
+
+    def discard(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def write_new_file(directory: str | os.PathLike[str], name: str, text: str) -> None:

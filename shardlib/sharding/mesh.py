@@ -23,7 +23,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from shardlib.backend import platform_of
+from shardlib.backend import platform_of, quiet_libtpu
+from shardlib.compat import backends_initialized
 
 MESH_AXES: tuple[str, ...] = ("data", "pipe", "fsdp", "expert", "context", "tensor")
 
@@ -99,6 +100,8 @@ def make_mesh(
     """
     if isinstance(sizes, str):
         sizes = parse_mesh(sizes)
+    if devices is None and not backends_initialized():
+        quiet_libtpu()  # the first device query loads libtpu where it is installed
     devices = list(devices if devices is not None else jax.devices())
     full = resolve_axis_sizes(sizes, len(devices))
     shape = tuple(full[name] for name in MESH_AXES)

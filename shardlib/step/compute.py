@@ -31,6 +31,7 @@ from shardlib.step import batch as batch_lib
 from shardlib.step import manual_axes as manual_axes_lib
 from shardlib.step import hierarchical
 from shardlib.step import precision as precision_lib
+from shardlib.step.shape_errors import is_shape_mismatch
 from shardlib.step import zeropp
 
 
@@ -420,11 +421,11 @@ class ModelCall:
 
     def _check_gathered(self, ctx: hooks.ComputeContext, err: Exception | None = None) -> None:
         """After a trace: refuse a model that computed with shards it never gathered. After an
-        error: only one about shapes can come from a shard; any other (a missing batch key, the
+        error: only a shape mismatch (`shape_errors.SHAPE_MISMATCHES`) can come from a shard; any other (a missing batch key, the
         user's own check) is the model's and propagates as it is, with a note. A model that gathers
         on read (linen) is never refused: a parameter it did not read, it did not compute with."""
         missed = [p for p in self.must_gather if p not in ctx.gathered] if self.model.gathers_params else []
-        if err is not None and self.model.gathered_blocks and "shape" in str(err).lower():
+        if err is not None and self.model.gathered_blocks and is_shape_mismatch(err):
             err.add_note(
                 f"shardlib: the blocks of this model ({self.model.gathered_blocks[0]!r}, ...) are gathered when their "
                 "__call__ runs; their weights used outside it (another method of the block, or a sublayer called from "
@@ -433,7 +434,7 @@ class ModelCall:
             return
         if not missed or (err is None and self.model.gathers_on_read):
             return
-        if err is not None and (self.model.gathers_on_read or "shape" not in str(err).lower()):
+        if err is not None and (self.model.gathers_on_read or not is_shape_mismatch(err)):
             err.add_note(f"shardlib: raised before the model (gathers_params=True) passed {', '.join(missed)} "
                          "through shardlib.model.hooks.gather_layer")
             return

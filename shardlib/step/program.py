@@ -172,7 +172,7 @@ def build(
     of the updated parameters (`buckets.gather`, as DeepSpeed's ZeRO-1/2 gather). It is off (0) by
     default: XLA writes a per-tensor all-gather straight into the parameter, where a bucket is split
     into the parameters by a copy of all of them (+8% bytes accessed by the small GPT's zero2 step),
-    and on GPU XLA's own all-gather combiner merges them (`shardlib.xla_flags`).
+    and on GPU XLA's own all-gather combiner merges them (`shardlib.runtime.xla_flags`).
 
     When the mesh's ``pipe`` axis has S > 1 devices the layer stack is split into S stages
     (`shardlib.step.pipeline`): each device's rows run as ``microbatches`` (default 2S) microbatches

@@ -30,7 +30,6 @@ import dataclasses
 import json
 import math
 import os
-import struct
 import zipfile
 import zlib
 from collections.abc import Iterator
@@ -42,6 +41,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from shardlib.hf import safetensors_io
 from shardlib.runtime.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -58,12 +58,8 @@ READABLE_FORMATS = ("shardlib.tools.export/1", EXPORT_FORMAT)  # /1: parameters 
 METADATA_ENTRY = "__shardlib_export__"  # npz entry / safetensors metadata key holding the JSON record
 SUFFIXES = (".npz", ".safetensors")
 
-_SAFETENSORS_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
-    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
-}
-_FROM_SAFETENSORS = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+# The dtypes an export records, by name: those the safetensors format writes (the .npz too).
+_DTYPE_NAMES = {dtype.name: code for dtype, code in safetensors_io.CODES.items()}
 
 
 class ExportWriteError(OSError):
@@ -140,40 +136,29 @@ class _NpzWriter:
 
 
 class _SafetensorsWriter:
-    """Writes the header up front (offsets follow from shapes and dtypes), then raw tensors in order.
-
-    Streamed, one tensor at a time (the ``safetensors`` package writes from tensors all in memory);
-    each tensor is checked against its header entry, so the file is one the package reads
-    (tests/test_checkpoint.py reads it with ``safetensors.numpy.load_file``)."""
+    """`shardlib.hf.safetensors_io.TensorWriter` (the header up front, then one tensor at a time)
+    with the record in the header's metadata, its refusals as `CheckpointError` (tests/test_checkpoint.py
+    reads the file with ``safetensors.numpy.load_file``)."""
 
     def __init__(self, file: BinaryIO, record: dict[str, Any]) -> None:
-        header: dict[str, Any] = {"__metadata__": {METADATA_ENTRY: json.dumps(record)}}
-        offset = 0
-        for t in record["tensors"]:
-            size = _nbytes(t)
-            header[t["name"]] = {"dtype": _SAFETENSORS_DTYPES[t["dtype"]], "shape": t["shape"], "data_offsets": [offset, offset + size]}
-            offset += size
-        blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        blob += b" " * (-len(blob) % 8)  # the format pads the header with spaces to 8 bytes
-        self._file = file
-        self._file.write(struct.pack("<Q", len(blob)) + blob)
-        self._pending = iter(record["tensors"])
+        self._writer = safetensors_io.TensorWriter(
+            file, [(t["name"], _dtype(t["dtype"]), tuple(t["shape"])) for t in record["tensors"]],
+            metadata={METADATA_ENTRY: json.dumps(record)})
 
     def add(self, name: str, array: np.ndarray) -> None:
-        t = next(self._pending, None)
-        if t is None or t["name"] != name or list(array.shape) != t["shape"] or array.dtype != _dtype(t["dtype"]):
-            raise CheckpointError(f"cannot export: tensor {name!r} {array.dtype}{list(array.shape)} is not the next one "
-                                  f"the safetensors header announced ({t and t['name']!r})")
-        little = array.astype(array.dtype.newbyteorder("<"), copy=False) if array.dtype.byteorder == ">" else array
-        self._file.write(little.tobytes(order="C"))
+        try:
+            self._writer.add(name, array)
+        except ValueError as err:
+            raise CheckpointError(f"cannot export: {err}") from None
 
     def abandon(self) -> None:
         pass
 
     def close(self) -> None:
-        missing = [t["name"] for t in self._pending]
-        if missing:
-            raise CheckpointError(f"cannot export: tensors {listed(missing)} were announced but not written")
+        try:
+            self._writer.close()
+        except ValueError as err:
+            raise CheckpointError(f"cannot export: {err}") from None
 
 
 def _writer(file: BinaryIO, suffix: str, record: dict[str, Any]) -> _NpzWriter | _SafetensorsWriter:
@@ -289,7 +274,7 @@ def _check_record(path: Path, record: Any) -> dict[str, Any]:
         raise CheckpointError(f"{path}: the export record lists no tensors")
     for t in tensors:
         ok = (isinstance(t, dict) and isinstance(t.get("name"), str) and t["name"] not in seen
-              and t.get("dtype") in _SAFETENSORS_DTYPES and t.get("part", "params") in ("params", "model_state")
+              and t.get("dtype") in _DTYPE_NAMES and t.get("part", "params") in ("params", "model_state")
               and isinstance(t.get("shape"), list)
               and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in t["shape"])
               and _named_by_path(t))
@@ -395,7 +380,7 @@ def _iter_tensors(path: Path, record: dict[str, Any]) -> Iterator[tuple[dict[str
             if t["name"] not in names:
                 raise CheckpointError(f"{path} has no tensor {t['name']!r} its export record lists")
             piece = f.get_slice(t["name"])
-            if piece.get_dtype() != _SAFETENSORS_DTYPES[t["dtype"]] or list(piece.get_shape()) != t["shape"]:
+            if piece.get_dtype() != _DTYPE_NAMES[t["dtype"]] or list(piece.get_shape()) != t["shape"]:
                 raise CheckpointError(f"{path}: tensor {t['name']!r} is {piece.get_dtype()}{list(piece.get_shape())} "
                                       f"in the header; the export recorded {_describe(t['dtype'], t['shape'])}")
         for t in record["tensors"]:
@@ -513,7 +498,7 @@ def _params_template(ckpt: Checkpointer, step: int, config: dict[str, Any]) -> A
     return model_params
 
 
-def _open_checkpoints(path: str | os.PathLike[str]) -> Checkpointer:
+def open_checkpoints(path: str | os.PathLike[str]) -> Checkpointer:
     """The checkpoints of ``path``, read-only: a checkpoint directory, or a run folder holding ``checkpoints/``."""
     directory = Path(path).expanduser()
     if (directory / "checkpoints").is_dir():  # `shardlib train --out RUN` saves to RUN/checkpoints
@@ -549,7 +534,7 @@ def _tensor_records(parts: dict[str, Any]) -> tuple[list[jax.Array], list[dict[s
 
 def _restore_parts(ckpt_dir: str | os.PathLike[str], step: int | None) -> tuple[int, dict[str, Any], dict[str, Any]]:
     """(step, run config, {"params": ..., ["model_state": ...]}) restored spread over all devices."""
-    ckpt = _open_checkpoints(ckpt_dir)
+    ckpt = open_checkpoints(ckpt_dir)
     try:
         step = ckpt.resolve_step(step)
         config = ckpt.saved_config(step)

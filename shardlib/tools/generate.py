@@ -145,11 +145,11 @@ def _from_run(source: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, st
 
     from shardlib.hf.tokenizer import load_tokenizer
     from shardlib.runtime.checkpoint import CheckpointError
-    from shardlib.tools.export import _open_checkpoints, refuse_moe, run_model_config
+    from shardlib.tools.export import open_checkpoints, refuse_moe, run_model_config
 
     if not source.is_dir():
         raise GenerateError(f"--from {source}: no such directory (give a run directory or a Hugging Face model directory)")
-    ckpt = _open_checkpoints(source)
+    ckpt = open_checkpoints(source)
     try:
         step = ckpt.resolve_step(args.step)
         saved = ckpt.saved_config(step)
