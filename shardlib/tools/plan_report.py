@@ -7,15 +7,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shardlib.backend import platform_of
 from shardlib.text import format_bytes, format_table
 from shardlib.tools import plan_lora
 from shardlib.tools.plan_candidates import PlanRow, is_hf_config
 
-if TYPE_CHECKING:
-    from shardlib.tools.plan import Planner
+# The planner is a `shardlib.tools.plan.Planner`, typed Any here: plan imports this module.
+Planner = Any
 
 SCHEMA_VERSION = 1
 DEFAULT_TRAIN_BATCH = 32  # shardlib.run.config.DEFAULT_BATCH (run is a layer above; tests/test_tpu_scale.py checks they agree)
