@@ -130,15 +130,18 @@ class Attention(nnx.Module):
         self.implementation = config.attention
         lora_lib.attach(self, config, rngs)
 
-    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array, window: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array, window: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """``segment_ids`` (int32[batch, seq], packed rows): a query sees only the keys of its segment."""
         q, k, v = self.project(x, sin, cos)
         # shardlib's attention: the model's own kernel on a whole sequence, a ring or all-gather of
         # K/V when the sequence is split over a context axis
         local = functools.partial(_local_attention, self.implementation)
         if self.custom:  # Gemma 2: the einsum with its window, soft-cap and scale
             _refuse_split_sequence()
-            local = functools.partial(causal_attention, window=window, softcap=self.softcap, scale=self.scale)
-        out = attention_lib.attention(q, k, v, causal=True, local=local)
+            local = functools.partial(causal_attention, softcap=self.softcap, scale=self.scale)
+        out = attention_lib.attention(q, k, v, causal=True, local=local, segment_ids=segment_ids,
+                                      window=window if self.custom else None)
         return self.output(out)
 
     def project(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -178,9 +181,20 @@ def _refuse_split_sequence() -> None:
                          f"over a context axis (size {ctx.context_size}): use a mesh without one")
 
 
-def _local_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal attention over a whole sequence with ``GPTConfig.attention``'s implementation."""
+def _local_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                     segment_ids: jax.Array | None = None, window: jax.Array | int | None = None) -> jax.Array:
+    """Causal attention over a whole sequence with ``GPTConfig.attention``'s implementation;
+    ``segment_ids`` (packed rows) and ``window`` as `causal_attention`'s, which "auto" then runs."""
+    masked = segment_ids is not None or window is not None
+    implementation = "einsum" if masked and implementation == "auto" else implementation
     implementation = resolve_attention(implementation, q.dtype, q.shape[1])
+    if implementation == "einsum":
+        return causal_attention(q, k, v, segment_ids=segment_ids, window=window)
+    if implementation == "blocked" and window is None:
+        return blocked_causal_attention(q, k, v, segment_ids=segment_ids)
+    if masked:
+        what = "segment ids (packed rows, --pack)" if segment_ids is not None else "a window"
+        raise ValueError(f"attention {implementation!r} does not take {what}: use attention 'einsum' or 'auto'")
     if implementation == "splash":
         why = splash.misfit(q, k)
         if why is None:
@@ -191,8 +205,6 @@ def _local_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Arr
         return attention_lib.causal_flash(q, k, v)
     if implementation == "einsum":
         return causal_attention(q, k, v)
-    if implementation == "blocked":
-        return blocked_causal_attention(q, k, v)
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
@@ -222,7 +234,8 @@ def attention_for(policy: Any, dtype: Any) -> str:
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, offset: jax.Array | int = 0,
                      visible: jax.Array | None = None, *, window: jax.Array | int | None = None,
-                     softcap: float | None = None, scale: float | None = None) -> jax.Array:
+                     softcap: float | None = None, scale: float | None = None,
+                     segment_ids: jax.Array | None = None) -> jax.Array:
     """softmax(q k^T / sqrt(d)) v under a causal mask, scores in float32; k/v may have fewer heads (GQA).
 
     Query i sits at position ``offset + i`` of the keys (0: the same sequence; a KV cache's keys
@@ -230,7 +243,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, offset: jax.Array
     ``visible`` (bool[batch, keys]: a left-padded row's padding is not) allows. Gemma 2's options,
     as transformers computes them: ``scale`` replaces 1 / sqrt(d); ``softcap``: scores become
     ``softcap * tanh(scores / softcap)`` before the mask; ``window`` (> 0, may be traced): only the
-    keys after ``offset + i - window`` are seen."""
+    keys after ``offset + i - window`` are seen. ``segment_ids`` (int32[batch, seq], packed rows; the
+    same sequence, offset 0): a query sees only the keys of its own segment."""
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # query groups share a kv head
@@ -244,16 +258,24 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, offset: jax.Array
         causal = causal & ((window <= 0) | (key_pos > query_pos - window))
     if visible is not None:
         causal = causal & visible[:, None, None, None, :]
+    if segment_ids is not None:
+        causal = causal & _same_segment(segment_ids, segment_ids)[:, None, None]
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     return jnp.einsum("bngts,bsnk->btngk", probs, v).reshape(batch, seq, heads, head_dim)
 
 
-def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 32) -> jax.Array:
+def _same_segment(query_ids: jax.Array, key_ids: jax.Array) -> jax.Array:
+    """bool[batch, queries, keys]: where a query and a key lie in the same segment (packed rows)."""
+    return query_ids[:, :, None] == key_ids[:, None, :]
+
+
+def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 32,
+                             segment_ids: jax.Array | None = None) -> jax.Array:
     """`causal_attention` for ``block`` queries at a time (a divisor of the sequence length), each
     block's scores recomputed in the backward pass: one ``[block, seq]`` slice of the scores is live
     at a time instead of the whole ``[seq, seq]`` (what PyTorch's CPU ``scaled_dot_product_attention``
-    also avoids), for the same result."""
+    also avoids), for the same result; ``segment_ids`` as `causal_attention`'s."""
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     block = math.gcd(seq, block)
@@ -264,6 +286,9 @@ def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: in
         qb = qb.reshape(batch, block, kv_heads, heads // kv_heads, head_dim)
         scores = jnp.einsum("btngk,bsnk->bngts", qb, k, preferred_element_type=jnp.float32) / math.sqrt(head_dim)
         causal = jnp.arange(seq)[None, :] <= start + jnp.arange(block)[:, None]
+        if segment_ids is not None:
+            ids = jax.lax.dynamic_slice_in_dim(segment_ids, start, block, axis=1)
+            causal = causal & _same_segment(ids, segment_ids)[:, None, None]
         probs = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(jnp.float32).min), axis=-1).astype(q.dtype)
         return jnp.einsum("bngts,bsnk->btngk", probs, v).reshape(batch, block, heads, head_dim)
 
@@ -324,8 +349,10 @@ class Block(nnx.Module):
     def _post(self, name: str, y: jax.Array) -> jax.Array:
         return getattr(self, name)(y) if hasattr(self, name) else y
 
-    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array, window: jax.Array | None = None) -> jax.Array:
-        x = constrain(x + self._post("attn_post_norm", self.attn(self.attn_norm(x), sin, cos, window)), RESIDUAL)
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array, window: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        attended = self.attn(self.attn_norm(x), sin, cos, window, segment_ids)
+        x = constrain(x + self._post("attn_post_norm", attended), RESIDUAL)
         return constrain(x + self._post("mlp_post_norm", self.mlp(self.mlp_norm(x))), RESIDUAL)
 
     def cached(self, x: jax.Array, sin: jax.Array, cos: jax.Array, attend: Any,
@@ -367,8 +394,11 @@ class GPT(nnx.Module):
         if not config.tie_embeddings:  # tied: the head is the embedding table, transposed
             self.lm_head = _param(rngs, _fan_in(0, 1), (d, vocab), ("embed", "vocab"))
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        return self.head(self.apply_blocks(self.embed(tokens)))
+    def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        """Packed rows (`shardlib.runtime.packing`): ``segment_ids`` int32[B, T] keep attention
+        within each document, ``positions`` int32[B, T] restart the rotary positions at each one."""
+        return self.head(self.apply_blocks(self.embed(tokens), segment_ids=segment_ids, positions=positions))
 
     # The three pieces below are also the pipeline stages' pieces (`pipeline_stages`): the first
     # stage embeds, every stage runs its slice of the stacked blocks, the last stage runs the head.
@@ -401,15 +431,17 @@ class GPT(nnx.Module):
             head = jax.checkpoint(head)
         return constrain(head(x), ("batch", "seq", "vocab"))
 
-    def apply_blocks(self, x: jax.Array) -> jax.Array:
-        """Scan the stacked blocks (all of them, or one pipeline stage's slice) over the residual stream."""
-        tables = self.rope(x.shape[1]), self.local_rope(x.shape[1])
+    def apply_blocks(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
+                     positions: jax.Array | None = None) -> jax.Array:
+        """Scan the stacked blocks (all of them, or one pipeline stage's slice) over the residual
+        stream; ``segment_ids`` and per-row ``positions`` as `__call__`'s."""
+        tables = self.rope(x.shape[1], positions), self.local_rope(x.shape[1], positions)
         graphdef, stacked = nnx.split(self.blocks)
 
         def body(x: jax.Array, layer: tuple[nnx.State, jax.Array | None]) -> tuple[jax.Array, None]:
             layer_state, window = layer
             block = nnx.merge(graphdef, gather_layer(layer_state))
-            return block(x, *layer_rope(window, *tables), window), None
+            return block(x, *layer_rope(window, *tables), window, segment_ids), None
 
         if self.config.remat:  # prevent_cse is not needed inside scan
             body = jax.checkpoint(body, prevent_cse=False, policy=REMAT_POLICIES[self.config.remat_policy]())
@@ -466,8 +498,11 @@ def next_token_loss(model: GPT, batch: dict[str, jax.Array]) -> tuple[jax.Array,
     """Mean float32 cross-entropy of ``batch["targets"]`` given ``batch["inputs"]``; aux: accuracy.
 
     With a ``batch["loss_mask"]`` (1 where a target counts: an instruction's completion, 0 on its
-    prompt and padding) the mean is over the counted targets of the whole batch (`global_mean`)."""
-    return _logits_loss(model(batch["inputs"]), batch["targets"], batch.get("loss_mask"))
+    prompt and padding) the mean is over the counted targets of the whole batch (`global_mean`).
+    With ``batch["segment_ids"]`` and ``batch["positions"]`` (packed rows, `shardlib.runtime.packing`)
+    attention stays within each document and positions restart at each one."""
+    logits = model(batch["inputs"], segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
+    return _logits_loss(logits, batch["targets"], batch.get("loss_mask"))
 
 
 def _logits_loss(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None
@@ -484,10 +519,18 @@ def pipeline_stages() -> Stages:
     stage, final norm + head + loss on the last; same loss as `next_token_loss`."""
     return Stages(
         stacked="blocks",
-        embed=lambda model, batch: model.embed(batch["inputs"]),
+        embed=lambda model, batch: model.embed(_unpacked(batch)["inputs"]),
         stage=lambda model, x: model.apply_blocks(x),
         head_loss=lambda model, x, batch: _logits_loss(model.head(x), batch["targets"], batch.get("loss_mask")),
     )
+
+
+def _unpacked(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """``batch``, refused when it holds packed rows: a pipeline stage sees no segment ids."""
+    if "segment_ids" in batch:
+        raise ValueError("packed rows (batch['segment_ids'], --pack) do not run through pipeline stages: the stages "
+                         "see no segment ids; drop --pack or the pipeline axis")
+    return batch
 
 
 def trainable(config: GPTConfig) -> Any:

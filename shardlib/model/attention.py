@@ -83,20 +83,26 @@ def _resolve(mode: str, seq_len: int, size: int) -> str:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
-              local: Callable[[jax.Array, jax.Array, jax.Array], jax.Array] | None = None) -> jax.Array:
+              local: Callable[..., jax.Array] | None = None, segment_ids: jax.Array | None = None,
+              window: jax.Array | int | None = None) -> jax.Array:
     """softmax(q k^T / sqrt(d)) v for q [batch, seq, heads, head_dim] and k, v [batch, seq,
     kv_heads, head_dim] (``kv_heads`` divides ``heads``: GQA), over the whole sequence even when
-    each device holds a part of it. ``local(q, k, v)``: the causal attention to run when the
-    sequence is not split (a fused kernel of the model's); default a float32-softmax einsum."""
+    each device holds a part of it. ``local(q, k, v, segment_ids=, window=)``: the causal attention
+    to run when the sequence is not split (a fused kernel of the model's); default a float32-softmax
+    einsum. ``segment_ids`` (int32[batch, seq], packed rows): a query sees a key only when their ids
+    are equal; ``window`` (> 0): only the keys after ``position - window`` are seen."""
     ctx = hooks.current()
     size = 1 if ctx is None else ctx.context_size
     if ctx is not None:
         ctx.attention_calls.append(q.shape)
     if size == 1:
         if local is not None and causal:
-            return local(q, k, v)
+            return local(q, k, v, segment_ids=segment_ids, window=window)
         pos = jnp.arange(q.shape[1])
-        return dense(q, k, v, pos, pos, causal)
+        return dense(q, k, v, pos, pos, causal, segment_ids=segment_ids, window=window)
+    if segment_ids is not None or window is not None:
+        raise ValueError(f"{'segment ids (packed rows)' if segment_ids is not None else 'attention windows'} do not "
+                         f"run with the sequence split over a context axis (size {size}): use a mesh without one")
     mode = _resolve(ctx.context_attention, q.shape[1] * size, size)
     if mode == "ring":
         return ring(q, k, v, causal=causal, size=size, balanced=ctx.context_balance)
@@ -113,12 +119,21 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
     return q.reshape(b, t, kv_heads, h // kv_heads, d)
 
 
-def dense(q, k, v, pq, pk, causal: bool) -> jax.Array:
-    """Attention of queries at positions ``pq`` to keys at ``pk`` in one block (the reference)."""
+def dense(q, k, v, pq, pk, causal: bool, *, segment_ids: jax.Array | None = None,
+          window: jax.Array | int | None = None) -> jax.Array:
+    """Attention of queries at positions ``pq`` to keys at ``pk`` in one block (the reference);
+    ``segment_ids`` (int32[batch, seq], the keys' and queries' alike) and ``window`` hide keys too."""
     q5 = _grouped(q, k.shape[2])
     s = jnp.einsum("btngk,bsnk->btngs", q5, k, preferred_element_type=jnp.float32) / math.sqrt(q5.shape[-1])
+    seen = jnp.ones((1, pq.shape[0], pk.shape[0]), bool)
     if causal:
-        s = jnp.where((pk[None, :] <= pq[:, None])[None, :, None, None, :], s, _NEG)
+        seen = seen & (pk[None, :] <= pq[:, None])[None]
+    if window is not None:
+        seen = seen & ((window <= 0) | (pk[None, :] > pq[:, None] - window))[None]
+    if segment_ids is not None:
+        seen = seen & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    if causal or window is not None or segment_ids is not None:
+        s = jnp.where(seen[:, :, None, None, :], s, _NEG)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     return jnp.einsum("btngs,bsnk->btngk", p, v).reshape(q.shape).astype(q.dtype)
 

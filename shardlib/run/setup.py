@@ -124,10 +124,11 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
     tokenizer = _tokenizer(config, model_config)
     no_bytes = np.zeros(0, np.uint8)
     vocab_size = model_config.vocab_size if model is None else _own_vocab(config)
-    from shardlib.run import epochs, eval_data
+    from shardlib.run import epochs, eval_data, packing
 
     if data is None:
         train_bytes, val_bytes = eval_data.loaded(config, lambda c: _load_data(c, vocab_size, tokenizer))
+        train_bytes, val_bytes = packing.apply(config, train_bytes, val_bytes, main=jax_main())
         config = epochs.apply(config, train_bytes, main=jax_main())  # --epochs: the steps that read the data N times
     else:  # a Grain pipeline brings its own data
         for refuse in (eval_data.refuse_with_pipeline, epochs.refuse_with_pipeline):
@@ -140,6 +141,7 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
     if model is None:
         model = trainable(model_config)
     layout = _with_context_options(config, make_layout(model, strategy, mesh))
+    packing.refuse(config, model_config, layout, pipeline=data is not None)
     if out_dir is None:
         out_dir = run_directory(config)
     _record_restart(out_dir, mesh)
@@ -230,10 +232,12 @@ def _check_vocab_flag(config: TrainConfig) -> None:
 
 
 def _batch_shapes(config: TrainConfig, masked: bool = False) -> dict[str, Any]:
-    """The batch the loader yields: inputs and targets, and with instruction rows a ``loss_mask``."""
+    """The batch the loader yields: inputs and targets, and with instruction rows a ``loss_mask``
+    (packed: with ``segment_ids`` and ``positions``)."""
     import numpy as np
 
-    shapes = {k: ((config.batch_size, config.seq_len), np.int32) for k in ("inputs", "targets")}
+    keys = ("inputs", "targets") + (("segment_ids", "positions") if masked and config.pack else ())
+    shapes = {k: ((config.batch_size, config.seq_len), np.int32) for k in keys}
     if masked:
         shapes["loss_mask"] = ((config.batch_size, config.seq_len), np.float32)
     return shapes
@@ -495,8 +499,8 @@ def _loaders(config: TrainConfig, layout, train_bytes, val_bytes):
     """This process's rows of each training batch, and its validation windows, checked against the mesh."""
     import jax
 
+    from shardlib.run.packing import loaders
     from shardlib.runtime.data import ByteBatches, val_batches
-    from shardlib.runtime.rows import RowBatches, val_row_batches
 
     geometry = dict(data_parallel_size=layout.batch_size_multiple,
                     process_index=jax.process_index(), process_count=jax.process_count())
@@ -505,8 +509,7 @@ def _loaders(config: TrainConfig, layout, train_bytes, val_bytes):
             raise TrainConfigError("record_examples", "records window offsets of a text corpus; instruction examples "
                                                       "are whole rows: drop --record-examples")
         try:
-            return (RowBatches(*train_bytes, config.batch_size, seed=config.seed, **geometry),
-                    val_row_batches(*val_bytes, config.batch_size, config.eval_batches, **geometry))
+            return loaders(config, train_bytes, val_bytes, geometry)
         except ValueError as err:
             raise TrainConfigError("batch_size", str(err)) from None
     try:
@@ -773,7 +776,7 @@ def _tokenized_data(config: TrainConfig, tokenizer):
             if rows.truncated:
                 print(f"shardlib: note: {rows.truncated} of {len(rows.tokens)} examples are longer than --seq-len "
                       f"{config.seq_len} + 1 tokens and were cut", file=sys.stderr, flush=True)
-            return split_rows(rows.tokens, rows.mask)
+            return split_rows(rows.tokens, rows.mask, rows.lengths)
         tokens, cache, cached = tokenize_text(tokenizer, config.data)
         if jax_main():
             print(f"tokens     {len(tokens):,} ids {'read from' if cached else 'cached in'} {cache}", flush=True)
