@@ -132,14 +132,17 @@ class Attention(nnx.Module):
         self.implementation = config.attention
         lora_lib.attach(self, config, rngs)
 
-    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array, window: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array, window: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """``segment_ids`` (int32[batch, seq], packed rows): a query sees only the keys of its segment."""
         q, k, v = self.project(x, sin, cos)
         # shardlib's attention: the model's own kernel on a whole sequence, a ring or all-gather of
         # K/V when the sequence is split over a context axis
         local = functools.partial(_local_attention, self.implementation, windows=self.windows)
         if self.scale is not None:  # query_pre_attn_scalar: the queries scaled, the kernels scale by 1/sqrt(d)
             q = (q * (self.scale * math.sqrt(q.shape[-1]))).astype(q.dtype)
-        out = attention_lib.attention(q, k, v, causal=True, local=local, window=window, softcap=self.softcap)
+        out = attention_lib.attention(q, k, v, causal=True, local=local, segment_ids=segment_ids, window=window,
+                                      softcap=self.softcap)
         return self.output(out)
 
     def project(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -192,14 +195,11 @@ def _local_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Arr
     if implementation == "flash":
         return attention_lib.causal_flash(q, k, v, segment_ids=segment_ids, window=window, softcap=softcap)
     if implementation == "einsum":
-        if segment_ids is not None:
-            pos = jnp.arange(q.shape[1])
-            return attention_lib.dense(q, k, v, pos, pos, True, segment_ids=segment_ids, window=window, softcap=softcap)
-        return causal_attention(q, k, v, window=window, softcap=softcap)
+        return causal_attention(q, k, v, window=window, softcap=softcap, segment_ids=segment_ids)
     if implementation == "blocked":
-        if segment_ids is not None or window is not None or softcap:
-            raise ValueError("attention='blocked' takes no sliding window, segment ids or soft-cap: use 'flash'")
-        return blocked_causal_attention(q, k, v)
+        if window is not None or softcap:
+            raise ValueError("attention='blocked' takes no sliding window or soft-cap: use 'flash'")
+        return blocked_causal_attention(q, k, v, segment_ids=segment_ids)
     return fused_attention(implementation, q, k, v, segment_ids=segment_ids, window=window, windows=windows)
 
 
@@ -254,7 +254,8 @@ def attention_for(policy: Any, dtype: Any) -> str:
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, offset: jax.Array | int = 0,
                      visible: jax.Array | None = None, *, window: jax.Array | int | None = None,
-                     softcap: float | None = None, scale: float | None = None) -> jax.Array:
+                     softcap: float | None = None, scale: float | None = None,
+                     segment_ids: jax.Array | None = None) -> jax.Array:
     """softmax(q k^T / sqrt(d)) v under a causal mask, scores in float32; k/v may have fewer heads (GQA).
 
     Query i sits at position ``offset + i`` of the keys (0: the same sequence; a KV cache's keys
@@ -262,7 +263,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, offset: jax.Array
     ``visible`` (bool[batch, keys]: a left-padded row's padding is not) allows. Gemma 2's options,
     as transformers computes them: ``scale`` replaces 1 / sqrt(d); ``softcap``: scores become
     ``softcap * tanh(scores / softcap)`` before the mask; ``window`` (> 0, may be traced): only the
-    keys after ``offset + i - window`` are seen."""
+    keys after ``offset + i - window`` are seen. ``segment_ids`` (int32[batch, seq], packed rows; the
+    same sequence, offset 0): a query sees only the keys of its own segment."""
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # query groups share a kv head
@@ -276,16 +278,24 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, offset: jax.Array
         causal = causal & ((window <= 0) | (key_pos > query_pos - window))
     if visible is not None:
         causal = causal & visible[:, None, None, None, :]
+    if segment_ids is not None:
+        causal = causal & _same_segment(segment_ids, segment_ids)[:, None, None]
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     return jnp.einsum("bngts,bsnk->btngk", probs, v).reshape(batch, seq, heads, head_dim)
 
 
-def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 32) -> jax.Array:
+def _same_segment(query_ids: jax.Array, key_ids: jax.Array) -> jax.Array:
+    """bool[batch, queries, keys]: where a query and a key lie in the same segment (packed rows)."""
+    return query_ids[:, :, None] == key_ids[:, None, :]
+
+
+def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 32,
+                             segment_ids: jax.Array | None = None) -> jax.Array:
     """`causal_attention` for ``block`` queries at a time (a divisor of the sequence length), each
     block's scores recomputed in the backward pass: one ``[block, seq]`` slice of the scores is live
     at a time instead of the whole ``[seq, seq]`` (what PyTorch's CPU ``scaled_dot_product_attention``
-    also avoids), for the same result."""
+    also avoids), for the same result; ``segment_ids`` as `causal_attention`'s."""
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     block = math.gcd(seq, block)
@@ -296,6 +306,9 @@ def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: in
         qb = qb.reshape(batch, block, kv_heads, heads // kv_heads, head_dim)
         scores = jnp.einsum("btngk,bsnk->bngts", qb, k, preferred_element_type=jnp.float32) / math.sqrt(head_dim)
         causal = jnp.arange(seq)[None, :] <= start + jnp.arange(block)[:, None]
+        if segment_ids is not None:
+            ids = jax.lax.dynamic_slice_in_dim(segment_ids, start, block, axis=1)
+            causal = causal & _same_segment(ids, segment_ids)[:, None, None]
         probs = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(jnp.float32).min), axis=-1).astype(q.dtype)
         return jnp.einsum("bngts,bsnk->btngk", probs, v).reshape(batch, block, heads, head_dim)
 
@@ -356,8 +369,10 @@ class Block(nnx.Module):
     def _post(self, name: str, y: jax.Array) -> jax.Array:
         return getattr(self, name)(y) if hasattr(self, name) else y
 
-    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array, window: jax.Array | None = None) -> jax.Array:
-        x = constrain(x + self._post("attn_post_norm", self.attn(self.attn_norm(x), sin, cos, window)), RESIDUAL)
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array, window: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        attended = self.attn(self.attn_norm(x), sin, cos, window, segment_ids)
+        x = constrain(x + self._post("attn_post_norm", attended), RESIDUAL)
         return constrain(x + self._post("mlp_post_norm", self.mlp(self.mlp_norm(x))), RESIDUAL)
 
     def cached(self, x: jax.Array, sin: jax.Array, cos: jax.Array, attend: Any,
@@ -399,8 +414,11 @@ class GPT(nnx.Module):
         if not config.tie_embeddings:  # tied: the head is the embedding table, transposed
             self.lm_head = named_param(rngs, fan_in_init(0, 1), (d, vocab), ("embed", "vocab"))
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        return self.head(self.apply_blocks(self.embed(tokens)))
+    def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        """Packed rows (`shardlib.runtime.packing`): ``segment_ids`` int32[B, T] keep attention
+        within each document, ``positions`` int32[B, T] restart the rotary positions at each one."""
+        return self.head(self.apply_blocks(self.embed(tokens), segment_ids=segment_ids, positions=positions))
 
     # The three pieces below are also the pipeline stages' pieces (`pipeline_stages`): the first
     # stage embeds, every stage runs its slice of the stacked blocks, the last stage runs the head.
@@ -433,15 +451,17 @@ class GPT(nnx.Module):
             head = jax.checkpoint(head)
         return constrain(head(x), ("batch", "seq", "vocab"))
 
-    def apply_blocks(self, x: jax.Array) -> jax.Array:
-        """Scan the stacked blocks (all of them, or one pipeline stage's slice) over the residual stream."""
-        tables = self.rope(x.shape[1]), self.local_rope(x.shape[1])
+    def apply_blocks(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
+                     positions: jax.Array | None = None) -> jax.Array:
+        """Scan the stacked blocks (all of them, or one pipeline stage's slice) over the residual
+        stream; ``segment_ids`` and per-row ``positions`` as `__call__`'s."""
+        tables = self.rope(x.shape[1], positions), self.local_rope(x.shape[1], positions)
         graphdef, stacked = nnx.split(self.blocks)
 
         def body(x: jax.Array, layer: tuple[nnx.State, jax.Array | None]) -> tuple[jax.Array, None]:
             layer_state, window = layer
             block = nnx.merge(graphdef, gather_layer(layer_state))
-            return block(x, *layer_rope(window, *tables), window), None
+            return block(x, *layer_rope(window, *tables), window, segment_ids), None
 
         if self.config.remat:  # prevent_cse is not needed inside scan
             body = jax.checkpoint(body, prevent_cse=False, policy=REMAT_POLICIES[self.config.remat_policy]())
@@ -499,8 +519,11 @@ def next_token_loss(model: GPT, batch: dict[str, jax.Array]) -> tuple[jax.Array,
     """Mean float32 cross-entropy of ``batch["targets"]`` given ``batch["inputs"]``; aux: accuracy.
 
     With a ``batch["loss_mask"]`` (1 where a target counts: an instruction's completion, 0 on its
-    prompt and padding) the mean is over the counted targets of the whole batch (`global_mean`)."""
-    return logits_loss(model(batch["inputs"]), batch["targets"], batch.get("loss_mask"))
+    prompt and padding) the mean is over the counted targets of the whole batch (`global_mean`).
+    With ``batch["segment_ids"]`` and ``batch["positions"]`` (packed rows, `shardlib.runtime.packing`)
+    attention stays within each document and positions restart at each one."""
+    logits = model(batch["inputs"], segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
+    return logits_loss(logits, batch["targets"], batch.get("loss_mask"))
 
 
 def logits_loss(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None
@@ -517,10 +540,18 @@ def pipeline_stages() -> Stages:
     stage, final norm + head + loss on the last; same loss as `next_token_loss`."""
     return Stages(
         stacked="blocks",
-        embed=lambda model, batch: model.embed(batch["inputs"]),
+        embed=lambda model, batch: model.embed(_unpacked(batch)["inputs"]),
         stage=lambda model, x: model.apply_blocks(x),
         head_loss=lambda model, x, batch: logits_loss(model.head(x), batch["targets"], batch.get("loss_mask")),
     )
+
+
+def _unpacked(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """``batch``, refused when it holds packed rows: a pipeline stage sees no segment ids."""
+    if "segment_ids" in batch:
+        raise ValueError("packed rows (batch['segment_ids'], --pack) do not run through pipeline stages: the stages "
+                         "see no segment ids; drop --pack or the pipeline axis")
+    return batch
 
 
 def trainable(config: GPTConfig) -> Any:

@@ -199,11 +199,13 @@ def _cached_ids(cache: Path, vocab_size: int) -> np.ndarray:
 @dataclasses.dataclass
 class InstructionRows:
     """One row per example: ``tokens`` uint32[N, T + 1] (padded with 0), ``mask`` float32[N, T]
-    (1 where the target token counts), and how many examples were cut at T + 1 tokens."""
+    (1 where the target token counts), how many examples were cut at T + 1 tokens, and each
+    example's tokens before padding (``lengths`` int64[N]: packing and the padding counted)."""
 
     tokens: np.ndarray
     mask: np.ndarray
     truncated: int
+    lengths: np.ndarray | None = None
 
 
 def instruction_rows(tokenizer: Tokenizer, path: str | os.PathLike[str], seq_len: int) -> InstructionRows:
@@ -212,7 +214,7 @@ def instruction_rows(tokenizer: Tokenizer, path: str | os.PathLike[str], seq_len
     path = Path(path).expanduser()
     if not path.is_file():
         raise TokenizerError(f"instruction file {path} does not exist")
-    rows, masks, truncated = [], [], 0
+    rows, masks, lengths, truncated = [], [], [], 0
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -225,6 +227,7 @@ def instruction_rows(tokenizer: Tokenizer, path: str | os.PathLike[str], seq_len
             mask = np.zeros(seq_len + 1, np.float32)
             mask[:len(counted)] = counted
             rows.append(row)
+            lengths.append(len(ids))
             masks.append(mask[1:])  # a target counts when the token it predicts does
     if not rows:
         raise TokenizerError(f"instruction file {path} has no examples")
@@ -232,7 +235,7 @@ def instruction_rows(tokenizer: Tokenizer, path: str | os.PathLike[str], seq_len
     if not mask.any():
         raise TokenizerError(f"instruction file {path}: no example has a completion token within {seq_len} tokens; "
                              "raise --seq-len or shorten the prompts")
-    return InstructionRows(tokens, mask, truncated)
+    return InstructionRows(tokens, mask, truncated, np.asarray(lengths, np.int64))
 
 
 def _row(line: str, path: Path, number: int) -> dict[str, Any]:

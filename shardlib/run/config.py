@@ -144,6 +144,8 @@ class TrainConfig:
     steps: int = flag(DEFAULT_STEPS, "training steps (default %(default)s)", metavar="N")
     epochs: float | None = flag(None, "train for N passes over the training data in place of --steps: instruction "
                                       "examples (each once per epoch, shuffled) or text tokens", metavar="N")
+    pack: bool = flag(False, "pack several instruction examples (.jsonl) into each row, attention kept within each "
+                             "(segment ids) and positions restarting at each, instead of one padded example a row")
     batch_size: int = flag(DEFAULT_BATCH, "global batch size in sequences (default %(default)s)", metavar="B")
     seq_len: int | None = flag(None, f"sequence length in tokens (default: {DEFAULT_SEQ_LEN}, or the model's "
                                      "max_seq_len when that is shorter)", metavar="T")

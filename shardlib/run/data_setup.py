@@ -11,10 +11,12 @@ from shardlib.run.config import TrainConfig, TrainConfigError
 
 
 def batch_shapes(config: TrainConfig, masked: bool = False) -> dict[str, Any]:
-    """The batch the loader yields: inputs and targets, and with instruction rows a ``loss_mask``."""
+    """The batch the loader yields: inputs and targets, and with instruction rows a ``loss_mask``
+    (packed: with ``segment_ids`` and ``positions``)."""
     import numpy as np
 
-    shapes = {k: ((config.batch_size, config.seq_len), np.int32) for k in ("inputs", "targets")}
+    keys = ("inputs", "targets") + (("segment_ids", "positions") if masked and config.pack else ())
+    shapes = {k: ((config.batch_size, config.seq_len), np.int32) for k in keys}
     if masked:
         shapes["loss_mask"] = ((config.batch_size, config.seq_len), np.float32)
     return shapes
@@ -110,7 +112,7 @@ def _tokenized_data(config: TrainConfig, tokenizer, main: bool):
             if rows.truncated:
                 print(f"shardlib: note: {rows.truncated} of {len(rows.tokens)} examples are longer than --seq-len "
                       f"{config.seq_len} + 1 tokens and were cut", file=sys.stderr, flush=True)
-            return split_rows(rows.tokens, rows.mask)
+            return split_rows(rows.tokens, rows.mask, rows.lengths)
         tokens, cache, cached = tokenize_text(tokenizer, config.data)
         if main:
             print(f"tokens     {len(tokens):,} ids {'read from' if cached else 'cached in'} {cache}", flush=True)
@@ -123,8 +125,8 @@ def loaders(config: TrainConfig, layout, train_bytes, val_bytes):
     """This process's rows of each training batch, and its validation windows, checked against the mesh."""
     import jax
 
+    from shardlib.run.packing import loaders as row_loaders
     from shardlib.runtime.data import ByteBatches, val_batches
-    from shardlib.runtime.rows import RowBatches, val_row_batches
 
     geometry = dict(data_parallel_size=layout.batch_size_multiple,
                     process_index=jax.process_index(), process_count=jax.process_count())
@@ -133,8 +135,7 @@ def loaders(config: TrainConfig, layout, train_bytes, val_bytes):
             raise TrainConfigError("record_examples", "records window offsets of a text corpus; instruction examples "
                                                       "are whole rows: drop --record-examples")
         try:
-            return (RowBatches(*train_bytes, config.batch_size, seed=config.seed, **geometry),
-                    val_row_batches(*val_bytes, config.batch_size, config.eval_batches, **geometry))
+            return row_loaders(config, train_bytes, val_bytes, geometry)
         except ValueError as err:
             raise TrainConfigError("batch_size", str(err)) from None
     try:

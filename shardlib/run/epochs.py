@@ -31,7 +31,7 @@ def apply(config: TrainConfig, train: Any, *, main: bool) -> TrainConfig:
         raise TrainConfigError("epochs", "the training data is empty")
     steps = steps_for_epochs(config.epochs, examples, per_step)
     if main and config.verbose:
-        what = f"{examples:,} examples" if rows else f"{examples:,} tokens (random windows)"
+        what = (f"{examples:,} packed rows" if hasattr(train, "segment_ids") else f"{examples:,} examples") if rows else f"{examples:,} tokens (random windows)"
         print(f"shardlib: note: --epochs {config.epochs:g} over {what} is {steps:,} steps of {per_step:,}",
               file=sys.stderr, flush=True)
     return dataclasses.replace(config, steps=steps)

@@ -25,9 +25,12 @@ class Recorder:
     """Turns a step's metrics into its record, once they are ready, and hands it to the actions in order."""
 
     def __init__(self, actions: Sequence[Action], clock: StepClock, *, tokens_per_step: int,
-                 at_once: Callable[[int], bool], devices: int = 1) -> None:
+                 at_once: Callable[[int], bool], devices: int = 1,
+                 pad_fraction: Callable[[int], float | None] | None = None) -> None:
+        """``pad_fraction(i)``: the padding positions over all positions of batch ``i`` (0-based;
+        the loader's, None where it cannot say), recorded as ``pad_fraction``."""
         self.actions, self.clock, self.tokens_per_step, self.at_once = actions, clock, tokens_per_step, at_once
-        self.devices = devices
+        self.devices, self.pad_fraction = devices, pad_fraction
 
     def __call__(self, step: int, metrics: dict[str, Any], state: Any) -> None:
         import jax
@@ -40,9 +43,15 @@ class Recorder:
                   "tokens_per_s": self.tokens_per_step / step_time,
                   "tokens_per_s_per_device": self.tokens_per_step / step_time / self.devices, "step_time_s": step_time,
                   **({"loss_scale": values["loss_scale"]} if "loss_scale" in values else {}),
+                  **_padding(self.pad_fraction, step),
                   **device_memory(), **model_metrics(values)}
         for action in self.actions:
             action(step, state, record)
+
+
+def _padding(pad_fraction: Callable[[int], float | None] | None, step: int) -> dict[str, float]:
+    fraction = None if pad_fraction is None else pad_fraction(step - 1)
+    return {} if fraction is None else {"pad_fraction": fraction}
 
 
 def device_memory() -> dict[str, int]:

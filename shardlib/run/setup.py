@@ -117,10 +117,11 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
     tokenizer = tokenizer_for(config, model_config)
     no_bytes = np.zeros(0, np.uint8)
     vocab_size = model_config.vocab_size if model is None else own_vocab(config)
-    from shardlib.run import epochs, eval_data
+    from shardlib.run import epochs, eval_data, packing
 
     if data is None:
         train_bytes, val_bytes = eval_data.loaded(config, lambda c: load_data(c, vocab_size, tokenizer, main=jax_main()))
+        train_bytes, val_bytes = packing.apply(config, train_bytes, val_bytes, main=jax_main())
         config = epochs.apply(config, train_bytes, main=jax_main())  # --epochs: the steps that read the data N times
     else:  # a Grain pipeline brings its own data
         for refuse in (eval_data.refuse_with_pipeline, epochs.refuse_with_pipeline):
@@ -133,6 +134,7 @@ def prepare(config: TrainConfig, out_dir: Path | None = None, *, data: Any = Non
     if model is None:
         model = trainable(model_config)
     layout = _with_context_options(config, make_layout(model, strategy, mesh))
+    packing.refuse(config, model_config, layout, pipeline=data is not None)
     if out_dir is None:
         out_dir = run_directory(config)
     _record_restart(out_dir, mesh)

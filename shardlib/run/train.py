@@ -316,7 +316,8 @@ def _loop(run, state, start: tuple[int, int | None], ckpt, log, evaluate, tracke
     # Order matters: validation adds val_loss; the guard raises last, once its step is logged.
     stragglers = straggler_action(config, clock)  # before the log: it adds the window's per-process times
     record = Recorder([validation, tally, stragglers, log, *trackers, progress, NonFiniteGuard(config.max_skips, ckpt)],
-                      clock, tokens_per_step=run.tokens_per_step, at_once=validation.due, devices=len(jax.devices()))
+                      clock, tokens_per_step=run.tokens_per_step, at_once=validation.due, devices=len(jax.devices()),
+                      pad_fraction=getattr(run.loader, "pad_fraction", None))
     profile = ProfileSteps(config.profile, run.out_dir, first, enabled=run.is_main)
     saver = None if ckpt is None else SaveCheckpoint(
         ckpt, Every(config.ckpt_every or 0, last=None if config.ckpt_every == 0 else config.steps),

@@ -271,6 +271,10 @@ class ByteBatches:
         starts = train_window_starts(self.seed, step, self.global_batch_size, n_starts)
         return _windows(self.data, starts[self.rows], self.seq_len)
 
+    def pad_fraction(self, step: int) -> float:
+        """Padding positions over all positions of batch ``step``: none, a window is all text."""
+        return 0.0
+
     def __iter__(self) -> Iterator[Batch]:
         return self
 
