@@ -85,6 +85,15 @@ def _quantise_module(module: nnx.Module, base: str) -> None:
 SCALE = "_scale"  # the suffix of a quantised weight's scales
 
 
+def not_checkpointable(base: str) -> str | None:
+    """Why ``shardlib train`` cannot run a QLoRA base (None: it can): NF4's codes are ``uint4``,
+    which Orbax's tensorstore cannot write ("Unsupported data type"), so no checkpoint would save."""
+    if base == "nf4":
+        return ("nf4 codes are uint4 arrays, which Orbax checkpoints cannot store (tensorstore has no uint4): "
+                "use --lora-base int8 (nf4 runs from Python, LoraConfig(base='nf4'), without checkpoints)")
+    return None
+
+
 def missing_quantiser() -> str | None:
     """What to install for QLoRA when Qwix is missing; None when it is there."""
     import importlib.util
@@ -96,12 +105,18 @@ def missing_quantiser() -> str | None:
 
 def quantise(w: jax.Array, n_in: int, base: str, stacked: int = 0) -> tuple[jax.Array, jax.Array]:
     """``(codes, scale)`` of ``w`` (``stacked`` leading dims of layers, then ``n_in`` input dims,
-    then output dims): symmetric absmax per output channel, codes int8 (``base="int8"``) or NF4's
-    4-bit indices (``"nf4"``), scale float32 shaped like the stacked and output dims."""
+    then output dims): symmetric absmax per output channel, int8 codes ``round(w / s)`` with
+    ``s = absmax / 127`` (``base="int8"``) or NF4's 4-bit level indices with ``s = absmax``
+    (``"nf4"``); the scale float32, shaped like the stacked and output dims."""
     import qwix
 
     out = tuple(range(stacked)) + tuple(range(stacked + n_in, w.ndim))
-    q = qwix.quantize(w.astype(jnp.float32), jnp.int8 if base == "int8" else base, channelwise_axes=out)
+    if base == "int8":  # s = absmax / 127 (Qwix's bound is 127.5): codes in [-127, 127], a channel's largest
+        # weight exactly on +-127 rather than on the tie +-127.5, which the division's last bit would decide
+        q = qwix.quantize(w.astype(jnp.float32), jnp.int8, channelwise_axes=out,
+                          calibration_method=f"absmax,{127.5 / 127!r}")
+    else:
+        q = qwix.quantize(w.astype(jnp.float32), base, channelwise_axes=out)
     return q.qvalue, q.scale.reshape([w.shape[i] for i in out])
 
 

@@ -85,9 +85,10 @@ def zero3_run():
 
 @pytest.mark.parametrize("base", ["int8", "nf4"])
 def test_quantisation_error_is_within_half_a_step_of_each_channel(base):
-    """Per output channel (and layer), absmax: int8 codes are round(w / s) with s = absmax / 127.5,
-    so |w - codes s| <= s / 2 (the channel's absmax itself: 127.5 saturates to 127); NF4's codes are the nearest of its 16 levels times s = absmax, so the
-    error is at most half the widest gap between levels times s."""
+    """Per output channel (and layer), absmax: int8 codes are round(w / s) with s = absmax / 127,
+    so |w - codes s| <= s / 2 and the largest weight is exactly +-127 s; NF4's codes are the
+    nearest of its 16 levels times s = absmax, so the error is at most half the widest gap between
+    levels times s."""
     w = jax.random.normal(jax.random.key(1), (2, 64, 4, 16), jnp.float32) * 0.02  # [layers, in, heads, head_dim]
     codes, scale = quantise(w, 1, base, stacked=1)
     assert scale.shape == (2, 4, 16) and scale.dtype == jnp.float32
@@ -95,8 +96,8 @@ def test_quantisation_error_is_within_half_a_step_of_each_channel(base):
     absmax = np.abs(np.asarray(w)).max(axis=1)  # over the input dim
     step = np.asarray(scale)[:, None]
     if base == "int8":
-        assert codes.dtype == jnp.int8
-        np.testing.assert_allclose(np.asarray(scale), absmax / 127.5, rtol=1e-6)
+        assert codes.dtype == jnp.int8 and int(np.abs(np.asarray(codes, np.int32)).max()) == 127
+        np.testing.assert_allclose(np.asarray(scale), absmax / 127, rtol=1e-6)
         bound = step / 2
     else:
         assert codes.dtype == jnp.uint4 and int(np.asarray(codes, np.int32).max()) <= 15
@@ -214,6 +215,9 @@ def test_plan_and_settings_name_the_base():
     assert "--lora-base int8" in plan_lora.train_flags(CONFIG)
     with pytest.raises(PlanError, match="add --lora-rank R"):
         plan_lora.from_args(argparse.Namespace(lora_rank=None, lora_alpha=None, lora_targets=None, lora_base="nf4"),
+                            PlanError)
+    with pytest.raises(PlanError, match="--lora-base: nf4 codes are uint4 arrays, which Orbax checkpoints cannot"):
+        plan_lora.from_args(argparse.Namespace(lora_rank=4, lora_alpha=None, lora_targets=None, lora_base="nf4"),
                             PlanError)
     with pytest.raises(ValueError, match="LoRA base 'int4': use one of int8, nf4"):
         LoraConfig(rank=2, base="int4")

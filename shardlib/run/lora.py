@@ -40,10 +40,11 @@ def lora_config(config: TrainConfig, model_config: Any) -> Any:
         field = "lora_targets" if "targets" in str(err) else "lora_alpha" if "alpha" in str(err) else "lora_rank"
         raise TrainConfigError(field, str(err)) from None
     if config.lora_base is not None:
-        from shardlib.models.lora import missing_quantiser
+        from shardlib.models.lora import missing_quantiser, not_checkpointable
 
-        if missing_quantiser():
-            raise TrainConfigError("lora_base", missing_quantiser())
+        for refusal in (missing_quantiser(), not_checkpointable(config.lora_base)):
+            if refusal:
+                raise TrainConfigError("lora_base", refusal)
     if config.init_lora is None:
         return flags
     try:

@@ -28,10 +28,11 @@ def from_args(args: argparse.Namespace, error: type[ValueError]) -> Any:
             raise error("--lora-alpha, --lora-targets and --lora-base shape LoRA adapters: add --lora-rank R")
         return None
     if args.lora_base is not None:
-        from shardlib.models.lora import missing_quantiser
+        from shardlib.models.lora import missing_quantiser, not_checkpointable
 
-        if missing_quantiser():
-            raise error(f"--lora-base {missing_quantiser()}")
+        for refusal in (missing_quantiser(), not_checkpointable(args.lora_base)):
+            if refusal:
+                raise error(f"--lora-base: {refusal}")
     targets = {} if args.lora_targets is None else {"targets": tuple(t.strip() for t in args.lora_targets.split(","))}
     try:
         return LoraConfig(rank=args.lora_rank, alpha=args.lora_alpha, base=args.lora_base, **targets)
