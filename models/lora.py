@@ -13,11 +13,11 @@ The low-rank path runs as two small matmuls, never as a merged ``W + scale A B``
 weight's gradient (``x^T dy``, a third of a full fine-tune's FLOPs) is never formed.
 
 QLoRA (``LoraConfig.base``, Dettmers et al., 2023): every projection of the frozen base is stored
-as ``int8`` (or ``nf4`` codes) with one scale per output channel (absmax; stored, as the rest of
-the frozen base, in the compute dtype), quantised and dequantised by Qwix (``qwix.quantize`` /
-``qwix.dequantize``, Google's JAX quantisation library). The codes keep the weight's logical
-names and the scales its output names, so both are sharded by the weight's rules; the matmul
-reads ``codes * scale`` in the compute dtype.
+as ``int8`` codes (`quantise` also gives NF4's, which do not train yet) with one scale per output
+channel (absmax; stored, as the rest of the frozen base, in the compute dtype), quantised and
+dequantised by Qwix (``qwix.quantize`` / ``qwix.dequantize``, Google's JAX quantisation library).
+The codes keep the weight's logical names and the scales its output names, so both are sharded by
+the weight's rules; the matmul reads ``codes * scale`` in the compute dtype.
 """
 
 from __future__ import annotations
@@ -83,15 +83,6 @@ def _quantise_module(module: nnx.Module, base: str) -> None:
 
 
 SCALE = "_scale"  # the suffix of a quantised weight's scales
-
-
-def not_checkpointable(base: str) -> str | None:
-    """Why ``shardlib train`` cannot run a QLoRA base (None: it can): NF4's codes are ``uint4``,
-    which Orbax's tensorstore cannot write ("Unsupported data type"), so no checkpoint would save."""
-    if base == "nf4":
-        return ("nf4 codes are uint4 arrays, which Orbax checkpoints cannot store (tensorstore has no uint4): "
-                "use --lora-base int8 (nf4 runs from Python, LoraConfig(base='nf4'), without checkpoints)")
-    return None
 
 
 def missing_quantiser() -> str | None:

@@ -113,6 +113,7 @@ def test_init_lora_continues_from_the_adapter(workspace, trained, capsys):
     (["--lora-rank", "4", "--lora-targets", "q,qkv"], "--lora-targets: LoRA targets q,qkv"),
     (["--lora-rank", "8", "--init-lora", "PEFT"], "--init-lora: "),
     (["--lora-base", "int8"], "--lora-base: shapes LoRA adapters: add --lora-rank"),
+    (["--lora-rank", "4", "--lora-base", "nf4"], "--lora-base: LoRA base 'nf4' is not supported yet"),
 ])
 def test_bad_lora_flags_are_one_line_before_any_compile(workspace, trained, capsys, flags, message):
     flags = [str(workspace / f) if f == "PEFT" else f for f in flags]

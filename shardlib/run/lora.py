@@ -32,6 +32,15 @@ def lora_config(config: TrainConfig, model_config: Any) -> Any:
         raise TrainConfigError(field, "adapts a pretrained model, kept frozen: add --init-from HF_DIR")
     if isinstance(model_config, MoEConfig):
         raise TrainConfigError(field, "adapts the dense decoders' projections, not a mixture of experts")
+    if config.lora_base is not None:
+        from shardlib.models.lora import missing_quantiser
+
+        try:
+            LoraConfig(rank=1, base=config.lora_base)
+        except ValueError as err:
+            raise TrainConfigError("lora_base", str(err)) from None
+        if missing_quantiser():
+            raise TrainConfigError("lora_base", missing_quantiser())
     targets = tuple(t.strip() for t in config.lora_targets.split(",") if t.strip())
     try:
         flags = None if config.lora_rank is None else LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha,
@@ -39,12 +48,6 @@ def lora_config(config: TrainConfig, model_config: Any) -> Any:
     except ValueError as err:
         field = "lora_targets" if "targets" in str(err) else "lora_alpha" if "alpha" in str(err) else "lora_rank"
         raise TrainConfigError(field, str(err)) from None
-    if config.lora_base is not None:
-        from shardlib.models.lora import missing_quantiser, not_checkpointable
-
-        for refusal in (missing_quantiser(), not_checkpointable(config.lora_base)):
-            if refusal:
-                raise TrainConfigError("lora_base", refusal)
     if config.init_lora is None:
         return flags
     try:

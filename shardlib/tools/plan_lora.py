@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-targets", metavar="NAMES", help="with --lora-rank: the adapted projections "
                                                                "(default q,k,v,o,gate,up,down)")
     parser.add_argument("--lora-base", choices=("int8", "nf4"), help="with --lora-rank: QLoRA, the frozen "
-                                                                    "projections stored as int8 or nf4 codes")
+                                                                    "projections stored as int8 codes (nf4: not yet)")
 
 
 def from_args(args: argparse.Namespace, error: type[ValueError]) -> Any:
@@ -28,16 +28,15 @@ def from_args(args: argparse.Namespace, error: type[ValueError]) -> Any:
             raise error("--lora-alpha, --lora-targets and --lora-base shape LoRA adapters: add --lora-rank R")
         return None
     if args.lora_base is not None:
-        from shardlib.models.lora import missing_quantiser, not_checkpointable
+        from shardlib.models.lora import missing_quantiser
 
-        for refusal in (missing_quantiser(), not_checkpointable(args.lora_base)):
-            if refusal:
-                raise error(f"--lora-base: {refusal}")
+        if missing_quantiser():
+            raise error(f"--lora-base: {missing_quantiser()}")
     targets = {} if args.lora_targets is None else {"targets": tuple(t.strip() for t in args.lora_targets.split(","))}
     try:
         return LoraConfig(rank=args.lora_rank, alpha=args.lora_alpha, base=args.lora_base, **targets)
     except ValueError as err:
-        raise error(f"--lora-rank: {err}") from None
+        raise error(f"--lora-{'base' if 'base' in str(err) else 'rank'}: {err}") from None
 
 
 def header(config: Any, params: int) -> list[str]:
