@@ -180,6 +180,24 @@ def test_zero3_reduces_the_adapters_gradients_only(zero3_run):
                 if ("reduce-scatter(" in line or "all-reduce(" in line) and " s8[" in line]
 
 
+def test_zero2_layerwise_step_carries_the_frozen_base(zero3_run):
+    """zero2 keeps parameters whole and reduces gradients layer by layer inside the backward loop
+    (`shardlib.step.layerwise`: each weight travels with a twin); the frozen int8 base rides along:
+    the same losses as zero3 (two programs: rtol 1e-6) and the codes unchanged."""
+    start, losses, _, _ = zero3_run
+    model = trainable(CONFIG)
+    program = build(model, _sgd(), make_layout(model, "zero2", make_mesh({"fsdp": 8})))
+    state = program.init(jax.random.key(0))
+    got = []
+    for rows in batches(STEPS):
+        state, metrics = program.step(state, rows)
+        got.append(float(metrics["loss"]))
+    np.testing.assert_allclose(got, losses, rtol=1e-6)
+    after = _flat(state.params)
+    for path in [p for p in after if p + SCALE in after]:
+        np.testing.assert_array_equal(np.asarray(after[path]), _flat(start)[path], err_msg=path)
+
+
 def test_a_trained_integer_leaf_is_still_refused():
     """Only a frozen integer leaf is carried: one that would train is named and refused."""
     from flax import nnx
