@@ -149,7 +149,7 @@ class Attention(nnx.Module):
         """Queries, keys (both rotated) and values of ``x``: [batch, seq, (kv_)heads, head_dim]."""
         dtype = x.dtype
         q, k, v = (checkpoint_name(lora_lib.adapted(self, w, x, jnp.einsum(
-            "btd,dhk->bthk", x, getattr(self, w)[...].astype(dtype))), "qkv_proj") for w in ("wq", "wk", "wv"))
+            "btd,dhk->bthk", x, lora_lib.weight(self, w, dtype))), "qkv_proj") for w in ("wq", "wk", "wv"))
         if hasattr(self, "bq"):
             q, k, v = (y + b[...].astype(dtype) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         if hasattr(self, "q_norm"):
@@ -161,7 +161,7 @@ class Attention(nnx.Module):
     def output(self, out: jax.Array) -> jax.Array:
         out = constrain(out, ("batch", "seq", "heads", "head_dim"))
         return checkpoint_name(lora_lib.adapted(
-            self, "wo", out, jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(out.dtype))), "out_proj")
+            self, "wo", out, jnp.einsum("bthk,hkd->btd", out, lora_lib.weight(self, "wo", out.dtype))), "out_proj")
 
     def cached(self, x: jax.Array, sin: jax.Array, cos: jax.Array, attend: Any,
                window: jax.Array | None = None) -> tuple[jax.Array, Any]:
@@ -346,12 +346,12 @@ class GatedMLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = x.dtype
         gate = checkpoint_name(lora_lib.adapted(
-            self, "w_gate", x, jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dtype))), "mlp_in")
+            self, "w_gate", x, jnp.einsum("btd,df->btf", x, lora_lib.weight(self, "w_gate", dtype))), "mlp_in")
         up = checkpoint_name(lora_lib.adapted(
-            self, "w_up", x, jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dtype))), "mlp_in")
+            self, "w_up", x, jnp.einsum("btd,df->btf", x, lora_lib.weight(self, "w_up", dtype))), "mlp_in")
         hidden = constrain(GATE_ACTIVATIONS[self.activation](gate) * up, ("batch", "seq", "mlp"))
         return checkpoint_name(lora_lib.adapted(
-            self, "w_down", hidden, jnp.einsum("btf,fd->btd", hidden, self.w_down[...].astype(dtype))), "mlp_out")
+            self, "w_down", hidden, jnp.einsum("btf,fd->btd", hidden, lora_lib.weight(self, "w_down", dtype))), "mlp_out")
 
 
 class Block(nnx.Module):

@@ -11,6 +11,13 @@ as the weight they adapt; ``lora_rank`` itself is never split (no rule names it)
 
 The low-rank path runs as two small matmuls, never as a merged ``W + scale A B``: the base
 weight's gradient (``x^T dy``, a third of a full fine-tune's FLOPs) is never formed.
+
+QLoRA (``LoraConfig.base``, Dettmers et al., 2023): every projection of the frozen base is stored
+as ``int8`` codes (`quantise` also gives NF4's, which do not train yet) with one scale per output
+channel (absmax; stored, as the rest of the frozen base, in the compute dtype), quantised and
+dequantised by Qwix (``qwix.quantize`` / ``qwix.dequantize``, Google's JAX quantisation library).
+The codes keep the weight's logical names and the scales its output names, so both are sharded by
+the weight's rules; the matmul reads ``codes * scale`` in the compute dtype.
 """
 
 from __future__ import annotations
@@ -58,6 +65,69 @@ def attach(module: nnx.Module, config: GPTConfig, rngs: nnx.Rngs) -> None:
         setattr(module, f"{weight}_lora_b", nnx.LoRAParam(jnp.zeros((config.lora.rank, *shape[n_in:]), jnp.float32),
                                                          out_sharding=(RANK, *names[n_in:])))
     module.lora_scale = config.lora.scale
+    if config.lora.base is not None:
+        _quantise_module(module, config.lora.base)
+
+
+def _quantise_module(module: nnx.Module, base: str) -> None:
+    """Replace each projection weight of ``module`` by its codes and per-output-channel scales."""
+    for _, weight, n_in, _ in TARGETS.values():
+        w = getattr(module, weight, None)
+        if w is None:
+            continue
+        names = tuple(w.out_sharding)
+        codes, scale = quantise(w[...], n_in, base)
+        setattr(module, weight, nnx.Param(codes, out_sharding=names))
+        setattr(module, f"{weight}{SCALE}", nnx.Param(scale, out_sharding=names[n_in:]))
+    module.lora_base = base
+
+
+SCALE = "_scale"  # the suffix of a quantised weight's scales
+
+
+def missing_quantiser() -> str | None:
+    """What to install for QLoRA when Qwix is missing; None when it is there."""
+    import importlib.util
+
+    if importlib.util.find_spec("qwix") is None:
+        return "needs Qwix, which is not installed: pip install 'shardlib[qlora]'"
+    return None
+
+
+def quantise(w: jax.Array, n_in: int, base: str, stacked: int = 0) -> tuple[jax.Array, jax.Array]:
+    """``(codes, scale)`` of ``w`` (``stacked`` leading dims of layers, then ``n_in`` input dims,
+    then output dims): symmetric absmax per output channel, int8 codes ``round(w / s)`` with
+    ``s = absmax / 127`` (``base="int8"``) or NF4's 4-bit level indices with ``s = absmax``
+    (``"nf4"``); the scale float32, shaped like the stacked and output dims."""
+    import qwix
+
+    out = tuple(range(stacked)) + tuple(range(stacked + n_in, w.ndim))
+    if base == "int8":  # s = absmax / 127 (Qwix's bound is 127.5): codes in [-127, 127], a channel's largest
+        # weight exactly on +-127 rather than on the tie +-127.5, which the division's last bit would decide
+        q = qwix.quantize(w.astype(jnp.float32), jnp.int8, channelwise_axes=out,
+                          calibration_method=f"absmax,{127.5 / 127!r}")
+    else:
+        q = qwix.quantize(w.astype(jnp.float32), base, channelwise_axes=out)
+    return q.qvalue, q.scale.reshape([w.shape[i] for i in out])
+
+
+def dequantise(codes: jax.Array, scale: jax.Array, base: str, dtype: Any, stacked: int = 0) -> jax.Array:
+    """``codes * scale`` in ``dtype``: the weight `quantise` stored (scale cast to ``dtype`` first)."""
+    import qwix
+
+    n_in = codes.ndim - scale.ndim
+    shape = (*scale.shape[:stacked], *(1,) * n_in, *scale.shape[stacked:])
+    qtype = None if base == "int8" else base
+    return qwix.dequantize(qwix.QArray(codes, scale.astype(dtype).reshape(shape), qtype=qtype))
+
+
+def weight(module: nnx.Module, name: str, dtype: Any) -> jax.Array:
+    """The projection weight ``name`` of ``module`` in ``dtype``: dequantised under QLoRA."""
+    w = getattr(module, name)[...]
+    scale = getattr(module, f"{name}{SCALE}", None)
+    if scale is None:
+        return w.astype(dtype)
+    return dequantise(w, scale[...], module.lora_base, dtype)
 
 
 def adapted(module: nnx.Module, weight: str, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -77,9 +147,9 @@ def with_stored_base(model: Any, config: GPTConfig) -> Any:
     checkpoint of the run holds (`export`, `generate`)."""
     import dataclasses
 
-    def init(key: jax.Array) -> Any:
-        return jax.tree.map(lambda x, frozen: x.astype(config.compute_dtype) if frozen else x,
-                            model.init(key), model.frozen)
+    def init(key: jax.Array) -> Any:  # QLoRA's integer codes stay as they are
+        return jax.tree.map(lambda x, frozen: x.astype(config.compute_dtype)
+                            if frozen and jnp.issubdtype(x.dtype, jnp.floating) else x, model.init(key), model.frozen)
 
     return dataclasses.replace(model, init=init)
 
@@ -91,14 +161,25 @@ def is_adapter(path: str) -> bool:
 
 def merged(params: Any, config: GPTConfig) -> Any:
     """``params`` of a LoRA decoder as the plain decoder's: each adapted weight replaced by
-    ``W + scale A B`` in float32, the adapters dropped (what `export --hf` writes)."""
+    ``W + scale A B`` in float32, the adapters dropped (what `export --hf` writes); under QLoRA
+    ``W`` is the dequantised base (codes x scales), the weights the run trained against."""
     out = dict(params)
     out["blocks"] = blocks = {name: dict(sub) for name, sub in params["blocks"].items()}
+    if config.lora.base is not None:  # QLoRA: the base as the run computed with it, dequantised
+        for sub, weight, _, _ in TARGETS.values():
+            if f"{weight}{SCALE}" in blocks.get(sub, {}):
+                scale = blocks[sub].pop(f"{weight}{SCALE}")
+                blocks[sub][weight] = _dequantised(blocks[sub][weight], scale, config.lora.base)
     for target in config.lora.targets:
         sub, weight, _, _ = TARGETS[target]
         a, b = blocks[sub].pop(f"{weight}_lora_a"), blocks[sub].pop(f"{weight}_lora_b")
         blocks[sub][weight] = _merge(blocks[sub][weight], a, b, config.lora.scale)
     return out
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _dequantised(codes: jax.Array, scale: jax.Array, base: str) -> jax.Array:
+    return dequantise(codes, scale, base, jnp.float32, stacked=1)
 
 
 @functools.partial(jax.jit, static_argnums=3)
@@ -123,6 +204,8 @@ def from_peft_tensors(lora_a: Any, lora_b: Any, a_shape: tuple[int, ...], b_shap
 
 
 def describe(config: LoraConfig) -> str:
-    """``LoRA rank 8, alpha 16 on q,v``: for the run header and the plan."""
+    """``LoRA rank 8, alpha 16 on q,v`` (``QLoRA ... over an int8 base``): for the run header and the plan."""
     alpha = config.rank if config.alpha is None else config.alpha
-    return f"LoRA rank {config.rank}, alpha {alpha:g} on {','.join(config.targets)}"
+    kind = "LoRA" if config.base is None else "QLoRA"
+    base = "" if config.base is None else f" over an {config.base} base"
+    return f"{kind} rank {config.rank}, alpha {alpha:g} on {','.join(config.targets)}{base}"

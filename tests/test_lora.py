@@ -126,7 +126,7 @@ def test_plan_says_what_trains_and_the_command_keeps_the_lora_flags():
     from shardlib.tools import plan_lora
     from shardlib.tools.plan_candidates import PlanError
 
-    args = argparse.Namespace(lora_rank=4, lora_alpha=8.0, lora_targets="q,v,o,down")
+    args = argparse.Namespace(lora_rank=4, lora_alpha=8.0, lora_targets="q,v,o,down", lora_base=None)
     lora = plan_lora.from_args(args, PlanError)
     assert lora == CONFIG.lora
     assert plan_lora.header(CONFIG, param_count(CONFIG)) == [
@@ -135,6 +135,7 @@ def test_plan_says_what_trains_and_the_command_keeps_the_lora_flags():
     assert [w for w in plan_lora.train_flags(CONFIG) if w] == ["--lora-rank 4", "--lora-alpha 8",
                                                                "--lora-targets q,v,o,down"]
     with pytest.raises(PlanError, match="add --lora-rank R"):
-        plan_lora.from_args(argparse.Namespace(lora_rank=None, lora_alpha=8.0, lora_targets=None), PlanError)
+        plan_lora.from_args(argparse.Namespace(lora_rank=None, lora_alpha=8.0, lora_targets=None, lora_base=None),
+                            PlanError)
     # 2 layers x rank 4 x (q: 64+64, v: 64+64, o: 64+64, down: 128+64)
     assert lora_param_count(CONFIG) == 2 * 4 * (128 * 3 + 192)

@@ -5,6 +5,7 @@ merged export's logits; ``--init-lora`` continues from that adapter; bad combina
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import numpy as np
@@ -54,7 +55,7 @@ def test_peft_loads_the_adapter_with_the_merged_exports_logits(workspace, traine
     config = json.loads((adapter / CONFIG_FILE).read_text())
     assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8, "LORA")
     assert sorted(config["target_modules"]) == sorted(["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
-    assert json.loads((run / "config.json").read_text())["lora"] == {"rank": 4, "alpha": 8.0,
+    assert json.loads((run / "config.json").read_text())["lora"] == {"rank": 4, "alpha": 8.0, "base": None,
                                                                       "targets": ["q", "v", "o", "gate", "down"]}
     ids = torch.tensor(np.random.RandomState(0).randint(0, 256, (2, 16)))
     base = transformers.AutoModelForCausalLM.from_pretrained(workspace / "llama", dtype=torch.float32)
@@ -111,6 +112,8 @@ def test_init_lora_continues_from_the_adapter(workspace, trained, capsys):
     (["--lora-rank", "0"], "--lora-rank: LoRA rank must be a positive integer"),
     (["--lora-rank", "4", "--lora-targets", "q,qkv"], "--lora-targets: LoRA targets q,qkv"),
     (["--lora-rank", "8", "--init-lora", "PEFT"], "--init-lora: "),
+    (["--lora-base", "int8"], "--lora-base: shapes LoRA adapters: add --lora-rank"),
+    (["--lora-rank", "4", "--lora-base", "nf4"], "--lora-base: LoRA base 'nf4' is not supported yet"),
 ])
 def test_bad_lora_flags_are_one_line_before_any_compile(workspace, trained, capsys, flags, message):
     flags = [str(workspace / f) if f == "PEFT" else f for f in flags]
@@ -123,3 +126,51 @@ def test_lora_needs_a_pretrained_base_and_peft_export_a_lora_run(workspace, caps
     assert main(["train", "--model", "tiny", "--lora-rank", "4", "--steps", "1", "--no-progress",
                  "--out", str(workspace / "NOBASE")]) == 2
     assert "--lora-rank: adapts a pretrained model, kept frozen: add --init-from" in capsys.readouterr().err
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _int8_dequantised(weight):
+    """A Hugging Face weight [out, in] through QLoRA's int8 by its formula: per output row (channel),
+    s = absmax / 127, codes = round(w / s) -> codes x s; and where w / s is within 1e-4 of a
+    rounding tie (the last bit of the division decides the code there: one step either way)."""
+    scale = np.abs(weight).max(axis=1, keepdims=True) / np.float32(127)
+    ratio = weight / scale
+    return np.round(ratio).astype(np.float32) * scale, np.abs(np.abs(ratio % 1) - 0.5) < 1e-4, scale
+
+
+def test_qlora_int8_exports_the_adapter_and_merges_into_the_dequantised_base(workspace, capsys):
+    """``--lora-base int8``: the run header says so, the checkpoint keeps int8 codes, ``export --peft``
+    writes the adapter, and ``export --hf`` merges it into the dequantised base: peft's model over
+    the base quantised here by the formula gives the merged export's logits (f32, <= 1e-4), and an
+    unadapted projection is exported as that dequantised weight."""
+    if importlib.util.find_spec("qwix") is None:
+        pytest.skip("QLoRA needs qwix: pip install 'shardlib[qlora]'")
+    assert main(_train(workspace, "Q", *LORA, "--lora-base", "int8", "--steps", "3", "--ckpt-every", "3",
+                       "--lr", "1e-2")) == 0
+    header = capsys.readouterr().out
+    assert ("QLoRA rank 4, alpha 8 on q,v,o,gate,down over an int8 base; the other 106,816 frozen, stored in float32, "
+            "the projections as int8 codes with per-channel scales (QLoRA)") in header
+    assert json.loads((workspace / "Q" / "config.json").read_text())["lora"]["base"] == "int8"
+    assert main(["export", "--ckpt", str(workspace / "Q"), "--out", str(workspace / "QPEFT"), "--peft"]) == 0
+    assert main(["export", "--ckpt", str(workspace / "Q"), "--out", str(workspace / "QHF"), "--hf",
+                 "--dtype", "f32"]) == 0
+    base = transformers.AutoModelForCausalLM.from_pretrained(workspace / "llama", dtype=torch.float32)
+    state = base.state_dict()
+    formula = {name: _int8_dequantised(w.numpy()) for name, w in state.items()
+               if name.endswith(tuple(f"{p}.weight" for p in PROJECTIONS))}
+    quantised = {name: torch.from_numpy(back) for name, (back, _, _) in formula.items()}
+    assert len(quantised) == 2 * 7
+    base.load_state_dict({**state, **quantised})
+    ids = torch.tensor(np.random.RandomState(0).randint(0, 256, (2, 16)))
+    plain = _logits(base, ids)
+    with_adapter = _logits(peft.PeftModel.from_pretrained(base, workspace / "QPEFT"), ids)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(workspace / "QHF", dtype=torch.float32)
+    assert np.abs(with_adapter - plain).max() > 1e-2  # the adapters learned something
+    gap = np.abs(with_adapter - _logits(merged, ids)).max()
+    assert gap <= 1e-4, f"max |PEFT logits over the int8 base - merged export's| = {gap}"
+    up = "model.layers.1.mlp.up_proj.weight"  # not adapted: the dequantised weight itself
+    back, tie, scale = formula[up]
+    gap = np.abs(merged.state_dict()[up].numpy() - back)
+    assert (gap[~tie] <= 1e-7).all() and (gap[tie] <= scale.repeat(back.shape[1], 1)[tie] * 1.001).all()

@@ -103,7 +103,8 @@ def saved_lora(run_config: Mapping[str, Any]) -> LoraConfig | None:
     saved = run_config.get("lora")
     if not isinstance(saved, Mapping):
         return None
-    return LoraConfig(rank=saved["rank"], alpha=saved.get("alpha"), targets=tuple(saved["targets"]))
+    return LoraConfig(rank=saved["rank"], alpha=saved.get("alpha"), targets=tuple(saved["targets"]),
+                      base=saved.get("base"))
 
 
 def read_adapter_config(directory: str | os.PathLike[str]) -> LoraConfig:

@@ -146,7 +146,8 @@ def from_nnx(
     def run(params, batch, specs, call):
         call = keyed(call)
         if frozen is not None:
-            params = jax.tree.map(lambda p, f: jax.lax.stop_gradient(p) if f else p, params, frozen)
+            # frozen is a prefix of params: a layerwise step's parameter is a `Carried` (weight + twin)
+            params = jax.tree.map(lambda f, p: jax.lax.stop_gradient(p) if f else p, frozen, params)
         module = (parts if call.train or evaluated is None else evaluated).bind(params, specs, call.state, call.key)
         hooks.rebind_axis_name(module)
         hooks.vary_nnx_carries(module)

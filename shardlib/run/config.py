@@ -215,6 +215,9 @@ class TrainConfig:
                                           "(default: the rank, a scale of 1)", metavar="A")
     lora_targets: str = flag("q,k,v,o,gate,up,down", "the projections LoRA adapts (default %(default)s)",
                              metavar="NAMES")
+    lora_base: str | None = flag(None, "QLoRA: store every projection of the frozen base as int8 codes with "
+                                       "per-output-channel scales (Qwix; the shardlib[qlora] extra), dequantised in "
+                                       "the compute dtype (nf4: not yet, refused)", choices=("int8", "nf4"))
     init_lora: str | None = flag(None, "with --lora-rank: start the adapters from a PEFT adapter directory "
                                        "(adapter_config.json + adapter_model.safetensors; its rank, alpha and "
                                        "targets must match)", metavar="PEFT_DIR")

@@ -5,6 +5,7 @@ adapter (``--init-lora``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from shardlib.run.config import TrainConfig, TrainConfigError
@@ -21,7 +22,8 @@ def lora_config(config: TrainConfig, model_config: Any) -> Any:
 
     if config.lora_rank is None and config.init_lora is None:
         given = [field for field, set_ in (("lora_alpha", config.lora_alpha is not None),
-                                           ("lora_targets", config.lora_targets != DEFAULT_TARGETS)) if set_]
+                                           ("lora_targets", config.lora_targets != DEFAULT_TARGETS),
+                                           ("lora_base", config.lora_base is not None)) if set_]
         if given:
             raise TrainConfigError(given[0], "shapes LoRA adapters: add --lora-rank R (or --init-lora PEFT_DIR)")
         return None
@@ -30,17 +32,26 @@ def lora_config(config: TrainConfig, model_config: Any) -> Any:
         raise TrainConfigError(field, "adapts a pretrained model, kept frozen: add --init-from HF_DIR")
     if isinstance(model_config, MoEConfig):
         raise TrainConfigError(field, "adapts the dense decoders' projections, not a mixture of experts")
+    if config.lora_base is not None:
+        from shardlib.models.lora import missing_quantiser
+
+        try:
+            LoraConfig(rank=1, base=config.lora_base)
+        except ValueError as err:
+            raise TrainConfigError("lora_base", str(err)) from None
+        if missing_quantiser():
+            raise TrainConfigError("lora_base", missing_quantiser())
     targets = tuple(t.strip() for t in config.lora_targets.split(",") if t.strip())
     try:
         flags = None if config.lora_rank is None else LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha,
-                                                                 targets=targets)
+                                                                 targets=targets, base=config.lora_base)
     except ValueError as err:
         field = "lora_targets" if "targets" in str(err) else "lora_alpha" if "alpha" in str(err) else "lora_rank"
         raise TrainConfigError(field, str(err)) from None
     if config.init_lora is None:
         return flags
     try:
-        adapter = read_adapter_config(config.init_lora)
+        adapter = dataclasses.replace(read_adapter_config(config.init_lora), base=config.lora_base)
     except AdapterError as err:
         raise TrainConfigError("init_lora", str(err)) from None
     if flags is None:
@@ -72,7 +83,7 @@ def initial_params(run: Any) -> Any:
     import numpy as np
 
     from shardlib.hf.load import load_params
-    from shardlib.models.lora import is_adapter
+    from shardlib.models.lora import SCALE, is_adapter
     from shardlib.sharding.rules import path_str
 
     config = run.config
@@ -80,7 +91,8 @@ def initial_params(run: Any) -> Any:
     flat, treedef = jax.tree_util.tree_flatten_with_path(shardings)
     paths = [path_str(p) for p, _ in flat]
     by_path = dict(zip(paths, (s for _, s in flat)))
-    base_paths = [p for p in paths if not is_adapter(p)]
+    # QLoRA: the weights read in the compute dtype (sharded as their codes), then quantised
+    base_paths = [p for p in paths if not is_adapter(p) and not p.endswith(SCALE)]
     base_tree = {}
     for p in base_paths:  # the base model's tree (nested dicts, as `load_params` takes it)
         node = base_tree
@@ -90,6 +102,8 @@ def initial_params(run: Any) -> Any:
         node[leaf] = by_path[p]
     dtype = np.dtype(jnp.dtype(run.model_config.compute_dtype))
     base = {path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(load_params(run.pretrained, base_tree, dtype))}
+    if run.model_config.lora.base is not None:
+        base = _quantised(base, by_path, run.model_config)
     adapter_shardings = {p: by_path[p] for p in paths if is_adapter(p)}
     if config.init_lora is not None:
         from shardlib.hf.peft import AdapterError, read_adapters
@@ -109,6 +123,26 @@ def initial_params(run: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, [merged[p] for p in paths])
 
 
+def _quantised(base: dict[str, Any], shardings: dict[str, Any], model_config: Any) -> dict[str, Any]:
+    """``base`` with each weight that has scales in ``shardings`` replaced by its codes and scales
+    (`models.lora.quantise`, per layer and output channel), each in its own sharding; the float
+    weight is donated, so one projection at a time is held twice."""
+    import functools
+
+    import jax
+
+    from shardlib.models.lora import SCALE, TARGETS, quantise
+
+    n_in = {weight: n for _, weight, n, _ in TARGETS.values()}
+    out = dict(base)
+    for path in [p for p in base if p + SCALE in shardings]:
+        weight = path.rsplit("/", 1)[-1]
+        fn = functools.partial(quantise, n_in=n_in[weight], base=model_config.lora.base, stacked=1)
+        out[path], out[path + SCALE] = jax.jit(fn, donate_argnums=0, out_shardings=(
+            shardings[path], shardings[path + SCALE]))(out.pop(path))
+    return {p: x.astype(model_config.compute_dtype) if p.endswith(SCALE) else x for p, x in out.items()}
+
+
 def describe(run: Any) -> str | None:
     """The run header's line on what trains: None for a run that trains every parameter."""
     import jax.numpy as jnp
@@ -123,5 +157,7 @@ def describe(run: Any) -> str | None:
     frozen = run.n_params - trained
     source = f" from {run.config.init_lora}" if run.config.init_lora else ""
     stored = jnp.dtype(run.model_config.compute_dtype).name
+    if lora.base is not None:
+        stored = f"{stored}, the projections as {lora.base} codes with per-channel scales (QLoRA)"
     return (f"trains     {trained:,} of {run.n_params:,} parameters ({100 * trained / run.n_params:.2f}%): "
             f"{describe_lora(lora)}{source}; the other {frozen:,} frozen, stored in {stored}")

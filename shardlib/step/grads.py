@@ -38,8 +38,22 @@ def _scaled_value_and_grad(call: ModelCall, params: Any, rows: Any, ctx: StepCon
         loss, aux, state = call.loss(twins.join(p, params), b, ctx)
         return (loss if ctx.scale is None else loss * ctx.scale), (loss, aux, state)
 
-    (_, (loss, aux, state)), grads = jax.value_and_grad(objective, has_aux=True)(twins.inputs(params), rows)
-    return (loss, aux), grads, state
+    inputs = twins.inputs(params)
+    (_, (loss, aux, state)), grads = jax.value_and_grad(objective, has_aux=True, allow_int=True)(inputs, rows)
+    return (loss, aux), jax.tree.map(_carried_zero, grads, inputs), state
+
+
+def _mean(total: jax.Array, k: int) -> jax.Array:
+    return total / k if jnp.issubdtype(total.dtype, jnp.inexact) else total  # a carried zero stays one
+
+
+def _carried_zero(grad: jax.Array, param: jax.Array) -> jax.Array:
+    """A frozen integer leaf's (QLoRA's codes: `check_params`) place in the gradient tree: not
+    differentiated (``allow_int``'s float0), held as a constant int8 zero of its shape (int8, not
+    its own dtype: NF4's uint4 has no sum for the gradient norm), so that the reduction and the
+    masked update see a tree like the parameters; XLA folds it away (no collective:
+    tests/test_qlora.py)."""
+    return jnp.zeros(param.shape, jnp.int8) if grad.dtype == jax.dtypes.float0 else grad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +119,7 @@ class Accumulated(Plain):
 
         rest = (jnp.arange(1, k), jax.tree.map(lambda x: x[1:], micro))
         (total, residuals, state), _ = jax.lax.scan(add, first, rest)
-        loss, aux, grads = jax.tree.map(lambda x: x / k, total)
+        loss, aux, grads = jax.tree.map(lambda x: x / k, total[:2]) + (jax.tree.map(_mean, total[2], k),)
         finish = twins.reducer.finish if self.reduce_each else twins.reducer
         grads, residuals = finish(grads, residuals)
         return (loss, aux), grads, residuals, state
@@ -205,17 +219,19 @@ def check_options(model: Model, layout: Layout, grad_accum: int, microbatches: i
 
 
 def check_params(model: Model, policy: Precision) -> None:
-    """Every parameter is differentiated, updated and stored in ``policy.param_dtype``: refuse
-    integer and boolean leaves by name (``jax.grad`` would fail naming none), and say which
-    floating leaves the model wrote in another dtype (bf16 leaves) become master weights."""
+    """Every trained parameter is differentiated, updated and stored in ``policy.param_dtype``:
+    refuse its integer and boolean leaves by name (``jax.grad`` would fail naming none; a frozen
+    one, QLoRA's codes, is carried as it is), and say which floating leaves the model wrote in
+    another dtype (bf16 leaves) become master weights."""
     leaves = [(rules_lib.path_str(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(model.abstract())]
-    bad = [f"{path} ({leaf.dtype}{list(leaf.shape)})" for path, leaf in leaves if not jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    frozen = [None] * len(leaves) if model.frozen is None else jax.tree.leaves(model.frozen)
+    bad = [f"{path} ({leaf.dtype}{list(leaf.shape)})" for (path, leaf), still in zip(leaves, frozen)
+           if not jnp.issubdtype(leaf.dtype, jnp.inexact) and not still]
     if bad:
         raise TypeError(
             f"the parameters hold non-float leaves, which the step cannot differentiate or update: {', '.join(bad)}; "
             "keep integer data (step counters, index tables) out of the parameters: close over it in the loss, "
-            "pass it in the batch, or store it as float")
-    frozen = [None] * len(leaves) if model.frozen is None else jax.tree.leaves(model.frozen)
+            "pass it in the batch, store it as float, or freeze it (from_nnx(wrt=...))")
     recast = [f"{path} ({leaf.dtype})" for (path, leaf), still in zip(leaves, frozen)
               if leaf.dtype != policy.param_dtype and not still]  # frozen: stored in the compute dtype
     if recast:
