@@ -8,7 +8,9 @@ sorting the assignments by expert and the tokens scattered into them (memory and
 tokens x top_k, not GShard's one-hot ``[T, E, C]``); ``dropless`` keeps every assignment and runs
 the experts as grouped matmuls over sorted groups. The experts' weights are
 stacked on a leading ``"experts"`` axis, which the ``expert`` mesh axis splits; tokens reach them
-by all-to-all (`shardlib.model.experts`). docs/moe.md has the formulas.
+by all-to-all (`shardlib.model.experts`). docs/moe.md has the formulas. The gates are renormalised
+or not as `MoEConfig.norm_topk_prob` says, and a shared expert with a sigmoid gate may run beside the
+routed ones (`MoEConfig.shared_d_ff`): Mixtral's, Qwen2-MoE's and Qwen3-MoE's layers (`shardlib.hf`).
 
 The loss adds the Switch/GShard load-balancing loss, ``E * sum_e f_e P_e`` per row (f_e the
 fraction of the row's tokens whose first choice is e, P_e its mean router probability), and the
