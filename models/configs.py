@@ -211,6 +211,11 @@ class MoEConfig(GPTConfig):
     dropless: bool = False
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 1e-3
+    # The top-k gates divided by their sum: None (GShard) when top_k > 1; True always (Mixtral, so a
+    # top-1 gate is 1); False never (Qwen's norm_topk_prob false: the softmax probabilities as they are).
+    norm_topk_prob: bool | None = None
+    # A shared expert every token runs through, a SwiGLU of this width scaled by sigmoid(x w) (Qwen2-MoE); 0: none.
+    shared_d_ff: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -218,6 +223,13 @@ class MoEConfig(GPTConfig):
             raise ValueError(f"top_k={self.top_k} needs at least that many experts, got n_experts={self.n_experts}")
         if self.capacity_factor <= 0:
             raise ValueError(f"capacity_factor={self.capacity_factor} must be positive")
+        if self.shared_d_ff < 0:
+            raise ValueError(f"shared_d_ff={self.shared_d_ff} must be 0 (no shared expert) or positive")
+
+    @property
+    def renormalizes(self) -> bool:
+        """Whether the chosen experts' gates are divided by their sum (`norm_topk_prob`)."""
+        return self.top_k > 1 if self.norm_topk_prob is None else self.norm_topk_prob
 
     def capacity(self, seq_len: int) -> int:
         """Slots per expert per sequence: ``ceil(capacity_factor * top_k * seq_len / n_experts)``, at least 1."""
@@ -257,8 +269,9 @@ def _layer_params(config: GPTConfig) -> int:
     if config.qk_norm:
         attention += 2 * hd
     mlp = 3 * d * config.d_ff  # w_gate, w_up, w_down
-    if isinstance(config, MoEConfig):  # every expert's SwiGLU, and the router
+    if isinstance(config, MoEConfig):  # every expert's SwiGLU, the router, a shared expert and its gate
         mlp = config.n_experts * mlp + d * config.n_experts
+        mlp += (3 * d * config.shared_d_ff + d) if config.shared_d_ff else 0
     norms = (4 if config.sandwich_norm else 2) * d
     return attention + mlp + norms
 

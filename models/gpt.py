@@ -335,8 +335,8 @@ GATE_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.g
 class GatedMLP(nnx.Module):
     """Gated MLP: ``w_down(act(x w_gate) * (x w_up))``, SwiGLU with silu, GeGLU with gelu."""
 
-    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
-        d, f = config.d_model, config.d_ff
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, d_ff: int | None = None):
+        d, f = config.d_model, d_ff or config.d_ff
         self.w_gate = named_param(rngs, fan_in_init(0, 1), (d, f), ("embed", "mlp"))
         self.w_up = named_param(rngs, fan_in_init(0, 1), (d, f), ("embed", "mlp"))
         self.w_down = named_param(rngs, fan_in_init(0, 1, scale=1.0 / (2 * config.n_layers)), (f, d), ("mlp", "embed"))
@@ -383,13 +383,13 @@ class Block(nnx.Module):
         return x + self._post("mlp_post_norm", self.mlp(self.mlp_norm(x))), carry
 
 
-def _stacked_blocks(config: GPTConfig, rngs: nnx.Rngs) -> Block:
-    """``n_layers`` blocks as one Block whose parameters have a leading ``"layers"`` axis."""
+def _stacked_blocks(config: GPTConfig, rngs: nnx.Rngs, block: type = Block) -> Block:
+    """``n_layers`` blocks as one ``block`` whose parameters have a leading ``"layers"`` axis."""
 
     @nnx.split_rngs(splits=config.n_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=config.n_layers, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(rngs: nnx.Rngs) -> Block:
-        return Block(config, rngs=rngs)
+        return block(config, rngs=rngs)
 
     return make(rngs)
 
@@ -405,11 +405,13 @@ def _stream_dtype(config: GPTConfig, weight_dtype: Any) -> jnp.dtype:
 class GPT(nnx.Module):
     """Decoder-only language model: tokens int32[B, T] -> logits float32[B, T, vocab]."""
 
+    block = Block  # the decoder layer (`models.moe.MoEGPT`'s routes its MLP to experts)
+
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         self.config = config
         d, vocab = config.d_model, config.vocab_size
         self.embedding = named_param(rngs, nnx.initializers.normal(1.0), (vocab, d), ("vocab", "embed"))
-        self.blocks = _stacked_blocks(config, rngs)
+        self.blocks = _stacked_blocks(config, rngs, type(self).block)
         self.final_norm = RMSNorm(d, eps=config.norm_eps, offset=config.norm_offset, rngs=rngs)
         if not config.tie_embeddings:  # tied: the head is the embedding table, transposed
             self.lm_head = named_param(rngs, fan_in_init(0, 1), (d, vocab), ("embed", "vocab"))
@@ -455,18 +457,25 @@ class GPT(nnx.Module):
                      positions: jax.Array | None = None) -> jax.Array:
         """Scan the stacked blocks (all of them, or one pipeline stage's slice) over the residual
         stream; ``segment_ids`` and per-row ``positions`` as `__call__`'s."""
+        return self.scan_blocks(x, segment_ids=segment_ids, positions=positions)[0]
+
+    def scan_blocks(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
+                    positions: jax.Array | None = None) -> tuple[jax.Array, Any]:
+        """(the residual stream after the blocks, what each block returned beside it, stacked: an
+        MoE block's routing stats; None for a dense one)."""
         tables = self.rope(x.shape[1], positions), self.local_rope(x.shape[1], positions)
         graphdef, stacked = nnx.split(self.blocks)
 
-        def body(x: jax.Array, layer: tuple[nnx.State, jax.Array | None]) -> tuple[jax.Array, None]:
+        def body(x: jax.Array, layer: tuple[nnx.State, jax.Array | None]) -> tuple[jax.Array, Any]:
             layer_state, window = layer
             block = nnx.merge(graphdef, gather_layer(layer_state))
-            return block(x, *layer_rope(window, *tables), window, segment_ids), None
+            documents = {} if segment_ids is None else {"segment_ids": segment_ids}
+            out = block(x, *layer_rope(window, *tables), window, **documents)
+            return out if isinstance(out, tuple) else (out, None)
 
         if self.config.remat:  # prevent_cse is not needed inside scan
             body = jax.checkpoint(body, prevent_cse=False, policy=REMAT_POLICIES[self.config.remat_policy]())
-        x, _ = jax.lax.scan(body, x, (stacked, self.windows(stacked)))
-        return x
+        return jax.lax.scan(body, x, (stacked, self.windows(stacked)))
 
     def local_rope(self, seq_len: int, positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array] | None:
         """Gemma 3: the windowed layers' own rope tables (their base, no scaling), or None."""
@@ -508,8 +517,14 @@ def build(config: GPTConfig, rngs: nnx.Rngs | int = 0) -> GPT:
 def from_params(config: GPTConfig, params: Any) -> GPT:
     """The decoder of ``config`` holding ``params`` (its parameter tree as `shardlib.Model.abstract`
     lays it out: a checkpoint's, an import's), kept in whatever sharding they have."""
+    from .configs import MoEConfig
+
+    if isinstance(config, MoEConfig):  # the MoE decoder (`models.moe` builds on this module)
+        from .moe import MoEGPT as cls
+    else:
+        cls = GPT
     with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+        abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)

@@ -8,7 +8,9 @@ sorting the assignments by expert and the tokens scattered into them (memory and
 tokens x top_k, not GShard's one-hot ``[T, E, C]``); ``dropless`` keeps every assignment and runs
 the experts as grouped matmuls over sorted groups. The experts' weights are
 stacked on a leading ``"experts"`` axis, which the ``expert`` mesh axis splits; tokens reach them
-by all-to-all (`shardlib.model.experts`). docs/moe.md has the formulas.
+by all-to-all (`shardlib.model.experts`). docs/moe.md has the formulas. The gates are renormalised
+or not as `MoEConfig.norm_topk_prob` says, and a shared expert with a sigmoid gate may run beside the
+routed ones (`MoEConfig.shared_d_ff`): Mixtral's, Qwen2-MoE's and Qwen3-MoE's layers (`shardlib.hf`).
 
 The loss adds the Switch/GShard load-balancing loss, ``E * sum_e f_e P_e`` per row (f_e the
 fraction of the row's tokens whose first choice is e, P_e its mean router probability), and the
@@ -20,6 +22,7 @@ at capacity, and both losses.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -27,9 +30,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .configs import MoEConfig
-from .gpt import GPT, RESIDUAL, Attention, RMSNorm, fan_in_init, logits_loss, named_param, rope_tables
+from .gpt import GPT, RESIDUAL, Attention, Block, GatedMLP, RMSNorm, fan_in_init, logits_loss, named_param
 from shardlib.model import experts as experts_lib
-from shardlib.model.hooks import batch_sum, constrain, gather_layer, global_mean, global_sum
+from shardlib.model.hooks import batch_sum, constrain, global_mean, global_sum
 
 
 class Experts(nnx.Module):
@@ -75,7 +78,7 @@ class Routing(nnx.Module):
         logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.w_router[...])
         probs = jax.nn.softmax(logits, axis=-1)
         gates, choice = jax.lax.top_k(probs, k)  # [B, T, k]
-        if k > 1:  # GShard: the chosen experts' weights sum to 1
+        if config.renormalizes:  # GShard, Mixtral: the chosen experts' weights sum to 1
             gates = gates / gates.sum(axis=-1, keepdims=True)
         expert = choice.swapaxes(1, 2).reshape(x.shape[0], -1)  # [B, k*T], priority order
         position, counts = jax.vmap(lambda row: _rank_in_group(row, e))(expert)
@@ -112,6 +115,9 @@ class MoE(nnx.Module):
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
         self.router = Routing(config, rngs=rngs)
         self.experts = Experts(config, rngs=rngs)
+        if config.shared_d_ff:  # Qwen2-MoE: a SwiGLU every token takes, scaled by a sigmoid gate
+            self.shared = GatedMLP(config, rngs=rngs, d_ff=config.shared_d_ff)
+            self.shared_gate = named_param(rngs, fan_in_init(0, 1), (config.d_model, 1), ("embed", None))
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         batch, seq, d = x.shape
@@ -122,7 +128,11 @@ class MoE(nnx.Module):
         else:
             picked = self._capacity(tokens, expert, slot)
         weighted = (gate[..., None].astype(x.dtype) * picked).reshape(batch, -1, seq, d)
-        return weighted.sum(axis=1), stats
+        out = weighted.sum(axis=1)
+        if hasattr(self, "shared"):
+            shared_gate = jax.nn.sigmoid(jnp.einsum("btd,dz->btz", x, self.shared_gate[...].astype(x.dtype)))
+            out = out + shared_gate * self.shared(x)
+        return out, stats
 
     def _capacity(self, tokens: jax.Array, expert: jax.Array, slot: jax.Array) -> jax.Array:
         """Each kept assignment's token scattered into its slot of ``[E, rows, capacity, d]`` (a
@@ -148,37 +158,37 @@ class MoE(nnx.Module):
         return jnp.zeros_like(out).at[order].set(out).reshape(tokens.shape), groups.sum()
 
 
-class MoEBlock(nnx.Module):
-    """Pre-norm decoder block: attention, then the mixture of experts."""
+class MoEBlock(Block):
+    """Pre-norm decoder block: attention (the dense block's, with its windows and options), then the
+    mixture of experts; returns the routing stats beside the stream."""
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps, rngs=rngs)
+        norm = functools.partial(RMSNorm, config.d_model, eps=config.norm_eps, offset=config.norm_offset, rngs=rngs)
+        self.attn_norm = norm()
         self.attn = Attention(config, rngs=rngs)
-        self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps, rngs=rngs)
+        self.mlp_norm = norm()
         self.moe = MoE(config, rngs=rngs)
 
-    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        x = constrain(x + self.attn(self.attn_norm(x), sin, cos), RESIDUAL)
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array,
+                 window: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        x = constrain(x + self.attn(self.attn_norm(x), sin, cos, window), RESIDUAL)
         y, stats = self.moe(self.mlp_norm(x))
         return constrain(x + y, RESIDUAL), stats
 
+    def cached(self, x: jax.Array, sin: jax.Array, cos: jax.Array, attend: Any,
+               window: jax.Array | None = None) -> tuple[jax.Array, Any]:
+        """`Block.cached` (generation, `models.decoding`) with the experts as the MLP."""
+        attended, carry = self.attn.cached(self.attn_norm(x), sin, cos, attend, window)
+        x = x + attended
+        return x + self.moe(self.mlp_norm(x))[0], carry
+
 
 class MoEGPT(GPT):
-    """`models.gpt.GPT` with MoE blocks; ``apply_blocks`` also returns the layers' routing stats."""
+    """`models.gpt.GPT` with MoE blocks; ``apply_blocks`` also returns the layers' routing stats.
+    Everything else (rope and its scalings, windows, q/k norms, biases, the KV cache's decoding) is
+    the dense decoder's."""
 
-    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
-        self.config = config
-        d, vocab = config.d_model, config.vocab_size
-        self.embedding = named_param(rngs, nnx.initializers.normal(1.0), (vocab, d), ("vocab", "embed"))
-
-        @nnx.split_rngs(splits=config.n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=config.n_layers, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make(rngs: nnx.Rngs) -> MoEBlock:
-            return MoEBlock(config, rngs=rngs)
-
-        self.blocks = make(rngs)
-        self.final_norm = RMSNorm(d, eps=config.norm_eps, rngs=rngs)
-        self.lm_head = named_param(rngs, fan_in_init(0, 1), (d, vocab), ("embed", "vocab"))
+    block = MoEBlock
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return self.head(self.routed(tokens)[0])
@@ -188,15 +198,7 @@ class MoEGPT(GPT):
         return self.apply_blocks(self.embed(tokens))
 
     def apply_blocks(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        sin, cos = rope_tables(x.shape[1], self.config.head_dim, self.config.rope_theta)
-        graphdef, stacked = nnx.split(self.blocks)
-
-        def body(x: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, dict[str, jax.Array]]:
-            return nnx.merge(graphdef, gather_layer(layer_state))(x, sin, cos)
-
-        if self.config.remat:
-            body = jax.checkpoint(body, prevent_cse=False)
-        return jax.lax.scan(body, x, stacked)
+        return self.scan_blocks(x)
 
 
 def build(config: MoEConfig, rngs: nnx.Rngs | int = 0) -> MoEGPT:

@@ -3,7 +3,8 @@ independent reference: for Llama (Llama 3.2: llama3 rope scaling, explicit head_
 Qwen2 (q/k/v biases), Gemma ((1 + w) norms, sqrt(d) embeddings, GeGLU, tied head), Qwen3 (q/k
 RMSNorm per head) and Gemma 2 (soft-caps, query scale, a sliding window shorter than the test's
 sequences on alternate layers, sandwich norms) and Gemma 3 text (q/k norms, a local rope base on
-its sliding layer, linear scaling on the full one), each saved by
+its sliding layer, linear scaling on the full one), Phi-3 (fused qkv_proj and gate_up_proj), and the
+mixtures of experts Mixtral, Qwen2-MoE (shared expert, gates not renormalised) and Qwen3-MoE, each saved by
 ``save_pretrained`` with random weights (norm scales and biases drawn too, so none is trivial):
 
 * logits equal transformers' in f32 on 1 device and under zero3 and fsdp_tp on 8 devices;
@@ -37,9 +38,10 @@ from shardlib import build, make_layout, make_mesh  # noqa: E402
 from shardlib.hf import architectures as arch_lib  # noqa: E402
 from shardlib.hf.load import PretrainedError, load_params, open_pretrained  # noqa: E402
 from shardlib.hf.save import save_pretrained  # noqa: E402
-from shardlib.models import trainable  # noqa: E402
+from shardlib.models import MoEConfig, trainable  # noqa: E402
 from shardlib.models.decoding import generate  # noqa: E402
 from shardlib.models.gpt import from_params, next_token_loss  # noqa: E402
+from shardlib.models.moe import moe_loss  # noqa: E402
 
 VOCAB = 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -73,6 +75,18 @@ ARCHS = {
         head_dim=16, sliding_window=6, query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
+    # Phi-3 (mini 4k's layout): q, k, v in one qkv_proj and gate, up in one gate_up_proj; its window of 6
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=6, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # MoE (models/moe.py, dropless): 4 experts of 32, top 2; Mixtral renormalises the two gates, with a
+    # window of 6 on both layers; Qwen2-MoE does not (norm_topk_prob false), adds its shared expert with
+    # its sigmoid gate, q/k/v biases and a window on layer 1; Qwen3-MoE renormalises, with q/k norms
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                           intermediate_size=32, sliding_window=6)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        use_sliding_window=True, sliding_window=6, max_window_layers=1)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
+                                                              moe_intermediate_size=32, head_dim=32, norm_topk_prob=True)),
 }
 SEQ = 16
 
@@ -80,7 +94,7 @@ SEQ = 16
 def _save(name: str, directory: Path, **shard) -> Path:
     config_cls, model_cls, extra = ARCHS[name]
     torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **extra))
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**COMMON, **extra}))
     with torch.no_grad():  # scales and biases start at 1 / 0 in transformers: draw them so they matter
         for param_name, param in model.named_parameters():
             if "norm" in param_name or "bias" in param_name:
@@ -160,8 +174,10 @@ def test_a_zero3_fine_tuning_step_equals_plain_jit(checkpoints, tokens, name):
 
     host = jax.tree.map(np.asarray, params)
 
+    model_loss = moe_loss if isinstance(pretrained.model_config, MoEConfig) else next_token_loss
+
     def loss(p, b):
-        return next_token_loss(from_params(pretrained.model_config, p), b)[0]
+        return model_loss(from_params(pretrained.model_config, p), b)[0]
 
     @jax.jit
     def plain(p, b):
@@ -319,12 +335,19 @@ def test_export_config_reads_in_transformers_4_with_the_rope_and_generation_conf
 def test_refusals_name_what_is_not_reproduced(checkpoints, tmp_path):
     base = json.loads((checkpoints["mistral"] / "config.json").read_text())
     cases = {
-        "architecture": ({**base, "architectures": ["Phi3ForCausalLM"]}, "Phi3ForCausalLM.*LlamaForCausalLM"),
+        "architecture": ({**base, "architectures": ["DeepseekV3ForCausalLM"]}, "DeepseekV3ForCausalLM.*LlamaForCausalLM"),
+        "longrope": ({**json.loads((checkpoints["phi3"] / "config.json").read_text()), "rope_scaling": {
+            "type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}, "rope_parameters": None},
+            "Phi-3's rope type 'su'"),
         "rope": ({**base, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}},
                  "rope type 'longrope'"),
         "dynamic": ({**base, "max_position_embeddings": 32, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4,
                                                                               "factor": 2.0}}, "'dynamic'.*at most 32"),
         "bias": ({**base, "architectures": ["LlamaForCausalLM"], "attention_bias": True}, "attention_bias=True"),
+        "dense layers": ({**json.loads((checkpoints["qwen2_moe"] / "config.json").read_text()), "decoder_sparse_step": 2},
+                         "decoder_sparse_step=2.*every layer routed"),
+        "router jitter": ({**json.loads((checkpoints["mixtral"] / "config.json").read_text()), "router_jitter_noise": 0.1},
+                          "router_jitter_noise=0.1"),
     }
     for label, (config, message) in cases.items():
         with pytest.raises(arch_lib.UnsupportedModel, match=message):
@@ -351,6 +374,29 @@ def test_refusals_name_what_is_not_reproduced(checkpoints, tmp_path):
     os.symlink(checkpoints["mistral"] / "model.safetensors", wrong / "model.safetensors")
     with pytest.raises(PretrainedError, match=r"gate_proj.weight' has shape \[128, 64\], and config.json implies \[96, 64\]"):
         open_pretrained(wrong)
+
+
+def test_an_moe_model_born_in_shardlib_exports_as_mixtral(tokens, tmp_path):
+    """A top-2 MoE model made by shardlib (random init, renormalised gates: what Mixtral computes) is
+    written as MixtralForCausalLM, each expert's w1 / w3 / w2 its own tensor, and transformers' logits of
+    the export equal shardlib's within 1e-4; a top-1 one (its gate the softmax probability) and a
+    shared expert are refused by name rather than written as a Mixtral that computes otherwise."""
+    from shardlib.models import MoEGPT
+
+    config = MoEConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=16, n_experts=4,
+                       top_k=2, dropless=True, remat=False)
+    with nnx.use_eager_sharding(False):
+        model = MoEGPT(config, rngs=nnx.Rngs(1))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    got = np.asarray(model(jnp.asarray(tokens)))
+    written = save_pretrained(params, config, tmp_path / "mixtral", dtype="f32")
+    assert written.architecture == "MixtralForCausalLM"
+    assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in open_pretrained(tmp_path / "mixtral").files
+    np.testing.assert_allclose(_reference_logits(tmp_path / "mixtral", tokens), got, atol=1e-4, rtol=0)
+    for change, message in (({"top_k": 1}, "top_k=1 gates not renormalised"), ({"shared_d_ff": 8}, "a shared expert")):
+        with pytest.raises(arch_lib.UnsupportedModel, match=message):
+            save_pretrained(params, dataclasses.replace(config, **change), tmp_path / "refused", dtype="f32")
+    assert not (tmp_path / "refused").exists()
 
 
 def test_completion_only_loss_counts_the_masked_targets(tokens):

@@ -79,11 +79,12 @@ def test_generate_equals_transformers_greedy(workspace, trained, capsys, source)
     assert len(set(out)) > 1 or source == "run"  # the random model's continuation is not one repeated token
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma2", "gemma3", "mixtral"])
 def test_generate_from_a_windowed_or_new_family_checkpoint_equals_transformers_greedy(workspace, capsys, name):
     """Issue 46: `shardlib generate --from DIR` (zero3 over 8 devices) on transformers-written Qwen3,
-    Gemma 2 and Gemma 3 checkpoints (`tests/test_hf.py`'s rows: sliding windows of 6, shorter than
-    the prompt plus continuation) prints transformers' greedy continuation, token for token."""
+    Gemma 2, Gemma 3 and Mixtral checkpoints (`tests/test_hf.py`'s rows: sliding windows of 6, shorter
+    than the prompt plus continuation; Mixtral's 4 experts, top 2, dropless) prints transformers' greedy
+    continuation, token for token."""
     from tests.test_hf import _save
 
     directory = _save(name, workspace / f"family-{name}")

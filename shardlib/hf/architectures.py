@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from shardlib.models import GPTConfig
+from shardlib.models import GPTConfig, MoEConfig
 from shardlib.models import rope_scaling as rope_scaling_lib
 from shardlib.models.configs import RopeScaling
 
@@ -43,6 +43,8 @@ class Architecture:
     qk_norm: bool = False  # RMSNorm of each head's queries and keys before the rotation (Qwen3)
     gemma2: bool = False  # soft-capping, query_pre_attn_scalar, sliding/full layer_types, sandwich norms
     gemma3: bool = False  # Gemma 2's layers without soft-caps by default, a local rope base on sliding layers
+    moe: str | None = None  # the experts' tensor layout (`MOE_TENSORS`: "mixtral" or "qwen"); None: a dense MLP
+    fused: bool = False  # q/k/v in one qkv_proj, gate and up in one gate_up_proj (Phi-3)
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -55,6 +57,13 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("Gemma3ForCausalLM", "gemma3_text", tie_embeddings=True, gemma=True, gemma2=True, gemma3=True,
                  qk_norm=True),
     Architecture("Qwen3ForCausalLM", "qwen3", tie_embeddings=False, qk_norm=True,
+                 sliding_window_key="sliding_window", sliding_window_switch="use_sliding_window"),
+    Architecture("Phi3ForCausalLM", "phi3", tie_embeddings=False, sliding_window_key="sliding_window", fused=True),
+    Architecture("MixtralForCausalLM", "mixtral", tie_embeddings=False, sliding_window_key="sliding_window",
+                 moe="mixtral"),
+    Architecture("Qwen2MoeForCausalLM", "qwen2_moe", tie_embeddings=False, qkv_bias=True, moe="qwen",
+                 sliding_window_key="sliding_window", sliding_window_switch="use_sliding_window"),
+    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", tie_embeddings=False, qk_norm=True, moe="qwen",
                  sliding_window_key="sliding_window", sliding_window_switch="use_sliding_window"),
 )}
 
@@ -148,6 +157,10 @@ def to_gpt_config(config: Mapping[str, Any], source: str, *, seq_len: int | None
             raise UnsupportedModel(f"{source}: {field}={config[field]!r} is not supported (shardlib reproduces "
                                    f"{field}={value!r})")
     rope, local_theta = gemma3_rope(config, source) if arch.gemma3 else (rope_parameters(config), None)
+    if arch.fused and rope.get("rope_type", "default") != "default":  # transformers reads su / yarn as longrope
+        raise UnsupportedModel(f"{source}: Phi-3's rope type {rope.get('rope_type')!r} (its LongRoPE: short / long "
+                               "factors) is not supported; shardlib reproduces Phi-3 with the default rope (the 4k "
+                               "models)")
     if rope.get("rope_type", "default") not in ROPE_TYPES:
         raise UnsupportedModel(f"{source}: rope type {rope.get('rope_type')!r} is not supported; shardlib reproduces "
                                f"{' and '.join(ROPE_TYPES)}")
@@ -161,19 +174,21 @@ def to_gpt_config(config: Mapping[str, Any], source: str, *, seq_len: int | None
                                f"{', '.join(activations)}")
     d, heads = _int(config, "hidden_size", source), _int(config, "num_attention_heads", source)
     head_dim = config.get("head_dim")
-    return GPTConfig(
+    moe = moe_fields(arch, config, source) if arch.moe else {}
+    return (MoEConfig if moe else GPTConfig)(
+        **moe,
         vocab_size=_int(config, "vocab_size", source),
         d_model=d,
         n_layers=_int(config, "num_hidden_layers", source),
         n_heads=heads,
         n_kv_heads=config.get("num_key_value_heads") or heads,
-        d_ff=_int(config, "intermediate_size", source),
+        d_ff=_int(config, "moe_intermediate_size" if arch.moe == "qwen" else "intermediate_size", source),
         max_seq_len=config.get("max_position_embeddings", 2048),  # checked by FIELD_RULES
         rope_theta=float(rope.get("rope_theta", 10_000.0)),
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         attention_head_dim=head_dim if head_dim and head_dim != d // heads else None,
         tie_embeddings=bool(config.get("tie_word_embeddings", arch.tie_embeddings)),
-        qkv_bias=arch.qkv_bias,
+        qkv_bias=arch.qkv_bias and config.get("qkv_bias", True) is not False,  # Qwen2-MoE names it
         norm_offset=1.0 if arch.gemma else 0.0,
         embed_scale=arch.gemma,
         mlp_activation=activations[act],
@@ -183,6 +198,34 @@ def to_gpt_config(config: Mapping[str, Any], source: str, *, seq_len: int | None
         local_rope_theta=local_theta,
         **({"layer_windows": windows} if windows else {}),
     )
+
+
+def moe_fields(arch: Architecture, config: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The `MoEConfig` fields of Mixtral's / Qwen's MoE config.json: the routing as transformers
+    computes it (softmax over the experts in float32, top-k, the gates renormalised always for
+    Mixtral, by ``norm_topk_prob`` for Qwen), dropless (transformers drops nothing), Qwen2-MoE's
+    shared expert; the router's balance loss only where transformers adds one
+    (``output_router_logits``), no z-loss. Dense layers among the sparse ones, and router jitter,
+    are refused by name."""
+    # Mixtral's name, Qwen's (which transformers 5 writes as Mixtral's for Qwen3-MoE)
+    experts_key = "num_experts" if arch.moe == "qwen" and "num_experts" in config else "num_local_experts"
+    if config.get("router_jitter_noise"):
+        raise UnsupportedModel(f"{source}: router_jitter_noise={config['router_jitter_noise']!r} is not supported "
+                               "(shardlib's router adds no noise in training): set it to 0")
+    if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
+        raise UnsupportedModel(f"{source}: decoder_sparse_step={config.get('decoder_sparse_step', 1)!r} / "
+                               f"mlp_only_layers={config.get('mlp_only_layers')!r} make some layers dense, which "
+                               "shardlib's MoE decoder does not build (every layer routed): decoder_sparse_step 1, "
+                               "mlp_only_layers []")
+    shared = config.get("shared_expert_intermediate_size") if arch.model_type == "qwen2_moe" else 0
+    if shared is not None and (not isinstance(shared, int) or shared < 0):
+        raise UnsupportedModel(f"{source}: shared_expert_intermediate_size must be a non-negative integer, got {shared!r}")
+    norm = True if arch.moe == "mixtral" else config.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise UnsupportedModel(f"{source}: norm_topk_prob must be true or false, got {norm!r}")
+    aux = config.get("router_aux_loss_coef", 0.001) if config.get("output_router_logits") else 0.0
+    return dict(n_experts=_int(config, experts_key, source), top_k=_int(config, "num_experts_per_tok", source),
+                dropless=True, norm_topk_prob=norm, shared_d_ff=shared or 0, aux_loss_coef=float(aux), z_loss_coef=0.0)
 
 
 def gemma3_rope(config: Mapping[str, Any], source: str) -> tuple[dict[str, Any], float]:
@@ -328,7 +371,7 @@ def from_gpt_config(config: GPTConfig, arch: Architecture | None = None, base: M
                     dtype: str = "float32") -> dict[str, Any]:
     """A ``config.json`` for ``config``: ``base`` (the imported one, its other fields kept) updated
     with every field that `to_gpt_config` reads, or a Llama config for a model born in shardlib."""
-    arch = arch or ARCHITECTURES["LlamaForCausalLM"]
+    arch = arch or export_architecture(config)
     rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
     if config.rope_scaling is not None and not isinstance(config.rope_scaling, RopeScaling):
         rope.update(config.rope_scaling.to_hf())
@@ -358,9 +401,45 @@ def from_gpt_config(config: GPTConfig, arch: Architecture | None = None, base: M
                    layer_types=[LAYER_TYPES[0] if w else LAYER_TYPES[1] for w in windows])
         if any(windows):
             out.update(sliding_window=max(windows))
+    if arch.moe:
+        out.update(moe_config_fields(config, arch, base))
     if arch.gemma3:  # both of transformers 5's nested rope and 4.x's fields
         out.update(rope_parameters={"full_attention": rope, "sliding_attention": {
             "rope_type": "default", "rope_theta": config.local_rope_theta}}, rope_local_base_freq=config.local_rope_theta)
+    return out
+
+
+def export_architecture(config: GPTConfig) -> Architecture:
+    """The architecture a model born in shardlib is written as: Llama, or Mixtral for an MoE
+    decoder whose routing Mixtral computes (gates renormalised, no shared expert, plain attention);
+    an MoE decoder no transformers class reproduces is refused by name."""
+    if not isinstance(config, MoEConfig):
+        return ARCHITECTURES["LlamaForCausalLM"]
+    why = [what for what, differs in (
+        (f"top_k={config.top_k} gates not renormalised (norm_topk_prob), which Mixtral always does",
+         not config.renormalizes), ("a shared expert", config.shared_d_ff > 0),
+        ("q/k norms", config.qk_norm), ("q/k/v biases", config.qkv_bias)) if differs]
+    if why:
+        raise UnsupportedModel(f"this MoE model has {why[0]}: MixtralForCausalLM, the layout of an MoE model born in "
+                               "shardlib, would compute it differently (an imported Qwen MoE exports as itself)")
+    return ARCHITECTURES["MixtralForCausalLM"]
+
+
+def moe_config_fields(config: MoEConfig, arch: Architecture, base: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The MoE fields of a Mixtral / Qwen MoE config.json, as `moe_fields` reads them back."""
+    out: dict[str, Any] = {"num_experts_per_tok": config.top_k, "router_jitter_noise": 0.0,
+                           "output_router_logits": bool(config.aux_loss_coef)}
+    if config.aux_loss_coef:
+        out["router_aux_loss_coef"] = config.aux_loss_coef
+    if arch.moe == "mixtral" or "num_local_experts" in (base or {}):
+        out["num_local_experts"] = config.n_experts
+    if arch.moe == "mixtral":
+        return out
+    out.update(num_experts=config.n_experts, moe_intermediate_size=config.d_ff, norm_topk_prob=config.renormalizes,
+               decoder_sparse_step=1, mlp_only_layers=[],
+               intermediate_size=(base or {}).get("intermediate_size", config.d_ff))  # the (unused) dense layers'
+    if arch.model_type == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=config.shared_d_ff, qkv_bias=config.qkv_bias)
     return out
 
 
@@ -420,6 +499,20 @@ class TensorMap:
     placement: Placement
     per_layer: bool = True
     when: Callable[[GPTConfig], bool] = lambda config: True
+    per_expert: bool = False  # stacked over the layers and the experts: one tensor per layer ``{i}`` and expert ``{j}``
+    # Parameters whose checkpoint rows follow each other in one tensor (Phi-3's qkv_proj), in order;
+    # ``row_offset``: where this one's rows start (`fused_maps` sets it from the shapes)
+    fused: tuple[str, ...] = ()
+    row_offset: int = 0
+
+    @property
+    def stacked(self) -> int:
+        """How many leading dims of the parameter index its checkpoint tensors (layers, experts)."""
+        return 2 if self.per_expert else int(self.per_layer)
+
+    def hf_name(self, index: tuple[int, ...]) -> str:
+        """The checkpoint tensor at ``index`` (layer, expert) of the stacked dims."""
+        return self.name.format(**dict(zip("ij", index)))
 
 
 TENSORS: tuple[TensorMap, ...] = (
@@ -443,19 +536,78 @@ TENSORS: tuple[TensorMap, ...] = (
               when=lambda c: c.sandwich_norm),
     TensorMap("blocks/mlp_post_norm/scale", "model.layers.{i}.post_feedforward_layernorm.weight", SAME_1D,
               when=lambda c: c.sandwich_norm),
-    TensorMap("blocks/mlp/w_gate", "model.layers.{i}.mlp.gate_proj.weight", LINEAR),
-    TensorMap("blocks/mlp/w_up", "model.layers.{i}.mlp.up_proj.weight", LINEAR),
-    TensorMap("blocks/mlp/w_down", "model.layers.{i}.mlp.down_proj.weight", LINEAR),
+    TensorMap("blocks/mlp/w_gate", "model.layers.{i}.mlp.gate_proj.weight", LINEAR, when=lambda c: not _is_moe(c)),
+    TensorMap("blocks/mlp/w_up", "model.layers.{i}.mlp.up_proj.weight", LINEAR, when=lambda c: not _is_moe(c)),
+    TensorMap("blocks/mlp/w_down", "model.layers.{i}.mlp.down_proj.weight", LINEAR, when=lambda c: not _is_moe(c)),
     TensorMap("final_norm/scale", "model.norm.weight", SAME_1D, per_layer=False),
     TensorMap("lm_head", "lm_head.weight", LINEAR, per_layer=False, when=lambda c: not c.tie_embeddings),
 )
 
 
-def tensors_for(config: GPTConfig) -> list[TensorMap]:
-    """The `TENSORS` a model of ``config`` has."""
-    return [t for t in TENSORS if t.when(config)]
+def _is_moe(config: GPTConfig) -> bool:
+    return isinstance(config, MoEConfig)
 
 
-def hf_names(t: TensorMap, n_layers: int) -> list[str]:
-    """The checkpoint tensor(s) behind ``t``: one a layer when it is stacked."""
-    return [t.name.format(i=i) for i in range(n_layers)] if t.per_layer else [t.name]
+def _moe_maps(layer: str, router: str, experts: tuple[str, str, str], shared: str | None = None) -> tuple[TensorMap, ...]:
+    """An MoE layer's tensors under ``model.layers.{i}.<layer>``: the router ``[E, d]``, each expert's
+    gate / up / down projections (``experts.{j}.<name>.weight``), and a shared expert with its gate."""
+    prefix = f"model.layers.{{i}}.{layer}"
+    maps = [TensorMap("blocks/moe/router/w_router", f"{prefix}.{router}.weight", LINEAR)]
+    maps += [TensorMap(f"blocks/moe/experts/{w}", f"{prefix}.experts.{{j}}.{name}.weight", LINEAR, per_expert=True)
+             for w, name in zip(("w_gate", "w_up", "w_down"), experts)]
+    if shared:
+        maps += [TensorMap(f"blocks/moe/shared/{w}", f"{prefix}.{shared}.{name}.weight", LINEAR,
+                           when=lambda c: c.shared_d_ff > 0)
+                 for w, name in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))]
+        maps.append(TensorMap("blocks/moe/shared_gate", f"{prefix}.{shared}_gate.weight", LINEAR,
+                              when=lambda c: c.shared_d_ff > 0))
+    return tuple(maps)
+
+
+# Each MoE layout's tensors (`Architecture.moe`): Mixtral's w1 / w3 / w2 are gate / up / down.
+MOE_TENSORS: dict[str, tuple[TensorMap, ...]] = {
+    "mixtral": _moe_maps("block_sparse_moe", "gate", ("w1", "w3", "w2")),
+    "qwen": _moe_maps("mlp", "gate", ("gate_proj", "up_proj", "down_proj"), shared="shared_expert"),
+}
+
+
+def _fused_maps() -> dict[str, TensorMap]:
+    """Phi-3's fused projections: q, k, v rows stacked in ``qkv_proj``, gate then up in ``gate_up_proj``."""
+    qkv, gate_up = ("blocks/attn/wq", "blocks/attn/wk", "blocks/attn/wv"), ("blocks/mlp/w_gate", "blocks/mlp/w_up")
+    maps = {p: TensorMap(p, "model.layers.{i}.self_attn.qkv_proj.weight", TO_HEADS, fused=qkv) for p in qkv}
+    return {**maps, **{p: TensorMap(p, "model.layers.{i}.mlp.gate_up_proj.weight", LINEAR, fused=gate_up)
+                       for p in gate_up}}
+
+
+FUSED_TENSORS = _fused_maps()
+
+
+def fused_maps(maps: list[TensorMap], shapes: Mapping[str, tuple[int, ...]]) -> list[TensorMap]:
+    """``maps`` with each fused part's ``row_offset``: the checkpoint rows of the parts before it,
+    from the parameters' ``shapes``."""
+    rows = lambda p: FUSED_TENSORS[p].placement.hf_shape(tuple(shapes[p][1:]))[0]  # noqa: E731
+    return [dataclasses.replace(t, row_offset=sum(rows(p) for p in t.fused[:t.fused.index(t.path)]))
+            if t.fused else t for t in maps]
+
+
+def tensors_for(config: GPTConfig, arch: Architecture | None = None) -> list[TensorMap]:
+    """The `TENSORS` a model of ``config`` has; an MoE model's experts in ``arch``'s layout
+    (default: the architecture it is exported as, `export_architecture`)."""
+    maps = [t for t in TENSORS if t.when(config)]
+    if arch is not None and arch.fused:
+        maps = [FUSED_TENSORS.get(t.path, t) for t in maps]
+    if _is_moe(config):
+        layout = (arch or export_architecture(config)).moe
+        if layout is None:
+            raise UnsupportedModel(f"{arch.name} has no experts: an MoE model cannot be written as one")
+        at = next(k for k, t in enumerate(maps) if t.path == "final_norm/scale")  # after the layers' other tensors
+        maps[at:at] = [t for t in MOE_TENSORS[layout] if t.when(config)]
+    return maps
+
+
+def hf_names(t: TensorMap, n_layers: int = 0, n_experts: int = 0) -> list[str]:
+    """The checkpoint tensor(s) behind ``t``: one a layer when it is stacked, one a layer and expert
+    for an expert's."""
+    if t.per_expert:
+        return [t.hf_name((i, j)) for i in range(n_layers) for j in range(n_experts)]
+    return [t.hf_name((i,)) for i in range(n_layers)] if t.per_layer else [t.name]

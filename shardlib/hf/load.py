@@ -119,14 +119,17 @@ def _tensor_files(directory: Path) -> dict[str, TensorFile]:
     raise PretrainedError(f"{directory} has neither {SINGLE} nor {INDEX}{hint}")
 
 
-def _expected(config: GPTConfig) -> dict[str, tuple[arch_lib.TensorMap, tuple[int, ...]]]:
+def _expected(config: GPTConfig, arch: arch_lib.Architecture | None = None
+              ) -> dict[str, tuple[arch_lib.TensorMap, tuple[int, ...]]]:
     """Checkpoint tensor name -> (its map, the shape it must have) for a model of ``config``."""
     shapes = _param_shapes(config)
     expected = {}
-    for t in arch_lib.tensors_for(config):
-        layer_shape = shapes[t.path][1:] if t.per_layer else shapes[t.path]
-        for name in arch_lib.hf_names(t, config.n_layers):
-            expected[name] = (t, t.placement.hf_shape(layer_shape))
+    for t in arch_lib.tensors_for(config, arch):
+        shape = t.placement.hf_shape(shapes[t.path][t.stacked:])
+        if t.fused:  # one tensor for all the parts: their rows together
+            shape = (sum(arch_lib.FUSED_TENSORS[p].placement.hf_shape(shapes[p][1:])[0] for p in t.fused), *shape[1:])
+        for name in arch_lib.hf_names(t, *shapes[t.path][:t.stacked]):
+            expected[name] = (t, shape)
     return expected
 
 
@@ -140,7 +143,7 @@ def _check_layer_count(directory: Path, config: GPTConfig, files: dict[str, Tens
 
 
 def _check_tensors(pretrained: Pretrained) -> None:
-    expected = _expected(pretrained.model_config)
+    expected = _expected(pretrained.model_config, pretrained.architecture)
     missing = [name for name in expected if name not in pretrained.files]
     if missing:
         raise PretrainedError(f"{pretrained.directory} lacks {len(missing)} tensor(s) its config.json implies, first "
@@ -182,7 +185,8 @@ def load_params(pretrained: Pretrained, shardings: Any, dtype: Any = np.float32)
     flat, treedef = jax.tree_util.tree_flatten_with_path(shardings)
     by_path = {path_str(path): sharding for path, sharding in flat}
     shapes = _param_shapes(pretrained.model_config)
-    maps = {t.path: t for t in arch_lib.tensors_for(pretrained.model_config)}
+    maps = {t.path: t for t in arch_lib.fused_maps(arch_lib.tensors_for(pretrained.model_config,
+                                                                         pretrained.architecture), shapes)}
     if set(by_path) != set(maps):
         raise PretrainedError(f"the shardings given are not those of {pretrained.describe()}: they name "
                               f"{sorted(set(by_path) ^ set(maps))[:3]}")

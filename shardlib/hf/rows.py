@@ -48,34 +48,40 @@ def _parameter(pretrained: Any, t: Any, shape: tuple[int, ...], sharding: Any, d
     one layer's conversion in flight, not the whole parameter's."""
     from shardlib.hf.architectures import hf_names
 
-    names = hf_names(t, shape[0]) if t.per_layer else [t.name]
-    layer_shape = shape[1:] if t.per_layer else shape
+    stacked = tuple(shape[:t.stacked])  # (layers,) or (layers, experts): one checkpoint tensor each
+    names = hf_names(t, *stacked)
+    layer_shape = tuple(shape[t.stacked:])
     rows = _rows_sharding(sharding)
-    hf_rows = pretrained.files[names[0]].shape(names[0])[0]
-    read = lambda name: _rows(pretrained.files[name], name, rows, pool)
+    part = t.placement.hf_shape(layer_shape)[0] if t.fused else None  # Phi-3's q, k, v in one qkv_proj
+    hf_rows = part or pretrained.files[names[0]].shape(names[0])[0]
+    read = lambda name: _rows(pretrained.files[name], name, rows, pool, t.row_offset, part)
     spec = tuple(sharding.spec) + (None,) * len(shape) if isinstance(sharding, NamedSharding) else ()
-    if not t.per_layer or not spec or spec[0] is not None:  # whole (a split layer dim: the stack at once)
-        assemble = _assembler(t.placement.groups, layer_shape, t.per_layer, len(names), hf_rows, np.dtype(dtype),
-                              sharding)
+    if not t.stacked or not spec or spec[0] is not None:  # whole (a split layer dim: the stack at once)
+        assemble = _assembler(t.placement.groups, layer_shape, stacked, hf_rows, np.dtype(dtype), sharding)
         return assemble(*[read(name) for name in names])
-    layer = NamedSharding(sharding.mesh, P(*spec[1:len(shape)]))
-    assemble = _assembler(t.placement.groups, layer_shape, False, 1, hf_rows, np.dtype(dtype), layer)
-    empty, put = _stacker(shape, np.dtype(dtype), sharding)
+    layer = NamedSharding(sharding.mesh, P(*spec[t.stacked:len(shape)]))
+    assemble = _assembler(t.placement.groups, layer_shape, (), hf_rows, np.dtype(dtype), layer)
+    empty, put = _stacker(tuple(shape), np.dtype(dtype), sharding, t.stacked)
     stack = empty()
-    for i, name in enumerate(names):
-        stack = put(stack, assemble(read(name)), i)
+    for index, name in zip(np.ndindex(*stacked), names):
+        stack = put(stack, assemble(read(name)), *index)
         stack.block_until_ready()  # this layer's rows freed before the next layer's are read
     return stack
 
 
 @functools.lru_cache(maxsize=None)
-def _stacker(shape: tuple[int, ...], dtype: np.dtype, sharding: Any):
-    """(``empty()``: a stack of zeros in ``sharding``, ``put(stack, layer, i)``: layer i written into it in place)."""
+def _stacker(shape: tuple[int, ...], dtype: np.dtype, sharding: Any, stacked: int = 1):
+    """(``empty()``: a stack of zeros in ``sharding``, ``put(stack, layer, *index)``: the layer (or a
+    layer's expert) at ``index`` of the ``stacked`` leading dims written into it in place)."""
     import jax.numpy as jnp
 
     empty = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    put = jax.jit(lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0),
-                  out_shardings=sharding, donate_argnums=0)
+
+    def write(stack, layer, *index):
+        at = (*index, *(0,) * (len(shape) - stacked))
+        return jax.lax.dynamic_update_slice(stack, layer.reshape((1,) * stacked + layer.shape), at)
+
+    put = jax.jit(write, out_shardings=sharding, donate_argnums=0)
     return empty, put
 
 
@@ -87,16 +93,19 @@ def _rows_sharding(sharding: Any) -> NamedSharding:
     return NamedSharding(jax.sharding.Mesh(np.array(devices), ("rows",)), P("rows"))
 
 
-def _rows(file: Any, name: str, rows: NamedSharding, pool: ThreadPoolExecutor) -> jax.Array:
-    """``name`` split by rows over ``rows``' devices (padded with zero rows to an even split), each
-    process reading and placing only its devices' rows, in the file's dtype."""
+def _rows(file: Any, name: str, rows: NamedSharding, pool: ThreadPoolExecutor, start: int = 0,
+          count: int | None = None) -> jax.Array:
+    """``name`` (its rows ``start`` to ``start + count``: one part of a fused tensor) split by rows
+    over ``rows``' devices (padded with zero rows to an even split), each process reading and placing
+    only its devices' rows, in the file's dtype."""
     shape = file.shape(name)
+    count = shape[0] if count is None else count
     devices = list(rows.mesh.devices.flat)
-    chunk = -(-shape[0] // len(devices))
+    chunk = -(-count // len(devices))
     me = jax.process_index()
 
     def place(k: int) -> jax.Array:
-        block = file.read_rows(name, k * chunk, (k + 1) * chunk)
+        block = file.read_rows(name, start + min(k * chunk, count), start + min((k + 1) * chunk, count))
         if block.shape[0] < chunk:  # the last rows: padding, cut off on the device
             block = np.concatenate([block, np.zeros((chunk - block.shape[0], *shape[1:]), block.dtype)])
         return jax.device_put(block, devices[k])
@@ -107,11 +116,11 @@ def _rows(file: Any, name: str, rows: NamedSharding, pool: ThreadPoolExecutor) -
 
 
 @functools.lru_cache(maxsize=None)
-def _assembler(groups: tuple[tuple[int, ...], ...], layer_shape: tuple[int, ...], per_layer: bool, layers: int,
+def _assembler(groups: tuple[tuple[int, ...], ...], layer_shape: tuple[int, ...], stacked: tuple[int, ...],
                hf_rows: int, dtype: np.dtype, sharding: Any):
     """The compiled program turning the row-split checkpoint tensor(s) of one parameter into it:
-    padding cut, converted to ``dtype``, reordered into shardlib's layout, layers stacked,
-    resharded to ``sharding``."""
+    padding cut, converted to ``dtype``, reordered into shardlib's layout, stacked into the
+    ``stacked`` leading dims (layers, experts; () for one tensor), resharded to ``sharding``."""
     order = [d for group in groups for d in group]
     inverse = [order.index(d) for d in range(len(layer_shape))]
 
@@ -123,7 +132,7 @@ def _assembler(groups: tuple[tuple[int, ...], ...], layer_shape: tuple[int, ...]
         import jax.numpy as jnp
 
         ys = [one(x) for x in parts]
-        return jnp.stack(ys) if per_layer else ys[0]
+        return jnp.stack(ys).reshape(stacked + tuple(layer_shape)) if stacked else ys[0]
 
     assert math.prod(layer_shape) and len(order) == len(layer_shape)
     return jax.jit(assemble, out_shardings=sharding)

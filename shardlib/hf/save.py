@@ -64,12 +64,16 @@ class HfExport:
     largest_tensor_bytes: int
 
 
-def _tensor_order(config: GPTConfig) -> Iterator[tuple[arch_lib.TensorMap, int | None]]:
-    """(map, layer) in the order transformers lays a checkpoint out: embedding, layer by layer, head."""
-    maps = arch_lib.tensors_for(config)
+def _tensor_order(config: GPTConfig, arch: arch_lib.Architecture
+                  ) -> Iterator[tuple[arch_lib.TensorMap, tuple[int, ...] | None]]:
+    """(map, index of its stacked dims) in the order transformers lays a checkpoint out:
+    embedding, layer by layer (an MoE layer's experts one by one), head."""
+    maps = arch_lib.tensors_for(config, arch)
+    experts = getattr(config, "n_experts", 0)
     yield from ((t, None) for t in maps if not t.per_layer and t.path == "embedding")
     for i in range(config.n_layers):
-        yield from ((t, i) for t in maps if t.per_layer)
+        for t in (t for t in maps if t.per_layer):
+            yield from (((t, (i, j)) for j in range(experts)) if t.per_expert else [(t, (i,))])
     yield from ((t, None) for t in maps if not t.per_layer and t.path != "embedding")
 
 
@@ -97,15 +101,17 @@ def save_pretrained(params: Mapping[str, Any], config: GPTConfig, out: str | os.
     Call on every process of a job (the gathers are collective); process 0 writes."""
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"export dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
-    arch = arch_lib.ARCHITECTURES[architecture or "LlamaForCausalLM"]
+    arch = arch_lib.ARCHITECTURES[architecture] if architecture else arch_lib.export_architecture(config)
     out_dir = check_target(out)
     np_dtype = EXPORT_DTYPES[dtype]
-    order = list(_tensor_order(config))
+    # a fused tensor (Phi-3's qkv_proj) is written once, at its first part, holding every part's rows
+    order = [(t, layer) for t, layer in _tensor_order(config, arch) if not t.fused or t.fused[0] == t.path]
+    parts = {t.path: t for t in arch_lib.tensors_for(config, arch)}
     entries = []
     for t, layer in order:
-        shape = tuple(_leaf(params, t.path).shape)
-        entries.append((t.name.format(i=layer) if layer is not None else t.name, np_dtype,
-                        t.placement.hf_shape(shape[1:] if t.per_layer else shape)))
+        hf_shapes = [parts[p].placement.hf_shape(tuple(_leaf(params, p).shape)[t.stacked:]) for p in t.fused or [t.path]]
+        entries.append((t.hf_name(layer) if layer is not None else t.name, np_dtype,
+                        (sum(s[0] for s in hf_shapes), *hf_shapes[0][1:])))
     files = _assign_files(entries, max_shard_bytes)
     main = jax.process_index() == 0
     # ours=: the staging directories of exports killed before they were renamed (kill -9, SIGTERM)
@@ -114,13 +120,14 @@ def save_pretrained(params: Mapping[str, Any], config: GPTConfig, out: str | os.
     try:
         writers = _open_writers(staging, entries, files) if main else {}
         for (t, layer), (name, _, _) in zip(order, entries):
-            leaf = _leaf(params, t.path)
-            host = to_host(leaf[layer] if layer is not None else leaf)
-            tensor = np.ascontiguousarray(t.placement.to_hf(host).astype(np_dtype))
+            hosts = [to_host(_leaf(params, p)[layer] if layer is not None else _leaf(params, p)) for p in t.fused or [t.path]]
+            tensor = np.ascontiguousarray(np.concatenate(
+                [parts[p].placement.to_hf(h) for p, h in zip(t.fused or [t.path], hosts)]).astype(np_dtype))
+            del hosts
             largest, total = max(largest, tensor.nbytes), total + tensor.nbytes
             if main:
                 writers[files[name]][1].add(name, tensor)
-            del host, tensor
+            del tensor
         if main:
             for file, writer in writers.values():
                 writer.close()

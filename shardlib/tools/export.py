@@ -30,6 +30,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import zipfile
 import zlib
 from collections.abc import Iterator
@@ -472,15 +473,6 @@ def run_model_config(config: dict[str, Any]) -> Any | None:
     return dataclasses.replace(CONFIGS[name], vocab_size=vocab) if isinstance(vocab, int) else CONFIGS[name]
 
 
-def refuse_moe(model_config: Any, source: str, what: str) -> None:
-    """A `CheckpointError` naming ``source`` when ``model_config`` is an MoE decoder's, which
-    ``what`` (the command's limit and what to do instead) cannot take."""
-    from shardlib.models import MoEConfig
-
-    if isinstance(model_config, MoEConfig):
-        raise CheckpointError(f"{source} is a run of a mixture-of-experts model ({model_config.n_experts} experts): {what}")
-
-
 def _params_template(ckpt: Checkpointer, step: int, config: dict[str, Any]) -> Any:
     """The parameter tree to restore into: the model's (checked against the checkpoint), else the saved one."""
     saved = {k.split("/", 1)[1]: v for k, v in ckpt.saved_signature(step).items() if k.startswith("params/")}
@@ -613,12 +605,21 @@ def export_hf(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, 
     check_target(out, ckpt_dir)  # before the restore: a directory it would not replace costs nothing
     step, config, parts = _restore_parts(ckpt_dir, step)
     model_config = run_model_config(config)
-    refuse_moe(model_config, f"{ckpt_dir}", "the Hugging Face export writes the dense decoder's layout (no Mixtral "
-                                            "layout yet): export .npz or .safetensors instead")
     if model_config is None:
         raise CheckpointError(f"{ckpt_dir} is not a run of shardlib's decoder (model {config.get('model')!r}); the "
                               "Hugging Face format needs one: export .npz or .safetensors instead")
     pretrained = config.get("pretrained") or {}
+    if not pretrained.get("architecture"):  # born in shardlib: Llama, or Mixtral for an MoE whose routing it computes
+        from shardlib.hf.architectures import UnsupportedModel, export_architecture
+
+        try:
+            export_architecture(model_config)
+        except UnsupportedModel as err:
+            raise CheckpointError(f"{ckpt_dir}: {err}; export .npz or .safetensors instead") from None
+        if getattr(model_config, "dropless", True) is False:
+            print(f"shardlib: warning: {ckpt_dir} trained its experts with a capacity (capacity_factor "
+                  f"{model_config.capacity_factor}); MixtralForCausalLM runs dropless, so its outputs differ from "
+                  "training's wherever an assignment was dropped", file=sys.stderr)
     params = parts["params"]
     if model_config.lora is not None:  # a LoRA run: its adapters merged into the weights they adapt
         from shardlib.models.lora import merged

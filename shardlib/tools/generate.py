@@ -144,8 +144,7 @@ def _from_run(source: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, st
     import jax
 
     from shardlib.hf.tokenizer import load_tokenizer
-    from shardlib.runtime.checkpoint import CheckpointError
-    from shardlib.tools.export import open_checkpoints, refuse_moe, run_model_config
+    from shardlib.tools.export import open_checkpoints, run_model_config
 
     if not source.is_dir():
         raise GenerateError(f"--from {source}: no such directory (give a run directory or a Hugging Face model directory)")
@@ -154,11 +153,6 @@ def _from_run(source: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, st
         step = ckpt.resolve_step(args.step)
         saved = ckpt.saved_config(step)
         config = run_model_config(saved)
-        try:
-            refuse_moe(config, f"--from {source}", "generate decodes with the dense decoder only; evaluate it with "
-                                                   "shardlib train's validation loss instead")
-        except CheckpointError as err:
-            raise GenerateError(str(err)) from None
         if config is None:
             raise GenerateError(f"--from {source}: its model {saved.get('model')!r} is not shardlib's decoder, which "
                                 "generate runs")
