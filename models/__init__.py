@@ -8,6 +8,7 @@ from .configs import get_config as get_config
 from .configs import param_count as param_count
 from .gpt import GPT as GPT
 from .gpt import build as build
+from .gpt import from_params as _gpt_from_params
 from .decoding import generate as generate
 from .gpt import next_token_loss as next_token_loss
 from .gpt import trainable as _gpt_trainable
@@ -15,6 +16,12 @@ from .mlp import MLP as MLP
 from .mlp import regression_loss as regression_loss
 from .moe import MoEGPT as MoEGPT
 from .moe import trainable as _moe_trainable
+
+
+def from_params(config: GPTConfig, params):
+    """The decoder of ``config`` holding ``params`` (`models.gpt.from_params`): the MoE GPT for an
+    `MoEConfig`, else the GPT."""
+    return _gpt_from_params(config, params, MoEGPT if isinstance(config, MoEConfig) else GPT)
 
 
 def trainable(config: GPTConfig):
@@ -31,6 +38,7 @@ __all__ = [
     "MoEGPT",
     "build",
     "flops_per_token",
+    "from_params",
     "generate",
     "get_config",
     "next_token_loss",

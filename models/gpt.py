@@ -514,15 +514,11 @@ def build(config: GPTConfig, rngs: nnx.Rngs | int = 0) -> GPT:
         return GPT(config, rngs=nnx.Rngs(rngs) if isinstance(rngs, int) else rngs)
 
 
-def from_params(config: GPTConfig, params: Any) -> GPT:
-    """The decoder of ``config`` holding ``params`` (its parameter tree as `shardlib.Model.abstract`
+def from_params(config: GPTConfig, params: Any, cls: type[GPT] | None = None) -> GPT:
+    """The decoder of ``config`` (a ``cls``, default `GPT`; `shardlib.models.from_params` picks the
+    MoE decoder for an `MoEConfig`) holding ``params`` (its parameter tree as `shardlib.Model.abstract`
     lays it out: a checkpoint's, an import's), kept in whatever sharding they have."""
-    from .configs import MoEConfig
-
-    if isinstance(config, MoEConfig):  # the MoE decoder (`models.moe` builds on this module)
-        from .moe import MoEGPT as cls
-    else:
-        cls = GPT
+    cls = cls or GPT
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)

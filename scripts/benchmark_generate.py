@@ -62,7 +62,7 @@ def main() -> int:
     from shardlib.hf.load import load_params, open_pretrained
     from shardlib.models import trainable
     from shardlib.models.decoding import generate
-    from shardlib.models.gpt import from_params
+    from shardlib.models import from_params
     from shardlib.sharding.layout import make_layout
     from shardlib.sharding.mesh import make_mesh
 

@@ -27,7 +27,7 @@ from shardlib.cli import main  # noqa: E402
 from shardlib.hf.load import load_params, open_pretrained  # noqa: E402
 from shardlib.models import GPTConfig, build, trainable  # noqa: E402
 from shardlib.models.decoding import generate, left_pad, prefill  # noqa: E402
-from shardlib.models.gpt import from_params  # noqa: E402
+from shardlib.models import from_params  # noqa: E402
 from shardlib.run.sampling import sample_text  # noqa: E402
 from shardlib.sharding.layout import make_layout  # noqa: E402
 from shardlib.sharding.mesh import make_mesh  # noqa: E402

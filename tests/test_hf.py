@@ -40,7 +40,8 @@ from shardlib.hf.load import PretrainedError, load_params, open_pretrained  # no
 from shardlib.hf.save import save_pretrained  # noqa: E402
 from shardlib.models import MoEConfig, trainable  # noqa: E402
 from shardlib.models.decoding import generate  # noqa: E402
-from shardlib.models.gpt import from_params, next_token_loss  # noqa: E402
+from shardlib.models import from_params  # noqa: E402
+from shardlib.models.gpt import next_token_loss  # noqa: E402
 from shardlib.models.moe import moe_loss  # noqa: E402
 
 VOCAB = 256

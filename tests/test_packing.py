@@ -16,7 +16,8 @@ from flax import nnx
 
 from shardlib.cli import main
 from shardlib.models import CONFIGS, gpt
-from shardlib.runtime.packing import KEYS, PackedBatches, best_fit, pack, pad_fraction
+from shardlib.runtime.packing import KEYS, PackedBatches, best_fit, pack
+from shardlib.runtime.rows import pad_fraction
 from shardlib.runtime.rows import RowBatches
 
 SEQ = 32

@@ -33,7 +33,7 @@ class PretrainedModel:
     source: Pretrained
 
     def module(self) -> Any:
-        from shardlib.models.gpt import from_params
+        from shardlib.models import from_params
 
         return from_params(self.config, self.params)
 

@@ -1,4 +1,4 @@
-"""The Hugging Face architectures shardlib reads and writes, as data.
+"""The Hugging Face architectures shardlib reads and writes, as data (over 600 lines: one table of families and their tensors, read and written from the same rows).
 
 Each `Architecture` says how a ``config.json`` becomes a `GPTConfig` (the reference decoder has
 the Llama family's maths: RMSNorm, rotary attention in the ``rotate_half`` layout, GQA, a gated

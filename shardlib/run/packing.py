@@ -33,7 +33,8 @@ def apply(config: TrainConfig, train: Any, val: Any, *, main: bool) -> tuple[Any
     if not isinstance(train, tuple):
         raise TrainConfigError("pack", "packs the examples of a .jsonl (instruction or chat rows); text and token "
                                        "files are read as full windows of --seq-len tokens, with no padding: drop --pack")
-    from shardlib.runtime.packing import pack, pad_fraction
+    from shardlib.runtime.packing import pack
+    from shardlib.runtime.rows import pad_fraction
 
     packed_train, packed_val = pack(*train), pack(*val)
     if main and config.verbose:

@@ -92,12 +92,6 @@ def pack(tokens: np.ndarray, mask: np.ndarray, lengths: np.ndarray) -> Packed:
     return out
 
 
-def pad_fraction(lengths: np.ndarray, seq_len: int) -> float:
-    """Padding positions over all positions of padded rows holding examples of ``lengths`` tokens."""
-    real = np.minimum(np.asarray(lengths, np.int64), seq_len + 1) - 1
-    return float(1.0 - np.clip(real, 0, None).sum() / (len(real) * seq_len))
-
-
 def _take(packed: Packed, picked: np.ndarray) -> dict[str, np.ndarray]:
     return {key: array[picked] for key, array in zip(KEYS, packed)}
 

@@ -42,8 +42,6 @@ class RowBatches(ByteBatches):
     def pad_fraction(self, step: int) -> float | None:
         """Padding positions over all positions of the global batch of ``step`` (0-based); None
         without the examples' lengths."""
-        from shardlib.runtime.packing import pad_fraction
-
         return None if self.lengths is None else pad_fraction(self.lengths[self._picked(step)], self.seq_len)
 
     def _picked(self, step: int) -> np.ndarray:
@@ -77,3 +75,9 @@ def evenly_spaced(n: int, global_batch_size: int, num_batches: int, *, process_i
     picked = np.linspace(0, n - 1, num=count * global_batch_size).round().astype(np.int64)
     rows = local_rows(global_batch_size, process_index, process_count)
     return [step[rows] for step in picked.reshape(count, -1)]
+
+
+def pad_fraction(lengths: np.ndarray, seq_len: int) -> float:
+    """Padding positions over all positions of padded rows holding examples of ``lengths`` tokens."""
+    real = np.minimum(np.asarray(lengths, np.int64), seq_len + 1) - 1
+    return float(1.0 - np.clip(real, 0, None).sum() / (len(real) * seq_len))

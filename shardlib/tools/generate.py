@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from shardlib.models.decoding import generate, until_stop
-    from shardlib.models.gpt import from_params
+    from shardlib.models import from_params
 
     config, params, tokenizer, what, stops = load_for_generation(args)
     ids = np.asarray(tokenizer.encode(args.prompt) if tokenizer is not None else list(args.prompt.encode()), np.int32)
