@@ -1,6 +1,13 @@
 """XLA:CPU flags that only make the tests' small programs compile faster, for the test process
 and every process it starts (a CLI run, a worker): no LLVM optimisation passes, and the
 elemental emitters instead of the fusion emitters (about 3x less compile time for the same
-values). Set where a test clears XLA_FLAGS so that the CLI sets up its own devices."""
+values). Set where a test clears XLA_FLAGS so that the CLI sets up its own devices.
 
-FAST = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+Users compile with XLA's defaults: ``SHARDLIB_TEST_DEFAULT_FLAGS=1`` leaves these out everywhere
+(`FAST` is empty), and `.ci/run` runs the structural and memory tests marked ``xla_defaults``
+(matmul fusion, the remat ordering, the linear-memory bounds, layerwise) that way as well."""
+
+import os
+
+DEFAULTS = os.environ.get("SHARDLIB_TEST_DEFAULT_FLAGS") == "1"
+FAST = "" if DEFAULTS else "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"

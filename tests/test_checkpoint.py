@@ -487,7 +487,7 @@ def test_safetensors_file_reads_with_the_reference_library(trained, tmp_path) ->
 _WORKER = """
 import os, sys
 os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 --xla_cpu_collective_call_terminate_timeout_seconds=900 "
-                           "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
+                           "FAST_FLAGS")
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
 port, pid, ckpt_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -537,7 +537,7 @@ with PreemptionGuard() as guard:
             print("STOP", pid, step, flush=True)
             break
         time.sleep(0.05)
-"""
+""".replace("FAST_FLAGS", compile_flags.FAST)
 
 
 def _free_port() -> int:

@@ -158,6 +158,7 @@ def _attention_temp_bytes(mode: str, t: int, size: int = 4) -> int:
     return step.lower(x, x, x, x).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.xla_defaults
 @pytest.mark.parametrize("mode", ["ring", "allgather"])
 def test_attention_memory_is_linear_in_the_sequence(mode, monkeypatch):
     """Twice the tokens at most 2.3x the temporaries (scores of [T/C x KEY_BLOCK], never

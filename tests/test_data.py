@@ -238,7 +238,7 @@ _WORKER = """
 import os, sys
 os.environ["XLA_FLAGS"] = (
     "--xla_force_host_platform_device_count=4 --xla_cpu_collective_call_terminate_timeout_seconds=900"
-    " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    " FAST_FLAGS"
 )
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
@@ -267,7 +267,7 @@ for key, arr in arrays.items():
     gathered = np.asarray(multihost_utils.process_allgather(arr, tiled=True))
     np.testing.assert_array_equal(gathered, expected[key])
 print("OK", pid)
-"""
+""".replace("FAST_FLAGS", compile_flags.FAST)
 
 
 def _free_port() -> int:

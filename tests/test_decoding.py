@@ -104,6 +104,7 @@ def _prefill_program(config: GPTConfig, batch: int, prompt_len: int, ragged: boo
     return jax.jit(run).lower(state, tokens, lengths).compile()
 
 
+@pytest.mark.xla_defaults
 @pytest.mark.parametrize("ragged", [True, False])
 def test_prefill_memory_is_linear_in_the_prompt_and_the_head_runs_at_one_position(ragged):
     """The compiled prefill of a prompt twice as long holds at most 2.3x the temporaries (the einsum

@@ -93,6 +93,7 @@ def test_layerwise_trains_like_plain_jax(pair):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-3)
 
 
+@pytest.mark.xla_defaults
 def test_reductions_run_inside_the_layer_loop_with_the_same_bytes(pair):
     (after, _, _, _, after_looped, _), (inside, _, _, _, looped, _) = pair[False], pair[True]
     microbatches = CASES[pair["case"]][1].get("grad_accum", 1)
@@ -102,6 +103,7 @@ def test_reductions_run_inside_the_layer_loop_with_the_same_bytes(pair):
     assert inside.bytes_by_kind() == pytest.approx(after.bytes_by_kind())
 
 
+@pytest.mark.xla_defaults
 def test_layerwise_lowers_the_compiled_peak_and_memory_traffic(pair):
     after, inside = pair[False], pair[True]
     assert inside[5] < after[5]  # bytes accessed: no whole stacked gradient written, then read to reduce

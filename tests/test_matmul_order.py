@@ -17,6 +17,7 @@ from shardlib.tools.hlo_parse import unfused_dots
 from tests.helpers import batches, optimizer, tiny_model
 
 
+@pytest.mark.xla_defaults
 @pytest.mark.parametrize("strategy, mesh", [("dp", {"data": 8}), ("zero1", {"data": 8}), ("hsdp", {"data": 2, "fsdp": 4})])
 def test_every_matmul_of_the_step_is_fused_on_cpu(strategy, mesh):
     model = tiny_model()

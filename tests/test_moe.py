@@ -239,6 +239,7 @@ def _layer_temp_bytes(config, seq: int) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.xla_defaults
 def test_dispatch_memory_is_linear_in_the_tokens():
     """Twice the tokens at most 2.3x the temporaries: the slots are [E, rows, capacity, d] with
     capacity proportional to T; GShard's one-hot [rows, k*T, E, capacity] grew as T^2."""

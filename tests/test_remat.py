@@ -31,6 +31,7 @@ def _compiled(policy: str):
     return compiled.memory_analysis().temp_size_in_bytes, compiled(params, batch)
 
 
+@pytest.mark.xla_defaults
 def test_each_policy_gives_the_same_gradients_and_keeps_less_than_the_one_before():
     results = {policy: _compiled(policy) for policy in POLICIES}
     (_, (loss, grads)) = results["none"]
