@@ -20,8 +20,6 @@ once per split; `PackedBatches` then draws whole packed rows in shuffled epochs
 (`shardlib.runtime.epochs`), a pure function of ``(seed, step)`` like `RowBatches`.
 """
 
-from __future__ import annotations
-
 from typing import NamedTuple
 
 import numpy as np
