@@ -124,9 +124,9 @@ def _main(argv: list[str]) -> int:
         close = _close(name, list(COMMANDS))
         hint = f"; did you mean 'shardlib {close[0]}'?" if close else ""
         return _fail("", UsageError(f"unknown command {name!r} (the commands: {', '.join(COMMANDS)}){hint}"))
-    if not backends_initialized():  # the command chooses the devices: no libtpu noise without TPUs
-        quiet_libtpu()
     try:  # Ctrl-C while the command's modules import (JAX takes seconds) is as quiet as during its run
+        if not backends_initialized():  # the command chooses the devices: no libtpu noise without TPUs
+            quiet_libtpu()
         return _dispatch(name, rest)
     except KeyboardInterrupt as err:
         print(f"shardlib {name}: interrupted", file=sys.stderr)

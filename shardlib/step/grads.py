@@ -119,7 +119,7 @@ class Accumulated(Plain):
 
         rest = (jnp.arange(1, k), jax.tree.map(lambda x: x[1:], micro))
         (total, residuals, state), _ = jax.lax.scan(add, first, rest)
-        loss, aux, grads = jax.tree.map(lambda x: x / k, total[:2]) + (jax.tree.map(_mean, total[2], k),)
+        loss, aux, grads = jax.tree.map(lambda x: x / k, total[:2]) + (jax.tree.map(lambda g: _mean(g, k), total[2]),)
         finish = twins.reducer.finish if self.reduce_each else twins.reducer
         grads, residuals = finish(grads, residuals)
         return (loss, aux), grads, residuals, state
