@@ -67,6 +67,14 @@ def reference(steps: int = STEPS, config=TINY, seed: int = 0):
     return np.array(losses), jax.tree.map(np.asarray, params)
 
 
+def tree_from_flat(flat: dict, like):
+    """The tree shaped like ``like`` whose leaves are ``flat``'s values, keyed by parameter path."""
+    from shardlib.sharding.rules import path_str
+
+    paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(like)]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), [flat[p] for p in paths])
+
+
 def host_copy(tree):
     """NumPy copies of ``tree``'s arrays (a CPU array's host view would alias its buffer and
     block donation of the state it belongs to)."""

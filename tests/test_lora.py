@@ -18,7 +18,8 @@ from shardlib.models.configs import LoraConfig, lora_param_count
 from shardlib.models.gpt import from_params, next_token_loss
 from shardlib.models.lora import is_adapter
 from shardlib.sharding.rules import path_str
-from tests.helpers import batches, optimizer
+from tests import zoo
+from tests.helpers import batches, optimizer, tree_from_flat
 
 CONFIG = dataclasses.replace(get_config("tiny"), lora=LoraConfig(rank=4, alpha=8, targets=("q", "v", "o", "down")))
 STEPS = 3
@@ -28,11 +29,6 @@ def _split(params):
     """(adapters, base) as flat {path: array} dicts."""
     flat = {path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
     return ({k: v for k, v in flat.items() if is_adapter(k)}, {k: v for k, v in flat.items() if not is_adapter(k)})
-
-
-def _tree(flat, like):
-    paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(like)]
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), [flat[p] for p in paths])
 
 
 @pytest.fixture(scope="module")
@@ -56,18 +52,9 @@ def test_a_zero3_lora_step_equals_plain_jit_and_optax(zero3_run):
     tx = optimizer()
 
     def loss(a, b):
-        return next_token_loss(from_params(CONFIG, _tree({**base, **a}, start)), b)[0]
+        return next_token_loss(from_params(CONFIG, tree_from_flat({**base, **a}, start)), b)[0]
 
-    @jax.jit
-    def step(a, opt, b):
-        value, grads = jax.value_and_grad(loss)(a, b)
-        updates, opt = tx.update(grads, opt, a)
-        return optax.apply_updates(a, updates), opt, value
-
-    a, opt, expected = adapters, tx.init(adapters), []
-    for rows in batches(STEPS):
-        a, opt, value = step(a, opt, rows)
-        expected.append(float(value))
+    a, expected = zoo.plain_steps(loss, adapters, tx, batches(STEPS))
     np.testing.assert_allclose(losses, expected, rtol=1e-6)
     assert losses[-1] < losses[0]  # the adapters learned: B leaves zero after the first step
     got_adapters, got_base = _split(jax.tree.map(np.asarray, state.params))

@@ -21,7 +21,8 @@ from shardlib.models.configs import LoraConfig, lora_param_count  # noqa: E402
 from shardlib.models.gpt import from_params, next_token_loss  # noqa: E402
 from shardlib.models.lora import SCALE, TARGETS, dequantise, is_adapter, quantise  # noqa: E402
 from shardlib.sharding.rules import path_str  # noqa: E402
-from tests.helpers import batches  # noqa: E402
+from tests import zoo  # noqa: E402
+from tests.helpers import batches, tree_from_flat  # noqa: E402
 
 LORA = LoraConfig(rank=4, alpha=8, targets=("q", "v", "o", "down"))
 CONFIG = dataclasses.replace(get_config("tiny"), lora=dataclasses.replace(LORA, base="int8"))
@@ -47,11 +48,6 @@ def _flat(tree):
 def _flat_names(tree):
     leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, tuple))
     return {path_str(p): tuple(x) for p, x in leaves}
-
-
-def _tree(flat, like):
-    paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(like)]
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), [flat[p] for p in paths])
 
 
 def _dequantised_by_hand(flat):
@@ -124,18 +120,9 @@ def test_a_zero3_qlora_step_equals_plain_jit_over_the_dequantised_base(zero3_run
     tx = _sgd()
 
     def loss(a, b):
-        return next_token_loss(from_params(PLAIN, _tree({**frozen, **a}, like)), b)[0]
+        return next_token_loss(from_params(PLAIN, tree_from_flat({**frozen, **a}, like)), b)[0]
 
-    @jax.jit
-    def step(a, opt, b):
-        value, grads = jax.value_and_grad(loss)(a, b)
-        updates, opt = tx.update(grads, opt, a)
-        return optax.apply_updates(a, updates), opt, value
-
-    a, opt, expected = adapters, tx.init(adapters), []
-    for rows in batches(STEPS):
-        a, opt, value = step(a, opt, rows)
-        expected.append(float(value))
+    a, expected = zoo.plain_steps(loss, adapters, tx, batches(STEPS))
     np.testing.assert_allclose(losses, expected, rtol=1e-6)
     assert losses[-1] < losses[0]
     got = _flat(jax.tree.map(np.asarray, state.params))
