@@ -58,7 +58,7 @@ def test_plan_json_is_one_document_with_stable_keys(capsys):
     assert command.startswith("shardlib train --model tiny --strategy zero3 --mesh fsdp=8 --batch-size")
     assert doc["hardware"]["name"] == "h100" and doc["hbm_bytes"] == doc["hardware"]["hbm_bytes"]
     assert doc["topology"] is None and doc["compiler"]["platform"] == "cpu"
-    assert row["attention"] == "xla"  # the GPU policy's cuDNN kernel does not compile here: XLA's stands in
+    assert row["attention"] == "einsum"  # the GPU policy in float32 (cuDNN takes bf16), below FLASH_MIN_SEQ
 
 
 def test_plan_for_tpu_on_cpu_devices_compiles_flash_for_the_pallas_kernel(capsys):
@@ -69,6 +69,20 @@ def test_plan_for_tpu_on_cpu_devices_compiles_flash_for_the_pallas_kernel(capsys
     assert code == 0, err
     (row,) = json.loads(out)["candidates"]
     assert row["attention"] == "flash" and any("Pallas splash kernel" in note for note in row["notes"])
+
+
+def test_plan_for_gpu_on_cpu_devices_stands_in_for_cudnn_with_memory_linear_flash():
+    """On simulated devices with a GPU's --hardware, bf16: cuDNN's fused kernel cannot compile on
+    XLA:CPU, so the row compiles shardlib's flash in its place and says so; its temporaries then
+    grow linearly with the tokens, as cuDNN's do (XLA's dot_product_attention, the stand-in before,
+    grew x3.5 for 2x tokens: its T x T scores)."""
+    rows = [Planner("tiny", 8, batch_size=8, seq_len=seq_len, precision="bf16", hardware="h100", remat=False)
+            .candidate("zero3", {"fsdp": 8}) for seq_len in (512, 1024)]
+    for row in rows:
+        assert row.error is None and row.attention == "flash (stand-in for cuDNN)"
+        assert any("stand-in for cuDNN" in note for note in row.notes)
+    short, long = rows
+    assert long.temp_bytes <= 2.3 * short.temp_bytes, (short.temp_bytes, long.temp_bytes)
 
 
 # ---------------------------------------------------------------- fit / no fit

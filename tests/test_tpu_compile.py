@@ -148,6 +148,26 @@ def test_tpu_bf16_windowed_softcapped_attention_is_the_splash_kernel_per_window(
     assert kernel_calls(text) > kernel_calls(program(chips, "zero3", "bf16").compiled.as_text()) > 0
 
 
+@pytest.mark.slow  # 90-185 s of XLA:TPU compile here; not the kernel's (the same step on flash alone: as slow)
+def test_tpu_bf16_attention_at_8192_tokens_on_v5p_is_the_kernel_in_linear_memory():
+    """A one-layer bf16 GPT at 8192 tokens, zero3 over the 8 chips of a v5p 2x2x2 slice (one row a
+    chip): the program calls the splash kernel on each chip's [heads, 8192, head_dim] queries, and
+    its temporaries are under one head's [T x T] scores in bf16 (128 MiB), where the einsum holds
+    every head's in float32 (512 MiB a layer): attention's memory is linear in T."""
+    seq, heads, head_dim = 8192, 2, 128  # head_dim 128: TPU's lanes, the kernel's block
+    config = GPTConfig(vocab_size=256, d_model=heads * head_dim, n_layers=1, n_heads=heads, d_ff=512,
+                       max_seq_len=seq, compute_dtype="bfloat16")
+    chips = tpu_chips("v5p:2x2x2")
+    model = trainable(config)
+    prog = build(model, optimizer(), make_layout(model, "zero3", make_mesh({"fsdp": len(chips)}, devices=chips)),
+                 precision=get_precision("bf16"))
+    shape = ((len(chips), seq), jnp.int32)
+    compiled = prog.step.lower(prog.abstract_state(), prog.abstract_batch({"inputs": shape, "targets": shape})).compile()
+    text = compiled.as_text()
+    assert re.search(rf"bf16\[[0-9,]*{heads},{seq},{head_dim}\][^\n]*custom_call_target=\"tpu_custom_call\"", text)
+    assert memory_stats(compiled).temp_bytes < seq * seq * 2  # one head's scores, bf16
+
+
 def test_the_cpu_construct_is_seen_where_the_cpu_policy_builds_it(chips):
     """The check above can fail: the same zero3 step built with XLA:CPU's policy has the barriers."""
     from shardlib.backend import forced

@@ -135,8 +135,11 @@ class Planner:
                  offload: str = "none", stage_layers: Any = None, topology: str | None = None, slices: int = 1,
                  cache_dir: str | None = None, compiler_options: Mapping[str, Any] | None = None,
                  batch_per_device: int | None = None, lora: Any = None, dump_hlo: str | None = None):
+        from shardlib.backend import get_policy
         from shardlib.models import param_count, trainable
+        from shardlib.models.gpt import attention_for
         from shardlib.runtime.devices import TopologyError, cloud_tpu_topology
+        from shardlib.step.precision import get_precision
         from shardlib.step.offload import get_offload
         from shardlib.step.pipeline import get_schedule
 
@@ -191,12 +194,17 @@ class Planner:
         if self.seq_len < 1 or self.batch_size < 1:
             raise PlanError(f"--batch-size and --seq-len must be positive, got {self.batch_size} and {self.seq_len}")
         self.params = param_count(self.config)
-        self.attention_note = None
-        if not topology and self.profile.backend == "gpu" and self.config.attention == "auto":
-            # the GPU policy's attention is cuDNN's fused kernel, which XLA:CPU cannot compile
-            self.config = dataclasses.replace(self.config, attention="xla")
-            self.attention_note = ("attention compiled as XLA's (cuDNN's fused kernel, which a GPU run uses in bf16, "
-                                   "does not compile here): its T x T scores are counted, cuDNN keeps none")
+        self.attention_note = self.stand_in = None
+        if not topology and self.profile.backend == "gpu" and self.config.attention == "auto" and \
+                attention_for(get_policy("gpu"), get_precision(precision).compute_dtype) == "cudnn":
+            # The GPU policy's bf16 attention is cuDNN's fused kernel, which XLA:CPU cannot compile.
+            # Its memory is linear in T: shardlib's flash stands in (XLA's dot_product_attention
+            # would count T x T scores that no run holds). In float32 the GPU policy runs the
+            # einsum, flash from FLASH_MIN_SEQ tokens: "auto" compiles that as it is.
+            self.config = dataclasses.replace(self.config, attention="flash")
+            self.stand_in = "cuDNN"
+            self.attention_note = ("attention compiled as shardlib's flash, a stand-in for cuDNN's fused kernel (which "
+                                   "a GPU run uses in bf16 and needs a GPU to compile): memory linear in T, as cuDNN's")
         if not topology and self.profile.backend == "tpu" and self.config.attention == "auto" and precision == "bf16":
             # the TPU policy's bf16 attention is a Pallas kernel, which XLA:CPU cannot compile
             self.config = dataclasses.replace(self.config, attention="flash")
@@ -290,7 +298,10 @@ class Planner:
 
         text = built.compiled.as_text() or ""
         dtype = get_precision(self.precision).compute_dtype
-        row.attention = plan_attention.kernel(text, self.config, dtype, self.seq_len, policy_for(self.devices))
+        with self._hardware_policy():  # the policy the step was built with ("auto" resolves under it)
+            row.attention = plan_attention.kernel(text, self.config, dtype, self.seq_len, policy_for(self.devices))
+        if self.stand_in:
+            row.attention += f" (stand-in for {self.stand_in})"
         if self.dump_hlo:
             row.notes.append(f"compiled HLO: {plan_attention.dump(self.dump_hlo, row.strategy, sizes, text)}")
 
