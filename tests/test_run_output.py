@@ -14,6 +14,7 @@ import pytest
 from shardlib.cli import main
 from shardlib.run.metrics_io import read_metrics
 from shardlib.backend import NO_TPU_ENV, tpu_attached
+from tests import compile_flags
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,6 +45,7 @@ def _without_tpu_answers() -> dict[str, str]:
     no other process holds its lockfile), none of `NO_TPU_ENV` set."""
     env = {k: v for k, v in os.environ.items() if k not in NO_TPU_ENV and k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+    env["XLA_FLAGS"] = compile_flags.FAST  # compile speed only: the CLI picks its own devices
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).strip(os.pathsep)
     return env
 
