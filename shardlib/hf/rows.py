@@ -11,6 +11,11 @@ converts them on the devices, reorders them into shardlib's layout (the tensor's
 `shardlib.hf.architectures.Placement`), stacks the layers, and reshards them to the parameter's
 sharding (XLA's all-to-all or gather where the two layouts cross).
 
+That resharding path is for a parameter whose devices span processes (a process's rows feed
+other processes' devices); where this process holds all of a parameter's devices (always, in one
+process) `shardlib.hf.local_rows` slices each device's shard on the host instead, with no
+collective.
+
 Host memory holds one slice per reading thread (a device's rows of one tensor); a device holds
 the rows of the tensor being converted (one layer of a stacked parameter, written into the
 stack in place) beside the shards already placed.
@@ -27,6 +32,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from shardlib.hf import local_rows
+
 READ_THREADS = 8
 
 
@@ -34,11 +41,16 @@ def load(pretrained: Any, tensors: list[tuple[Any, tuple[int, ...], Any]], dtype
     """Each ``(TensorMap, parameter shape, sharding)`` of ``tensors`` as a global array in ``dtype``,
     read from ``pretrained``'s files a process's share of rows at a time (module docstring)."""
     placed: list[jax.Array] = []
+    local = [local_rows.applies(t, shape, sharding) for t, shape, sharding in tensors]
+    ahead = [read for (t, shape, _), mine in zip(tensors, local) if mine for read in local_rows.reads(pretrained, t, shape)]
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="shardlib-hf-read") as pool:
-        for t, shape, sharding in tensors:
+        host = local_rows.read_ahead(ahead, pool, READ_THREADS)
+        for (t, shape, sharding), mine in zip(tensors, local):
             if placed:  # one parameter assembling while the next is read: its rows are freed before more are read
                 placed[-1].block_until_ready()
-            placed.append(_parameter(pretrained, t, shape, sharding, dtype, pool))
+            placed.append(local_rows.parameter(t, shape, sharding, dtype, host, pool) if mine
+                          else _parameter(pretrained, t, shape, sharding, dtype, pool))
+        host.close()
     return placed
 
 
@@ -79,7 +91,8 @@ def _stacker(shape: tuple[int, ...], dtype: np.dtype, sharding: Any, stacked: in
 
     def write(stack, layer, *index):
         at = (*index, *(0,) * (len(shape) - stacked))
-        return jax.lax.dynamic_update_slice(stack, layer.reshape((1,) * stacked + layer.shape), at)
+        layer = layer.astype(dtype).reshape((1,) * stacked + layer.shape)  # a no-op when converted already
+        return jax.lax.dynamic_update_slice(stack, layer, at)
 
     put = jax.jit(write, out_shardings=sharding, donate_argnums=0)
     return empty, put
