@@ -163,8 +163,6 @@ def test_one_process_slices_each_shard_and_converts_it_without_collectives(check
     """In one process every device's shard is sliced on the host from the rows read once: no
     parameter takes the resharding path, and the programs that convert (and stack) the shards
     have no collective in their compiled HLO."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
     from shardlib.hf import local_rows, rows
     from shardlib.sharding.rules import path_str
 
@@ -180,17 +178,10 @@ def test_one_process_slices_each_shard_and_converts_it_without_collectives(check
         split += any(s is not None for s in sharding.spec)
         name = arch_lib.hf_names(t, *shape[:t.stacked])[0]
         stored = pretrained.files[name].dtype(name)  # what was placed on the devices
-        if t.stacked:
-            layer = NamedSharding(sharding.mesh, P(*sharding.spec[t.stacked:]))
-            program = rows._stacker(shape, np.dtype(np.float32), sharding, t.stacked)[1].lower(
-                jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding),
-                jax.ShapeDtypeStruct(shape[t.stacked:], stored, sharding=layer), *(0,) * t.stacked)
-        else:
-            program = local_rows._converter(shape, np.dtype(np.float32), sharding).lower(
-                jax.ShapeDtypeStruct(shape, stored, sharding=sharding))
-        hlo = program.compile().as_text()
-        assert not [op for op in ("all-to-all", "all-gather", "all-reduce", "collective-permute", "reduce-scatter")
-                    if op in hlo], path_str(path)
+        for program in local_rows.programs(t, shape, sharding, np.dtype(np.float32), stored):  # as they ran
+            hlo = program.as_text()
+            assert not [op for op in ("all-to-all", "all-gather", "all-reduce", "collective-permute",
+                                      "reduce-scatter") if op in hlo], path_str(path)
     assert split >= 5  # zero3 splits the matrices over the 8 devices: the shards are slices
 
 

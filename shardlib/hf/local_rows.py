@@ -3,10 +3,11 @@
 When all of a parameter's devices belong to this process (always, in one process), no device
 needs rows another process read, so no resharding program is needed: the checkpoint tensor is
 read once (its rows split over `READ_THREADS` positioned reads into one buffer), each device's
-shard is sliced out of it on the host (a NumPy view in shardlib's layout, copied once) and placed
-in the checkpoint's dtype on its device, in parallel threads, and one program per parameter
-shape converts it to the parameter's dtype with the same sharding in and out (each device on its
-own: no collectives), writing a stacked parameter's layer into its stack in place. The next
+block is copied out of it on the host (the tensor's dims grouped as shardlib's but kept in the
+checkpoint's order, so a block is whole rows or a run of each row: `hf_layout`) and placed in the
+checkpoint's dtype on its device, in parallel threads, and one program per parameter shape
+transposes and converts each device's block on that device (the input split as the output:
+no collectives), writing a stacked parameter's layer into its stack in place. The next
 checkpoint tensor is read while the devices convert the current one.
 
 Host memory holds two checkpoint tensors (the one placed, the one read ahead) and the current
@@ -31,11 +32,9 @@ Read = tuple[Any, str, int, int]
 def applies(t: Any, shape: tuple[int, ...], sharding: Any) -> bool:
     """Whether this process holds every device of ``sharding`` and the stacked dims (layers,
     experts) are whole on each device, so each layer's slices write into the stack locally."""
-    if not sharding.is_fully_addressable:
+    if not isinstance(sharding, NamedSharding) or not sharding.is_fully_addressable:
         return False
-    if not t.stacked:
-        return True
-    return isinstance(sharding, NamedSharding) and all(s is None for s in tuple(sharding.spec)[:t.stacked])
+    return all(s is None for s in tuple(sharding.spec)[:t.stacked])
 
 
 def reads(pretrained: Any, t: Any, shape: tuple[int, ...]) -> list[Read]:
@@ -68,34 +67,73 @@ def _read(file: Any, name: str, start: int, count: int, pool: ThreadPoolExecutor
     return out
 
 
-def parameter(t: Any, shape: tuple[int, ...], sharding: Any, dtype: np.dtype, tensors: Iterator[np.ndarray],
-              pool: ThreadPoolExecutor) -> jax.Array:
-    """Parameter ``t`` from its checkpoint tensors (the next ones of ``tensors``), in ``dtype``."""
+def programs(t: Any, shape: tuple[int, ...], sharding: NamedSharding, dtype: np.dtype, stored: np.dtype) -> tuple:
+    """Parameter ``t``'s programs, compiled for its checkpoint tensors' dtype ``stored`` (`load`
+    compiles each parameter's on another thread while the ones before it are read and placed):
+    ``(convert,)``, or ``(empty, put)`` for a stacked one (`shardlib.hf.rows._stacker`)."""
+    layer_shape = tuple(shape[t.stacked:])
+    layer = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[t.stacked:len(shape)]))
+    hf_shape, hf_sharding, inverse = hf_layout(t, layer_shape, layer)
+    placed = jax.ShapeDtypeStruct(hf_shape, stored, sharding=hf_sharding)
+    return _compiled(t.stacked, tuple(shape), np.dtype(dtype), sharding, placed, inverse)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(stacked: int, shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding, placed: Any,
+              inverse: tuple[int, ...]) -> tuple:
     from shardlib.hf.rows import _stacker
 
+    if not stacked:
+        return (_converter(dtype, sharding, inverse).lower(placed).compile(),)
+    empty, put = _stacker(shape, dtype, sharding, stacked, inverse)
+    stack = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    return empty.lower().compile(), put.lower(stack, placed, *(0,) * stacked).compile()
+
+
+def parameter(t: Any, shape: tuple[int, ...], sharding: Any, tensors: Iterator[np.ndarray], pool: ThreadPoolExecutor,
+              compiled: Future) -> jax.Array:
+    """Parameter ``t`` from its checkpoint tensors (the next ones of ``tensors``), by the programs
+    of ``compiled`` (`programs`: they convert to the parameter's dtype)."""
     layer_shape = tuple(shape[t.stacked:])
-    if not t.stacked:
-        return _converter(layer_shape, np.dtype(dtype), sharding)(_slices(next(tensors), t, layer_shape, sharding, pool))
     layer = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[t.stacked:len(shape)]))
-    empty, put = _stacker(tuple(shape), np.dtype(dtype), sharding, t.stacked)
-    stack = empty()
+    hf_shape, hf_sharding, _ = hf_layout(t, layer_shape, layer)
+    if not t.stacked:
+        block = _slices(next(tensors), hf_shape, hf_sharding, pool)
+        return compiled.result()[0](block)
+    stack = None
     for index in np.ndindex(*shape[:t.stacked]):
-        stack = put(stack, _slices(next(tensors), t, layer_shape, layer, pool), *index)
-        stack.block_until_ready()  # this layer's slices freed before the one after the next is read
+        block = _slices(next(tensors), hf_shape, hf_sharding, pool)  # copied while the devices convert the last
+        if stack is None:
+            empty, put = compiled.result()
+            stack = empty()
+        stack.block_until_ready()  # the last layer's blocks freed before this one's are converted
+        stack = put(stack, block, *index)
     return stack
 
 
-def _slices(host: np.ndarray, t: Any, shape: tuple[int, ...], sharding: Any, pool: ThreadPoolExecutor) -> jax.Array:
-    """The checkpoint tensor ``host`` as shardlib's tensor of ``shape`` in ``sharding``, in the
-    checkpoint's dtype: each device's shard sliced from a view of it and placed, in threads."""
+def hf_layout(t: Any, shape: tuple[int, ...], sharding: NamedSharding
+              ) -> tuple[tuple[int, ...], NamedSharding, tuple[int, ...]]:
+    """(shape, sharding, order back to shardlib's dims) of shardlib's tensor of ``shape`` and
+    ``sharding`` with its dims in the checkpoint's order: the checkpoint tensor reshaped (a view),
+    split as shardlib's, so each device's box is a block of it and only the transpose is left."""
     order = [d for group in t.placement.groups for d in group]
-    view = host.reshape([shape[d] for d in order]).transpose([order.index(d) for d in range(len(shape))])
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    inverse = tuple(order.index(d) for d in range(len(shape)))
+    return (tuple(shape[d] for d in order), NamedSharding(sharding.mesh, P(*[spec[d] for d in order])), inverse)
+
+
+def _slices(host: np.ndarray, shape: tuple[int, ...], sharding: NamedSharding, pool: ThreadPoolExecutor) -> jax.Array:
+    """The checkpoint tensor ``host`` as a global array of ``shape`` (a reshape of it) in
+    ``sharding``, in the checkpoint's dtype: each device's block copied out of it and placed, in
+    threads (rows whole: one contiguous copy; rows cut: a copy of each row's run)."""
+    view = host.reshape(shape)
     boxes = sharding.addressable_devices_indices_map(shape)
     put = lambda item: jax.device_put(np.ascontiguousarray(view[item[1]]), item[0])
     return jax.make_array_from_single_device_arrays(shape, sharding, list(pool.map(put, boxes.items())))
 
 
 @functools.lru_cache(maxsize=None)
-def _converter(shape: tuple[int, ...], dtype: np.dtype, sharding: Any):
-    """``x.astype(dtype)`` with ``sharding`` in and out: each device converts its own shard."""
-    return jax.jit(lambda x: x.astype(dtype), in_shardings=sharding, out_shardings=sharding)
+def _converter(dtype: np.dtype, sharding: Any, inverse: tuple[int, ...]):
+    """``x`` transposed by ``inverse`` and converted to ``dtype``, into ``sharding``: each device
+    transposes and converts its own block (the input split the same way: `hf_layout`)."""
+    return jax.jit(lambda x: x.transpose(inverse).astype(dtype), out_shardings=sharding)
