@@ -47,9 +47,10 @@ def write_checkpoint(model: str, directory: Path, shard_mb: float) -> dict:
     config = get_config(model)
     shapes = _param_shapes(config)
     bf16 = np.dtype(ml_dtypes.bfloat16)
-    entries = [(t.name.format(i=layer) if layer is not None else t.name, bf16,
-                t.placement.hf_shape(shapes[t.path][1:] if t.per_layer else shapes[t.path]))
-               for t, layer in _tensor_order(config)]
+    arch = arch_lib.export_architecture(config)
+    entries = [(t.hf_name(layer) if layer is not None else t.name, bf16,
+                t.placement.hf_shape(shapes[t.path][t.stacked:]))
+               for t, layer in _tensor_order(config, arch)]
     files = _assign_files(entries, int(shard_mb * 2**20))
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)

@@ -159,6 +159,32 @@ def test_each_checkpoint_byte_is_read_once_whatever_the_layout(checkpoints):
         assert sum(f.bytes_read for f in files) - before == stored, strategy
 
 
+def test_one_process_slices_each_shard_and_converts_it_without_collectives(checkpoints, monkeypatch):
+    """In one process every device's shard is sliced on the host from the rows read once: no
+    parameter takes the resharding path, and the programs that convert (and stack) the shards
+    have no collective in their compiled HLO."""
+    from shardlib.hf import local_rows, rows
+    from shardlib.sharding.rules import path_str
+
+    monkeypatch.setattr(rows, "_assembler", lambda *a: pytest.fail("a resharding program in one process"))
+    pretrained = open_pretrained(checkpoints["qwen2"])
+    shardings = make_layout(trainable(pretrained.model_config), "zero3", make_mesh({"fsdp": 8})).param_shardings()
+    params = jax.block_until_ready(load_params(pretrained, shardings))
+    maps = {t.path: t for t in arch_lib.tensors_for(pretrained.model_config, pretrained.architecture)}
+    split = 0
+    for (path, sharding), value in zip(jax.tree_util.tree_flatten_with_path(shardings)[0], jax.tree.leaves(params)):
+        t, shape = maps[path_str(path)], value.shape
+        assert local_rows.applies(t, shape, sharding) and value.sharding == sharding
+        split += any(s is not None for s in sharding.spec)
+        name = arch_lib.hf_names(t, *shape[:t.stacked])[0]
+        stored = pretrained.files[name].dtype(name)  # what was placed on the devices
+        for program in local_rows.programs(t, shape, sharding, np.dtype(np.float32), stored):  # as they ran
+            hlo = program.as_text()
+            assert not [op for op in ("all-to-all", "all-gather", "all-reduce", "collective-permute",
+                                      "reduce-scatter") if op in hlo], path_str(path)
+    assert split >= 5  # zero3 splits the matrices over the 8 devices: the shards are slices
+
+
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_a_zero3_fine_tuning_step_equals_plain_jit(checkpoints, tokens, name):
     """The imported weights, one AdamW step under zero3 on 8 devices, against the same step written

@@ -6,8 +6,11 @@ there with the shape it needs, before any data is read. `load_params` then reads
 checkpoint tensor once a job (`shardlib.hf.rows`): every process reads the rows its own devices
 hold, in positioned reads, places them in the checkpoint's dtype, and one compiled program per
 parameter converts them to the parameter dtype, reorders and stacks them, and reshards them to
-the parameter's sharding. No process ever holds a whole model in host memory, only one slice a
-reading thread and its devices' rows of the tensor being converted.
+the parameter's sharding; a parameter whose devices are all this process's (one process) has
+each device's shard sliced on the host from the tensor read once instead, converted on its
+device with no collective (`shardlib.hf.local_rows`). No process ever holds a whole model in
+host memory, only one slice a reading thread (or two checkpoint tensors) and its devices' rows
+of the tensor being converted.
 """
 
 from __future__ import annotations
@@ -179,7 +182,8 @@ def load_params(pretrained: Pretrained, shardings: Any, dtype: Any = np.float32)
     ``shardings`` (a tree like the model's parameters: `Layout.param_shardings`) as ``dtype``.
 
     Every process calls it; each reads its devices' share of every checkpoint tensor's rows, once,
-    and the devices convert and reshard them (`shardlib.hf.rows`)."""
+    and the devices convert and reshard them (`shardlib.hf.rows`; in one process, no reshard:
+    `shardlib.hf.local_rows`)."""
     from shardlib.sharding.rules import path_str
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(shardings)

@@ -11,6 +11,11 @@ converts them on the devices, reorders them into shardlib's layout (the tensor's
 `shardlib.hf.architectures.Placement`), stacks the layers, and reshards them to the parameter's
 sharding (XLA's all-to-all or gather where the two layouts cross).
 
+That resharding path is for a parameter whose devices span processes (a process's rows feed
+other processes' devices); where this process holds all of a parameter's devices (always, in one
+process) `shardlib.hf.local_rows` slices each device's shard on the host instead, with no
+collective.
+
 Host memory holds one slice per reading thread (a device's rows of one tensor); a device holds
 the rows of the tensor being converted (one layer of a stacked parameter, written into the
 stack in place) beside the shards already placed.
@@ -27,6 +32,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from shardlib.hf import local_rows
+
 READ_THREADS = 8
 
 
@@ -34,11 +41,21 @@ def load(pretrained: Any, tensors: list[tuple[Any, tuple[int, ...], Any]], dtype
     """Each ``(TensorMap, parameter shape, sharding)`` of ``tensors`` as a global array in ``dtype``,
     read from ``pretrained``'s files a process's share of rows at a time (module docstring)."""
     placed: list[jax.Array] = []
-    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="shardlib-hf-read") as pool:
-        for t, shape, sharding in tensors:
+    # in one process's hands whole: each device's shard sliced on the host (`shardlib.hf.local_rows`)
+    local = [local_rows.reads(pretrained, t, shape) if local_rows.applies(t, shape, sharding) else []
+             for t, shape, sharding in tensors]
+    local = [reads if len({f.dtype(n) for f, n, *_ in reads}) == 1 else [] for reads in local]  # one dtype: one program
+    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="shardlib-hf-read") as pool, \
+            ThreadPoolExecutor(1, thread_name_prefix="shardlib-hf-compile") as compiler:
+        compiled = [compiler.submit(local_rows.programs, t, shape, sharding, dtype, reads[0][0].dtype(reads[0][1]))
+                    if reads else None for (t, shape, sharding), reads in zip(tensors, local)]
+        host = local_rows.read_ahead([read for reads in local for read in reads], pool, READ_THREADS)
+        for (t, shape, sharding), program in zip(tensors, compiled):
             if placed:  # one parameter assembling while the next is read: its rows are freed before more are read
                 placed[-1].block_until_ready()
-            placed.append(_parameter(pretrained, t, shape, sharding, dtype, pool))
+            placed.append(local_rows.parameter(t, shape, sharding, host, pool, program) if program
+                          else _parameter(pretrained, t, shape, sharding, dtype, pool))
+        host.close()
     return placed
 
 
@@ -70,16 +87,20 @@ def _parameter(pretrained: Any, t: Any, shape: tuple[int, ...], sharding: Any, d
 
 
 @functools.lru_cache(maxsize=None)
-def _stacker(shape: tuple[int, ...], dtype: np.dtype, sharding: Any, stacked: int = 1):
+def _stacker(shape: tuple[int, ...], dtype: np.dtype, sharding: Any, stacked: int = 1,
+             inverse: tuple[int, ...] | None = None):
     """(``empty()``: a stack of zeros in ``sharding``, ``put(stack, layer, *index)``: the layer (or a
-    layer's expert) at ``index`` of the ``stacked`` leading dims written into it in place)."""
+    layer's expert) at ``index`` of the ``stacked`` leading dims written into it in place; its
+    dims first put in the order ``inverse`` when given: `shardlib.hf.local_rows`)."""
     import jax.numpy as jnp
 
     empty = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
     def write(stack, layer, *index):
         at = (*index, *(0,) * (len(shape) - stacked))
-        return jax.lax.dynamic_update_slice(stack, layer.reshape((1,) * stacked + layer.shape), at)
+        layer = layer if inverse is None else layer.transpose(inverse)
+        layer = layer.astype(dtype).reshape((1,) * stacked + layer.shape)  # a no-op when converted already
+        return jax.lax.dynamic_update_slice(stack, layer, at)
 
     put = jax.jit(write, out_shardings=sharding, donate_argnums=0)
     return empty, put

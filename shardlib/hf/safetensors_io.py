@@ -83,16 +83,21 @@ class TensorFile:
         return block
 
 
-    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+    def read_rows(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows ``start:stop`` of ``name`` (its first dim), in the file's dtype: one positioned read
         of exactly their bytes, which are contiguous in the row-major file, safe from several threads
-        at once; counted in ``bytes_read``."""
+        at once; counted in ``bytes_read``. Into ``out`` (a C-contiguous array of their shape and
+        dtype) when given: several threads fill one buffer."""
         dtype, shape, (begin, _) = self.entries[name]
         row = math.prod(shape[1:]) * dtype.itemsize
         if not shape:
             raise ValueError(f"{name!r} is a scalar: read() it whole")
         start, stop = max(0, start), min(shape[0], stop)
-        out = np.empty((max(0, stop - start), *shape[1:]), dtype)
+        want = (max(0, stop - start), *shape[1:])
+        if out is None:
+            out = np.empty(want, dtype)
+        elif out.shape != want or out.dtype != dtype or not out.flags.c_contiguous:
+            raise ValueError(f"read_rows({name!r}) into a {out.dtype}{list(out.shape)} buffer, not C-contiguous {dtype}{list(want)}")
         if out.nbytes:
             view, offset = memoryview(out.reshape(-1).view(np.uint8)), self.data_start + begin + start * row
             fd = os.open(self.path, os.O_RDONLY)

@@ -151,25 +151,50 @@ def cache_path(tokenizer: Tokenizer, data: str, files: list[Path]) -> Path:
 
 def tokenize_text(tokenizer: Tokenizer, data: str) -> tuple[np.ndarray, Path, bool]:
     """(token ids, cache file, whether it was read from the cache) of the text ``data`` names (a
-    file, folder or glob, as `shardlib.runtime.data.load_text` reads it)."""
-    from shardlib.runtime.data import load_text, resolve_text_files
+    file, folder or glob, as `shardlib.runtime.data.load_text` reads it). Every process of a job
+    calls it: process 0 tokenizes (in chunks, streamed to the cache: `shardlib.hf.token_cache`),
+    the others wait for the cache and read it."""
+    import jax
+
+    from shardlib.hf import token_cache
+    from shardlib.runtime.data import resolve_text_files
 
     files = resolve_text_files(data)
     cache = cache_path(tokenizer, data, files)
     if cache.is_symlink():
         raise TokenizerError(f"the token cache {cache} is a symbolic link (to {os.readlink(cache)}); shardlib reads "
                              "and writes its cache only as a regular file beside the data: remove the link")
+    found, ids, failed = cache.is_file(), None, None
+    if not found and jax.process_index() == 0:
+        try:
+            ids = _tokenize(tokenizer, data, cache)
+        except Exception as err:  # raised after the barrier: the others, finding no cache, raise it too
+            failed = err
+    token_cache.barrier(f"shardlib-token-cache-{cache.name}")  # every process, whatever it found
+    if failed is not None:
+        raise failed
+    if ids is not None:
+        return ids, cache, False
     if cache.is_file():
-        return _cached_ids(cache, tokenizer.vocab_size), cache, True
+        return _cached_ids(cache, tokenizer.vocab_size), cache, found
+    return _tokenize(tokenizer, data, cache), cache, False  # storage process 0's cache is not on
+
+
+def _tokenize(tokenizer: Tokenizer, data: str, cache: Path) -> np.ndarray:
+    """``data``'s ids, streamed into ``cache`` (then read back as a memory map), or in memory
+    where the cache cannot be written (a read-only data directory: tokenized again next time)."""
+    from shardlib.hf import token_cache
+    from shardlib.runtime.data import load_text
+
     text = load_text(data).decode("utf-8", errors="replace")
-    ids = np.asarray(tokenizer.backend.encode(text, add_special_tokens=False).ids,
-                     dtype=np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
+    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
     try:
         with AtomicFile(cache, what="the token cache") as f:  # whole or absent: a killed tokenization leaves none
-            np.save(f, ids)
-    except OSError:  # a read-only data directory: tokenize again next time
-        pass
-    return ids, cache, False
+            token_cache.stream(tokenizer.backend, text, f, dtype)
+    except OSError:
+        return np.concatenate([np.zeros(0, dtype), *token_cache.encoded(tokenizer.backend, text, dtype)])
+    del text
+    return _cached_ids(cache, tokenizer.vocab_size)
 
 
 def _cached_ids(cache: Path, vocab_size: int) -> np.ndarray:

@@ -1,0 +1,139 @@
+"""A Hugging Face checkpoint placed where one process holds every device of a parameter.
+
+When all of a parameter's devices belong to this process (always, in one process), no device
+needs rows another process read, so no resharding program is needed: the checkpoint tensor is
+read once (its rows split over `READ_THREADS` positioned reads into one buffer), each device's
+block is copied out of it on the host (the tensor's dims grouped as shardlib's but kept in the
+checkpoint's order, so a block is whole rows or a run of each row: `hf_layout`) and placed in the
+checkpoint's dtype on its device, in parallel threads, and one program per parameter shape
+transposes and converts each device's block on that device (the input split as the output:
+no collectives), writing a stacked parameter's layer into its stack in place. The next
+checkpoint tensor is read while the devices convert the current one.
+
+Host memory holds two checkpoint tensors (the one placed, the one read ahead) and the current
+one's device slices; the devices hold one layer's slices beside the shards already placed.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+# (TensorFile, tensor name, first row, row count): one checkpoint tensor's rows, read whole
+Read = tuple[Any, str, int, int]
+
+
+def applies(t: Any, shape: tuple[int, ...], sharding: Any) -> bool:
+    """Whether this process holds every device of ``sharding`` and the stacked dims (layers,
+    experts) are whole on each device, so each layer's slices write into the stack locally."""
+    if not isinstance(sharding, NamedSharding) or not sharding.is_fully_addressable:
+        return False
+    return all(s is None for s in tuple(sharding.spec)[:t.stacked])
+
+
+def reads(pretrained: Any, t: Any, shape: tuple[int, ...]) -> list[Read]:
+    """The checkpoint tensors of parameter ``t`` (of ``shape``), in the order `parameter` takes them."""
+    from shardlib.hf.architectures import hf_names
+
+    names = hf_names(t, *shape[:t.stacked])
+    part = t.placement.hf_shape(tuple(shape[t.stacked:]))[0] if t.fused else None
+    return [(pretrained.files[n], n, t.row_offset, part or pretrained.files[n].shape(n)[0]) for n in names]
+
+
+def read_ahead(items: list[Read], pool: ThreadPoolExecutor, threads: int) -> Iterator[np.ndarray]:
+    """Each of ``items`` read whole, in order, the next one read (by another thread) while the
+    caller places the current one."""
+    with ThreadPoolExecutor(1, thread_name_prefix="shardlib-hf-ahead") as ahead:
+        pending: Future | None = ahead.submit(_read, *items[0], pool, threads) if items else None
+        for k in range(len(items)):
+            current = pending.result()
+            pending = ahead.submit(_read, *items[k + 1], pool, threads) if k + 1 < len(items) else None
+            yield current
+
+
+def _read(file: Any, name: str, start: int, count: int, pool: ThreadPoolExecutor, threads: int) -> np.ndarray:
+    """Rows ``start:start + count`` of ``name``, split over ``threads`` reads of the pool into one buffer."""
+    shape = file.shape(name)
+    out = np.empty((count, *shape[1:]), file.dtype(name))
+    step = -(-count // threads) if count else 1
+    cuts = [(a, min(a + step, count)) for a in range(0, count, step)]
+    list(pool.map(lambda c: file.read_rows(name, start + c[0], start + c[1], out=out[c[0]:c[1]]), cuts))
+    return out
+
+
+def programs(t: Any, shape: tuple[int, ...], sharding: NamedSharding, dtype: np.dtype, stored: np.dtype) -> tuple:
+    """Parameter ``t``'s programs, compiled for its checkpoint tensors' dtype ``stored`` (`load`
+    compiles each parameter's on another thread while the ones before it are read and placed):
+    ``(convert,)``, or ``(empty, put)`` for a stacked one (`shardlib.hf.rows._stacker`)."""
+    layer_shape = tuple(shape[t.stacked:])
+    layer = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[t.stacked:len(shape)]))
+    hf_shape, hf_sharding, inverse = hf_layout(t, layer_shape, layer)
+    placed = jax.ShapeDtypeStruct(hf_shape, stored, sharding=hf_sharding)
+    return _compiled(t.stacked, tuple(shape), np.dtype(dtype), sharding, placed, inverse)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(stacked: int, shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding, placed: Any,
+              inverse: tuple[int, ...]) -> tuple:
+    from shardlib.hf.rows import _stacker
+
+    if not stacked:
+        return (_converter(dtype, sharding, inverse).lower(placed).compile(),)
+    empty, put = _stacker(shape, dtype, sharding, stacked, inverse)
+    stack = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    return empty.lower().compile(), put.lower(stack, placed, *(0,) * stacked).compile()
+
+
+def parameter(t: Any, shape: tuple[int, ...], sharding: Any, tensors: Iterator[np.ndarray], pool: ThreadPoolExecutor,
+              compiled: Future) -> jax.Array:
+    """Parameter ``t`` from its checkpoint tensors (the next ones of ``tensors``), by the programs
+    of ``compiled`` (`programs`: they convert to the parameter's dtype)."""
+    layer_shape = tuple(shape[t.stacked:])
+    layer = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[t.stacked:len(shape)]))
+    hf_shape, hf_sharding, _ = hf_layout(t, layer_shape, layer)
+    if not t.stacked:
+        block = _slices(next(tensors), hf_shape, hf_sharding, pool)
+        return compiled.result()[0](block)
+    stack = None
+    for index in np.ndindex(*shape[:t.stacked]):
+        block = _slices(next(tensors), hf_shape, hf_sharding, pool)  # copied while the devices convert the last
+        if stack is None:
+            empty, put = compiled.result()
+            stack = empty()
+        stack.block_until_ready()  # the last layer's blocks freed before this one's are converted
+        stack = put(stack, block, *index)
+    return stack
+
+
+def hf_layout(t: Any, shape: tuple[int, ...], sharding: NamedSharding
+              ) -> tuple[tuple[int, ...], NamedSharding, tuple[int, ...]]:
+    """(shape, sharding, order back to shardlib's dims) of shardlib's tensor of ``shape`` and
+    ``sharding`` with its dims in the checkpoint's order: the checkpoint tensor reshaped (a view),
+    split as shardlib's, so each device's box is a block of it and only the transpose is left."""
+    order = [d for group in t.placement.groups for d in group]
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    inverse = tuple(order.index(d) for d in range(len(shape)))
+    return (tuple(shape[d] for d in order), NamedSharding(sharding.mesh, P(*[spec[d] for d in order])), inverse)
+
+
+def _slices(host: np.ndarray, shape: tuple[int, ...], sharding: NamedSharding, pool: ThreadPoolExecutor) -> jax.Array:
+    """The checkpoint tensor ``host`` as a global array of ``shape`` (a reshape of it) in
+    ``sharding``, in the checkpoint's dtype: each device's block copied out of it and placed, in
+    threads (rows whole: one contiguous copy; rows cut: a copy of each row's run)."""
+    view = host.reshape(shape)
+    boxes = sharding.addressable_devices_indices_map(shape)
+    put = lambda item: jax.device_put(np.ascontiguousarray(view[item[1]]), item[0])
+    return jax.make_array_from_single_device_arrays(shape, sharding, list(pool.map(put, boxes.items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _converter(dtype: np.dtype, sharding: Any, inverse: tuple[int, ...]):
+    """``x`` transposed by ``inverse`` and converted to ``dtype``, into ``sharding``: each device
+    transposes and converts its own block (the input split the same way: `hf_layout`)."""
+    return jax.jit(lambda x: x.transpose(inverse).astype(dtype), out_shardings=sharding)
