@@ -148,7 +148,7 @@ def test_tpu_bf16_windowed_softcapped_attention_is_the_splash_kernel_per_window(
     assert kernel_calls(text) > kernel_calls(program(chips, "zero3", "bf16").compiled.as_text()) > 0
 
 
-@pytest.mark.slow  # ~35 s of XLA:TPU compile here (the d_model 256 model it replaced: ~90 s, BENCHMARKS.md)
+@pytest.mark.slow  # 35-50 CPU s of XLA:TPU compile (the d_model 256 model it replaced: 86-99, BENCHMARKS.md)
 def test_tpu_bf16_attention_at_8192_tokens_on_v5p_is_the_kernel_in_linear_memory():
     """A one-layer bf16 GPT at 8192 tokens, zero3 over the 8 chips of a v5p 2x2x2 slice (one row a
     chip): the program calls the splash kernel on each chip's [heads, 8192, head_dim] queries, and
