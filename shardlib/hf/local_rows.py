@@ -25,6 +25,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from shardlib.hf import stacks
+
 # (TensorFile, tensor name, first row, row count): one checkpoint tensor's rows, read whole
 Read = tuple[Any, str, int, int]
 
@@ -70,7 +72,7 @@ def _read(file: Any, name: str, start: int, count: int, pool: ThreadPoolExecutor
 def programs(t: Any, shape: tuple[int, ...], sharding: NamedSharding, dtype: np.dtype, stored: np.dtype) -> tuple:
     """Parameter ``t``'s programs, compiled for its checkpoint tensors' dtype ``stored`` (`load`
     compiles each parameter's on another thread while the ones before it are read and placed):
-    ``(convert,)``, or ``(empty, put)`` for a stacked one (`shardlib.hf.rows._stacker`)."""
+    ``(convert,)``, or ``(empty, put)`` for a stacked one (`shardlib.hf.stacks.stacker`)."""
     layer_shape = tuple(shape[t.stacked:])
     layer = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[t.stacked:len(shape)]))
     hf_shape, hf_sharding, inverse = hf_layout(t, layer_shape, layer)
@@ -81,11 +83,9 @@ def programs(t: Any, shape: tuple[int, ...], sharding: NamedSharding, dtype: np.
 @functools.lru_cache(maxsize=None)
 def _compiled(stacked: int, shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding, placed: Any,
               inverse: tuple[int, ...]) -> tuple:
-    from shardlib.hf.rows import _stacker
-
     if not stacked:
         return (_converter(dtype, sharding, inverse).lower(placed).compile(),)
-    empty, put = _stacker(shape, dtype, sharding, stacked, inverse)
+    empty, put = stacks.stacker(shape, dtype, sharding, stacked, inverse)
     stack = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     return empty.lower().compile(), put.lower(stack, placed, *(0,) * stacked).compile()
 

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from shardlib.hf import local_rows
+from shardlib.hf import local_rows, stacks
 
 READ_THREADS = 8
 
@@ -78,32 +78,12 @@ def _parameter(pretrained: Any, t: Any, shape: tuple[int, ...], sharding: Any, d
         return assemble(*[read(name) for name in names])
     layer = NamedSharding(sharding.mesh, P(*spec[t.stacked:len(shape)]))
     assemble = _assembler(t.placement.groups, layer_shape, (), hf_rows, np.dtype(dtype), layer)
-    empty, put = _stacker(tuple(shape), np.dtype(dtype), sharding, t.stacked)
+    empty, put = stacks.stacker(tuple(shape), np.dtype(dtype), sharding, t.stacked)
     stack = empty()
     for index, name in zip(np.ndindex(*stacked), names):
         stack = put(stack, assemble(read(name)), *index)
         stack.block_until_ready()  # this layer's rows freed before the next layer's are read
     return stack
-
-
-@functools.lru_cache(maxsize=None)
-def _stacker(shape: tuple[int, ...], dtype: np.dtype, sharding: Any, stacked: int = 1,
-             inverse: tuple[int, ...] | None = None):
-    """(``empty()``: a stack of zeros in ``sharding``, ``put(stack, layer, *index)``: the layer (or a
-    layer's expert) at ``index`` of the ``stacked`` leading dims written into it in place; its
-    dims first put in the order ``inverse`` when given: `shardlib.hf.local_rows`)."""
-    import jax.numpy as jnp
-
-    empty = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-
-    def write(stack, layer, *index):
-        at = (*index, *(0,) * (len(shape) - stacked))
-        layer = layer if inverse is None else layer.transpose(inverse)
-        layer = layer.astype(dtype).reshape((1,) * stacked + layer.shape)  # a no-op when converted already
-        return jax.lax.dynamic_update_slice(stack, layer, at)
-
-    put = jax.jit(write, out_shardings=sharding, donate_argnums=0)
-    return empty, put
 
 
 def _rows_sharding(sharding: Any) -> NamedSharding:
