@@ -39,6 +39,10 @@ from .gpt import GPT, causal_attention, layer_rope
 PREFILL_CHUNK = 256
 # A prompt is left-padded to a multiple of this many slots, so its key blocks divide evenly.
 ALIGN = 64
+# From this batch on, a decoding step's head reads vocabulary-major weights (`vocab_major_head`):
+# faster at 4 rows and more (43 against 60 ms at 4, 36 against 54 at 8 with a 128k vocabulary on
+# CPU), as fast at 2, slower at 1 (29 against 23 ms), and the copy costs 180 ms a call.
+VOCAB_MAJOR_MIN_BATCH = 4
 # The masking position of a padding slot: later than every real query, so none attends to it.
 _PAD_SLOT = 2 ** 30
 
@@ -105,8 +109,9 @@ def generate(
     padded = np.pad(prompt, ((0, 0), (extra, 0)), constant_values=pad_id)
     ragged = bool(extra or lengths.min() < prompt_len)
     graphdef, state = nnx.split(model)
-    new = _generate_cached(graphdef, state, vocab_major_head(model), jnp.asarray(padded), jnp.asarray(lengths), rng,
-                           steps, float(temperature), top_k, top_p, stops, pad_id, ragged)
+    head = vocab_major_head(model) if batch >= VOCAB_MAJOR_MIN_BATCH and steps > 1 else None
+    new = _generate_cached(graphdef, state, head, jnp.asarray(padded), jnp.asarray(lengths), rng, steps,
+                           float(temperature), top_k, top_p, stops, pad_id, ragged)
     return jnp.concatenate([jnp.asarray(prompt), new], axis=1)
 
 
@@ -132,7 +137,8 @@ def vocab_major_head(model: GPT) -> jax.Array:
     tied, else a transposed copy of ``lm_head`` made by its own compiled call (inside the decoding's
     program XLA would lay the transpose out as it pleased). A step's head then reads each
     vocabulary row contiguously and writes [vocab, B]: 1.5x faster than XLA:CPU's [B, d] x [d, vocab]
-    at batch 8 (BENCHMARKS.md, "Decoding"), for one more copy of the head while decoding."""
+    at batch 8 (BENCHMARKS.md, "Decoding"), for one more copy of the head while decoding (from
+    `VOCAB_MAJOR_MIN_BATCH` rows on)."""
     if model.config.tie_embeddings:
         return model.embedding[...]
     return _transpose(model.lm_head[...])
@@ -154,7 +160,7 @@ def step_head(model: GPT, x: jax.Array, weights: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9, 10, 11, 12))
-def _generate_cached(graphdef: nnx.GraphDef, state: nnx.State, head: jax.Array, prompt: jax.Array,
+def _generate_cached(graphdef: nnx.GraphDef, state: nnx.State, head: jax.Array | None, prompt: jax.Array,
                      lengths: jax.Array, rng: jax.Array, steps: int, temperature: float, top_k: int | None,
                      top_p: float | None, stops: tuple[int, ...], pad_id: int, ragged: bool) -> jax.Array:
     model = nnx.merge(graphdef, state)
@@ -171,9 +177,11 @@ def _generate_cached(graphdef: nnx.GraphDef, state: nnx.State, head: jax.Array, 
     def step(carry: tuple[jax.Array, KVCache, jax.Array, jax.Array]) -> tuple[jax.Array, KVCache, jax.Array, jax.Array]:
         i, cache, out, stopped = carry
         logits, cache = decode_step(model, out[:, i - 1], cache, prompt_len + i - 1, pad, head)
-        key = jax.random.fold_in(rng, i)  # greedy reads the [vocab, B] logits as they lie
-        token = (jnp.argmax(logits, axis=0).astype(jnp.int32) if temperature == 0.0
-                 else _pick(logits.T, key, temperature, top_k, top_p))
+        key = jax.random.fold_in(rng, i)  # greedy reads [vocab, B] logits as they lie
+        if temperature == 0.0:
+            token = jnp.argmax(logits, axis=0 if head is not None else 1).astype(jnp.int32)
+        else:
+            token = _pick(logits.T if head is not None else logits, key, temperature, top_k, top_p)
         if stops:
             token = jnp.where(stopped, pad_id, token)
             stopped = stopped | jnp.isin(token, jnp.asarray(stops, jnp.int32))
@@ -215,12 +223,13 @@ def prefill(model: GPT, tokens: jax.Array, lengths: jax.Array, max_len: int, *, 
 
 
 def decode_step(model: GPT, tokens: jax.Array, cache: KVCache, slot: jax.Array, pad: jax.Array,
-                head: jax.Array) -> tuple[jax.Array, KVCache]:
-    """(float32[vocab, B] logits of ``tokens`` int32[B] at cache slot ``slot``, the cache with their
-    keys and values added); row b's first ``pad[b]`` slots are padding, never attended to; ``head``:
-    `vocab_major_head`. The whole cache is the layer scan's carry, each layer's keys written into it
-    in place and attended where they lie (a cache passed through as the scan's per-layer input and
-    output is copied whole every step: 2.5x slower steps at 2k tokens)."""
+                head: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """(float32 logits of ``tokens`` int32[B] at cache slot ``slot``, the cache with their keys and
+    values added); row b's first ``pad[b]`` slots are padding, never attended to. The logits are
+    [vocab, B] by ``head`` (`vocab_major_head`), else [B, vocab] by `GPT.head`. The whole cache is
+    the layer scan's carry, each layer's keys written into it in place and attended where they lie
+    (a cache passed through as the scan's per-layer input and output is copied whole every step:
+    2.5x slower steps at 2k tokens)."""
     positions = (slot - pad)[:, None]
     tables = model.rope(1, positions=positions), model.local_rope(1, positions=positions)
     visible = jnp.arange(cache.k.shape[3])[None, :] >= pad[:, None]
@@ -243,7 +252,7 @@ def decode_step(model: GPT, tokens: jax.Array, cache: KVCache, slot: jax.Array, 
 
     (x, _, cache), _ = jax.lax.scan(body, (model.embed(tokens[:, None]), jnp.int32(0), cache),
                                     (stacked, model.windows(stacked)))
-    return step_head(model, x, head), cache
+    return (model.head(x)[:, 0] if head is None else step_head(model, x, head)), cache
 
 
 def step_attention(q: jax.Array, k: jax.Array, v: jax.Array, slot: jax.Array, visible: jax.Array, *,
