@@ -7,7 +7,8 @@ saved by transformers; both sides load it in float32 and continue the same rando
 two alternate round by round (machine load hits both alike); each side's time is its minimum over
 ``--rounds`` rounds of one whole ``generate`` call (prefill and decoding), and tokens/s counts the
 new tokens of every row. *Ratio by CPU time* divides the two sides' least process CPU time for
-that call instead (one thread a side, so a loaded machine's descheduling leaves it out). The
+that call instead (a loaded machine's descheduling left out; with ``--threads 1``, the default,
+the process is pinned to one core, since XLA:CPU used a second one despite its flags). The
 prefill columns time the same call for one new token (the prompt's pass and its head). shardlib's compile time (its first calls, less compiled calls) is printed
 apart. Both sides' token ids are compared: a difference stops the run.
 
@@ -44,11 +45,15 @@ def main() -> int:
     parser.add_argument("--ff", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per side (the minimum is kept)")
     parser.add_argument("--threads", type=int, default=1,
-                        help="CPU threads of each side (default 1: on a shared machine, torch's OpenMP regions "
+                        help="CPU threads of each side (default 1, the process pinned to one core: on a shared "
+                             "machine, torch's OpenMP regions "
                              "stall on descheduled threads, 30x slower steps measured at 2 threads under load; "
                              "0: each library's default)")
     args = parser.parse_args()
     if args.threads == 1:  # before jax starts its CPU client
+        # XLA:CPU still ran on more than one core under these flags (6.5 s of CPU time in a 3.9 s
+        # call, measured): one core for the whole process, so both sides get one
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
         os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_cpu_multi_thread_eigen=false",
                                             "intra_op_parallelism_threads=1"]).strip()
     elif args.threads > 1:
