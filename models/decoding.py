@@ -39,6 +39,10 @@ from .gpt import GPT, causal_attention, layer_rope
 PREFILL_CHUNK = 256
 # A prompt is left-padded to a multiple of this many slots, so its key blocks divide evenly.
 ALIGN = 64
+# From this batch on, a decoding step's head reads vocabulary-major weights (`vocab_major_head`):
+# faster at 4 rows and more (43 against 60 ms at 4, 36 against 54 at 8 with a 128k vocabulary on
+# CPU), as fast at 2, slower at 1 (29 against 23 ms), and the copy costs 180 ms a call.
+VOCAB_MAJOR_MIN_BATCH = 4
 # The masking position of a padding slot: later than every real query, so none attends to it.
 _PAD_SLOT = 2 ** 30
 
@@ -46,7 +50,9 @@ _PAD_SLOT = 2 ** 30
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Keys and values of every decoded slot, [layers, batch, max_len, kv_heads, head_dim] each."""
+    """Keys and values of every decoded slot, [layers, batch, kv_heads, max_len, head_dim] each:
+    head-major, the layout a step's two attention products read as they lie (a slot-major cache
+    was transposed for both, two whole-layer copies a layer and step)."""
 
     k: jax.Array
     v: jax.Array
@@ -103,8 +109,9 @@ def generate(
     padded = np.pad(prompt, ((0, 0), (extra, 0)), constant_values=pad_id)
     ragged = bool(extra or lengths.min() < prompt_len)
     graphdef, state = nnx.split(model)
-    new = _generate_cached(graphdef, state, jnp.asarray(padded), jnp.asarray(lengths), rng, steps, float(temperature),
-                           top_k, top_p, stops, pad_id, ragged)
+    head = vocab_major_head(model) if batch >= VOCAB_MAJOR_MIN_BATCH and steps > 1 else None
+    new = _generate_cached(graphdef, state, head, jnp.asarray(padded), jnp.asarray(lengths), rng, steps,
+                           float(temperature), top_k, top_p, stops, pad_id, ragged)
     return jnp.concatenate([jnp.asarray(prompt), new], axis=1)
 
 
@@ -125,10 +132,37 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9, 10, 11))
-def _generate_cached(graphdef: nnx.GraphDef, state: nnx.State, prompt: jax.Array, lengths: jax.Array,
-                     rng: jax.Array, steps: int, temperature: float, top_k: int | None, top_p: float | None,
-                     stops: tuple[int, ...], pad_id: int, ragged: bool) -> jax.Array:
+def vocab_major_head(model: GPT) -> jax.Array:
+    """The head's weights as [vocab, d_model] rows, laid out so in memory: the embedding table when
+    tied, else a transposed copy of ``lm_head`` made by its own compiled call (inside the decoding's
+    program XLA would lay the transpose out as it pleased). A step's head then reads each
+    vocabulary row contiguously and writes [vocab, B]: 1.5x faster than XLA:CPU's [B, d] x [d, vocab]
+    at batch 8 (BENCHMARKS.md, "Decoding"), for one more copy of the head while decoding (from
+    `VOCAB_MAJOR_MIN_BATCH` rows on)."""
+    if model.config.tie_embeddings:
+        return model.embedding[...]
+    return _transpose(model.lm_head[...])
+
+
+_transpose = jax.jit(jnp.transpose)
+
+
+def step_head(model: GPT, x: jax.Array, weights: jax.Array) -> jax.Array:
+    """`GPT.head` of one position a row (x [B, 1, d]) over vocabulary-major ``weights``
+    (`vocab_major_head`) -> float32[vocab, B], vocabulary-major too (transposed to [B, vocab], XLA
+    folds the transpose into the product, which then runs as slowly as before); the same
+    operations (final norm, the product in the compute dtype accumulated in float32, Gemma 2's
+    final soft-cap)."""
+    h = model.final_norm(x[:, 0])
+    logits = jnp.einsum("vd,bd->vb", weights.astype(h.dtype), h, preferred_element_type=jnp.float32)
+    cap = model.config.final_softcap
+    return logits if cap is None else jnp.tanh(logits / cap) * cap
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9, 10, 11, 12))
+def _generate_cached(graphdef: nnx.GraphDef, state: nnx.State, head: jax.Array | None, prompt: jax.Array,
+                     lengths: jax.Array, rng: jax.Array, steps: int, temperature: float, top_k: int | None,
+                     top_p: float | None, stops: tuple[int, ...], pad_id: int, ragged: bool) -> jax.Array:
     model = nnx.merge(graphdef, state)
     batch, prompt_len = prompt.shape
     logits, cache = prefill(model, prompt, lengths, prompt_len + steps, ragged=ragged)
@@ -142,8 +176,12 @@ def _generate_cached(graphdef: nnx.GraphDef, state: nnx.State, prompt: jax.Array
 
     def step(carry: tuple[jax.Array, KVCache, jax.Array, jax.Array]) -> tuple[jax.Array, KVCache, jax.Array, jax.Array]:
         i, cache, out, stopped = carry
-        logits, cache = decode_step(model, out[:, i - 1], cache, prompt_len + i - 1, pad)
-        token = _pick(logits, jax.random.fold_in(rng, i), temperature, top_k, top_p)
+        logits, cache = decode_step(model, out[:, i - 1], cache, prompt_len + i - 1, pad, head)
+        key = jax.random.fold_in(rng, i)  # greedy reads [vocab, B] logits as they lie
+        if temperature == 0.0:
+            token = jnp.argmax(logits, axis=0 if head is not None else 1).astype(jnp.int32)
+        else:
+            token = _pick(logits.T if head is not None else logits, key, temperature, top_k, top_p)
         if stops:
             token = jnp.where(stopped, pad_id, token)
             stopped = stopped | jnp.isin(token, jnp.asarray(stops, jnp.int32))
@@ -180,20 +218,21 @@ def prefill(model: GPT, tokens: jax.Array, lengths: jax.Array, max_len: int, *, 
         return nnx.merge(graphdef, layer_state).cached(x, *layer_rope(window, *tables), attend, window)
 
     x, (k, v) = jax.lax.scan(body, model.embed(tokens), (stacked, model.windows(stacked)))
-    grow = ((0, 0), (0, 0), (0, max_len - prompt_len), (0, 0), (0, 0))
-    return model.head(x[:, -1:])[:, 0], KVCache(jnp.pad(k, grow), jnp.pad(v, grow))
+    grow = ((0, 0), (0, 0), (0, 0), (0, max_len - prompt_len), (0, 0))
+    return model.head(x[:, -1:])[:, 0], KVCache(*(jnp.pad(a.swapaxes(2, 3), grow) for a in (k, v)))
 
 
-def decode_step(model: GPT, tokens: jax.Array, cache: KVCache, slot: jax.Array, pad: jax.Array
-                ) -> tuple[jax.Array, KVCache]:
-    """(float32[B, vocab] logits of ``tokens`` int32[B] at cache slot ``slot``, the cache with their
-    keys and values added); row b's first ``pad[b]`` slots are padding, never attended to. The
-    whole cache is the layer scan's carry, each layer's keys written into it in place (a cache
-    passed through as the scan's per-layer input and output is copied whole every step: 2.5x
-    slower steps at 2k tokens)."""
+def decode_step(model: GPT, tokens: jax.Array, cache: KVCache, slot: jax.Array, pad: jax.Array,
+                head: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """(float32 logits of ``tokens`` int32[B] at cache slot ``slot``, the cache with their keys and
+    values added); row b's first ``pad[b]`` slots are padding, never attended to. The logits are
+    [vocab, B] by ``head`` (`vocab_major_head`), else [B, vocab] by `GPT.head`. The whole cache is
+    the layer scan's carry, each layer's keys written into it in place and attended where they lie
+    (a cache passed through as the scan's per-layer input and output is copied whole every step:
+    2.5x slower steps at 2k tokens)."""
     positions = (slot - pad)[:, None]
     tables = model.rope(1, positions=positions), model.local_rope(1, positions=positions)
-    visible = jnp.arange(cache.k.shape[2])[None, :] >= pad[:, None]
+    visible = jnp.arange(cache.k.shape[3])[None, :] >= pad[:, None]
     graphdef, stacked = nnx.split(model.blocks)
 
     def body(carry: tuple[jax.Array, jax.Array, KVCache], layer: tuple[nnx.State, jax.Array | None]
@@ -202,18 +241,41 @@ def decode_step(model: GPT, tokens: jax.Array, cache: KVCache, slot: jax.Array, 
         layer_state, window = layer
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array, **options: Any) -> tuple[jax.Array, KVCache]:
-            at = (index, 0, slot, 0, 0)
-            new = KVCache(*(jax.lax.dynamic_update_slice(old, kv[None].astype(old.dtype), at)
+            at = (index, 0, 0, slot, 0)
+            new = KVCache(*(jax.lax.dynamic_update_slice(old, kv.swapaxes(1, 2)[None].astype(old.dtype), at)
                             for old, kv in ((cache.k, k), (cache.v, v))))
             keys, values = (a[index].astype(q.dtype) for a in (new.k, new.v))
-            return causal_attention(q, keys, values, offset=slot, visible=visible, **options), new
+            return step_attention(q, keys, values, slot, visible, **options), new
 
         x, cache = nnx.merge(graphdef, layer_state).cached(x, *layer_rope(window, *tables), attend, window)
         return (x, index + 1, cache), None
 
     (x, _, cache), _ = jax.lax.scan(body, (model.embed(tokens[:, None]), jnp.int32(0), cache),
                                     (stacked, model.windows(stacked)))
-    return model.head(x)[:, 0], cache
+    return (model.head(x)[:, 0] if head is None else step_head(model, x, head)), cache
+
+
+def step_attention(q: jax.Array, k: jax.Array, v: jax.Array, slot: jax.Array, visible: jax.Array, *,
+                   window: jax.Array | int | None = None, softcap: float | None = None,
+                   scale: float | None = None) -> jax.Array:
+    """`shardlib.models.gpt.causal_attention` of one query a row (q [B, 1, heads, d] at position
+    ``slot``) over a head-major cache (k / v [B, kv_heads, S, d]), the same operations in the same
+    order: scores in float32, Gemma 2's ``scale`` / ``softcap`` / ``window``, keys after ``slot``
+    or not ``visible`` (bool[B, S]) masked out."""
+    batch, _, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    q = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)  # query groups share a kv head
+    scores = jnp.einsum("bngk,bnsk->bngs", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(head_dim) if scale is None else scores * scale
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
+    key_pos = jnp.arange(k.shape[2])
+    seen = (key_pos <= slot)[None, :] & visible
+    if window is not None:
+        seen = seen & ((window <= 0) | (key_pos > slot - window))[None, :]
+    scores = jnp.where(seen[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("bngs,bnsk->bngk", probs, v).reshape(batch, 1, heads, head_dim)
 
 
 def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: jax.Array | None) -> jax.Array:

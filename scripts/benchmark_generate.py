@@ -6,8 +6,10 @@ saved by transformers; both sides load it in float32 and continue the same rando
 ``--prompt-len`` tokens by ``--new-tokens`` tokens, greedy, no stop id, at each ``--batch``. The
 two alternate round by round (machine load hits both alike); each side's time is its minimum over
 ``--rounds`` rounds of one whole ``generate`` call (prefill and decoding), and tokens/s counts the
-new tokens of every row. The prefill columns time the same call for one new token (the prompt's
-pass and its head). shardlib's compile time (its first calls, less compiled calls) is printed
+new tokens of every row. *Ratio by CPU time* divides the two sides' least process CPU time for
+that call instead (a loaded machine's descheduling left out; with ``--threads 1``, the default,
+the process is pinned to one core, since XLA:CPU used a second one despite its flags). The
+prefill columns time the same call for one new token (the prompt's pass and its head). shardlib's compile time (its first calls, less compiled calls) is printed
 apart. Both sides' token ids are compared: a difference stops the run.
 
   python scripts/benchmark_generate.py                                   # 128k vocab, 2k prompts
@@ -43,11 +45,15 @@ def main() -> int:
     parser.add_argument("--ff", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per side (the minimum is kept)")
     parser.add_argument("--threads", type=int, default=1,
-                        help="CPU threads of each side (default 1: on a shared machine, torch's OpenMP regions "
+                        help="CPU threads of each side (default 1, the process pinned to one core: on a shared "
+                             "machine, torch's OpenMP regions "
                              "stall on descheduled threads, 30x slower steps measured at 2 threads under load; "
                              "0: each library's default)")
     args = parser.parse_args()
     if args.threads == 1:  # before jax starts its CPU client
+        # XLA:CPU still ran on more than one core under these flags (6.5 s of CPU time in a 3.9 s
+        # call, measured): one core for the whole process, so both sides get one
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
         os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_cpu_multi_thread_eigen=false",
                                             "intra_op_parallelism_threads=1"]).strip()
     elif args.threads > 1:
@@ -87,9 +93,9 @@ def main() -> int:
     print(f"# Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} kv, ff {args.ff}, "
           f"vocab {args.vocab}; prompts of {args.prompt_len} tokens + {args.new_tokens} new, greedy, float32, "
           f"{args.threads or 'default'} thread(s) a side")
-    print("| batch | shardlib tokens/s | transformers tokens/s | ratio | shardlib prefill s | transformers prefill s "
-          "| shardlib compile s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| batch | shardlib tokens/s | transformers tokens/s | ratio | ratio by CPU time | shardlib prefill s "
+          "| transformers prefill s | shardlib compile s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for batch in (int(b) for b in args.batch.split(",")):
         prompts = np.random.RandomState(batch).randint(0, args.vocab, (batch, args.prompt_len)).astype(np.int32)
 
@@ -108,20 +114,24 @@ def main() -> int:
         first = {steps: run_ours(steps) for steps in (args.new_tokens, 1)}
         first_calls = time.perf_counter() - start
         times: dict[tuple[str, int], list[float]] = {}
+        cpu_times: dict[str, list[float]] = {}
         for round_ in range(args.rounds):
             for side, fn in (("ours", run_ours), ("theirs", run_theirs))[::1 if round_ % 2 == 0 else -1]:
                 for steps in (args.new_tokens, 1):
-                    start = time.perf_counter()
+                    start, cpu = time.perf_counter(), time.process_time()
                     got = fn(steps)
                     times.setdefault((side, steps), []).append(time.perf_counter() - start)
+                    if steps > 1:
+                        cpu_times.setdefault(side, []).append(time.process_time() - cpu)
                     if not np.array_equal(got, first[steps]):
                         raise SystemExit(f"batch {batch}: shardlib's tokens differ from transformers' "
                                          f"({int((got != first[steps]).sum())} of {got.size})")
         best = {key: min(t) for key, t in times.items()}
         rate = {side: batch * args.new_tokens / best[side, args.new_tokens] for side in ("ours", "theirs")}
         compile_s = first_calls - best["ours", args.new_tokens] - best["ours", 1]
+        by_cpu = min(cpu_times["theirs"]) / min(cpu_times["ours"])
         print(f"| {batch} | {rate['ours']:.1f} | {rate['theirs']:.1f} | {rate['ours'] / rate['theirs']:.2f}x | "
-              f"{best['ours', 1]:.2f} | {best['theirs', 1]:.2f} | {compile_s:.1f} |", flush=True)
+              f"{by_cpu:.2f}x | {best['ours', 1]:.2f} | {best['theirs', 1]:.2f} | {compile_s:.1f} |", flush=True)
     return 0
 
 

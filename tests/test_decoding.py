@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,7 +27,8 @@ transformers = pytest.importorskip("transformers")
 from shardlib.cli import main  # noqa: E402
 from shardlib.hf.load import load_params, open_pretrained  # noqa: E402
 from shardlib.models import GPTConfig, build, trainable  # noqa: E402
-from shardlib.models.decoding import generate, left_pad, prefill  # noqa: E402
+from shardlib.models.decoding import (  # noqa: E402
+    VOCAB_MAJOR_MIN_BATCH, _generate_cached, generate, left_pad, prefill, vocab_major_head)
 from shardlib.models import from_params  # noqa: E402
 from shardlib.run.sampling import sample_text  # noqa: E402
 from shardlib.sharding.layout import make_layout  # noqa: E402
@@ -73,11 +75,12 @@ def _hf_generate(reference, tokens: np.ndarray, lengths: np.ndarray, **kw) -> np
 
 
 def test_ragged_batch_with_stop_ids_equals_transformers(reference, ours):
-    """Three prompts of 11, 4 and 7 tokens, left-padded, greedy, two stop ids taken from the rows'
-    own unstopped continuations (so they fire mid-way): every token, padding after a stop included,
-    is transformers'."""
+    """Four prompts of 11, 4, 7 and 9 tokens (enough rows for the vocabulary-major head), left-padded,
+    greedy, two stop ids taken from the rows' own unstopped continuations (so they fire mid-way):
+    every token, padding after a stop included, is transformers'."""
     rng = np.random.RandomState(1)
-    tokens, lengths = left_pad([rng.randint(0, VOCAB, n).tolist() for n in (11, 4, 7)], pad_id=0)
+    tokens, lengths = left_pad([rng.randint(0, VOCAB, n).tolist() for n in (11, 4, 7, 9)], pad_id=0)
+    assert len(tokens) >= VOCAB_MAJOR_MIN_BATCH
     free = _hf_generate(reference, tokens, lengths, eos_token_id=None, pad_token_id=0)[:, tokens.shape[1]:]
     stops = [int(free[0, 3]), int(free[1, 6])]
     pad_id = 5
@@ -122,6 +125,28 @@ def test_prefill_memory_is_linear_in_the_prompt_and_the_head_runs_at_one_positio
         heads = re.findall(rf"f32\[{batch},(?:1,)?{config.vocab_size}\]", hlo)
         assert heads, "no [B, vocab] logits in the prefill"
     assert temps[2048] <= 2.3 * temps[1024], temps
+
+
+def test_the_decode_loop_reads_its_cache_and_head_where_they_lie():
+    """The compiled decoding loop neither transposes nor copies a layer's KV cache (the slot-major
+    cache was transposed for both attention products, every layer and step), and its head's matmul
+    writes [vocab, B] from the vocabulary-major weights passed in (1.5x faster on CPU at 4 rows and more)."""
+    batch, prompt_len, steps = VOCAB_MAJOR_MIN_BATCH, 64, 8
+    config = GPTConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=128,
+                       remat=False)
+    model = build(config, 0)
+    graphdef, state = nnx.split(model)
+    prompt = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    hlo = _generate_cached.lower(graphdef, state, vocab_major_head(model), prompt, lengths, jax.random.key(0), steps,
+                                 0.0, None, None, (), 0, False).compile().as_text()
+    layer_cache = batch * config.n_kv_heads * (prompt_len + steps) * (config.d_model // config.n_heads)
+    moved = []
+    for name, shape in re.findall(r"(%[\w.-]+) = f32\[([\d,]+)\]", hlo):
+        if math.prod(int(n) for n in shape.split(",")) == layer_cache and re.match(r"%(copy|transpose)", name):
+            moved.append((name, shape))
+    assert not moved, moved
+    assert re.search(rf"= f32\[{config.vocab_size},{batch}\]\S* dot\(", hlo), "the head's product is not vocabulary-major"
 
 
 def test_generate_bf16_reads_bf16_weights(llama):
