@@ -420,7 +420,13 @@ def test_read_only_out_is_one_line_before_the_compile(tmp_path):
 # (a single compile can finish first, and the run would then reach its loop, where Ctrl-C saves
 # and stops).
 ANNOUNCE_COMPILES = """
-import sys, time
+import signal, sys, time
+# A Ctrl-C reaches the CLI as from a shell: SIGINT unblocked and Python's handler in place, whatever
+# the test worker's own signal state (a child inherits an ignored SIGINT and a blocked mask; the
+# state found is printed, so that a worker that passes one on is seen).
+blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+print("SIGINT", "blocked" if blocked else "unblocked", signal.getsignal(signal.SIGINT), flush=True)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from jax._src import compiler
 compile_and_load = compiler.backend_compile_and_load
 def announced(backend, module, *args, **kwargs):
@@ -444,11 +450,14 @@ def test_ctrl_c_during_the_compile_exits_130_cleanly(tmp_path, checkpoints):
     flags = ["--steps", "3", "--out", str(tmp_path / "run"), "--ckpt-every", "2" if checkpoints else "0"]
     cmd = [sys.executable, "-X", "faulthandler", "-c", ANNOUNCE_COMPILES, "train", *TINY, *flags]
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    inherited, seen = proc.stdout.readline().strip(), []
     for line in proc.stdout:
+        seen.append(line.strip())
         if line.startswith('COMPILING "jit_step_fn"'):
             time.sleep(0.5)  # the child is inside XLA's compile of the step (repeated until the signal)
             proc.send_signal(signal.SIGINT)
             break
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, f"exit {proc.returncode}:\n{err[-3000:]}"
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (f"exit {proc.returncode} ({inherited} when it started; compiles announced: "
+                                    f"{seen[-5:]}; stdout after: {out[-500:]!r}):\n{err[-3000:]}")
     assert "interrupted" in err and "Traceback" not in err and "Fatal Python error" not in err, err[-3000:]
