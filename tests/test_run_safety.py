@@ -449,7 +449,11 @@ sys.exit(main(sys.argv[1:]))
 def test_ctrl_c_during_the_compile_exits_130_cleanly(tmp_path, checkpoints):
     flags = ["--steps", "3", "--out", str(tmp_path / "run"), "--ckpt-every", "2" if checkpoints else "0"]
     cmd = [sys.executable, "-X", "faulthandler", "-c", ANNOUNCE_COMPILES, "train", *TINY, *flags]
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # as from a shell: none of the test worker's environment beyond what a shell has (an earlier
+    # test's variables do not reach the CLI)
+    env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "TMPDIR") if k in os.environ}
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=compile_flags.FAST)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     inherited, seen = proc.stdout.readline().strip(), []
     for line in proc.stdout:
         seen.append(line.strip())
