@@ -50,12 +50,14 @@ def load(pretrained: Any, tensors: list[tuple[Any, tuple[int, ...], Any]], dtype
         compiled = [compiler.submit(local_rows.programs, t, shape, sharding, dtype, reads[0][0].dtype(reads[0][1]))
                     if reads else None for (t, shape, sharding), reads in zip(tensors, local)]
         host = local_rows.read_ahead([read for reads in local for read in reads], pool, READ_THREADS)
-        for (t, shape, sharding), program in zip(tensors, compiled):
-            if placed:  # one parameter assembling while the next is read: its rows are freed before more are read
-                placed[-1].block_until_ready()
-            placed.append(local_rows.parameter(t, shape, sharding, host, pool, program) if program
-                          else _parameter(pretrained, t, shape, sharding, dtype, pool))
-        host.close()
+        try:
+            for (t, shape, sharding), program in zip(tensors, compiled):
+                if placed:  # one parameter assembling while the next is read: its rows are freed before more are read
+                    placed[-1].block_until_ready()
+                placed.append(local_rows.parameter(t, shape, sharding, host, pool, program) if program
+                              else _parameter(pretrained, t, shape, sharding, dtype, pool))
+        finally:  # the read-ahead thread stops here, whatever a parameter raised
+            host.close()
     return placed
 
 

@@ -56,13 +56,17 @@ def encoded(backend: Any, text: str, dtype: np.dtype, chunk: int | None = None) 
     """The ids of ``text`` (no special tokens), a chunk at a time: ``backend.encode(text)``'s ids."""
     encode = lambda s: backend.encode(s, add_special_tokens=False).ids
     batch: list[str] = []
-    for piece in [*chunks(text, encode, chunk), None]:
-        if piece is not None:
-            batch.append(piece)
-        if batch and (piece is None or len(batch) == BATCH):
-            for e in backend.encode_batch(batch, add_special_tokens=False):
-                yield np.asarray(e.ids, dtype)
+    for piece in chunks(text, encode, chunk):  # a batch of chunks copied out of the text at a time
+        batch.append(piece)
+        if len(batch) == BATCH:
+            yield from _ids(backend, batch, dtype)
             batch = []
+    yield from _ids(backend, batch, dtype)
+
+
+def _ids(backend: Any, batch: list[str], dtype: np.dtype) -> Iterator[np.ndarray]:
+    for e in backend.encode_batch(batch, add_special_tokens=False) if batch else ():
+        yield np.asarray(e.ids, dtype)
 
 
 def write_header(f: Any, dtype: np.dtype, length: int) -> None:
