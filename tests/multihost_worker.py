@@ -6,10 +6,11 @@ same run in one process. ``--die-at S --victim P``: process P SIGKILLs itself be
 to test that the others stop within the documented bound (``--how raise``: raise instead).
 
 ``multihost_worker.py cli RECORD_DIR train FLAGS...`` runs ``shardlib.cli.main(["train", FLAGS...])``,
-the very function behind ``python -m shardlib.cli train``, with two read-only taps, and writes
+the very function behind ``python -m shardlib.cli train``, with three read-only taps, and writes
 ``RECORD_DIR/p<process>.json``: the window start offsets (example ids) of the rows this process
-loaded at each step, and a digest of the final TrainState (for a ``--resume-from`` run that
-trains no further steps, the restored state). See `run_cli_recorded`.
+loaded at each step, how many times this process tokenized text into a token cache, and a digest
+of the final TrainState (for a ``--resume-from`` run that trains no further steps, the restored
+state). See `run_cli_recorded`.
 """
 
 from __future__ import annotations
@@ -163,19 +164,23 @@ def state_digest(state: object) -> dict[str, dict]:
 
 
 def run_cli_recorded(record_dir: str, cli_args: list[str]) -> int:
-    """``shardlib.cli.main(cli_args)`` with taps on the train loader and on `train`'s result.
+    """``shardlib.cli.main(cli_args)`` with taps on the train loader, the token cache's writer and
+    `train`'s result.
 
     The loader tap is a `ByteBatches` subclass that notes, per step, the window starts of the
     rows it returns and checks that the returned rows really are the corpus at those starts, so
     the ids are what the process read, not a recomputation beside it. `shardlib.run.train` imports
     ``ByteBatches`` from `shardlib.runtime.data` when a run builds its loader, and `shardlib.run.train.run` calls the
     module's ``train``; both are replaced here. If train.py stops looking them up that way, the
-    record has no ids (or no file) and the tests fail loudly rather than pass.
+    record has no ids (or no file) and the tests fail loudly rather than pass. The token cache tap
+    counts calls of `shardlib.hf.token_cache.stream` (the one writer of a text's ids to its cache),
+    which `shardlib.hf.tokenizer` looks up on the module at each call.
     """
     import jax
     import numpy as np
 
     from shardlib import cli
+    from shardlib.hf import token_cache
     from shardlib.runtime import data
     from shardlib.run import train as train_module
 
@@ -192,13 +197,20 @@ def run_cli_recorded(record_dir: str, cli_args: list[str]) -> int:
             ids[step] = starts.tolist()
             return out
 
+    tokenized = []
+    original_stream = token_cache.stream
+
+    def counted_stream(*args, **kwargs):
+        tokenized.append(1)
+        return original_stream(*args, **kwargs)
+
     original_train = train_module.train
 
     def recorded_train(config, **kwargs):  # notes=: the run's record lines (`shardlib.run.train.run`)
         result = original_train(config, **kwargs)
         record = {"process": jax.process_index(), "processes": jax.process_count(),
                   "devices": jax.device_count(), "local_devices": jax.local_device_count(),
-                  "steps": result.steps, "ids": {str(k): v for k, v in sorted(ids.items())},
+                  "steps": result.steps, "tokenized": len(tokenized), "ids": {str(k): v for k, v in sorted(ids.items())},
                   "digest": state_digest(result.state)}
         path = os.path.join(record_dir, f"p{jax.process_index()}.json")
         os.makedirs(record_dir, exist_ok=True)
@@ -207,6 +219,7 @@ def run_cli_recorded(record_dir: str, cli_args: list[str]) -> int:
         return result
 
     data.ByteBatches = RecordingBatches
+    token_cache.stream = counted_stream
     train_module.train = recorded_train
     return cli.main(cli_args)
 

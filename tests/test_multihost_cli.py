@@ -1,6 +1,7 @@
 """Issue 5's acceptance through the command line: `shardlib launch` x `shardlib train`, 2 processes.
 
-What is proved, and by which run (all zero3, tiny GPT, 10 steps, global batch 16 x 32 bytes):
+What is proved, and by which run (all zero3, tiny GPT, 10 steps, global batch 16 x 32 tokens of text
+tokenized by a byte-level BPE tokenizer):
 
 1. ``shardlib launch -n 2 -d 4 -- ... train`` writes the same per-step losses to
    ``metrics.jsonl`` as ``shardlib train --cpu-devices 8`` (1 process x 8 devices).
@@ -10,7 +11,9 @@ What is proved, and by which run (all zero3, tiny GPT, 10 steps, global batch 16
    ``train --resume-from``, on another process count with every value identical: saved by
    2 x 4, restored by 1 x 4 (another process count and device count at once); saved by 1 x 8,
    restored by 2 x 4 (the same device count on other processes).
-4. A killed process makes the launcher exit non-zero within the documented bound, naming it:
+4. The text is tokenized once a job: process 0 writes the token cache while process 1 waits at
+   the job's barrier and then reads it; a resumed run reads the cache it finds.
+5. A killed process makes the launcher exit non-zero within the documented bound, naming it:
    covered by ``tests/test_multihost.py::test_sigkilled_process_stops_the_others_within_heartbeat_bound``
    (launcher exit 128+9, "process 1 (pid N) failed first: killed by SIGKILL", the survivor's
    heartbeat error names process 1, and it stops within HEARTBEAT_S + 20 s), and, for an
@@ -91,24 +94,49 @@ def _records(record: Path, processes: int) -> list[dict]:
     return [json.loads(p.read_text()) for p in found]
 
 
+def _text_and_tokenizer(root: Path, runs) -> dict[str, list[str]]:
+    """Each run's ``--tokenizer`` / ``--data`` flags: a byte-level BPE tokenizer of 256 ids (the
+    tiny model's vocabulary) trained offline on the built-in corpus (the default run's text),
+    and a copy of that text per run (its token cache is written beside it, so concurrent runs
+    do not share one)."""
+    import tokenizers
+
+    from shardlib.runtime.data import default_corpus
+
+    text = default_corpus().decode("utf-8", errors="replace")
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator([text], vocab_size=256, show_progress=False)
+    bpe.save(str(root / "tokenizer.json"))
+    flags = {}
+    for name in runs:
+        (root / f"data-{name}").mkdir()
+        (root / f"data-{name}" / "corpus.txt").write_text(text, encoding="utf-8")
+        flags[name] = ["--tokenizer", str(root / "tokenizer.json"), "--data", str(root / f"data-{name}" / "corpus.txt")]
+    return flags
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Wave 1: the same training run as 2 processes x 4 devices and as 1 process x 8 devices."""
+    """Wave 1: the same training run, on text tokenized by a Hugging Face tokenizer, as
+    2 processes x 4 devices and as 1 process x 8 devices."""
     base = tmp_path_factory.mktemp("multihost_cli")
     runs = {"2x4": (2, 4), "1x8": (1, 8)}
-    _run_concurrently({name: _command(p, d, base / f"rec-{name}", "--ckpt-every", str(STEPS), "--out", str(base / f"run-{name}"))
+    text = _text_and_tokenizer(base, runs)
+    _run_concurrently({name: _command(p, d, base / f"rec-{name}", *text[name], "--ckpt-every", str(STEPS),
+                                      "--out", str(base / f"run-{name}"))
                        for name, (p, d) in runs.items()})
-    return {name: {"dir": base / f"run-{name}", "records": _records(base / f"rec-{name}", p)}
+    return {name: {"dir": base / f"run-{name}", "records": _records(base / f"rec-{name}", p), "text": text[name]}
             for name, (p, d) in runs.items()} | {"base": base}
 
 
 @pytest.fixture(scope="module")
 def resumed(trained):
-    """Wave 2: each run's step-10 checkpoint resumed (no further steps) on other process counts."""
+    """Wave 2: each run's step-10 checkpoint resumed (no further steps) on other process counts,
+    on the text (and token cache) of the run it resumes."""
     base = trained["base"]
     resumes = {"2x4->1x4": ("2x4", 1, 4), "1x8->2x4": ("1x8", 2, 4)}
     _run_concurrently({
-        name: _command(p, d, base / f"rec-{name}", "--resume-from", str(trained[src]["dir"]),
+        name: _command(p, d, base / f"rec-{name}", *trained[src]["text"], "--resume-from", str(trained[src]["dir"]),
                        "--out", str(base / f"run-{name}"))
         for name, (src, p, d) in resumes.items()
     })
@@ -147,6 +175,19 @@ def test_each_process_reads_only_its_share_of_the_examples(trained):
         assert not set(ids0) & set(ids1), f"step {step}: both processes loaded windows {set(ids0) & set(ids1)}"
         assert ids0 + ids1 == ids, f"step {step}: process rows do not tile the 1-process batch"
     assert len({tuple(single["ids"][s]) for s in steps}) == STEPS  # each step draws new examples
+
+
+def test_one_process_tokenizes_the_text_and_the_other_reads_its_cache(trained, resumed):
+    """Process 0 alone writes the token cache while process 1 waits at the job's barrier, then
+    reads it: its rows are the 1-process run's (the test above), yet it tokenized nothing. A run
+    that finds the cache tokenizes nothing either, in one process or two."""
+    assert [r["tokenized"] for r in trained["2x4"]["records"]] == [1, 0]
+    assert [r["tokenized"] for r in trained["1x8"]["records"]] == [1]
+    for name in ("2x4", "1x8"):
+        corpus = Path(trained[name]["text"][-1])
+        caches = [p for p in corpus.parent.iterdir() if p != corpus]
+        assert len(caches) == 1 and caches[0].suffix == ".npy", f"{name}: beside the text: {caches}"
+    assert [r["tokenized"] for records in resumed.values() for r in records] == [0, 0, 0]
 
 
 def _assert_same_state(restored: dict, saved: dict, what: str) -> None:
