@@ -9,8 +9,13 @@ two alternate round by round (machine load hits both alike); each side's time is
 new tokens of every row. *Ratio by CPU time* divides the two sides' least process CPU time for
 that call instead (a loaded machine's descheduling left out; with ``--threads 1``, the default,
 the process is pinned to one core, since XLA:CPU used a second one despite its flags). The
-prefill columns time the same call for one new token (the prompt's pass and its head). shardlib's compile time (its first calls, less compiled calls) is printed
-apart. Both sides' token ids are compared: a difference stops the run.
+prefill columns time the same call for one new token (the prompt's pass and its head; transformers'
+``generate`` too computes the head at the last prompt position only, ``logits_to_keep=1``), the step
+columns the CPU time of the rest of the call a new token. The head columns time the step's largest product alone,
+[B, hidden] x [hidden, vocab] on the same weights: shardlib's compiled form (`models.decoding.step_head`'s
+vocabulary-major product) against torch's ``F.linear`` of the head's weight (min CPU time). shardlib's
+compile time (its first calls, less compiled calls) is printed apart. Both sides' token ids are
+compared: a difference stops the run.
 
   python scripts/benchmark_generate.py                                   # 128k vocab, 2k prompts
   python scripts/benchmark_generate.py --vocab 1024 --prompt-len 32      # the tiny shape
@@ -94,8 +99,9 @@ def main() -> int:
           f"vocab {args.vocab}; prompts of {args.prompt_len} tokens + {args.new_tokens} new, greedy, float32, "
           f"{args.threads or 'default'} thread(s) a side")
     print("| batch | shardlib tokens/s | transformers tokens/s | ratio | ratio by CPU time | shardlib prefill s "
-          "| transformers prefill s | shardlib compile s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| transformers prefill s | shardlib step ms | transformers step ms | shardlib head ms | torch head ms "
+          "| shardlib compile s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for batch in (int(b) for b in args.batch.split(",")):
         prompts = np.random.RandomState(batch).randint(0, args.vocab, (batch, args.prompt_len)).astype(np.int32)
 
@@ -114,25 +120,57 @@ def main() -> int:
         first = {steps: run_ours(steps) for steps in (args.new_tokens, 1)}
         first_calls = time.perf_counter() - start
         times: dict[tuple[str, int], list[float]] = {}
-        cpu_times: dict[str, list[float]] = {}
+        cpu_times: dict[tuple[str, int], list[float]] = {}
         for round_ in range(args.rounds):
             for side, fn in (("ours", run_ours), ("theirs", run_theirs))[::1 if round_ % 2 == 0 else -1]:
                 for steps in (args.new_tokens, 1):
                     start, cpu = time.perf_counter(), time.process_time()
                     got = fn(steps)
                     times.setdefault((side, steps), []).append(time.perf_counter() - start)
-                    if steps > 1:
-                        cpu_times.setdefault(side, []).append(time.process_time() - cpu)
+                    cpu_times.setdefault((side, steps), []).append(time.process_time() - cpu)
                     if not np.array_equal(got, first[steps]):
                         raise SystemExit(f"batch {batch}: shardlib's tokens differ from transformers' "
                                          f"({int((got != first[steps]).sum())} of {got.size})")
         best = {key: min(t) for key, t in times.items()}
         rate = {side: batch * args.new_tokens / best[side, args.new_tokens] for side in ("ours", "theirs")}
         compile_s = first_calls - best["ours", args.new_tokens] - best["ours", 1]
-        by_cpu = min(cpu_times["theirs"]) / min(cpu_times["ours"])
+        least_cpu = {key: min(t) for key, t in cpu_times.items()}
+        by_cpu = least_cpu["theirs", args.new_tokens] / least_cpu["ours", args.new_tokens]
+        step_ms = {side: 1e3 * (least_cpu[side, args.new_tokens] - least_cpu[side, 1]) / (args.new_tokens - 1)
+                   for side in ("ours", "theirs")}
+        head_ms = _head_products(ours, reference, batch, args.hidden, args.rounds)
         print(f"| {batch} | {rate['ours']:.1f} | {rate['theirs']:.1f} | {rate['ours'] / rate['theirs']:.2f}x | "
-              f"{by_cpu:.2f}x | {best['ours', 1]:.2f} | {best['theirs', 1]:.2f} | {compile_s:.1f} |", flush=True)
+              f"{by_cpu:.2f}x | {best['ours', 1]:.2f} | {best['theirs', 1]:.2f} | {step_ms['ours']:.1f} | "
+              f"{step_ms['theirs']:.1f} | {head_ms['ours']:.1f} | {head_ms['theirs']:.1f} | {compile_s:.1f} |", flush=True)
     return 0
+
+
+def _head_products(ours, reference, batch: int, hidden: int, rounds: int) -> dict[str, float]:
+    """Least CPU milliseconds of the head's product for ``batch`` rows on each side: shardlib's
+    compiled vocabulary-major product, torch's ``F.linear`` on the checkpoint's head weight."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from shardlib.models.decoding import vocab_major_head
+
+    h = np.random.RandomState(0).standard_normal((batch, hidden)).astype(np.float32)
+    weights, h_ours, h_theirs = vocab_major_head(ours), jnp.asarray(h), torch.from_numpy(h)
+    product = jax.jit(lambda w, x: jnp.einsum("vd,bd->vb", w, x, preferred_element_type=jnp.float32))
+    runs = {"ours": lambda: jax.block_until_ready(product(weights, h_ours)),
+            "theirs": lambda: torch.nn.functional.linear(h_theirs, reference.lm_head.weight)}
+    best = {}
+    with torch.inference_mode():
+        for side, fn in runs.items():
+            fn()
+            cpu = []
+            for _ in range(5 * rounds):
+                start = time.process_time()
+                fn()
+                cpu.append(time.process_time() - start)
+            best[side] = 1e3 * min(cpu)
+    return best
 
 
 if __name__ == "__main__":
