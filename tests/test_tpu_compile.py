@@ -34,7 +34,13 @@ from tests.helpers import optimizer, tpu_chips
 
 TOPOLOGY = "v5e:2x4"
 N = 8
-CONFIG = GPTConfig(vocab_size=256, d_model=512, n_layers=2, n_heads=4, d_ff=1024, max_seq_len=128)
+# As narrow as the assertions allow: XLA:TPU's compile time grows with each op's size (BENCHMARKS.md,
+# "The TPU compile tests' model width"), and d_model 512, d_ff 1024 took twice this model's CPU time a
+# compile. Four heads (tp splits them over 4) of 128 (the splash kernel's block), d_ff 512 (128 lanes
+# a tp shard), vocabulary 256 (fsdp_tp's [vocab / 2, d_model / 4] embedding shard: 128 lanes), two
+# layers (the loop's trip count is read), 128 tokens (the kernel's block): every shard whole tiles.
+CONFIG = GPTConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4, attention_head_dim=128, d_ff=512,
+                   max_seq_len=128)
 ROWS = 16
 # name -> (strategy, mesh, build options); each compiled in f32 and in bf16 (below) unless named "@bf16"
 STRATEGIES = {
@@ -80,23 +86,28 @@ class Program:
 _CACHE: dict[tuple[str, str], Program] = {}
 
 
+def lower_case(chips, config: GPTConfig, name: str, precision: str):
+    """Case ``name``'s model for ``config`` and its train step in ``precision``, lowered for ``chips``
+    (scripts/benchmark_tpu_test_width.py times it at other widths)."""
+    strategy, mesh, options = {**STRATEGIES, **OPTIONS}[name]
+    options = dict(options)
+    policy = get_precision(precision)
+    if "reduce_dtype" in options:
+        policy = dataclasses.replace(policy, reduce_dtype=options.pop("reduce_dtype"))
+    config = dataclasses.replace(config, compute_dtype="bfloat16" if precision == "bf16" else "float32")
+    model = trainable(config)
+    layout = make_layout(model, strategy, make_mesh(mesh, devices=chips))
+    prog = build(model, optimizer(), layout, precision=policy, **options)
+    shape = ((ROWS, config.max_seq_len), jnp.int32)
+    return model, prog.step.lower(prog.abstract_state(), prog.abstract_batch({"inputs": shape, "targets": shape}))
+
+
 def program(chips, name: str, precision: str) -> Program:
     """The case's TPU program, compiled once for the whole module."""
     key = (name, precision)
     if key not in _CACHE:
-        strategy, mesh, options = {**STRATEGIES, **OPTIONS}[name]
-        options = dict(options)
-        policy = get_precision(precision)
-        if "reduce_dtype" in options:
-            policy = dataclasses.replace(policy, reduce_dtype=options.pop("reduce_dtype"))
-        config = dataclasses.replace(CONFIG, compute_dtype="bfloat16" if precision == "bf16" else "float32")
-        model = trainable(config)
-        layout = make_layout(model, strategy, make_mesh(mesh, devices=chips))
-        prog = build(model, optimizer(), layout, precision=policy, **options)
-        shape = ((ROWS, CONFIG.max_seq_len), jnp.int32)
-        lowered = prog.step.lower(prog.abstract_state(), prog.abstract_batch({"inputs": shape, "targets": shape}))
-        params = jax.tree.leaves(model.abstract())
-        psi = sum(int(np.prod(x.shape)) for x in params)
+        model, lowered = lower_case(chips, CONFIG, name, precision)
+        psi = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model.abstract()))
         stack = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model.abstract()["blocks"]))
         _CACHE[key] = Program(lowered.compile(), lowered.as_text(), psi, stack)
     return _CACHE[key]
@@ -128,7 +139,7 @@ def test_tpu_bf16_attention_is_the_pallas_splash_kernel(chips, name):
     assert "tpu_custom_call" not in program(chips, name, "f32").compiled.as_text()
     if name == "fsdp_tp":
         heads = CONFIG.n_heads // STRATEGIES[name][1]["tensor"]
-        assert re.search(rf"bf16\[[0-9,]*{heads},{CONFIG.max_seq_len},{CONFIG.d_model // CONFIG.n_heads}\][^\n]*custom_call_target=\"tpu_custom_call\"", text)
+        assert re.search(rf"bf16\[[0-9,]*{heads},{CONFIG.max_seq_len},{CONFIG.head_dim}\][^\n]*custom_call_target=\"tpu_custom_call\"", text)
 
 
 def test_tpu_bf16_windowed_softcapped_attention_is_the_splash_kernel_per_window(chips):
@@ -228,6 +239,11 @@ def ring(full_bytes: float, n: int = N) -> float:
     return full_bytes * (n - 1) / n
 
 
+# Bytes one chip sends to gather or reduce the smallest weight matrix, the embedding, in bf16:
+# a collective that moves fewer carries the norm scales (merged into one all-reduce) or the loss.
+MATRIX_BYTES = ring(2 * CONFIG.vocab_size * CONFIG.d_model)
+
+
 def expected_collectives(name: str, precision: str, psi: int, stack: int) -> dict[str, float]:
     """Bytes one chip sends per step by kind, from the ZeRO paper's volumes (docs/design.md).
 
@@ -274,14 +290,15 @@ def test_tpu_collective_bytes_match_the_zero_paper(chips, name, precision):
 @pytest.mark.parametrize("name", ["zero3", "zero3_hpz", "hsdp", "fsdp_tp", "zero3_offload", "zero3_pipe"])
 def test_tpu_bf16_gathers_weights_in_bf16_and_reduces_gradients_in_f32(chips, name):
     stats = program(chips, name, "bf16").stats
-    weights = [r for r in stats.of_kind("all-gather") if r.bytes_per_step > 100_000]
+    weights = [r for r in stats.of_kind("all-gather") if r.bytes_per_step >= MATRIX_BYTES]
     assert weights and {r.dtype for r in weights} == {"bf16"}
     assert {r.dtype for r in stats.of_kind("reduce-scatter")} == {"f32"}
 
 
 def test_tpu_reduce_dtype_bf16_reduces_in_bf16(chips):
     stats = program(chips, "zero3_reduce_bf16", "bf16").stats
-    reductions = [r for r in stats.records if r.kind in ("reduce-scatter", "all-reduce") and r.bytes_per_step > 100_000]
+    reductions = [r for r in stats.records
+                  if r.kind in ("reduce-scatter", "all-reduce") and r.bytes_per_step >= MATRIX_BYTES]
     assert reductions and {r.dtype for r in reductions} == {"bf16"}
 
 
