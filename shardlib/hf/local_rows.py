@@ -12,6 +12,13 @@ parameter shape then converts each device's block on that device (the input spli
 output: no collectives), writing a stacked parameter's layer into its stack in place. The next
 checkpoint tensor is read while the devices convert the current one.
 
+Where the devices are CPU devices their memory is the host's, so `host_parameter` skips the
+programs (compiling them, a zero fill of each stack and a copy of each layer into it cost more
+than the conversion): each device's shard is allocated once, uninitialized, each layer's
+transposed block is converted by NumPy straight into its place in it (bit for bit XLA's
+conversion), and the array is handed to the device without a copy (the CPU client aliases a
+page-aligned buffer).
+
 Host memory holds two checkpoint tensors (the one placed, the one read ahead) and the current
 one's device slices; the devices hold one layer's slices beside the shards already placed.
 """
@@ -19,6 +26,8 @@ one's device slices; the devices hold one layer's slices beside the shards alrea
 from __future__ import annotations
 
 import functools
+import math
+import mmap
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -39,6 +48,12 @@ def applies(t: Any, shape: tuple[int, ...], sharding: Any) -> bool:
     if not isinstance(sharding, NamedSharding) or not sharding.is_fully_addressable:
         return False
     return all(s is None for s in tuple(sharding.spec)[:t.stacked])
+
+
+def in_host_memory(sharding: NamedSharding) -> bool:
+    """Whether ``sharding``'s devices keep their arrays in this process's memory (CPU devices):
+    `host_parameter` writes their shards directly."""
+    return all(d.platform == "cpu" for d in sharding.device_set)
 
 
 def reads(pretrained: Any, t: Any, shape: tuple[int, ...]) -> list[Read]:
@@ -109,6 +124,38 @@ def parameter(t: Any, shape: tuple[int, ...], sharding: Any, tensors: Iterator[n
         stack.block_until_ready()  # the last layer's blocks freed before this one's are converted
         stack = put(stack, block, *index)
     return stack
+
+
+def host_parameter(t: Any, shape: tuple[int, ...], sharding: NamedSharding, tensors: Iterator[np.ndarray],
+                   pool: ThreadPoolExecutor, dtype: np.dtype) -> jax.Array:
+    """Parameter ``t`` in ``dtype`` on CPU devices (`in_host_memory`): each device's shard is a
+    host buffer written once, a layer's block at a time converted into its place, then placed
+    without a copy; no program compiled or run (module docstring)."""
+    layer_shape = tuple(shape[t.stacked:])
+    layer = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[t.stacked:len(shape)]))
+    hf_shape, hf_sharding, inverse = hf_layout(t, layer_shape, layer)
+    boxes = sharding.addressable_devices_indices_map(tuple(shape))
+    shards = {device: _host_buffer(tuple(len(range(*b.indices(n))) for b, n in zip(box, shape)), np.dtype(dtype))
+              for device, box in boxes.items()}
+    for index in np.ndindex(*shape[:t.stacked]):  # () once for an unstacked parameter: the whole shard
+        block = _slices(next(tensors), hf_shape, hf_sharding, inverse, layer, pool)
+        # float to float (`open_pretrained` refuses other dtypes); bit for bit XLA's convert, NaN and
+        # subnormals included. "unsafe": NumPy gives bfloat16 no kind to cast within.
+        convert = lambda piece: np.copyto(shards[piece.device][index], np.asarray(piece.data), casting="unsafe")
+        list(pool.map(convert, block.addressable_shards))
+    placed = [jax.device_put(shards[device], device) for device in boxes]
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, placed)
+
+
+def _host_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized array in its own private anonymous mapping: page-aligned, so the CPU client
+    places it without a copy, and faulted in 4 KiB pages as it is written. Not NumPy's allocator,
+    which advises huge pages for a large array: on a host whose memory is fragmented each huge
+    page fault compacts memory first, and a fresh process's load took 1.5x the CPU time that way
+    (BENCHMARKS.md); unmapped when the device array drops it."""
+    size = math.prod(shape)
+    mapping = mmap.mmap(-1, max(size * dtype.itemsize, 1), flags=mmap.MAP_PRIVATE)
+    return np.frombuffer(mapping, dtype, count=size).reshape(shape)
 
 
 def hf_layout(t: Any, shape: tuple[int, ...], sharding: NamedSharding
