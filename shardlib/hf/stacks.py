@@ -1,8 +1,9 @@
 """A stacked parameter (layers, or layers x experts) built a layer at a time on its devices.
 
 Both Hugging Face readers (`shardlib.hf.rows` across processes, `shardlib.hf.local_rows` in one
-process) write each layer's converted tensor into the stack in place (donated), so a device holds
-one layer's conversion in flight beside the stack, never a second copy of the parameter.
+process on an accelerator's devices; on CPU devices it writes host buffers instead) write each
+layer's converted tensor into the stack in place (donated), so a device holds one layer's
+conversion in flight beside the stack, never a second copy of the parameter.
 """
 
 from __future__ import annotations
