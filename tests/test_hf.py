@@ -164,7 +164,7 @@ def test_one_process_slices_each_shard_and_converts_it_without_collectives(check
     parameter takes the resharding path. On these CPU devices no program runs either: each
     device's shard is the host buffer the conversion wrote (placed without a copy, so nothing
     zero-filled or copied after). The programs an accelerator's devices run to convert (and
-    stack) the shards have no collective in their compiled HLO."""
+    stack) the shards give the same bits, and have no collective in their compiled HLO."""
     from shardlib.hf import local_rows, rows
     from shardlib.sharding.rules import path_str
 
@@ -179,6 +179,12 @@ def test_one_process_slices_each_shard_and_converts_it_without_collectives(check
     placed = {s.data.unsafe_buffer_pointer() for leaf in jax.tree.leaves(params) for s in leaf.addressable_shards}
     assert placed == {buffer.ctypes.data for buffer in written} and len(placed) == 8 * len(jax.tree.leaves(params))
     monkeypatch.undo()
+    # an accelerator's path (the programs convert and stack on the devices) run on these devices: the same bits
+    monkeypatch.setattr(local_rows, "in_host_memory", lambda sharding: False)
+    on_devices = jax.block_until_ready(load_params(pretrained, shardings))
+    monkeypatch.undo()
+    for got, want in zip(jax.tree.leaves(on_devices), jax.tree.leaves(params)):
+        assert got.sharding == want.sharding and np.asarray(got).tobytes() == np.asarray(want).tobytes()
     maps = {t.path: t for t in arch_lib.tensors_for(pretrained.model_config, pretrained.architecture)}
     split = 0
     for (path, sharding), value in zip(jax.tree_util.tree_flatten_with_path(shardings)[0], jax.tree.leaves(params)):
