@@ -161,15 +161,30 @@ def test_each_checkpoint_byte_is_read_once_whatever_the_layout(checkpoints):
 
 def test_one_process_slices_each_shard_and_converts_it_without_collectives(checkpoints, monkeypatch):
     """In one process every device's shard is sliced on the host from the rows read once: no
-    parameter takes the resharding path, and the programs that convert (and stack) the shards
-    have no collective in their compiled HLO."""
+    parameter takes the resharding path. On these CPU devices no program runs either: each
+    device's shard is the host buffer the conversion wrote (placed without a copy, so nothing
+    zero-filled or copied after). The programs an accelerator's devices run to convert (and
+    stack) the shards give the same bits, and have no collective in their compiled HLO."""
     from shardlib.hf import local_rows, rows
     from shardlib.sharding.rules import path_str
 
     monkeypatch.setattr(rows, "_assembler", lambda *a: pytest.fail("a resharding program in one process"))
+    monkeypatch.setattr(local_rows, "programs", lambda *a: pytest.fail("a program for CPU devices"))
+    written = []
+    host_buffer = local_rows._host_buffer
+    monkeypatch.setattr(local_rows, "_host_buffer", lambda *a: written.append(host_buffer(*a)) or written[-1])
     pretrained = open_pretrained(checkpoints["qwen2"])
     shardings = make_layout(trainable(pretrained.model_config), "zero3", make_mesh({"fsdp": 8})).param_shardings()
     params = jax.block_until_ready(load_params(pretrained, shardings))
+    placed = {s.data.unsafe_buffer_pointer() for leaf in jax.tree.leaves(params) for s in leaf.addressable_shards}
+    assert placed == {buffer.ctypes.data for buffer in written} and len(placed) == 8 * len(jax.tree.leaves(params))
+    monkeypatch.undo()
+    # an accelerator's path (the programs convert and stack on the devices) run on these devices: the same bits
+    monkeypatch.setattr(local_rows, "in_host_memory", lambda sharding: False)
+    on_devices = jax.block_until_ready(load_params(pretrained, shardings))
+    monkeypatch.undo()
+    for got, want in zip(jax.tree.leaves(on_devices), jax.tree.leaves(params)):
+        assert got.sharding == want.sharding and np.asarray(got).tobytes() == np.asarray(want).tobytes()
     maps = {t.path: t for t in arch_lib.tensors_for(pretrained.model_config, pretrained.architecture)}
     split = 0
     for (path, sharding), value in zip(jax.tree_util.tree_flatten_with_path(shardings)[0], jax.tree.leaves(params)):
@@ -177,8 +192,8 @@ def test_one_process_slices_each_shard_and_converts_it_without_collectives(check
         assert local_rows.applies(t, shape, sharding) and value.sharding == sharding
         split += any(s is not None for s in sharding.spec)
         name = arch_lib.hf_names(t, *shape[:t.stacked])[0]
-        stored = pretrained.files[name].dtype(name)  # what was placed on the devices
-        for program in local_rows.programs(t, shape, sharding, np.dtype(np.float32), stored):  # as they ran
+        stored = pretrained.files[name].dtype(name)  # what an accelerator's devices are sent
+        for program in local_rows.programs(t, shape, sharding, np.dtype(np.float32), stored):
             hlo = program.as_text()
             assert not [op for op in ("all-to-all", "all-gather", "all-reduce", "collective-permute",
                                       "reduce-scatter") if op in hlo], path_str(path)

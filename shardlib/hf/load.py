@@ -8,7 +8,8 @@ hold, in positioned reads, places them in the checkpoint's dtype, and one compil
 parameter converts them to the parameter dtype, reorders and stacks them, and reshards them to
 the parameter's sharding; a parameter whose devices are all this process's (one process) has
 each device's shard sliced on the host from the tensor read once instead, converted on its
-device with no collective (`shardlib.hf.local_rows`). No process ever holds a whole model in
+device with no collective (on CPU devices: written once in host memory the device then uses,
+`shardlib.hf.local_rows`). No process ever holds a whole model in
 host memory, only one slice a reading thread (or two checkpoint tensors) and its devices' rows
 of the tensor being converted.
 """

@@ -5,10 +5,19 @@ needs rows another process read, so no resharding program is needed: the checkpo
 read once (its rows split over `READ_THREADS` positioned reads into one buffer), each device's
 block is copied out of it on the host (the tensor's dims grouped as shardlib's but kept in the
 checkpoint's order, so a block is whole rows or a run of each row: `hf_layout`) and placed in the
-checkpoint's dtype on its device, in parallel threads, and one program per parameter shape
-transposes and converts each device's block on that device (the input split as the output:
-no collectives), writing a stacked parameter's layer into its stack in place. The next
+checkpoint's dtype on its device in shardlib's dim order, in parallel threads: the transfer
+reorders the dims (PJRT's tiled transpose of the host buffer, about a copy's cost), where a
+transpose inside the converting program cost 4x the conversion on XLA:CPU. One program per
+parameter shape then converts each device's block on that device (the input split as the
+output: no collectives), writing a stacked parameter's layer into its stack in place. The next
 checkpoint tensor is read while the devices convert the current one.
+
+Where the devices are CPU devices their memory is the host's, so `host_parameter` skips the
+programs (compiling them, a zero fill of each stack and a copy of each layer into it cost more
+than the conversion): each device's shard is allocated once, uninitialized, each layer's
+transposed block is converted by NumPy straight into its place in it (bit for bit XLA's
+conversion), and the array is handed to the device without a copy (the CPU client aliases a
+page-aligned buffer).
 
 Host memory holds two checkpoint tensors (the one placed, the one read ahead) and the current
 one's device slices; the devices hold one layer's slices beside the shards already placed.
@@ -16,7 +25,10 @@ one's device slices; the devices hold one layer's slices beside the shards alrea
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import math
+import mmap
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -37,6 +49,12 @@ def applies(t: Any, shape: tuple[int, ...], sharding: Any) -> bool:
     if not isinstance(sharding, NamedSharding) or not sharding.is_fully_addressable:
         return False
     return all(s is None for s in tuple(sharding.spec)[:t.stacked])
+
+
+def in_host_memory(sharding: NamedSharding) -> bool:
+    """Whether ``sharding``'s devices keep their arrays in this process's memory (CPU devices):
+    `host_parameter` writes their shards directly."""
+    return all(d.platform == "cpu" for d in sharding.device_set)
 
 
 def reads(pretrained: Any, t: Any, shape: tuple[int, ...]) -> list[Read]:
@@ -75,17 +93,15 @@ def programs(t: Any, shape: tuple[int, ...], sharding: NamedSharding, dtype: np.
     ``(convert,)``, or ``(empty, put)`` for a stacked one (`shardlib.hf.stacks.stacker`)."""
     layer_shape = tuple(shape[t.stacked:])
     layer = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[t.stacked:len(shape)]))
-    hf_shape, hf_sharding, inverse = hf_layout(t, layer_shape, layer)
-    placed = jax.ShapeDtypeStruct(hf_shape, stored, sharding=hf_sharding)
-    return _compiled(t.stacked, tuple(shape), np.dtype(dtype), sharding, placed, inverse)
+    placed = jax.ShapeDtypeStruct(layer_shape, stored, sharding=layer)
+    return _compiled(t.stacked, tuple(shape), np.dtype(dtype), sharding, placed)
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(stacked: int, shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding, placed: Any,
-              inverse: tuple[int, ...]) -> tuple:
+def _compiled(stacked: int, shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding, placed: Any) -> tuple:
     if not stacked:
-        return (_converter(dtype, sharding, inverse).lower(placed).compile(),)
-    empty, put = stacks.stacker(shape, dtype, sharding, stacked, inverse)
+        return (_converter(dtype, sharding).lower(placed).compile(),)
+    empty, put = stacks.stacker(shape, dtype, sharding, stacked)
     stack = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     return empty.lower().compile(), put.lower(stack, placed, *(0,) * stacked).compile()
 
@@ -96,19 +112,62 @@ def parameter(t: Any, shape: tuple[int, ...], sharding: Any, tensors: Iterator[n
     of ``compiled`` (`programs`: they convert to the parameter's dtype)."""
     layer_shape = tuple(shape[t.stacked:])
     layer = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[t.stacked:len(shape)]))
-    hf_shape, hf_sharding, _ = hf_layout(t, layer_shape, layer)
+    hf_shape, hf_sharding, inverse = hf_layout(t, layer_shape, layer)
+    slices = lambda host: _slices(host, hf_shape, hf_sharding, inverse, layer, pool)
     if not t.stacked:
-        block = _slices(next(tensors), hf_shape, hf_sharding, pool)
-        return compiled.result()[0](block)
+        return compiled.result()[0](slices(next(tensors)))
     stack = None
     for index in np.ndindex(*shape[:t.stacked]):
-        block = _slices(next(tensors), hf_shape, hf_sharding, pool)  # copied while the devices convert the last
+        block = slices(next(tensors))  # copied while the devices convert the last
         if stack is None:
             empty, put = compiled.result()
             stack = empty()
         stack.block_until_ready()  # the last layer's blocks freed before this one's are converted
         stack = put(stack, block, *index)
     return stack
+
+
+def host_parameter(t: Any, shape: tuple[int, ...], sharding: NamedSharding, tensors: Iterator[np.ndarray],
+                   pool: ThreadPoolExecutor, dtype: np.dtype) -> jax.Array:
+    """Parameter ``t`` in ``dtype`` on CPU devices (`in_host_memory`): each device's shard is a
+    host buffer written once, a layer's block at a time converted into its place, then placed
+    without a copy; no program compiled or run (module docstring)."""
+    _trim_heap()
+    layer_shape = tuple(shape[t.stacked:])
+    layer = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[t.stacked:len(shape)]))
+    hf_shape, hf_sharding, inverse = hf_layout(t, layer_shape, layer)
+    boxes = sharding.addressable_devices_indices_map(tuple(shape))
+    shards = {device: _host_buffer(tuple(len(range(*b.indices(n))) for b, n in zip(box, shape)), np.dtype(dtype))
+              for device, box in boxes.items()}
+    for index in np.ndindex(*shape[:t.stacked]):  # () once for an unstacked parameter: the whole shard
+        block = _slices(next(tensors), hf_shape, hf_sharding, inverse, layer, pool)
+        # float to float (`open_pretrained` refuses other dtypes); bit for bit XLA's convert, NaN and
+        # subnormals included. "unsafe": NumPy gives bfloat16 no kind to cast within.
+        convert = lambda piece: np.copyto(shards[piece.device][index], np.asarray(piece.data), casting="unsafe")
+        list(pool.map(convert, block.addressable_shards))
+    placed = [jax.device_put(shards[device], device) for device in boxes]
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, placed)
+
+
+def _trim_heap() -> None:
+    """The C heap's free pages handed back to the kernel (glibc's ``malloc_trim``; nothing where
+    the C library has none): the reading threads' arenas otherwise keep the last parameter's freed
+    block copies, 0.12 GiB more peak at TinyLlama's shapes (growth 1.06x share + one tensor
+    against 1.03x trimmed, BENCHMARKS.md)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def _host_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized array in its own private anonymous mapping: page-aligned, so the CPU client
+    places it without a copy, and faulted in 4 KiB pages as it is written. Not NumPy's allocator,
+    which advises huge pages for a large array: on a host whose memory is fragmented each huge
+    page fault compacts memory first, and a fresh process's load took 1.5x the CPU time that way
+    (BENCHMARKS.md); unmapped when the device array drops it."""
+    size = math.prod(shape)
+    mapping = mmap.mmap(-1, max(size * dtype.itemsize, 1), flags=mmap.MAP_PRIVATE)
+    return np.frombuffer(mapping, dtype, count=size).reshape(shape)
 
 
 def hf_layout(t: Any, shape: tuple[int, ...], sharding: NamedSharding
@@ -122,18 +181,22 @@ def hf_layout(t: Any, shape: tuple[int, ...], sharding: NamedSharding
     return (tuple(shape[d] for d in order), NamedSharding(sharding.mesh, P(*[spec[d] for d in order])), inverse)
 
 
-def _slices(host: np.ndarray, shape: tuple[int, ...], sharding: NamedSharding, pool: ThreadPoolExecutor) -> jax.Array:
-    """The checkpoint tensor ``host`` as a global array of ``shape`` (a reshape of it) in
-    ``sharding``, in the checkpoint's dtype: each device's block copied out of it and placed, in
-    threads (rows whole: one contiguous copy; rows cut: a copy of each row's run)."""
+def _slices(host: np.ndarray, shape: tuple[int, ...], sharding: NamedSharding, inverse: tuple[int, ...],
+            out: NamedSharding, pool: ThreadPoolExecutor) -> jax.Array:
+    """The checkpoint tensor ``host``, seen as ``shape`` (a reshape of it) split by ``sharding``, as
+    the global array of its dims put in the order ``inverse`` (shardlib's layout) in ``out``, in the
+    checkpoint's dtype: each device's block copied out of it (rows whole: one contiguous copy; rows
+    cut: a copy of each row's run, so the transpose below reads a block that fits in cache) and
+    placed transposed, in threads."""
     view = host.reshape(shape)
     boxes = sharding.addressable_devices_indices_map(shape)
-    put = lambda item: jax.device_put(np.ascontiguousarray(view[item[1]]), item[0])
-    return jax.make_array_from_single_device_arrays(shape, sharding, list(pool.map(put, boxes.items())))
+    put = lambda item: jax.device_put(np.ascontiguousarray(view[item[1]]).transpose(inverse), item[0])
+    target = tuple(shape[d] for d in inverse)
+    return jax.make_array_from_single_device_arrays(target, out, list(pool.map(put, boxes.items())))
 
 
 @functools.lru_cache(maxsize=None)
-def _converter(dtype: np.dtype, sharding: Any, inverse: tuple[int, ...]):
-    """``x`` transposed by ``inverse`` and converted to ``dtype``, into ``sharding``: each device
-    transposes and converts its own block (the input split the same way: `hf_layout`)."""
-    return jax.jit(lambda x: x.transpose(inverse).astype(dtype), out_shardings=sharding)
+def _converter(dtype: np.dtype, sharding: Any):
+    """``x`` converted to ``dtype`` in ``sharding``: each device converts its own block (the input
+    split the same way)."""
+    return jax.jit(lambda x: x.astype(dtype), out_shardings=sharding)

@@ -47,14 +47,16 @@ def load(pretrained: Any, tensors: list[tuple[Any, tuple[int, ...], Any]], dtype
     local = [reads if len({f.dtype(n) for f, n, *_ in reads}) == 1 else [] for reads in local]  # one dtype: one program
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="shardlib-hf-read") as pool, \
             ThreadPoolExecutor(1, thread_name_prefix="shardlib-hf-compile") as compiler:
+        on_host = [bool(reads) and local_rows.in_host_memory(sharding) for (_, _, sharding), reads in zip(tensors, local)]
         compiled = [compiler.submit(local_rows.programs, t, shape, sharding, dtype, reads[0][0].dtype(reads[0][1]))
-                    if reads else None for (t, shape, sharding), reads in zip(tensors, local)]
+                    if reads and not cpu else None for (t, shape, sharding), reads, cpu in zip(tensors, local, on_host)]
         host = local_rows.read_ahead([read for reads in local for read in reads], pool, READ_THREADS)
         try:
-            for (t, shape, sharding), program in zip(tensors, compiled):
+            for (t, shape, sharding), program, cpu in zip(tensors, compiled, on_host):
                 if placed:  # one parameter assembling while the next is read: its rows are freed before more are read
                     placed[-1].block_until_ready()
-                placed.append(local_rows.parameter(t, shape, sharding, host, pool, program) if program
+                placed.append(local_rows.host_parameter(t, shape, sharding, host, pool, dtype) if cpu
+                              else local_rows.parameter(t, shape, sharding, host, pool, program) if program
                               else _parameter(pretrained, t, shape, sharding, dtype, pool))
         finally:  # the read-ahead thread stops here, whatever a parameter raised
             host.close()
