@@ -37,6 +37,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from shardlib.backend import platform_of
 from shardlib.hf import stacks
 
 # (TensorFile, tensor name, first row, row count): one checkpoint tensor's rows, read whole
@@ -54,7 +55,7 @@ def applies(t: Any, shape: tuple[int, ...], sharding: Any) -> bool:
 def in_host_memory(sharding: NamedSharding) -> bool:
     """Whether ``sharding``'s devices keep their arrays in this process's memory (CPU devices):
     `host_parameter` writes their shards directly."""
-    return all(d.platform == "cpu" for d in sharding.device_set)
+    return platform_of(sharding.mesh) == "cpu"
 
 
 def reads(pretrained: Any, t: Any, shape: tuple[int, ...]) -> list[Read]:
