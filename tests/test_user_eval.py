@@ -58,6 +58,11 @@ def _padded_batches(data):
         yield len(rows["label"]), {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in rows.items()}
 
 
+# The one-device references run as one jitted program each: run eagerly, each of their operations
+# compiled a program of its own (about 100 in the NNX test; issue 47). Same module, same inputs.
+_cnn_eval = jax.jit(lambda variables, image: CNN().apply(variables, image, train=False))
+
+
 @pytest.mark.parametrize("strategy, axes", [("dp", {"data": 8}), ("zero3", {"fsdp": 8})])
 def test_linen_eval_loop_over_a_ragged_dataset_predictions_and_export_match_one_device(strategy, axes, tmp_path):
     data = _dataset()
@@ -66,7 +71,7 @@ def test_linen_eval_loop_over_a_ragged_dataset_predictions_and_export_match_one_
     program = shardlib.build(model, optax.adam(1e-2), shardlib.make_layout(model, strategy, shardlib.make_mesh(axes)))
     state, _ = program.step(program.init(jax.random.key(0)), {k: v[:ROWS] for k, v in data.items()})
     variables = {"params": jax.tree.map(np.asarray, state.params), **jax.tree.map(np.asarray, state.model_state)}
-    logits = CNN().apply(variables, data["image"], train=False)  # one device, the whole dataset
+    logits = _cnn_eval(variables, data["image"])  # one device, the whole dataset
     want_loss = float(optax.softmax_cross_entropy_with_integer_labels(logits, data["label"]).mean())
     want_correct = float(np.sum(np.asarray(logits.argmax(-1)) == data["label"]))
 
@@ -102,7 +107,7 @@ def test_linen_eval_loop_over_a_ragged_dataset_predictions_and_export_match_one_
     exported = {"params": params, **model_state}  # what module.apply takes
     assert jax.tree.structure(exported) == jax.tree.structure(variables)
     assert all(jax.tree.leaves(jax.tree.map(lambda a, b: a.dtype == b.dtype and np.array_equal(a, b), exported, variables)))
-    assert np.array_equal(np.asarray(CNN().apply(exported, data["image"], train=False)), np.asarray(logits))
+    assert np.array_equal(np.asarray(_cnn_eval(exported, data["image"])), np.asarray(logits))
 
 
 class TextClassifier(nnx.Module):
@@ -128,6 +133,12 @@ def text_loss(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
 
 
+@nnx.jit
+def _text_eval(module, batch):
+    """The module's logits and `text_loss` on one device, as it is (its eval mode included)."""
+    return module(batch["tokens"], batch["mask"]), text_loss(module, batch)
+
+
 def test_nnx_classifier_evaluates_predicts_and_exports_under_fsdp_tp(tmp_path):
     rng = np.random.default_rng(1)
     batch = {"tokens": rng.integers(0, 64, (16, 12)).astype(np.int32),
@@ -139,9 +150,9 @@ def test_nnx_classifier_evaluates_predicts_and_exports_under_fsdp_tp(tmp_path):
     state, _ = program.step(program.init(jax.random.key(0)), batch)
     nnx.update(held, nnx.State(jax.tree.map(np.asarray, state.params)), nnx.State(jax.tree.map(np.asarray, state.model_state)))
     held.eval()  # the reference: the module itself, on one device
-    want = held(batch["tokens"], batch["mask"])
+    want, want_loss = _text_eval(held, batch)
     evaluated = program.evaluate(state.params, batch, state.model_state)
-    np.testing.assert_allclose(float(evaluated["loss"]), float(text_loss(held, batch)), rtol=1e-6)
+    np.testing.assert_allclose(float(evaluated["loss"]), float(want_loss), rtol=1e-6)
     predicted = jax.jit(model.apply)(state.params, batch["tokens"], batch["mask"], model_state=state.model_state)
     np.testing.assert_allclose(np.asarray(predicted), np.asarray(want), rtol=1e-5, atol=1e-6)
 
@@ -159,7 +170,7 @@ def test_nnx_classifier_evaluates_predicts_and_exports_under_fsdp_tp(tmp_path):
     nnx.replace_by_pure_dict(variables, model_state)
     nnx.update(served, variables)
     served.eval()
-    assert np.array_equal(np.asarray(served(batch["tokens"], batch["mask"])), np.asarray(want))
+    assert np.array_equal(np.asarray(_text_eval(served, batch)[0]), np.asarray(want))
 
 
 # ---------------------------------------------------------------- a train/eval switch in the config
