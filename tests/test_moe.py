@@ -296,15 +296,23 @@ def test_param_count_matches_the_abstract_model(name):
     assert flops_per_token(config) == flops_per_token(dense) + 6 * active
 
 
-@pytest.mark.slow
-def test_cli_trains_moe_over_data_and_expert_and_logs_the_balance(tmp_path):
-    """The issue's command: ``shardlib train --model moe-tiny --mesh data=2,expert=4 --steps 3``."""
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """The issue's command, run once: its metrics are checked, and it is generated from and exported."""
     from shardlib.cli import main
-    from shardlib.run.metrics_io import read_metrics
 
-    out = tmp_path / "run"
+    out = tmp_path_factory.mktemp("moe_cli") / "run"
     assert main(["train", "--model", "moe-tiny", "--mesh", "data=2,expert=4", "--steps", "3", "--batch-size", "16",
                  "--seq-len", "32", "--no-progress", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_cli_trains_moe_over_data_and_expert_and_logs_the_balance(cli_run):
+    """The issue's command: ``shardlib train --model moe-tiny --mesh data=2,expert=4 --steps 3``."""
+    from shardlib.run.metrics_io import read_metrics
+
+    out = cli_run
     records = [r for r in read_metrics(out / "metrics.jsonl") if "step" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
     for record in records:
@@ -314,17 +322,14 @@ def test_cli_trains_moe_over_data_and_expert_and_logs_the_balance(tmp_path):
         assert {"tokens_dropped", "expert_max_over_mean", "expert_cv", "z_loss"} <= set(record)
 
 
-def test_an_moe_run_generates_and_its_hf_export_is_refused_only_where_no_class_computes_it(tmp_path, capsys):
+def test_an_moe_run_generates_and_its_hf_export_is_refused_only_where_no_class_computes_it(cli_run, tmp_path, capsys):
     """An MoE run generates (the experts' layers decode with the KV cache, `models.moe.MoEBlock.cached`),
     and its Hugging Face export is written as Mixtral where Mixtral computes its routing; moe-tiny's
     top-1 gate is the softmax probability, not renormalised to 1 as Mixtral's, so its export is refused
     in one line naming why (tests/test_hf.py: a top-2 model's export equals transformers' Mixtral)."""
     from shardlib.cli import main
 
-    out = tmp_path / "run"
-    assert main(["train", "--model", "moe-tiny", "--mesh", "data=2,expert=4", "--steps", "1", "--batch-size", "8",
-                 "--seq-len", "16", "--no-progress", "--eval-every", "0", "--sample-tokens", "0",
-                 "--out", str(out)]) == 0
+    out = cli_run  # the issue's command's run (3 steps), shared with the test above
     capsys.readouterr()
     assert main(["export", "--ckpt", str(out), "--hf", "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
@@ -332,7 +337,7 @@ def test_an_moe_run_generates_and_its_hf_export_is_refused_only_where_no_class_c
     assert not (tmp_path / "hf").exists()
     assert main(["generate", "--from", str(out), "--prompt", "ab", "--max-new-tokens", "2"]) == 0
     captured = capsys.readouterr()
-    assert captured.out.startswith("ab") and "step 1" in captured.err, captured
+    assert captured.out.startswith("ab") and "step 3" in captured.err, captured
 
 
 def test_plan_gives_moe_models_an_expert_axis_and_inspect_shows_it(capsys):
