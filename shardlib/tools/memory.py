@@ -80,10 +80,10 @@ def memory_stats(compiled: Any) -> MemoryStats:
     # simulation of device memory, below that sum, whose temporaries include the allocations in the
     # chip's alternate memory (VMEM, layouts marked S(1)): 22.2 MiB where the sum says 34.8 MiB
     # (docs/your-model.md, "ZeRO-3 one block at a time").
-    estimate = peak is None or (_platform(compiled) in ("cpu", None) and int(peak) < argument + output + temp - alias)
+    estimate = peak is None or (compiled_platform(compiled) in ("cpu", None) and int(peak) < argument + output + temp - alias)
     host = {"host_argument_bytes": get("host_argument_size_in_bytes"),
             "host_output_bytes": get("host_output_size_in_bytes"), "host_alias_bytes": get("host_alias_size_in_bytes")}
-    if not any(host.values()) and _has_host_inputs(compiled):
+    if not any(host.values()) and has_host_inputs(compiled):
         host = host_layout_bytes(compiled.as_text())
         host["host_counted_as_device"] = any(host.values())
     return MemoryStats(**host,
@@ -98,13 +98,17 @@ def memory_stats(compiled: Any) -> MemoryStats:
 
 
 
-def _platform(compiled: Any) -> str | None:
+def compiled_platform(compiled: Any) -> str | None:
     """The platform a compiled program is for (its shardings' devices: a topology's chips for a
-    TPU program compiled on a CPU host), or None when it says nothing."""
+    TPU program compiled on a CPU host), or None when it says nothing. A program read back from
+    the plan cache has no shardings and answers what was recorded when it was compiled."""
     import jax
 
     from shardlib.backend import platform_of
 
+    recorded = getattr(compiled, "recorded_traits", None)
+    if recorded is not None:
+        return recorded["platform"]
     for attr in ("input_shardings", "output_shardings"):
         for sharding in jax.tree.leaves(getattr(compiled, attr, None)):
             devices = getattr(sharding, "device_set", None)
@@ -147,10 +151,14 @@ def device_capacity() -> tuple[int, str] | None:
     return (int(limit), f"{format_bytes(int(limit))} on each {devices[0].device_kind}") if limit else None
 
 
-def _has_host_inputs(compiled: Any) -> bool:
-    """Whether any argument of ``compiled`` was placed in host memory (so reading the HLO is worth it)."""
+def has_host_inputs(compiled: Any) -> bool:
+    """Whether any argument of ``compiled`` was placed in host memory (so reading the HLO is worth
+    it); for a program read back from the plan cache, what was recorded when it was compiled."""
     import jax
 
+    recorded = getattr(compiled, "recorded_traits", None)
+    if recorded is not None:
+        return recorded["host_inputs"]
     shardings = jax.tree.leaves(getattr(compiled, "input_shardings", None))
     return any(getattr(s, "memory_kind", None) in _HOST_KINDS for s in shardings)
 
