@@ -9,6 +9,8 @@ of the logits: a weaker objective, silently. The reference is one device over th
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,11 +130,19 @@ def _reference(loss, k: int = 1, devices: int = 8):
     return lambda p, b: sum(loss(forward(p, _microbatch(b, i, k, devices)), None, gather=whole) for i in range(k)) / k
 
 
+@functools.cache
+def _one_device(loss):
+    """``loss`` of the forward on one device over the rows given, as one jitted program: compiled
+    once for every device's block of rows (and once for the evaluation batch), where running it op
+    by op compiled each of its operations for each shape (about 100 compiles a case)."""
+    return jax.jit(lambda params, b: loss(forward(params, b), None, gather=whole))
+
+
 def _per_device_blocks(loss, params, b, devices: int) -> float:
     """The first step's loss had each device computed ``loss`` on its own rows only (no gather)."""
     per = ROWS // devices
     block = lambda d: jax.tree.map(lambda x: x[d * per:(d + 1) * per], b)
-    return float(np.mean([loss(forward(params, block(d)), None, gather=whole) for d in range(devices)]))
+    return float(np.mean([_one_device(loss)(params, block(d)) for d in range(devices)]))
 
 
 # ---- tests ------------------------------------------------------------------------------------------
@@ -154,7 +164,7 @@ def test_a_loss_over_the_gathered_batch_trains_like_one_device(loss, reference, 
     # Without the gather the first loss alone would already fail the check above, ten times over.
     assert abs(blocks - ref_losses[0]) > 10 * RTOL * abs(ref_losses[0])
     evaluation = program.evaluate(state.params, batch(STEPS))["loss"]  # the eval step gathers too
-    np.testing.assert_allclose(evaluation, reference(forward(ref_params, batch(STEPS)), None, gather=whole), rtol=RTOL)
+    np.testing.assert_allclose(evaluation, _one_device(reference)(ref_params, batch(STEPS)), rtol=RTOL)
 
 
 def test_bf16_compute_sums_the_gathered_rows_cotangents_in_float32():
