@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from shardlib.step import pmap as pmap_lib
-from tests.compile_once_per_program import compile_once
 from tests.helpers import batches, optimizer, reference, run, tiny_model
 
 CASES = [
@@ -26,15 +25,6 @@ CASES = [
     ("fsdp_tp", {"fsdp": 2, "tensor": 4}), ("fsdp_tp", {"fsdp": 4, "tensor": 2}),
     ("hsdp", {"data": 2, "fsdp": 4}), ("hsdp", {"data": 4, "fsdp": 2}),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def identical_programs_compile_once(tmp_path_factory):
-    """Without gradient accumulation zero2's init and step lower to zero1's programs byte for byte
-    on each mesh (measured: JAX's cache hits all 6 of zero2's compiles, and no other case's), so
-    zero2's cases load zero1's executables; every case still traces and lowers its own program."""
-    with compile_once(tmp_path_factory.mktemp("parity_compiles")):
-        yield
 
 
 @pytest.fixture(scope="module")
