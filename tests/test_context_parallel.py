@@ -162,9 +162,13 @@ def _attention_temp_bytes(mode: str, t: int, size: int = 4) -> int:
 @pytest.mark.parametrize("mode", ["ring", "allgather"])
 def test_attention_memory_is_linear_in_the_sequence(mode, monkeypatch):
     """Twice the tokens at most 2.3x the temporaries (scores of [T/C x KEY_BLOCK], never
-    [T/C x T/C] or [T/C x T]); dense scores would take 4x."""
+    [T/C x T/C] or [T/C x T]); dense scores would take 4x. The ring runs on C=2 devices: its
+    compile is a third of C=4's (~5 s CPU against ~13, whatever T), and a [T/C x T/C] or
+    [T/C x T] buffer would still grow 4x (measured 1.93x at C=2, 1.81x at C=4); the ring's
+    hops over 4 devices are the other tests' (values, gradients, tiles)."""
     _blocks(monkeypatch, 64)
-    assert _attention_temp_bytes(mode, 4096) <= 2.3 * _attention_temp_bytes(mode, 2048)
+    size = 2 if mode == "ring" else 4
+    assert _attention_temp_bytes(mode, 4096, size) <= 2.3 * _attention_temp_bytes(mode, 2048, size)
 
 
 def test_whole_sequence_flash_computes_only_visible_tiles_and_matches_dense(monkeypatch):
