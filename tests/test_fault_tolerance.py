@@ -36,8 +36,11 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model", "tiny", "--batch-size", "16", "--seq-len", "32", "--no-progress", "--no-tensorboard",
         "--eval-every", "0", "--sample-tokens", "0"]
 # The run that the SIGKILL test interrupts, and its uninterrupted reference (zero3 on 8 devices).
-KILLED_RUN = [*TINY, "--steps", "30", "--ckpt-every", "5", "--record-examples"]
-KILL_AFTER = 20  # SIGKILL once metrics.jsonl shows this step: the restart resumes from 15 or 20
+# 20 steps (was 30): the kill still lands mid-run with 5 steps to the next save on either side,
+# and the cross-layout resume below still takes 10 steps after checkpoint KILL_AFTER.
+STEPS, CKPT_EVERY = 20, 5
+KILLED_RUN = [*TINY, "--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--record-examples"]
+KILL_AFTER = 10  # SIGKILL once metrics.jsonl shows this step: the restart resumes from 5 or 10
 
 
 def _env() -> dict[str, str]:
@@ -85,11 +88,26 @@ def _resumed_from(printed: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """The uninterrupted 30-step run (in-process)."""
-    out = tmp_path_factory.mktemp("reference") / "run"
-    assert main(["train", *KILLED_RUN, "--out", str(out)]) == 0
-    return out
+def reference_run(tmp_path_factory) -> tuple[Path, list]:
+    """The uninterrupted run (in-process), and (step, steps in examples.jsonl) at each of its saves."""
+    from shardlib.run.checkpointing import SaveCheckpoint
+
+    out, seen = tmp_path_factory.mktemp("reference") / "run", []
+    save = SaveCheckpoint.save
+
+    def spy(self, step, state, metrics):
+        seen.append((step, [r["step"] for r in read_examples(out / "examples.jsonl")]))
+        save(self, step, state, metrics)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SaveCheckpoint, "save", spy)
+        assert main(["train", *KILLED_RUN, "--out", str(out)]) == 0
+    return out, seen
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run) -> Path:
+    return reference_run[0]
 
 
 # ---------------------------------------------------------------- preemption (SIGTERM) and Ctrl-C (SIGINT)
@@ -127,22 +145,13 @@ def test_stop_signal_finishes_the_step_saves_and_exits_0(sig, heading, restart, 
 # ---------------------------------------------------------------- SIGKILL: bitwise resume, exactly-once data
 
 
-def test_a_step_is_saved_only_after_its_windows_are_written(tmp_path, monkeypatch) -> None:
+def test_a_step_is_saved_only_after_its_windows_are_written(reference_run) -> None:
     """A multi-process save of step k commits once every process reaches it. Each process must
     have written step k's windows by then: otherwise a process killed just after its peers'
-    commit resumes from k without them (what tests/test_elastic.py once caught, now and then)."""
-    from shardlib.run.checkpointing import SaveCheckpoint
-
-    out, seen = tmp_path / "run", []
-    save = SaveCheckpoint.save
-
-    def spy(self, step, state, metrics):
-        seen.append((step, [r["step"] for r in read_examples(out / "examples.jsonl")]))
-        save(self, step, state, metrics)
-
-    monkeypatch.setattr(SaveCheckpoint, "save", spy)
-    assert main(["train", *TINY, "--steps", "4", "--ckpt-every", "2", "--record-examples", "--out", str(out)]) == 0
-    assert seen == [(2, [1, 2]), (4, [1, 2, 3, 4])]
+    commit resumes from k without them (what tests/test_elastic.py once caught, now and then).
+    Seen at each save of the reference run (a spy on `SaveCheckpoint.save` there)."""
+    _, seen = reference_run
+    assert seen == [(k, list(range(1, k + 1))) for k in range(CKPT_EVERY, STEPS + 1, CKPT_EVERY)]
 
 
 def test_sigkill_restart_matches_the_uninterrupted_run_bitwise(reference, tmp_path, capsys) -> None:
@@ -156,10 +165,10 @@ def test_sigkill_restart_matches_the_uninterrupted_run_bitwise(reference, tmp_pa
     capsys.readouterr()
     assert main(["train", *KILLED_RUN, "--out", str(out)]) == 0  # the same command again
     resumed = _resumed_from(capsys.readouterr().out)
-    assert resumed in (KILL_AFTER - 5, KILL_AFTER), resumed  # the latest *complete* checkpoint
+    assert resumed in (KILL_AFTER - CKPT_EVERY, KILL_AFTER), resumed  # the latest *complete* checkpoint
 
     expected, got = read_metrics(reference / "metrics.jsonl"), read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in got] == list(range(1, 31))  # each step once: redone steps replaced
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))  # each step once: redone steps replaced
     # float32, same mesh, same compiled program: equal bit for bit, before and after the restart.
     assert [r["loss"] for r in got] == [r["loss"] for r in expected]
     assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in expected]
@@ -231,17 +240,17 @@ def test_restore_matrix(saved, target) -> None:
 
 def test_cli_resume_from_under_another_strategy_and_mesh(reference, tmp_path, capsys) -> None:
     source = tmp_path / "source"
-    shutil.copytree(reference / "checkpoints" / "20", source / "checkpoints" / "20")
+    shutil.copytree(reference / "checkpoints" / str(KILL_AFTER), source / "checkpoints" / str(KILL_AFTER))
     out = tmp_path / "run"
     capsys.readouterr()
     flags = [*KILLED_RUN, "--strategy", "fsdp_tp", "--mesh", "fsdp=4,tensor=2"]
     assert main(["train", *flags, "--resume-from", str(source), "--out", str(out)]) == 0
-    assert _resumed_from(capsys.readouterr().out) == 20
+    assert _resumed_from(capsys.readouterr().out) == KILL_AFTER
     expected = {r["step"]: r["loss"] for r in read_metrics(reference / "metrics.jsonl")}
     got = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in got] == list(range(21, 31))
-    assert abs(got[0]["loss"] - expected[21]) < 1e-5, (got[0], expected[21])
-    assert read_examples(out / "examples.jsonl") == read_examples(reference / "examples.jsonl")[20:]
+    assert [r["step"] for r in got] == list(range(KILL_AFTER + 1, STEPS + 1))
+    assert abs(got[0]["loss"] - expected[KILL_AFTER + 1]) < 1e-5, (got[0], expected[KILL_AFTER + 1])
+    assert read_examples(out / "examples.jsonl") == read_examples(reference / "examples.jsonl")[KILL_AFTER:]
 
 
 # ---------------------------------------------------------------- non-finite steps

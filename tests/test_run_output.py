@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
 import re
 import subprocess
@@ -19,15 +21,24 @@ from tests import compile_flags
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_output_to_a_file_is_plain_lines_with_lr_grad_norm_and_time_left(tmp_path, capsys):
-    # 30 steps: tqdm's carriage-return refreshes would make one line of ~3,000 characters.
-    out = tmp_path / "run"
-    assert main(["train", "--model", "tiny", "--batch-size", "16", "--seq-len", "32", "--steps", "30",
-                 "--eval-every", "0", "--sample-tokens", "0", "--out", str(out)]) == 0
-    captured = capsys.readouterr()
-    printed = captured.out + captured.err
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[Path, str, str]:
+    """One in-process run, its output not a terminal, steps 2-3 profiled: (run directory, stdout, stderr).
+    The plain-lines test and the profile test read it (they differ only in what they check).
+    30 steps: tqdm's carriage-return refreshes would make one line of ~3,000 characters."""
+    out, stdout, stderr = tmp_path_factory.mktemp("output") / "run", io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(["train", "--model", "tiny", "--batch-size", "16", "--seq-len", "32", "--steps", "30",
+                     "--eval-every", "0", "--sample-tokens", "0", "--profile", "2:3", "--out", str(out)])
+    assert code == 0, stderr.getvalue()[-3000:]
+    return out, stdout.getvalue(), stderr.getvalue()
+
+
+def test_output_to_a_file_is_plain_lines_with_lr_grad_norm_and_time_left(run):
+    out, stdout, stderr = run
+    printed = stdout + stderr
     assert "\r" not in printed and max(map(len, printed.splitlines())) < 2000
-    lines = [line for line in captured.out.splitlines() if re.match(r"step \d", line)]
+    lines = [line for line in stdout.splitlines() if re.match(r"step \d", line)]
     assert [line.split(":")[0] for line in lines] == ["step 10/30", "step 20/30", "step 30/30"], lines
     records = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
     for line in lines:
@@ -120,11 +131,9 @@ def test_a_read_only_checkpointer_opens_without_orbax_warning(tmp_path, caplog):
     assert not [r for r in caplog.records if "read only" in r.getMessage()], caplog.text
 
 
-def test_profile_traces_the_steps_asked_and_metrics_carry_tokens_per_device(tmp_path, capsys):
-    out = tmp_path / "run"
-    assert main(["train", "--model", "tiny", "--batch-size", "16", "--seq-len", "32", "--steps", "4", "--eval-every",
-                 "0", "--sample-tokens", "0", "--no-progress", "--profile", "2:3", "--out", str(out)]) == 0
-    assert "profile    steps 2-3: " in capsys.readouterr().out
+def test_profile_traces_the_steps_asked_and_metrics_carry_tokens_per_device(run):
+    out, stdout, _ = run
+    assert "profile    steps 2-3: " in stdout
     traces = list((out / "profile").rglob("*.xplane.pb"))
     assert len(traces) == 1 and list((out / "profile").rglob("*.trace.json.gz"))
     records = read_metrics(out / "metrics.jsonl")

@@ -261,8 +261,15 @@ def test_second_run_on_the_same_out_is_refused_and_a_dead_runs_lock_is_taken_ove
             time.sleep(0.1)
         holder = json.loads(lock.read_text())
         assert holder["pid"] == first.pid and holder["host"] == socket.gethostname()
-        second = subprocess.run(_train("--steps", "2", "--out", str(out)), env=_env(), capture_output=True,
-                                text=True, timeout=60)
+        # Paused while the second run starts: a stopped process keeps its flock and its PID, so it
+        # holds --out exactly as a compiling one does, without burning the CPU the second run's
+        # start-up shares (it resumes below, before the check that it keeps going).
+        first.send_signal(signal.SIGSTOP)
+        try:
+            second = subprocess.run(_train("--steps", "2", "--out", str(out)), env=_env(), capture_output=True,
+                                    text=True, timeout=60)
+        finally:
+            first.send_signal(signal.SIGCONT)
         assert second.returncode == 2, second.stderr
         errors = _error_lines(second.stderr)
         assert len(errors) == 1 and "Traceback" not in second.stderr, second.stderr

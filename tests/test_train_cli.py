@@ -8,6 +8,8 @@ line and no traceback.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -149,15 +151,29 @@ def test_loop_records_each_step_once_one_step_behind_and_validates_at_once():
     assert seen == [(1, 2, None), (2, 3, None), (3, 3, 3.0), (4, 5, None), (5, 5, None), ("stop", 5, 5)]
 
 
-def test_resume_replaces_the_lost_steps_and_continues_within_rounding(tmp_path):
-    flags = ["--strategy", "zero3", "--steps", "4", "--eval-every", "0", "--sample-tokens", "0", "--seed", "3"]
-    code, out = _run(tmp_path, *flags, "--ckpt-every", "2")
+# One zero3 run, a checkpoint every 2 of its 4 steps: the resume test and the banner test read it
+# (they differ only in what they check, so they share its compile).
+ZERO3_RUN = ["--strategy", "zero3", "--steps", "4", "--eval-every", "0", "--sample-tokens", "0", "--seed", "3",
+             "--ckpt-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory) -> tuple[int, Path, str, list[dict]]:
+    """(exit code, run directory, what it printed, its metrics as first written)."""
+    out = tmp_path_factory.mktemp("zero3") / "run"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["train", *TINY, *ZERO3_RUN, "--out", str(out)])
+    return code, out, printed.getvalue(), read_metrics(out / "metrics.jsonl")
+
+
+def test_resume_replaces_the_lost_steps_and_continues_within_rounding(zero3_run):
+    code, out, _, first = zero3_run
     assert code == 0
-    first = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in first] == [1, 2, 3, 4] and STEP_KEYS <= first[-1].keys() and "val_loss" in first[-1]
     assert (out / "config.json").exists() and (out / "loss_curve.png").exists() and list(out.glob("events.out.*"))
     shutil.rmtree(out / "checkpoints" / "4")  # as if the run had died between steps 2 and 4
-    assert main(["train", *TINY, *flags, "--ckpt-every", "2", "--resume-from", str(out)]) == 0  # same run dir
+    assert main(["train", *TINY, *ZERO3_RUN, "--resume-from", str(out)]) == 0  # same run dir
     resumed = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # steps 3-4 replaced, not duplicated
     assert resumed[:2] == first[:2]
@@ -196,18 +212,19 @@ def test_bad_flags_give_one_line(flags, named, tmp_path, capsys):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_banner_names_data_and_checkpoints_and_a_finished_rerun_prints_no_nan(tmp_path, capsys):
-    flags = ["--steps", "1", "--eval-every", "0", "--sample-tokens", "0", "--no-tensorboard", "--ckpt-every", "1"]
-    code, out = _run(tmp_path, *flags)
+def test_banner_names_data_and_checkpoints_and_a_finished_rerun_prints_no_nan(zero3_run, tmp_path, capsys):
+    code, run, printed, _ = zero3_run
     assert code == 0
-    printed = capsys.readouterr().out
-    assert "compute f32) for 1 step\n" in printed
+    assert "compute f32) for 4 steps\n" in printed
     assert "data       built-in pydoc corpus" in printed and " validation bytes (" in printed
-    assert f"checkpoint {out.absolute() / 'checkpoints'}, every 1 step and at the end, keep 3" in printed
-    assert main(["train", *TINY, *flags, "--out", str(out)]) == 0  # the same command again: nothing left to run
+    assert f"checkpoint {run.absolute() / 'checkpoints'}, every 2 steps and at the end, keep 3" in printed
+    out = tmp_path / "run"  # a copy of the finished run (the resume test changes the shared one)
+    shutil.copytree(run, out)
+    capsys.readouterr()
+    assert main(["train", *TINY, *ZERO3_RUN, "--out", str(out)]) == 0  # the same command again: nothing left to run
     printed = capsys.readouterr().out
     assert "nan" not in printed, printed
-    assert "n/a (no steps run: resumed at step 1 of 1; raise --steps to train on)" in printed
+    assert "n/a (no steps run: resumed at step 4 of 4; raise --steps to train on)" in printed
     assert "final train loss                   n/a (no steps run)" in printed
 
 
