@@ -164,12 +164,15 @@ def test_one_process_slices_each_shard_and_converts_it_without_collectives(check
     parameter takes the resharding path. On these CPU devices no program runs either: each
     device's shard is the host buffer the conversion wrote (placed without a copy, so nothing
     zero-filled or copied after). The programs an accelerator's devices run to convert (and
-    stack) the shards give the same bits, and have no collective in their compiled HLO."""
+    stack) the shards give the same bits, and have no collective in their compiled HLO. The
+    checkpoint tensors are mapped (`TensorFile.map_rows`), never copied into read buffers."""
     from shardlib.hf import local_rows, rows
+    from shardlib.hf.safetensors_io import TensorFile
     from shardlib.sharding.rules import path_str
 
     monkeypatch.setattr(rows, "_assembler", lambda *a: pytest.fail("a resharding program in one process"))
     monkeypatch.setattr(local_rows, "programs", lambda *a: pytest.fail("a program for CPU devices"))
+    monkeypatch.setattr(TensorFile, "read_rows", lambda *a, **k: pytest.fail("a copying read in one process"))
     written = []
     host_buffer = local_rows._host_buffer
     monkeypatch.setattr(local_rows, "_host_buffer", lambda *a: written.append(host_buffer(*a)) or written[-1])

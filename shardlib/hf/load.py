@@ -7,10 +7,10 @@ checkpoint tensor once a job (`shardlib.hf.rows`): every process reads the rows 
 hold, in positioned reads, places them in the checkpoint's dtype, and one compiled program per
 parameter converts them to the parameter dtype, reorders and stacks them, and reshards them to
 the parameter's sharding; a parameter whose devices are all this process's (one process) has
-each device's shard sliced on the host from the tensor read once instead, converted on its
+each device's shard sliced on the host from the tensor mapped once instead, converted on its
 device with no collective (on CPU devices: written once in host memory the device then uses,
 `shardlib.hf.local_rows`). No process ever holds a whole model in
-host memory, only one slice a reading thread (or two checkpoint tensors) and its devices' rows
+host memory, only one slice a reading thread (or one mapped checkpoint tensor) and its devices' rows
 of the tensor being converted.
 """
 

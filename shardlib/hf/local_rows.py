@@ -2,15 +2,15 @@
 
 When all of a parameter's devices belong to this process (always, in one process), no device
 needs rows another process read, so no resharding program is needed: the checkpoint tensor is
-read once (its rows split over `READ_THREADS` positioned reads into one buffer), each device's
-block is copied out of it on the host (the tensor's dims grouped as shardlib's but kept in the
-checkpoint's order, so a block is whole rows or a run of each row: `hf_layout`) and placed in the
-checkpoint's dtype on its device in shardlib's dim order, in parallel threads: the transfer
-reorders the dims (PJRT's tiled transpose of the host buffer, about a copy's cost), where a
-transpose inside the converting program cost 4x the conversion on XLA:CPU. One program per
-parameter shape then converts each device's block on that device (the input split as the
-output: no collectives), writing a stacked parameter's layer into its stack in place. The next
-checkpoint tensor is read while the devices convert the current one.
+mapped once, read-only (`TensorFile.map_rows`: no copy into a buffer, the kernel reads its pages
+ahead while the tensor before it is placed), its dims grouped as shardlib's but kept in the
+checkpoint's order, so each device's block is whole rows or a run of each row (`hf_layout`). Each
+block is placed in the checkpoint's dtype on its device in shardlib's dim order, in parallel
+threads, straight from the mapping: the transfer reorders the dims (PJRT's tiled transpose of the
+strided host view, about a copy's cost), where a transpose inside the converting program cost 4x
+the conversion on XLA:CPU. One program per parameter shape then converts each device's block on
+that device (the input split as the output: no collectives), writing a stacked parameter's layer
+into its stack in place.
 
 Where the devices are CPU devices their memory is the host's, so `host_parameter` skips the
 programs (compiling them, a zero fill of each stack and a copy of each layer into it cost more
@@ -19,8 +19,9 @@ transposed block is converted by NumPy straight into its place in it (bit for bi
 conversion), and the array is handed to the device without a copy (the CPU client aliases a
 page-aligned buffer).
 
-Host memory holds two checkpoint tensors (the one placed, the one read ahead) and the current
-one's device slices; the devices hold one layer's slices beside the shards already placed.
+Host memory holds the mapped pages of the checkpoint tensor being placed (page cache, dropped from
+the process when the next is taken) and its device slices; the devices hold one layer's slices
+beside the shards already placed.
 """
 
 from __future__ import annotations
@@ -67,25 +68,15 @@ def reads(pretrained: Any, t: Any, shape: tuple[int, ...]) -> list[Read]:
     return [(pretrained.files[n], n, t.row_offset, part or pretrained.files[n].shape(n)[0]) for n in names]
 
 
-def read_ahead(items: list[Read], pool: ThreadPoolExecutor, threads: int) -> Iterator[np.ndarray]:
-    """Each of ``items`` read whole, in order, the next one read (by another thread) while the
-    caller places the current one."""
-    with ThreadPoolExecutor(1, thread_name_prefix="shardlib-hf-ahead") as ahead:
-        pending: Future | None = ahead.submit(_read, *items[0], pool, threads) if items else None
-        for k in range(len(items)):
-            current = pending.result()
-            pending = ahead.submit(_read, *items[k + 1], pool, threads) if k + 1 < len(items) else None
-            yield current
-
-
-def _read(file: Any, name: str, start: int, count: int, pool: ThreadPoolExecutor, threads: int) -> np.ndarray:
-    """Rows ``start:start + count`` of ``name``, split over ``threads`` reads of the pool into one buffer."""
-    shape = file.shape(name)
-    out = np.empty((count, *shape[1:]), file.dtype(name))
-    step = -(-count // threads) if count else 1
-    cuts = [(a, min(a + step, count)) for a in range(0, count, step)]
-    list(pool.map(lambda c: file.read_rows(name, start + c[0], start + c[1], out=out[c[0]:c[1]]), cuts))
-    return out
+def read_ahead(items: list[Read]) -> Iterator[np.ndarray]:
+    """Each of ``items`` whole, in order, without a copy (`TensorFile.map_rows`): the next one is
+    mapped (the kernel starts reading its pages) before the caller places the current one, and the
+    current one is unmapped when the caller takes the next."""
+    mapped = [file.map_rows(name, start, start + count) for file, name, start, count in items[:1]]
+    for file, name, start, count in items[1:]:
+        mapped.append(file.map_rows(name, start, start + count))
+        yield mapped.pop(0)
+    yield from mapped
 
 
 def programs(t: Any, shape: tuple[int, ...], sharding: NamedSharding, dtype: np.dtype, stored: np.dtype) -> tuple:
@@ -186,12 +177,12 @@ def _slices(host: np.ndarray, shape: tuple[int, ...], sharding: NamedSharding, i
             out: NamedSharding, pool: ThreadPoolExecutor) -> jax.Array:
     """The checkpoint tensor ``host``, seen as ``shape`` (a reshape of it) split by ``sharding``, as
     the global array of its dims put in the order ``inverse`` (shardlib's layout) in ``out``, in the
-    checkpoint's dtype: each device's block copied out of it (rows whole: one contiguous copy; rows
-    cut: a copy of each row's run, so the transpose below reads a block that fits in cache) and
-    placed transposed, in threads."""
+    checkpoint's dtype: each device's block (whole rows, or a run of each row) placed transposed
+    straight from ``host``, in threads. Copying the block out first, so the transpose reads a
+    contiguous block, measured more CPU time and 0.1 GiB more peak (BENCHMARKS.md)."""
     view = host.reshape(shape)
     boxes = sharding.addressable_devices_indices_map(shape)
-    put = lambda item: jax.device_put(np.ascontiguousarray(view[item[1]]).transpose(inverse), item[0])
+    put = lambda item: jax.device_put(view[item[1]].transpose(inverse), item[0])
     target = tuple(shape[d] for d in inverse)
     return jax.make_array_from_single_device_arrays(target, out, list(pool.map(put, boxes.items())))
 

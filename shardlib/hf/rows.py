@@ -50,7 +50,7 @@ def load(pretrained: Any, tensors: list[tuple[Any, tuple[int, ...], Any]], dtype
         on_host = [bool(reads) and local_rows.in_host_memory(sharding) for (_, _, sharding), reads in zip(tensors, local)]
         compiled = [compiler.submit(local_rows.programs, t, shape, sharding, dtype, reads[0][0].dtype(reads[0][1]))
                     if reads and not cpu else None for (t, shape, sharding), reads, cpu in zip(tensors, local, on_host)]
-        host = local_rows.read_ahead([read for reads in local for read in reads], pool, READ_THREADS)
+        host = local_rows.read_ahead([read for reads in local for read in reads])
         try:
             for (t, shape, sharding), program, cpu in zip(tensors, compiled, on_host):
                 if placed:  # one parameter assembling while the next is read: its rows are freed before more are read

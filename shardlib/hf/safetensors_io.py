@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 import threading
@@ -59,7 +60,7 @@ class TensorFile:
                                        f"({', '.join(DTYPES)}): convert the weights to one of them")
         self.entries = {name: (DTYPES[e["dtype"]], tuple(e["shape"]), tuple(e["data_offsets"]))
                         for name, e in header.items()}
-        self.bytes_read = 0  # tensor bytes `read_rows` read from the file, all threads together
+        self.bytes_read = 0  # tensor bytes `read_rows` read (`map_rows` mapped) from the file, all threads together
         self._count = threading.Lock()
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -82,6 +83,30 @@ class TensorFile:
         del mapped  # unmapped here (its last reference): its pages leave this process's resident set
         return block
 
+
+    def map_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of ``name``, read-only, in the file's dtype, without a copy: a private
+        read-only mapping of exactly their pages, which the kernel starts reading ahead now
+        (``POSIX_FADV_WILLNEED``) and which fault in, from the page cache, as they are first read;
+        counted in ``bytes_read``. Unmapped when the array is dropped."""
+        dtype, shape, (begin, _) = self.entries[name]
+        if not shape:
+            raise ValueError(f"{name!r} is a scalar: read() it whole")
+        start, stop = max(0, start), min(shape[0], stop)
+        want = (max(0, stop - start), *shape[1:])
+        size = math.prod(want) * dtype.itemsize
+        if not size:
+            return np.empty(want, dtype)
+        offset = self.data_start + begin + start * math.prod(shape[1:]) * dtype.itemsize
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        with open(self.path, "rb") as f:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(f.fileno(), offset, size, os.POSIX_FADV_WILLNEED)
+            mapped = mmap.mmap(f.fileno(), offset - base + size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ,
+                               offset=base)
+        with self._count:
+            self.bytes_read += size
+        return np.frombuffer(mapped, dtype, count=math.prod(want), offset=offset - base).reshape(want)
 
     def read_rows(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows ``start:stop`` of ``name`` (its first dim), in the file's dtype: one positioned read
