@@ -117,14 +117,20 @@ def test_prefill_memory_is_linear_in_the_prompt_and_the_head_runs_at_one_positio
                        remat=False)
     batch = 2
     temps = {}
-    for prompt_len in (1024, 2048):
+    # [T0 x T0] f32 scores would be 32 T0^2 bytes: 8.4 -> 33.6 MB at 512 -> 1024, 33.6 -> 134 MB at 1024 -> 2048.
+    # Measured temporaries (-O0 and XLA's defaults alike): padded rows 5.9 -> 8.0 MB at 512 -> 1024 (1.35x; with
+    # those scores 2.9x), unpadded 11.8 -> 17.4 MB at 1024 -> 2048 (1.47x; with them 3.3x, where 512 -> 1024 would
+    # give 2.5x). The padded rows' prefill compiles in twice the time of the unpadded, and its time grows with
+    # the prompt: it runs at the shorter pair, which keeps the 2.3x bound between the two.
+    short, long = (512, 1024) if ragged else (1024, 2048)
+    for prompt_len in (short, long):
         compiled = _prefill_program(config, batch, prompt_len, ragged)
         temps[prompt_len] = compiled.memory_analysis().temp_size_in_bytes
         hlo = compiled.as_text()
         assert not re.search(rf"f32\[{batch},{prompt_len},{config.vocab_size}\]", hlo)
         heads = re.findall(rf"f32\[{batch},(?:1,)?{config.vocab_size}\]", hlo)
         assert heads, "no [B, vocab] logits in the prefill"
-    assert temps[2048] <= 2.3 * temps[1024], temps
+    assert temps[long] <= 2.3 * temps[short], temps
 
 
 def test_the_decode_loop_reads_its_cache_and_head_where_they_lie():

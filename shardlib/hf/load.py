@@ -17,9 +17,12 @@ of the tensor being converted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -169,13 +172,15 @@ def _check_tensors(pretrained: Pretrained) -> None:
                               "does not reproduce")
 
 
-def _param_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """Parameter path -> shape, from the abstract model (nothing allocated)."""
+@functools.lru_cache(maxsize=16)
+def _param_shapes(config: GPTConfig) -> Mapping[str, tuple[int, ...]]:
+    """Parameter path -> shape, from the abstract model (nothing allocated). Traced once per config
+    (about a second on a CPU): open_pretrained and load_params ask for the same model's shapes."""
     from shardlib.models import trainable
     from shardlib.sharding.rules import path_str
 
     flat = jax.tree_util.tree_flatten_with_path(trainable(config).abstract())[0]
-    return {path_str(path): tuple(leaf.shape) for path, leaf in flat}
+    return MappingProxyType({path_str(path): tuple(leaf.shape) for path, leaf in flat})
 
 
 def load_params(pretrained: Pretrained, shardings: Any, dtype: Any = np.float32) -> dict[str, Any]:
