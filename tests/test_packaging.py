@@ -146,14 +146,35 @@ def _expected() -> dict[str, list[tuple[int, float]]]:
 
 @pytest.mark.parametrize("writer", ["tensorboardX", "tensorboard"])
 def test_tensorboard_scalars_are_written_by_whichever_package_is_installed(writer, tmp_path, monkeypatch):
+    """tensorboard's own writer where it is installed (it imports no PyTorch), else tensorboardX's:
+    the event files say which wrote them (simple values against scalar tensors)."""
     pytest.importorskip("tensorboard")  # the reader; in the dev extra
     if writer == "tensorboard":
         _uninstall(monkeypatch, "tensorboardX")  # as on an image with tensorboard alone
+    else:  # as on an image with tensorboardX alone; tensorboard's reader stays importable
+        monkeypatch.setitem(sys.modules, "tensorboard.summary.writer.event_file_writer", None)
     _log(tmp_path)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    written = EventAccumulator(str(tmp_path))
+    written.Reload()
+    assert set(_expected()) <= set(written.Tags()["scalars" if writer == "tensorboardX" else "tensors"])
     for tag, points in _expected().items():
         got = {tag: _read_scalars(tmp_path, tag)}
         assert [s for s, _ in got[tag]] == [s for s, _ in points], tag
         assert [v for _, v in got[tag]] == pytest.approx([v for _, v in points], rel=1e-6), tag  # float32 events
+
+
+def test_events_are_written_without_importing_pytorch_where_tensorboard_is_installed(tmp_path):
+    """tensorboardX's writer imports PyTorch when it is installed (seconds in every run); with
+    tensorboard installed a run's metrics log never imports it. In a fresh process: the test
+    process may have imported PyTorch for transformers' references."""
+    pytest.importorskip("tensorboard")
+    code = ("import sys; from pathlib import Path; from shardlib.run.metrics_io import MetricsLog; "
+            f"log = MetricsLog(Path({str(tmp_path)!r})); log.write({{'step': 1, 'loss': 2.0}}); log.close(); "
+            "assert 'torch' not in sys.modules, 'PyTorch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    assert list(tmp_path.glob("events.out.tfevents*"))
 
 
 def test_without_tensorboard_the_run_notes_it_and_keeps_metrics_jsonl(tmp_path, monkeypatch, capsys):
