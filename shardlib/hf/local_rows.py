@@ -72,11 +72,14 @@ def read_ahead(items: list[Read]) -> Iterator[np.ndarray]:
     """Each of ``items`` whole, in order, without a copy (`TensorFile.map_rows`): the next one is
     mapped (the kernel starts reading its pages) before the caller places the current one, and the
     current one is unmapped when the caller takes the next."""
-    mapped = [file.map_rows(name, start, start + count) for file, name, start, count in items[:1]]
-    for file, name, start, count in items[1:]:
-        mapped.append(file.map_rows(name, start, start + count))
-        yield mapped.pop(0)
-    yield from mapped
+    current = None
+    for file, name, start, count in items:
+        ahead = file.map_rows(name, start, start + count)
+        if current is not None:
+            yield current
+        current = ahead
+    if current is not None:
+        yield current
 
 
 def programs(t: Any, shape: tuple[int, ...], sharding: NamedSharding, dtype: np.dtype, stored: np.dtype) -> tuple:

@@ -83,7 +83,6 @@ class TensorFile:
         del mapped  # unmapped here (its last reference): its pages leave this process's resident set
         return block
 
-
     def map_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` of ``name``, read-only, in the file's dtype, without a copy: a private
         read-only mapping of exactly their pages, which the kernel starts reading ahead now

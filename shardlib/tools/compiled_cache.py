@@ -1,14 +1,15 @@
 """What `shardlib plan` reads of a compiled program, kept on disk so a rerun plan skips the compile.
 
-The planner reads two things of a compiled step: ``memory_analysis()`` and the optimised HLO
-(``as_text()``), and to read the memory right two traits of its shardings: the platform (a TPU
-peak is the compiler's own, XLA:CPU's is estimated) and whether an argument lives in host memory
-(offloaded state, taken out of XLA:CPU's device figures). JAX's persistent compilation cache cannot serve a TPU topology compiled on a CPU
-host: jax 0.10.2 writes the executable but fails to load it back ("PjRtCompiler must be
-constructed with a Client to call DeserializeLoadedExecutable") and compiles again, minutes for
-a large model; and it is a process-wide setting. So plans keep those two facts here, keyed by the
-lowered program's text and the compiler (platform, topology, jax and libtpu versions): the same
-candidate planned again reads them back; any change to the step, the model or the compiler misses.
+The planner reads two things of a compiled step, ``memory_analysis()`` and the optimised HLO
+(``as_text()``), and two traits of its shardings that the memory figures depend on: the platform
+(a TPU peak is the compiler's own, XLA:CPU's is estimated) and whether an argument lives in host
+memory (offloaded state, taken out of XLA:CPU's device figures). JAX's persistent compilation
+cache cannot serve a TPU topology compiled on a CPU host: jax 0.10.2 writes the executable but
+fails to load it back ("PjRtCompiler must be constructed with a Client to call
+DeserializeLoadedExecutable") and compiles again, minutes for a large model; and it is a
+process-wide setting. So plans keep those facts here, keyed by the lowered program's text and the
+compiler (platform, topology, jax and libtpu versions): the same candidate planned again reads
+them back; any change to the step, the model or the compiler misses.
 """
 
 from __future__ import annotations

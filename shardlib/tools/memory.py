@@ -80,7 +80,8 @@ def memory_stats(compiled: Any) -> MemoryStats:
     # simulation of device memory, below that sum, whose temporaries include the allocations in the
     # chip's alternate memory (VMEM, layouts marked S(1)): 22.2 MiB where the sum says 34.8 MiB
     # (docs/your-model.md, "ZeRO-3 one block at a time").
-    estimate = peak is None or (compiled_platform(compiled) in ("cpu", None) and int(peak) < argument + output + temp - alias)
+    assigned = argument + output + temp - alias
+    estimate = peak is None or (compiled_platform(compiled) in ("cpu", None) and int(peak) < assigned)
     host = {"host_argument_bytes": get("host_argument_size_in_bytes"),
             "host_output_bytes": get("host_output_size_in_bytes"), "host_alias_bytes": get("host_alias_size_in_bytes")}
     if not any(host.values()) and has_host_inputs(compiled):
@@ -92,7 +93,7 @@ def memory_stats(compiled: Any) -> MemoryStats:
         temp_bytes=temp,
         alias_bytes=alias,
         generated_code_bytes=get("generated_code_size_in_bytes"),
-        peak_bytes=argument + output + temp - alias if estimate else int(peak),
+        peak_bytes=assigned if estimate else int(peak),
         peak_is_estimate=estimate,
     )
 
