@@ -17,7 +17,9 @@ programs (compiling them, a zero fill of each stack and a copy of each layer int
 than the conversion): each device's shard is allocated once, uninitialized, each layer's
 transposed block is converted by NumPy straight into its place in it (bit for bit XLA's
 conversion), and the array is handed to the device without a copy (the CPU client aliases a
-page-aligned buffer).
+page-aligned buffer). One task a device transposes its block and converts it, so one thread
+converts while another transposes: all the transfers, then all the conversions, kept one core
+busy at a time (BENCHMARKS.md).
 
 Host memory holds the mapped pages of the checkpoint tensor being placed (page cache, dropped from
 the process when the next is taken) and its device slices; the devices hold one layer's slices
@@ -125,8 +127,9 @@ def parameter(t: Any, shape: tuple[int, ...], sharding: Any, tensors: Iterator[n
 def host_parameter(t: Any, shape: tuple[int, ...], sharding: NamedSharding, tensors: Iterator[np.ndarray],
                    pool: ThreadPoolExecutor, dtype: np.dtype) -> jax.Array:
     """Parameter ``t`` in ``dtype`` on CPU devices (`in_host_memory`): each device's shard is a
-    host buffer written once, a layer's block at a time converted into its place, then placed
-    without a copy; no program compiled or run (module docstring)."""
+    host buffer written once, a layer's block at a time transposed (PJRT's transfer, as `_slices`)
+    and converted into its place by one task, then placed without a copy; no program compiled or
+    run (module docstring)."""
     _trim_heap()
     layer_shape = tuple(shape[t.stacked:])
     layer = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[t.stacked:len(shape)]))
@@ -134,12 +137,17 @@ def host_parameter(t: Any, shape: tuple[int, ...], sharding: NamedSharding, tens
     boxes = sharding.addressable_devices_indices_map(tuple(shape))
     shards = {device: _host_buffer(tuple(len(range(*b.indices(n))) for b, n in zip(box, shape)), np.dtype(dtype))
               for device, box in boxes.items()}
+    hf_boxes = hf_sharding.addressable_devices_indices_map(hf_shape)
     for index in np.ndindex(*shape[:t.stacked]):  # () once for an unstacked parameter: the whole shard
-        block = _slices(next(tensors), hf_shape, hf_sharding, inverse, layer, pool)
-        # float to float (`open_pretrained` refuses other dtypes); bit for bit XLA's convert, NaN and
-        # subnormals included. "unsafe": NumPy gives bfloat16 no kind to cast within.
-        convert = lambda piece: np.copyto(shards[piece.device][index], np.asarray(piece.data), casting="unsafe")
-        list(pool.map(convert, block.addressable_shards))
+        view = next(tensors).reshape(hf_shape)
+
+        def place(device: Any, box: tuple) -> None:
+            # float to float (`open_pretrained` refuses other dtypes); bit for bit XLA's convert, NaN
+            # and subnormals included. "unsafe": NumPy gives bfloat16 no kind to cast within.
+            block = jax.device_put(view[box].transpose(inverse), device)
+            np.copyto(shards[device][index], np.asarray(block), casting="unsafe")
+
+        list(pool.map(place, hf_boxes.keys(), hf_boxes.values()))
     placed = [jax.device_put(shards[device], device) for device in boxes]
     return jax.make_array_from_single_device_arrays(tuple(shape), sharding, placed)
 
