@@ -16,6 +16,8 @@ os.environ["XLA_FLAGS"] = " ".join(
     ]
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+for name, value in compile_flags.ENV.items():
+    os.environ.setdefault(name, value)
 # The TPU-compilation tests in both workers load libtpu, whose lockfile admits one process
 # (`shardlib.runtime.devices.topology_devices`; no chip is touched).
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
