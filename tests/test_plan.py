@@ -12,6 +12,9 @@ import dataclasses
 import importlib.util
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -250,6 +253,35 @@ def test_a_rerun_plan_reads_its_compiles_back(tmp_path, monkeypatch):
     for field, value in dataclasses.asdict(first).items():
         if field != "compile_s":
             assert getattr(again, field) == value, field
+
+
+# One process planning the same bf16 candidate twice, with JAX's persistent compilation cache on.
+PLAN_TWICE_WITH_JAXS_CACHE = """
+from shardlib.tools.plan import Planner
+for _ in range(2):
+    row = Planner("tiny", 8, precision="bf16", hardware="h100").candidate("zero3", {"fsdp": 8})
+    print(row.collective_bytes["all-gather"], " | ".join(row.notes))
+"""
+
+
+def test_a_plan_read_from_jaxs_compilation_cache_says_why_its_bf16_count_is_an_upper_bound(tmp_path):
+    """A bf16 plan on CPU devices counts bf16 collectives at 2 bytes from XLA's dump of the module
+    after SPMD partitioning (XLA:CPU widens them to f32). JAX's compilation cache key leaves the dump
+    options out, so the second compile of the program is a cache hit that dumps nothing: that row
+    counts them at f32 (more than the first, bf16 all-gathers at 4 bytes an element) and its note
+    names the cache and the setting that counts them exactly."""
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                       os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", PLAN_TWICE_WITH_JAXS_CACHE], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (compiled, compiled_notes), (hit, hit_notes) = [line.split(" ", 1) for line in proc.stdout.splitlines()[-2:]]
+    assert "was not found" not in compiled_notes and "counted at 2 bytes/element" in compiled_notes
+    assert int(hit) > 1.8 * int(compiled)  # the bf16 all-gathers at XLA:CPU's 4 bytes (2.2x here)
+    assert ("XLA's partitioned HLO was not found (JAX's persistent compilation cache returned the program without "
+            "compiling it; JAX_ENABLE_COMPILATION_CACHE=false counts them exactly)") in hit_notes
 
 
 # ---------------------------------------------------------------- inspect

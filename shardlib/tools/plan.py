@@ -371,8 +371,14 @@ class Planner:
             row.notes.append(f"{len(narrow)} bf16 collective(s) counted at 2 bytes/element "
                              "(XLA:CPU runs them in f32)")
         elif self.precision == "bf16" and policy_for(self.devices).widens_bf16_collectives:
-            row.notes.append("XLA's partitioned HLO was not found: bf16 collectives are counted as XLA:CPU "
-                             "runs them (f32), an upper bound")
+            import jax
+
+            # JAX's cache key leaves XLA's dump options out: a hit compiles nothing, so dumps nothing.
+            cause = (" (JAX's persistent compilation cache returned the program without compiling it; "
+                     "JAX_ENABLE_COMPILATION_CACHE=false counts them exactly)"
+                     if jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir else "")
+            row.notes.append(f"XLA's partitioned HLO was not found{cause}: bf16 collectives are counted as "
+                             "XLA:CPU runs them (f32), an upper bound")
         if links.intra_priced is not None and links.intra_priced < links.intra * 0.999:
             row.notes.append(f"comm time prices collectives over 2-D / 3-D blocks of the torus at one link per "
                              f"dimension they span ({_gib(links.intra)} on ICI timed as {_gib(links.intra_priced)} on "
