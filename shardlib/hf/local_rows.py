@@ -18,8 +18,8 @@ than the conversion): each device's shard is allocated once, uninitialized, each
 transposed block is converted by NumPy straight into its place in it (bit for bit XLA's
 conversion), and the array is handed to the device without a copy (the CPU client aliases a
 page-aligned buffer). One task a device transposes its block and converts it, so one thread
-converts while another transposes: all the transfers, then all the conversions, kept one core
-busy at a time (BENCHMARKS.md).
+converts while another transposes; a layer's transfers, then its conversions, as two phases kept
+about one core busy (BENCHMARKS.md).
 
 Host memory holds the mapped pages of the checkpoint tensor being placed (page cache, dropped from
 the process when the next is taken) and its device slices; the devices hold one layer's slices
