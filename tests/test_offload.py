@@ -137,18 +137,23 @@ def test_train_flag_places_the_optimizer_state_on_the_host(programs):
     assert memory_kinds(program.state_sharding.params) == {"device"}
 
 
-def test_plan_shows_host_bytes_and_says_offload_makes_it_fit():
+def test_plan_shows_host_bytes_and_says_offload_makes_it_fit(tmp_path):
     """Without offload one byte short of HBM: the plan suggests offload (measured), and the offloaded
-    candidate fits, with its host bytes in their own column and a note that offload is why."""
-    planner = plan_lib.Planner(helpers.TINY, N, batch_size=N, seq_len=helpers.SEQ)
+    candidate fits, with its host bytes in their own column and a note that offload is why. Both
+    planners share a plan cache: the offloaded planner's candidate is the program the advice
+    compiled (the cache key is the lowered text), so it reads back that compile's facts, host
+    bytes included, instead of compiling it again."""
+    planner = plan_lib.Planner(helpers.TINY, N, batch_size=N, seq_len=helpers.SEQ, cache_dir=str(tmp_path))
     row = planner.candidate("zero3")
     planner.decide([row], hbm=row.peak_bytes - 1)
     advice = planner._offloaded(row)
     psi = param_count(helpers.TINY)
     assert advice["fits"] and advice["host_bytes"] == 8 * psi // N + 4
     assert advice["peak_bytes"] <= row.peak_bytes - advice["host_bytes"]
-    offloaded = plan_lib.Planner(helpers.TINY, N, batch_size=N, seq_len=helpers.SEQ, offload="opt_state")
+    offloaded = plan_lib.Planner(helpers.TINY, N, batch_size=N, seq_len=helpers.SEQ, offload="opt_state",
+                                 cache_dir=str(tmp_path))
     rows = offloaded.decide([offloaded.candidate("zero3")], hbm=row.peak_bytes - 1)
+    assert len(list(tmp_path.iterdir())) == 2  # one entry a program: the offloaded candidate was read back
     assert rows[0].fits and rows[0].fits_by_offload and rows[0].host_bytes == advice["host_bytes"]
     text = plan_report.render(offloaded, rows, [advice])
     header = next(line for line in text.splitlines() if "strategy" in line and "peak" in line)
