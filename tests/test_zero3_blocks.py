@@ -121,16 +121,25 @@ def test_zero3_gathering_block_by_block_equals_plain_jit(kind):
                                zoo.plain_steps(reference, params, tx, batches)[1], rtol=1e-5)
 
 
+def _per_block_and_whole_losses(make, tx, strategy, mesh, **options):
+    """The losses of two steps gathering block by block (blocks="auto") and of the same step
+    gathering the whole model (blocks=()), both from one initial state: the blocks change the
+    step, not the layout or the init, so the first program's init (compiled once, run twice: the
+    step donates its state) starts both."""
+    losses, init = [], None
+    for blocks in ("auto", ()):
+        model = shardlib.from_nnx(make, zoo.nnx_transformer_loss, blocks=blocks)
+        program = build(model, tx, make_layout(model, strategy, make_mesh(mesh)), **options)
+        init = init or program.init
+        losses.append(zoo.program_steps(program, init(jax.random.key(0)), [zoo.token_batch(s) for s in range(2)])[1])
+    return losses
+
+
 @pytest.mark.filterwarnings("ignore::shardlib.step.compute.WholeGatherWarning")  # the blocks=() run gathers the whole model
 def test_dropout_draws_as_without_the_per_block_gather():
     """nnx.remat hands the blocks' rng counts back: the masks are those of the whole gather's step."""
     make = lambda rngs: zoo.NnxTransformer(rngs=rngs, n_layers=2, dropout_rate=0.3)
-    mesh = make_mesh({"fsdp": 8})
-    runs = []
-    for blocks in ("auto", ()):
-        model = shardlib.from_nnx(make, zoo.nnx_transformer_loss, blocks=blocks)
-        program = build(model, optax.sgd(0.1), make_layout(model, "zero3", mesh))
-        runs.append(zoo.program_steps(program, program.init(jax.random.key(0)), [zoo.token_batch(s) for s in range(2)])[1])
+    runs = _per_block_and_whole_losses(make, optax.sgd(0.1), "zero3", {"fsdp": 8})
     np.testing.assert_allclose(runs[0], runs[1], rtol=1e-6)
     assert runs[0][0] != runs[0][1]
 
@@ -142,11 +151,7 @@ def test_the_per_block_gather_composes_with_hpz_quantised_gathers_and_accumulati
     """The blocks' gathers are the step's own (hpZ's intra-host specs, ZeRO++'s int8 gather),
     so the losses are those of the same step gathering the whole model."""
     make = lambda rngs: zoo.NnxTransformer(rngs=rngs, n_layers=2)
-    losses = []
-    for blocks in ("auto", ()):
-        model = shardlib.from_nnx(make, zoo.nnx_transformer_loss, blocks=blocks)
-        program = build(model, optax.adamw(1e-2), make_layout(model, strategy, make_mesh(mesh)), **options)
-        losses.append(zoo.program_steps(program, program.init(jax.random.key(0)), [zoo.token_batch(s) for s in range(2)])[1])
+    losses = _per_block_and_whole_losses(make, optax.adamw(1e-2), strategy, mesh, **options)
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
 
 
@@ -211,11 +216,13 @@ def _model(kind, layers, blocks):
                                blocks=blocks)
 
 
-# Four blocks: the whole gather holds four blocks' weights (12.6 MB) where the bound allows one
-# (3.2 MB, more than the bound's 10% slack of ~1.8 MB, so holding two blocks at once fails too):
-# peak/bound measured 1.05 per block, 1.39 whole. Eight blocks measured 1.09 and 1.44 and took
-# twice the compile time: the larger model adds compiles, not a sharper ratio.
-LAYERS = 4
+# Two blocks: the whole gather holds both blocks' weights (6.3 MB) where the bound allows one
+# (3.2 MB, more than the bound's 10% slack of ~1 MB), so a step holding two blocks at once fails:
+# peak/bound measured 1.015 per block (linen 1.006), 1.26 whole; FLOPs 1.005 x the reference per
+# block, 1.22 x rerunning each block. Four blocks measured 1.054 (linen 1.06) and 1.39, the same
+# FLOPs ratios, at 1.6 x the TPU compile time (26 against 16 s CPU a step); eight 1.09 and 1.44:
+# more blocks add compile time, not a sharper separation.
+LAYERS = 2
 
 
 def _compiled(chips, kind, blocks, recompute="weights"):
@@ -265,8 +272,8 @@ def test_zero3_per_block_keeps_dps_flops_and_peak_is_the_shards_one_block_and_th
     from shardlib.tools.memory import memory_stats, peak_bytes
 
     activations, chip_flops = reference
-    params = sum(x.size * 4 for x in jax.tree.leaves(nnx.state(Net(LAYERS, nnx.Rngs(0)), nnx.Param)))
-    block = sum(x.size * 4 for x in jax.tree.leaves(nnx.state(Block(nnx.Rngs(0)), nnx.Param)))
+    size = lambda module: sum(x.size * 4 for x in jax.tree.leaves(nnx.state(nnx.eval_shape(module), nnx.Param)))
+    params, block = size(lambda: Net(LAYERS, nnx.Rngs(0))), size(lambda: Block(nnx.Rngs(0)))
     compiled = _compiled(chips, kind, blocks)
     mem = memory_stats(compiled)
     ratio = peak_bytes(mem) / (mem.argument_bytes + params / 8 + block + activations)
