@@ -35,8 +35,11 @@ def _compiled(strategy, grad_accum):
 
 
 def _train(strategy, *, grad_accum=1, steps=2):
-    step, program = _compiled(strategy, grad_accum)
-    state = program.init(jax.random.key(0))
+    """Losses and final state of ``steps`` steps from the init of the grad_accum=1 program: the
+    microbatches change the step, not the state, so one init program (compiled once, run once a
+    run: the step donates its state) starts both runs of a strategy."""
+    step, _ = _compiled(strategy, grad_accum)
+    state = _compiled(strategy, 1)[1].init(jax.random.key(0))
     losses = []
     for rows in batches(steps, batch=32):
         state, metrics = step(state, rows)
@@ -82,14 +85,23 @@ BF16_STEPS = 50
 BF16_RTOL = 2.0**-9
 
 
-def _zero3(precision, model=None):
-    model = model or tiny_model()
+@functools.lru_cache(maxsize=None)
+def _zero3(precision, compute_dtype="float32"):
+    """The zero3 program of the tiny GPT configured with ``compute_dtype``, built once per file."""
+    model = trainable(dataclasses.replace(TINY, compute_dtype=compute_dtype))
     return build(model, optimizer(), make_layout(model, "zero3", make_mesh(MESH["zero3"])), precision=precision)
 
 
 def _lowered(program):
     shapes = {k: ((16, 32), jnp.int32) for k in ("inputs", "targets")}
     return program.step.lower(program.abstract_state(), program.abstract_batch(shapes))
+
+
+@functools.lru_cache(maxsize=None)
+def _zero3_lowered(precision):
+    """`_zero3(precision)`'s step lowered for 16 rows, once per file: read by the dtype tests and
+    compiled by `_zero3_losses` (abstract arguments with the concrete state's shardings)."""
+    return _lowered(_zero3(precision))
 
 
 def _dot_operand_dtypes(lowered) -> collections.Counter:
@@ -102,10 +114,9 @@ def _dot_operand_dtypes(lowered) -> collections.Counter:
 def _zero3_losses(precision, compiler_options: tuple = ()):
     """Per-step losses and the final state of BF16_STEPS zero3 steps of the float32-configured
     tiny GPT, the step compiled with ``compiler_options``."""
-    program = _zero3(precision)
-    state = program.init(jax.random.key(0))
+    state = _zero3("f32").init(jax.random.key(0))  # the precision changes the step, not the float32 state
     rows = batches(BF16_STEPS, batch=16)
-    step = program.step.lower(state, rows[0]).compile(compiler_options=dict(compiler_options))
+    step = _zero3_lowered(precision).compile(compiler_options=dict(compiler_options))
     losses = []
     for batch in rows:
         state, metrics = step(state, batch)
@@ -117,11 +128,11 @@ def test_bf16_policy_computes_a_float32_model_in_bf16():
     """``precision="bf16"`` alone (the model's config says float32) runs the matmuls in bf16:
     the same dot_generals, operand for operand, as a model configured for bf16; float32 none."""
     assert TINY.compute_dtype == "float32"
-    policy_only = _dot_operand_dtypes(_lowered(_zero3("bf16")))
-    configured = _dot_operand_dtypes(_lowered(_zero3("bf16", trainable(dataclasses.replace(TINY, compute_dtype="bfloat16")))))
+    policy_only = _dot_operand_dtypes(_zero3_lowered("bf16"))
+    configured = _dot_operand_dtypes(_lowered(_zero3("bf16", "bfloat16")))
     assert policy_only == configured
     assert policy_only[("bf16", "bf16")] >= len(policy_only) // 2, policy_only  # weights x activations, both passes
-    assert not any("bf16" in pair for pair in _dot_operand_dtypes(_lowered(_zero3("f32"))))
+    assert not any("bf16" in pair for pair in _dot_operand_dtypes(_zero3_lowered("f32")))
 
 
 def test_bf16_tracks_float32_and_keeps_float32_master_state():
@@ -139,7 +150,7 @@ def test_cast_before_gather_gathers_bf16_and_trains_on_cpu():
     reduce-scatters f32 gradients (reduce_dtype), bf16 ones when asked; on CPU the default keeps
     the gathers float32."""
     assert not Precision("bf16").casts_before_gather("cpu") and Precision("bf16").casts_before_gather("gpu")
-    kinds = lambda policy, kind: {r.dtype for r in collective_stats(_lowered(_zero3(policy))).of_kind(kind)}
+    kinds = lambda policy, kind: {r.dtype for r in collective_stats(_zero3_lowered(policy)).of_kind(kind)}
     assert kinds(CAST_BEFORE_GATHER, "all-gather") == {"bf16"} and kinds("bf16", "all-gather") == {"f32"}
     assert kinds(CAST_BEFORE_GATHER, "reduce-scatter") == {"f32"}
     assert kinds(dataclasses.replace(CAST_BEFORE_GATHER, reduce_dtype="bf16"), "reduce-scatter") == {"bf16"}
