@@ -26,8 +26,10 @@ from tests.helpers import TINY, batches, optimizer, tiny_model, train
 HSDP_MESH = {"data": 2, "fsdp": 4}
 
 
-def _train(program, steps=2, batch=16):
-    return train(program, steps, batch)
+def _train(program, steps=2, batch=16, init_of=None):
+    """``train``, started by ``init_of``'s init where given: a program whose step alone differs
+    (compression, microbatches) has a byte-identical init program, compiled once this way."""
+    return train(program if init_of is None else dataclasses.replace(program, init=init_of.init), steps, batch)
 
 
 def _plain_reference(model, steps=2, batch=16):
@@ -77,15 +79,29 @@ def reference(model):
     return _plain_reference(model)
 
 
+@pytest.fixture(scope="module")
+def hsdp(model):
+    """hsdp programs by gradient accumulation (1: the plain step), built once: the sums test
+    compiles a step for 16 rows, which the training tests then run without compiling it again."""
+    programs = {}
+
+    def program(grad_accum=1):
+        if grad_accum not in programs:
+            programs[grad_accum] = build(model, optimizer(), make_layout(model, "hsdp", make_mesh(HSDP_MESH)),
+                                         grad_accum=grad_accum)
+        return programs[grad_accum]
+
+    return program
+
+
 # ---------------------------------------------------------------- 1. hsdp x grad_accum
 
 
-@pytest.mark.parametrize("k", [1, 4])
-def test_hsdp_accumulation_sums_over_data_once_per_step(model, k):
-    mesh = make_mesh(HSDP_MESH)
-    layout = make_layout(model, "hsdp", mesh)
-    program = build(model, optimizer(), layout, grad_accum=k)
-    stats = collective_stats(_lowered(program, rows=32).compile())
+@pytest.mark.parametrize("k", [1, 2])  # 2: a reduction per microbatch would show multiplicity 2
+def test_hsdp_accumulation_sums_over_data_once_per_step(hsdp, k):
+    program = hsdp(k)
+    layout, mesh = program.layout, program.mesh
+    stats = collective_stats(_lowered(program).compile())
     over_data = [r for r in stats.of_kind("all-reduce") if r.group_size == HSDP_MESH["data"]]
     assert over_data and all(r.multiplicity == 1 for r in over_data), stats.table()
     # One ring all-reduce of the 1/F shard of every fsdp-stored parameter: 2 (D-1)/D S.
@@ -93,9 +109,8 @@ def test_hsdp_accumulation_sums_over_data_once_per_step(model, k):
     assert sum(r.bytes_per_step for r in over_data) == pytest.approx(expected, rel=1e-3), stats.table()
 
 
-def test_hsdp_accumulation_trains_like_one_batch(model, reference):
-    program = build(model, optimizer(), make_layout(model, "hsdp", make_mesh(HSDP_MESH)), grad_accum=2)
-    _assert_trains_like(_train(program), reference)
+def test_hsdp_accumulation_trains_like_one_batch(hsdp, reference):
+    _assert_trains_like(_train(hsdp(2), init_of=hsdp(1)), reference)
 
 
 # ---------------------------------------------------------------- 2. two state-sharded dims
@@ -174,15 +189,14 @@ def test_int8_says_where_a_second_reduction_sends_bf16():
 # ---------------------------------------------------------------- 5. hsdp's data all-reduce compressed
 
 
-def test_hsdp_compresses_its_data_all_reduce(model):
-    mesh = make_mesh(HSDP_MESH)
-    program = build(model, optimizer(), make_layout(model, "hsdp", mesh), grad_compression="bf16")
+def test_hsdp_compresses_its_data_all_reduce(model, hsdp):
+    plain = hsdp(1)
+    program = build(model, optimizer(), plain.layout, grad_compression="bf16")
     # Pre-optimisation HLO (XLA:CPU upcasts bf16 collectives when it optimises; GPU/TPU do not).
     stats = collective_stats(_lowered(program))
     over_data = [r for r in stats.records if r.group_size == HSDP_MESH["data"]]
     assert {r.kind for r in over_data} == {"all-to-all", "all-gather"} and {r.dtype for r in over_data} == {"bf16"}
-    losses, _, _ = _train(program, steps=5)
-    plain = build(model, optimizer(), make_layout(model, "hsdp", mesh))
+    losses, _, _ = _train(program, steps=5, init_of=plain)
     reference_losses, _, _ = _train(plain, steps=5)
     assert losses[0] == reference_losses[0]  # the first loss is computed before any reduction
     # bf16 sends each partial gradient with a relative error <= 2^-9 (see the pipelined test for
@@ -214,7 +228,8 @@ def test_pipelined_step_compresses_in_bf16():
     plain_bytes = sum(r.bytes_per_step for r in collective_stats(_lowered(programs["none"], rows=32)).records
                       if r.group_size == 4)
     assert sum(r.bytes_per_step for r in over_data) < 0.6 * plain_bytes  # ~half: bf16 instead of float32
-    (losses, params, _), (ref_losses, ref_params, _) = (_train(programs[m], steps=5, batch=32) for m in ("bf16", "none"))
+    (losses, params, _), (ref_losses, ref_params, _) = (_train(programs[m], steps=5, batch=32, init_of=programs["none"])
+                                                        for m in ("bf16", "none"))
     start = jax.tree.map(np.asarray, programs["none"].init(jax.random.key(0)).params)
     assert losses[0] == ref_losses[0]  # computed before any reduction
     # bf16 keeps 8 significant bits: each partial gradient is sent with a relative error <= 2^-9.
