@@ -295,6 +295,16 @@ def test_train_keeps_activations_unless_they_do_not_fit_and_its_header_says_whic
 
     model = shardlib.from_nnx(lambda rngs: Net(2, rngs), lambda m, b: _loss(m(b["inputs"]), b))
     config = TrainConfig(strategy="zero3", seq_len=16, batch_size=8, steps=1)
+    built, build_program = {}, setup.build_program
+
+    def build_once(config, model, layout, schedule, block_recompute="weights"):
+        """The weights step that both zero3 runs compile first is one program, compiled once."""
+        key = (config.strategy, block_recompute)
+        if key not in built:
+            built[key] = build_program(config, model, layout, schedule, block_recompute)
+        return built[key]
+
+    monkeypatch.setattr(setup, "build_program", build_once)
     run = setup.prepare(config, tmp_path / "keeps", model=model)
     assert run.block_recompute == "weights"
     assert "blocks     2 gathered one call at a time ('blocks/0' ...); the backward gathers each block's weights " \
