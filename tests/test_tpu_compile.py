@@ -16,6 +16,7 @@ analysis then measures the bytes the formulas count.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -78,9 +79,13 @@ class Program:
     psi: int
     stack: int  # parameters of the scanned layers
 
-    @property
+    @functools.cached_property
+    def text(self) -> str:
+        return self.compiled.as_text()
+
+    @functools.cached_property
     def stats(self):
-        return collective_stats(self.compiled.as_text())
+        return collective_stats(self.text)
 
 
 _CACHE: dict[tuple[str, str], Program] = {}
@@ -134,9 +139,9 @@ def test_tpu_bf16_attention_is_the_pallas_splash_kernel(chips, name):
     """The TPU policy's bf16 attention is a Pallas kernel inside the step's shard_map (its forward:
     a custom call the compiled program holds); in f32 it is XLA's. Under fsdp_tp the heads split
     over ``tensor``: each kernel call sees half of them."""
-    text = program(chips, name, "bf16").compiled.as_text()
+    text = program(chips, name, "bf16").text
     assert "tpu_custom_call" in text
-    assert "tpu_custom_call" not in program(chips, name, "f32").compiled.as_text()
+    assert "tpu_custom_call" not in program(chips, name, "f32").text
     if name == "fsdp_tp":
         heads = CONFIG.n_heads // STRATEGIES[name][1]["tensor"]
         assert re.search(rf"bf16\[[0-9,]*{heads},{CONFIG.max_seq_len},{CONFIG.head_dim}\][^\n]*custom_call_target=\"tpu_custom_call\"", text)
@@ -156,7 +161,7 @@ def test_tpu_bf16_windowed_softcapped_attention_is_the_splash_kernel_per_window(
     shape = ((ROWS, CONFIG.max_seq_len), jnp.int32)
     text = prog.step.lower(prog.abstract_state(), prog.abstract_batch({"inputs": shape, "targets": shape})) \
         .compile().as_text()
-    assert kernel_calls(text) > kernel_calls(program(chips, "zero3", "bf16").compiled.as_text()) > 0
+    assert kernel_calls(text) > kernel_calls(program(chips, "zero3", "bf16").text) > 0
 
 
 @pytest.mark.slow  # 35-50 CPU s of XLA:TPU compile (the d_model 256 model it replaced: 86-99, BENCHMARKS.md)
@@ -320,7 +325,7 @@ def test_hlo_reader_counts_each_async_chain_once(chips):
     """XLA:TPU splits a collective over a start fusion, continuation fusions and a done fusion,
     each holding a copy of the instruction: counted once, at its start."""
     prog = program(chips, "zero3", "bf16")
-    text = prog.compiled.as_text()
+    text = prog.text
     copies = len(re.findall(r"= \S+ all-gather\(", text))
     records = prog.stats.of_kind("all-gather")
     assert len(records) < copies  # the program has chains, and their copies are not counted
@@ -335,9 +340,9 @@ def _line(text: str, name: str) -> str:
 def test_hlo_reader_reads_tpu_loop_trip_counts(chips):
     """Each scanned layer's gradient reduce-scatter runs once a layer: the TPU while loop's trip
     count (read from its condition) multiplies it."""
-    stats = program(chips, "zero3", "bf16").stats
-    per_layer = [r for r in stats.of_kind("reduce-scatter") if r.computation != parse_hlo_module(
-        program(chips, "zero3", "bf16").compiled.as_text()).entry]
+    prog = program(chips, "zero3", "bf16")
+    entry = parse_hlo_module(prog.text).entry
+    per_layer = [r for r in prog.stats.of_kind("reduce-scatter") if r.computation != entry]
     assert per_layer and {r.multiplicity for r in per_layer} == {CONFIG.n_layers}
 
 
