@@ -35,7 +35,7 @@ def test_pack_fills_buckets_in_order_and_puts_large_tensors_alone():
 def _per_device(fn, xs):
     """Run ``fn`` on 8 devices, each with its own copy of ``xs`` (device i: xs * (i + 1))."""
     mesh = make_mesh({"data": 8})
-    stacked = [jnp.stack([x * (i + 1) for i in range(8)]) for x in xs]
+    stacked = [np.stack([np.asarray(x) * (i + 1) for i in range(8)]) for x in xs]  # on the host: no eager compiles
 
     @partial(jax.shard_map, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
     def run(args):
@@ -124,28 +124,34 @@ def model():
     return tiny_model()
 
 
-def _run(model, strategy, bucket_bytes):
-    """(collective stats of the compiled step, per-step losses, final params) of STEPS steps, with
-    ``bucket_bytes`` for the reductions and zero1/zero2's parameter all-gather alike.
+def _run(model, strategy, bucket_bytes, start=None):
+    """(collective stats of the compiled step, per-step losses, final params, the start state on the
+    host) of STEPS steps, with ``bucket_bytes`` for the reductions and zero1/zero2's parameter
+    all-gather alike, from ``start`` (a host state) or else the program's own init.
     ``layerwise=False``: the Reducer's buckets after the backward pass are what is tested here;
     the per-layer reductions (and their per-call buckets) are tests/test_layerwise.py's."""
     program = build(model, optimizer(), make_layout(model, strategy, make_mesh(MESHES[strategy])),
                     bucket_bytes=bucket_bytes, gather_bucket_bytes=bucket_bytes, layerwise=False)
     rows = batches(STEPS)
     sharded = [jax.device_put(r, program.layout.batch_sharding(r)) for r in rows]
-    state = program.init(jax.random.key(0))
+    state = program.init(jax.random.key(0)) if start is None else jax.device_put(start[1], program.state_sharding)
+    if start is not None:  # the same state, laid out the same way: bucketing changes the step only
+        assert jax.tree.leaves(program.state_sharding) == jax.tree.leaves(start[0])
+    start = (program.state_sharding, jax.tree.map(np.asarray, state))
     compiled = program.step.lower(state, sharded[0]).compile()
     losses = []
     for batch in sharded:
         state, metrics = compiled(state, batch)
         losses.append(float(metrics["loss"]))
-    return collective_stats(compiled), np.array(losses), jax.tree.map(np.asarray, state.params)
+    return collective_stats(compiled), np.array(losses), jax.tree.map(np.asarray, state.params), start
 
 
 @pytest.fixture(scope="module", params=list(MESHES))
 def pair(request, model):
-    """The strategy's step unbucketed and with one bucket for all (the tiny model is < 1 MiB)."""
-    return request.param, _run(model, request.param, 0), _run(model, request.param, 2**20)
+    """The strategy's step unbucketed and with one bucket for all (the tiny model is < 1 MiB), both
+    from the unbucketed program's init (one init compile per strategy, not two)."""
+    plain = _run(model, request.param, 0)
+    return request.param, plain, _run(model, request.param, 2**20, start=plain[3])
 
 
 def test_bucketing_keeps_the_bytes_on_the_wire(pair):
@@ -165,7 +171,7 @@ def test_bucketing_runs_no_more_collectives_and_one_reduce_scatter_for_zero(pair
 
 
 def test_bucketing_trains_like_the_per_tensor_step(pair):
-    _, (_, losses, params), (_, b_losses, b_params) = pair
+    _, (_, losses, params, _), (_, b_losses, b_params, _) = pair
     # Each element is the same sum of the same device values; only the packing differs.
     np.testing.assert_allclose(b_losses, losses, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(b_params), jax.tree.leaves(params)):

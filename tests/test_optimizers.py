@@ -30,6 +30,11 @@ PARAM_ATOL = 1.2e-5
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 3e-3, warmup_steps=2, decay_steps=10, end_value=1e-4)
 
 
+def _mlp_shapes():
+    """The MLP's parameter shapes (all a mask or label tree needs), traced, never computed."""
+    return jax.eval_shape(zoo.mlp_init, jax.random.key(0))
+
+
 def decay_mask_fn(params):
     """Weight decay on matrices only, as the Flax examples write it."""
     return jax.tree.map(lambda p: p.ndim > 1, params)
@@ -42,7 +47,7 @@ def frozen_encoder(params):
 
 def _masked_decay_ema():
     """adamw spelled out, its weight-decay mask a pytree of bools, a schedule counter and an EMA."""
-    mask = decay_mask_fn(zoo.mlp_init(jax.random.key(0)))
+    mask = decay_mask_fn(_mlp_shapes())
     return optax.chain(optax.scale_by_adam(eps=1e-5), optax.add_decayed_weights(0.1, mask=mask),
                        optax.scale_by_schedule(SCHEDULE), optax.scale(-1.0), optax.ema(0.9))
 
@@ -52,7 +57,7 @@ OPTIMIZERS = {
                                               optax.adamw(SCHEDULE, eps=1e-5, weight_decay=0.1, mask=decay_mask_fn)),
     "masked_decay_ema": _masked_decay_ema,
     "frozen_lion": lambda: optax.multi_transform({"train": optax.lion(1e-4), "freeze": optax.set_to_zero()},
-                                                 frozen_encoder(zoo.mlp_init(jax.random.key(0)))),
+                                                 frozen_encoder(_mlp_shapes())),
     "adafactor": lambda: optax.adafactor(1e-2),
     "muon": lambda: optax.contrib.muon(1e-3),
 }
@@ -287,7 +292,7 @@ def test_report_names_state_that_cannot_follow_its_parameter():
 def test_large_state_a_sharding_strategy_must_keep_whole_is_a_warning():
     """A flat buffer one slot longer than the parameters: no dimension the 8 devices divide."""
     model = _model()
-    n = sum(p.size for p in jax.tree.leaves(zoo.mlp_init(jax.random.key(0)))) + 1
+    n = sum(p.size for p in jax.tree.leaves(_mlp_shapes())) + 1
     with pytest.warns(ReplicationWarning, match=rf"zero3 keeps 1 optimizer-state tensor\(s\) whole .*\n  1 \({n},\): "
                                                 rf"own layout: it follows no parameter; auto-shard: no free dimension"):
         build(model, optax.chain(optax.adam(1e-3), flat_buffer(extra=1)), make_layout(model, "zero3", make_mesh(FSDP8)))
