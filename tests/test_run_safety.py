@@ -1,7 +1,8 @@
 """Nothing lost, nobody in: the coordinator's address, one run per --out, --out checked early, Ctrl-C.
 
 Each test injects its fault into a real process (the launcher, `shardlib train`) and checks the
-exit status and the one line that explains it:
+exit status and the one line that explains it; a run that is only refused (a port or a lock held,
+an ``--out`` that cannot be written) is `shardlib.cli.main` in the test process, no start-up of its own:
 
 * the coordinator of ``shardlib launch`` listens on 127.0.0.1 only (read from /proc/net/tcp*
   while the job runs); a ``--port`` in use is refused at once, naming the port; a process
