@@ -145,10 +145,12 @@ def job(tmp_path_factory):
     text = _text_and_tokenizer(base, ("2x4", "1x8"))
 
     def trained(name):
-        return {"record": base / f"rec-{name}", "args": [*text[name], "--ckpt-every", str(STEPS), "--out", str(base / f"run-{name}")]}
+        return {"record": base / f"rec-{name}",
+                "args": [*text[name], "--ckpt-every", str(STEPS), "--out", str(base / f"run-{name}")]}
 
     def resumed(name, source, source_processes):
-        return {"record": base / f"rec-{name}", "after": [base / f"rec-{source}" / f"p{i}.done" for i in range(source_processes)],
+        return {"record": base / f"rec-{name}",
+                "after": [base / f"rec-{source}" / f"p{i}.done" for i in range(source_processes)],
                 "args": [*text[source], "--resume-from", str(base / f"run-{source}"), "--out", str(base / f"run-{name}")]}
 
     def pipelined(name):
