@@ -10,7 +10,9 @@ the very function behind ``python -m shardlib.cli train``, with three read-only 
 ``RECORD_DIR/p<process>.json``: the window start offsets (example ids) of the rows this process
 loaded at each step, how many times this process tokenized text into a token cache, and a digest
 of the final TrainState (for a ``--resume-from`` run that trains no further steps, the restored
-state). See `run_cli_recorded`.
+state). See `run_cli_recorded`. ``multihost_worker.py cli-runs SPEC.json`` makes several such runs
+one after another in one process, each waiting for files that other processes' runs write (see
+`run_cli_runs`).
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ def state_digest(state: object) -> dict[str, dict]:
 
 def run_cli_recorded(record_dir: str, cli_args: list[str]) -> int:
     """``shardlib.cli.main(cli_args)`` with taps on the train loader, the token cache's writer and
-    `train`'s result.
+    `train`'s result: `run_cli_runs` with one run.
 
     The loader tap is a `ByteBatches` subclass that notes, per step, the window starts of the
     rows it returns and checks that the returned rows really are the corpus at those starts, so
@@ -176,6 +178,17 @@ def run_cli_recorded(record_dir: str, cli_args: list[str]) -> int:
     counts calls of `shardlib.hf.token_cache.stream` (the one writer of a text's ids to its cache),
     which `shardlib.hf.tokenizer` looks up on the module at each call.
     """
+    return run_cli_runs([{"record": record_dir, "args": cli_args}])
+
+
+def run_cli_runs(runs: list[dict], wait_s: float = 1200.0) -> int:
+    """Several recorded ``shardlib.cli.main`` runs, one after another in this process (see
+    `run_cli_recorded` for the taps): each run is ``{"record": DIR, "args": [...], "after": [FILE...]}``,
+    started once every ``after`` file exists (another process's run finished). Each run writes its
+    own ``DIR/p<process>.json`` (its ids, token-cache writes and final state only), then, once
+    `shardlib.cli.main` has returned (the run's directory released), ``DIR/p<process>.done``.
+    Stops at the first run that fails, with its exit code.
+    """
     import jax
     import numpy as np
 
@@ -184,7 +197,7 @@ def run_cli_recorded(record_dir: str, cli_args: list[str]) -> int:
     from shardlib.runtime import data
     from shardlib.run import train as train_module
 
-    ids: dict[int, list[int]] = {}
+    current: dict = {}
 
     class RecordingBatches(data.ByteBatches):
         def batch(self, step: int) -> data.Batch:
@@ -194,26 +207,26 @@ def run_cli_recorded(record_dir: str, cli_args: list[str]) -> int:
             expected = self.data[starts[:, None] + np.arange(self.seq_len)]
             if not np.array_equal(out["inputs"], expected):
                 raise AssertionError(f"step {step}: the loaded rows are not the corpus windows at {starts.tolist()}")
-            ids[step] = starts.tolist()
+            current["ids"][step] = starts.tolist()
             return out
 
-    tokenized = []
     original_stream = token_cache.stream
 
     def counted_stream(*args, **kwargs):
-        tokenized.append(1)
+        current["tokenized"].append(1)
         return original_stream(*args, **kwargs)
 
     original_train = train_module.train
 
     def recorded_train(config, **kwargs):  # notes=: the run's record lines (`shardlib.run.train.run`)
         result = original_train(config, **kwargs)
+        ids, tokenized = current["ids"], current["tokenized"]
         record = {"process": jax.process_index(), "processes": jax.process_count(),
                   "devices": jax.device_count(), "local_devices": jax.local_device_count(),
                   "steps": result.steps, "tokenized": len(tokenized), "ids": {str(k): v for k, v in sorted(ids.items())},
                   "digest": state_digest(result.state)}
-        path = os.path.join(record_dir, f"p{jax.process_index()}.json")
-        os.makedirs(record_dir, exist_ok=True)
+        path = os.path.join(current["record"], f"p{jax.process_index()}.json")
+        os.makedirs(current["record"], exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
             json.dump(record, f)
         return result
@@ -221,7 +234,21 @@ def run_cli_recorded(record_dir: str, cli_args: list[str]) -> int:
     data.ByteBatches = RecordingBatches
     token_cache.stream = counted_stream
     train_module.train = recorded_train
-    return cli.main(cli_args)
+    for run in runs:
+        deadline = time.monotonic() + wait_s
+        while not all(os.path.exists(path) for path in run.get("after", ())):
+            if time.monotonic() > deadline:
+                print(f"gave up after {wait_s:.0f} s waiting for {run['after']}", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(0.2)
+        current.update(record=run["record"], ids={}, tokenized=[])
+        code = cli.main(run["args"])
+        if code:
+            return code
+        if len(runs) > 1:
+            with open(os.path.join(run["record"], f"p{jax.process_index()}.done"), "w"):
+                pass
+    return 0
 
 
 if __name__ == "__main__":
@@ -229,4 +256,7 @@ if __name__ == "__main__":
         if len(sys.argv) < 4:
             sys.exit("usage: multihost_worker.py cli RECORD_DIR train FLAGS...")
         sys.exit(run_cli_recorded(sys.argv[2], sys.argv[3:]))
+    if sys.argv[1:2] == ["cli-runs"]:  # the runs of a JSON file, in order (see `run_cli_runs`)
+        with open(sys.argv[2], encoding="utf-8") as f:
+            sys.exit(run_cli_runs(json.load(f)))
     sys.exit(distributed.finish(main()))

@@ -8,7 +8,9 @@ The end-to-end proof is one elastic job and its reference, run side by side (mod
   each of process 1's batches; that also keeps the run slow enough to be killed mid-run). Once ``metrics.jsonl`` shows step 7 the test SIGKILLs
   process 1; the launcher must restart the job on 1 process x 4 devices from the last
   complete checkpoint and finish it.
-- reference: the same train command as 1 process x 8 devices, uninterrupted.
+- reference: the same train command as 1 process x 8 devices, uninterrupted and saving nothing
+  (``--ckpt-every 0``), made in the test process (conftest's 8 devices and XLA flags, which the job
+  gets too) while the job restarts.
 
 Fast unit tests cover the launcher's restart decision and the straggler arithmetic without JAX
 in subprocesses.
@@ -30,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shardlib.cli import main
 from shardlib.run.config import TrainConfig, TrainConfigError, check_numbers
 from shardlib.run.examples import read_examples
 from shardlib.run.metrics_io import MetricsLog, read_metrics
@@ -87,8 +90,6 @@ def test_elastic_needs_a_run_directory_and_the_flags_need_elastic(tmp_path):
     for missing in ([], ["--ckpt-every", "0"]):  # a restart would retrain from step 0
         with pytest.raises(LaunchError, match="--ckpt-every N"):
             launch(["shardlib", "train", "--out", str(tmp_path), *missing], 2, elastic=elastic.Elastic())
-    from shardlib.cli import main
-
     assert main(["launch", "-n", "2", "--max-restarts", "1", "--", "true"]) == 2  # refused, one line
 
 
@@ -142,18 +143,12 @@ def test_straggler_flags_are_checked_before_the_run_starts():
 
 
 def _env(**extra: str) -> dict[str, str]:
+    """This process's XLA flags (conftest's, with ``--xla_backend_optimization_level=0``: halves
+    compile time), so that the job computes as the reference made here does."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLIB_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["JAX_PLATFORMS"] = "cpu"
-    flags = env.get("XLA_FLAGS", "")
-    if "--xla_backend_optimization_level" not in flags:
-        flags += " --xla_backend_optimization_level=0"  # halves compile time; both runs use it
-    env["XLA_FLAGS"] = flags.strip()
     return {**env, **extra}
-
-
-def _train(out: Path) -> list[str]:
-    return [sys.executable, "-m", "shardlib.cli", "train", *TRAIN, "--out", str(out)]
 
 
 def _train_with_slow_process_1(out: Path) -> list[str]:
@@ -186,8 +181,6 @@ def _kill_process_1(proc: subprocess.Popen, stderr: list[str], out: Path) -> Non
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("elastic")
-    reference = subprocess.Popen([*_train(base / "ref"), "--cpu-devices", "8"], env=_env(), text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     command = [sys.executable, "-m", "shardlib.cli", "launch", "--elastic", "--min-processes", "1",
                "-n", "2", "-d", "4", "--grace", "2", "--", *_train_with_slow_process_1(base / "run")]
     job = subprocess.Popen(command, env=_env(), text=True,
@@ -196,11 +189,14 @@ def runs(tmp_path_factory):
     pump = threading.Thread(target=lambda: stderr.extend(iter(job.stderr.readline, "")), daemon=True)
     pump.start()
     _kill_process_1(job, stderr, base / "run")
+    # The reference, while the job restarts: the same train command as 1 process x 8 devices,
+    # uninterrupted, made in this process (8 devices, the same XLA flags; no start-up of its own),
+    # and saving no checkpoint (--ckpt-every 0): the numbers of a run do not depend on its saves,
+    # and if a save disturbed training the comparison with the job, which saves, would show it.
+    assert main(["train", *TRAIN, "--ckpt-every", "0", "--out", str(base / "ref"), "--cpu-devices", "8"]) == 0
     stdout = job.stdout.read()
     job.wait(timeout=TIMEOUT_S)
     pump.join(timeout=10)
-    ref_out, _ = reference.communicate(timeout=TIMEOUT_S)
-    assert reference.returncode == 0, ref_out[-3000:]
     return {"code": job.returncode, "stdout": stdout, "stderr": "".join(stderr),
             "run": base / "run", "ref": base / "ref"}
 

@@ -113,33 +113,41 @@ def reference(reference_run) -> Path:
 # ---------------------------------------------------------------- preemption (SIGTERM) and Ctrl-C (SIGINT)
 
 
-# The restart after the stop is the same resume from the same kind of checkpoint for either
-# signal, so only the SIGTERM case takes it (the SIGKILL test below restarts too).
-@pytest.mark.parametrize("sig, heading, restart", [(signal.SIGTERM, "preempted  SIGTERM received", True),
-                                                   (signal.SIGINT, "stopped    Ctrl-C (SIGINT) received", False)],
-                         ids=["SIGTERM", "SIGINT"])
-def test_stop_signal_finishes_the_step_saves_and_exits_0(sig, heading, restart, tmp_path, capsys) -> None:
-    out = tmp_path / "run"
-    proc = _spawn(out, *TINY, "--steps", "1000", "--ckpt-every", "1000")
-    _wait_for_step(proc, out, 3)
-    proc.send_signal(sig)  # Ctrl-C in a terminal: the same stop as a scheduler's SIGTERM
+STOP_RUN = [*TINY, "--steps", "1000", "--ckpt-every", "1000"]
+
+
+def _stop(proc: subprocess.Popen, out: Path, sig: signal.Signals, after: int, heading: str) -> tuple[str, int]:
+    """Send ``sig`` once metrics.jsonl shows step ``after``; the run must finish that step, save it
+    (off the --ckpt-every schedule) and exit 0 with one line, no end-of-run report. (its output, the step)"""
+    _wait_for_step(proc, out, after)
+    proc.send_signal(sig)
     assert proc.wait(timeout=120) == 0
-    printed = (tmp_path / "run.log").read_text()
+    printed = (out.parent / f"{out.name}.log").read_text()
     reached = _steps_written(out)
     stop = [line for line in printed.splitlines() if line.startswith(heading)]
     assert len(stop) == 1 and f"stopped after step {reached};" in stop[0] and f"checkpoint step {reached} " in stop[0]
     assert stop[0].endswith("; run the same command again to resume"), stop[0]
     assert "summary" not in printed  # one line, no end-of-run report
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, reached + 1))
+    return printed, reached
+
+
+def test_sigterm_and_ctrl_c_finish_the_step_save_and_exit_0_and_the_same_command_resumes(tmp_path) -> None:
+    """A scheduler's SIGTERM, then Ctrl-C (SIGINT) in the run that the same command restarts.
+
+    One chain instead of a run per signal plus an in-process restart (one compile of the run
+    fewer): the restart is the second signal's run, so each signal still stops a run of its own
+    process, and the resume is checked as before (from the step the first stop saved)."""
+    out = tmp_path / "run"
+    _, first = _stop(_spawn(out, *STOP_RUN), out, signal.SIGTERM, 3, "preempted  SIGTERM received")
     with Checkpointer(out / "checkpoints") as ckpt:
-        assert ckpt.all_steps() == [reached]  # off the --ckpt-every schedule: saved because of the signal
-    if not restart:
-        return
-    # Restarting into the same --out continues from it (no --resume-from needed).
-    capsys.readouterr()
-    assert main(["train", *TINY, "--steps", str(reached + 2), "--ckpt-every", "1000", "--out", str(out)]) == 0
-    assert _resumed_from(capsys.readouterr().out) == reached
-    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, reached + 3))
+        assert ckpt.all_steps() == [first]  # off the --ckpt-every schedule: saved because of the signal
+    # The same command again continues from it (no --resume-from needed), for 2 steps or more.
+    restarted = _spawn(out, *STOP_RUN)  # Ctrl-C in a terminal: the same stop as a scheduler's SIGTERM
+    printed, second = _stop(restarted, out, signal.SIGINT, first + 2, "stopped    Ctrl-C (SIGINT) received")
+    assert _resumed_from(printed) == first
+    with Checkpointer(out / "checkpoints") as ckpt:
+        assert ckpt.all_steps() == [first, second]  # the second signal's step saved beside the first's
 
 
 # ---------------------------------------------------------------- SIGKILL: bitwise resume, exactly-once data

@@ -19,11 +19,18 @@ tokenized by a byte-level BPE tokenizer):
    heartbeat error names process 1, and it stops within HEARTBEAT_S + 20 s), and, for an
    exception instead of a kill, by the test after it. Not repeated here.
 
-Every run goes through ``tests/multihost_worker.py cli RECORD_DIR train ...``, which calls
+Every run goes through ``tests/multihost_worker.py cli-runs SPEC.json``, which calls
 ``shardlib.cli.main`` (what ``python -m shardlib.cli`` runs) with read-only taps that record the
-loaded ids and a digest of the final state (see `run_cli_recorded` there); train.py has no
-recording option of its own. Cost: 4 runs in two concurrent waves (train 2x4 beside 1x8, then
-two resumes), all with ``--xla_backend_optimization_level=0`` (halves compile time; both sides
+loaded ids and a digest of the final state, per run (see `run_cli_runs` there); train.py has no
+recording option of its own. Cost: the 7 runs share 4 processes (and 1 launcher) in one wave, each
+process making its runs one after another (a run waits for the files of the run it resumes):
+
+- ``launch -n 2 -d 4``: train 2x4, then resume 1x8's checkpoint, then the pipelined 2x4 run;
+- 1 process x 8 devices: train 1x8, then the pipelined 1x8 run;
+- 1 process x 4 devices: resume 2x4's checkpoint.
+
+(Before: 12 processes in three waves, 192 s of CPU; the process start-ups, ~3.5 s of imports each,
+were a fifth of it.) All with ``--xla_backend_optimization_level=0`` (halves compile time; both sides
 of each comparison use it).
 """
 
@@ -46,7 +53,7 @@ STEPS = 10
 BATCH = 16
 TRAIN_FLAGS = ["--model", "tiny", "--strategy", "zero3", "--steps", str(STEPS), "--batch-size", str(BATCH),
                "--seq-len", "32", "--no-progress", "--no-tensorboard", "--sample-tokens", "0", "--eval-every", "0"]
-TIMEOUT_S = 400
+TIMEOUT_S = 900  # a hang, not a speed: the 2-process job makes three runs on a loaded 2-core machine
 
 pytestmark = pytest.mark.slow
 
@@ -63,11 +70,16 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _command(processes: int, devices: int, record: Path, *train_flags: str) -> list[str]:
-    """1 process: the worker alone with --cpu-devices; more: under `shardlib launch`."""
-    worker = [sys.executable, WORKER, "cli", str(record), "train", *TRAIN_FLAGS, *train_flags]
+def _command(processes: int, devices: int, spec: Path, runs: list[dict]) -> list[str]:
+    """``runs`` (each ``{"record": DIR, "args": train flags after TRAIN_FLAGS, "after": [FILE...]}``)
+    one after another in each process of one job. 1 process: the worker alone with --cpu-devices;
+    more: under `shardlib launch`."""
+    cpu = ["--cpu-devices", str(devices)] if processes == 1 else []
+    spec.write_text(json.dumps([{"record": str(run["record"]), "args": ["train", *TRAIN_FLAGS, *run["args"], *cpu],
+                                 "after": [str(path) for path in run.get("after", ())]} for run in runs]))
+    worker = [sys.executable, WORKER, "cli-runs", str(spec)]
     if processes == 1:
-        return [*worker, "--cpu-devices", str(devices)]
+        return worker
     return [sys.executable, "-m", "shardlib.cli", "launch", "--processes", str(processes),
             "--devices-per-process", str(devices), "--grace", "60", "--", *worker]
 
@@ -115,32 +127,57 @@ def _text_and_tokenizer(root: Path, runs) -> dict[str, list[str]]:
     return flags
 
 
+# The pipelined runs: data spans the processes, each process holds both stages of its replicas.
+# No checkpoint (--ckpt-every 0): only their losses are compared.
+PIPELINED = ["--strategy", "zero1", "--pipeline-stages", "2", "--microbatches", "2", "--steps", "5", "--ckpt-every", "0"]
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """Wave 1: the same training run, on text tokenized by a Hugging Face tokenizer, as
-    2 processes x 4 devices and as 1 process x 8 devices."""
+def job(tmp_path_factory):
+    """Every run of this module, in one wave of three jobs (see the module docstring).
+
+    trained: the same training run, on text tokenized by a Hugging Face tokenizer, as 2 processes
+    x 4 devices and as 1 process x 8 devices. resumed: each run's step-10 checkpoint resumed (no
+    further steps) on another process count, on the text (and token cache) of the run it resumes,
+    once every process of that run has finished. pipelined: `PIPELINED` as 2 x 4 and as 1 x 8.
+    """
     base = tmp_path_factory.mktemp("multihost_cli")
-    runs = {"2x4": (2, 4), "1x8": (1, 8)}
-    text = _text_and_tokenizer(base, runs)
-    _run_concurrently({name: _command(p, d, base / f"rec-{name}", *text[name], "--ckpt-every", str(STEPS),
-                                      "--out", str(base / f"run-{name}"))
-                       for name, (p, d) in runs.items()})
-    return {name: {"dir": base / f"run-{name}", "records": _records(base / f"rec-{name}", p), "text": text[name]}
-            for name, (p, d) in runs.items()} | {"base": base}
+    text = _text_and_tokenizer(base, ("2x4", "1x8"))
+
+    def trained(name):
+        return {"record": base / f"rec-{name}",
+                "args": [*text[name], "--ckpt-every", str(STEPS), "--out", str(base / f"run-{name}")]}
+
+    def resumed(name, source, source_processes):
+        return {"record": base / f"rec-{name}",
+                "after": [base / f"rec-{source}" / f"p{i}.done" for i in range(source_processes)],
+                "args": [*text[source], "--resume-from", str(base / f"run-{source}"), "--out", str(base / f"run-{name}")]}
+
+    def pipelined(name):
+        return {"record": base / f"rec-pipe-{name}", "args": [*PIPELINED, "--out", str(base / f"run-pipe-{name}")]}
+
+    _run_concurrently({
+        "2x4": _command(2, 4, base / "2x4.json", [trained("2x4"), resumed("1x8->2x4", "1x8", 1), pipelined("2x4")]),
+        "1x8": _command(1, 8, base / "1x8.json", [trained("1x8"), pipelined("1x8")]),
+        "1x4": _command(1, 4, base / "1x4.json", [resumed("2x4->1x4", "2x4", 2)]),
+    })
+    processes = {"2x4": 2, "1x8": 1}
+    return {
+        "trained": {name: {"dir": base / f"run-{name}", "records": _records(base / f"rec-{name}", p), "text": text[name]}
+                    for name, p in processes.items()},
+        "resumed": {name: _records(base / f"rec-{name}", p) for name, p in (("2x4->1x4", 1), ("1x8->2x4", 2))},
+        "pipelined": {name: base / f"run-pipe-{name}" for name in processes},
+    }
 
 
 @pytest.fixture(scope="module")
-def resumed(trained):
-    """Wave 2: each run's step-10 checkpoint resumed (no further steps) on other process counts,
-    on the text (and token cache) of the run it resumes."""
-    base = trained["base"]
-    resumes = {"2x4->1x4": ("2x4", 1, 4), "1x8->2x4": ("1x8", 2, 4)}
-    _run_concurrently({
-        name: _command(p, d, base / f"rec-{name}", *trained[src]["text"], "--resume-from", str(trained[src]["dir"]),
-                       "--out", str(base / f"run-{name}"))
-        for name, (src, p, d) in resumes.items()
-    })
-    return {name: _records(base / f"rec-{name}", p) for name, (_, p, _) in resumes.items()}
+def trained(job):
+    return job["trained"]
+
+
+@pytest.fixture(scope="module")
+def resumed(job):
+    return job["resumed"]
 
 
 def test_two_process_cli_losses_match_one_process(trained):
@@ -217,13 +254,9 @@ def test_checkpoint_of_one_process_restores_on_two_processes(trained, resumed):
         _assert_same_state(record["digest"], saved["digest"], f"1x8->2x4 process {record['process']}")
 
 
-def test_pipelined_two_process_run_matches_one_process(tmp_path):
+def test_pipelined_two_process_run_matches_one_process(job):
     """`--pipeline-stages 2` across 2 processes x 4 devices (data spans the processes, each
     process holds both stages of its replicas) trains like 1 process x 8 devices."""
-    flags = ["--strategy", "zero1", "--pipeline-stages", "2", "--microbatches", "2", "--steps", "5"]
-    runs = {"2x4": (2, 4), "1x8": (1, 8)}
-    _run_concurrently({name: _command(p, d, tmp_path / f"rec-{name}", *flags, "--out", str(tmp_path / f"run-{name}"))
-                       for name, (p, d) in runs.items()})
-    two, one = (read_metrics(tmp_path / f"run-{name}" / "metrics.jsonl") for name in runs)
+    two, one = (read_metrics(job["pipelined"][name] / "metrics.jsonl") for name in ("2x4", "1x8"))
     assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3, 4, 5]
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-6, atol=0)

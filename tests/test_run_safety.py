@@ -1,7 +1,8 @@
 """Nothing lost, nobody in: the coordinator's address, one run per --out, --out checked early, Ctrl-C.
 
 Each test injects its fault into a real process (the launcher, `shardlib train`) and checks the
-exit status and the one line that explains it:
+exit status and the one line that explains it; a run that is only refused (a port or a lock held,
+an ``--out`` that cannot be written) is `shardlib.cli.main` in the test process, no start-up of its own:
 
 * the coordinator of ``shardlib launch`` listens on 127.0.0.1 only (read from /proc/net/tcp*
   while the job runs); a ``--port`` in use is refused at once, naming the port; a process
@@ -40,6 +41,11 @@ from tests import compile_flags
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--model", "tiny", "--seq-len", "32", "--batch-size", "8", "--cpu-devices", "2", "--no-progress",
         "--no-tensorboard", "--sample-tokens", "0", "--eval-every", "0"]
+
+
+# `shardlib train` run in this (8-device) process: TINY on the devices it has. A run refused at its
+# lock stops before it compiles anything, whatever its devices (the lock comes after them).
+HERE = TINY[:TINY.index("--cpu-devices")] + TINY[TINY.index("--cpu-devices") + 2:]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -198,19 +204,23 @@ def test_coordinator_bind_address_follows_the_coordinator_host(monkeypatch):
     assert bind == "[::]:5000" and distributed.ENV_COORDINATOR_BIND in warning and "no authentication" in warning
 
 
-def test_port_in_use_is_named_at_once():
+def test_port_in_use_is_named_at_once(capsys):
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
         with pytest.raises(distributed.DistributedError, match=f"port {port} is already in use.*another port"):
             distributed.check_port_free(f"127.0.0.1:{port}")
+        capsys.readouterr()
         start = time.monotonic()
-        cmd = [sys.executable, "-m", "shardlib.cli", "launch", "-n", "2", "--port", str(port), "--", "true"]
-        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and time.monotonic() - start < 10, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"--port {port}" in lines[0] and "pick another --port" in lines[0], proc.stderr
+        # `shardlib launch` in this process: the refusal is the launcher's own, before it starts any
+        # process (a subprocess spent most of the 10 s on its imports on a loaded machine)
+        code = main(["launch", "-n", "2", "--port", str(port), "--", "true"])
+        took = time.monotonic() - start
+    stderr = capsys.readouterr().err
+    assert code == 2 and took < 10, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and f"--port {port}" in lines[0] and "pick another --port" in lines[0], stderr
 
 
 def test_stopped_process_fails_start_up_after_the_init_timeout():
@@ -265,17 +275,18 @@ def test_second_run_on_the_same_out_is_refused_and_a_dead_runs_lock_is_taken_ove
         # holds --out exactly as a compiling one does, without burning the CPU the second run's
         # start-up shares (it resumes below, before the check that it keeps going).
         first.send_signal(signal.SIGSTOP)
-        try:
-            second = subprocess.run(_train("--steps", "2", "--out", str(out)), env=_env(), capture_output=True,
-                                    text=True, timeout=60)
+        capsys.readouterr()
+        try:  # the second run is `shardlib train` in this process (no start-up of its own)
+            code = main(["train", *HERE, "--steps", "2", "--out", str(out)])
         finally:
             first.send_signal(signal.SIGCONT)
-        assert second.returncode == 2, second.stderr
-        errors = _error_lines(second.stderr)
-        assert len(errors) == 1 and "Traceback" not in second.stderr, second.stderr
+        second = capsys.readouterr()
+        assert code == 2, second.err
+        errors = _error_lines(second.err)
+        assert len(errors) == 1 and "Traceback" not in second.err, second.err
         assert f"pid {first.pid} on host {socket.gethostname()}" in errors[0] and "--out" in errors[0], errors[0]
         # The lock comes before the header, the data and the compile: nothing of a run is printed.
-        assert not second.stdout.strip(), second.stdout
+        assert not second.out.strip(), second.out
         assert first.poll() is None, "the first run must keep going"
     finally:
         first.kill()
@@ -303,7 +314,7 @@ def _tree(directory: Path) -> dict[str, bytes | None]:
     return {str(p.relative_to(directory)): None if p.is_dir() else p.read_bytes() for p in sorted(directory.rglob("*"))}
 
 
-def test_resume_from_a_running_runs_directory_is_refused_and_leaves_it_untouched(tmp_path):
+def test_resume_from_a_running_runs_directory_is_refused_and_leaves_it_untouched(tmp_path, capsys):
     """The run saves (sets aside, deletes) in ``--resume-from``'s checkpoints, so it must hold that lock too."""
     a, b = tmp_path / "A", tmp_path / "B"
     (a / "checkpoints" / "4").mkdir(parents=True)  # a save in progress: no commit marker yet
@@ -311,11 +322,13 @@ def test_resume_from_a_running_runs_directory_is_refused_and_leaves_it_untouched
     (a / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     with claim_run_directory(TrainConfig(out=str(a)), a, main=True):  # run A, still going
         before = _tree(a)
-        proc = subprocess.run(_train("--steps", "4", "--ckpt-every", "2", "--keep", "2", "--out", str(b),
-                                     "--resume-from", str(a)), env=_env(), capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-        errors = _error_lines(proc.stderr)
-        assert len(errors) == 1 and "--resume-from" in errors[0], proc.stderr
+        capsys.readouterr()
+        code = main(["train", *HERE, "--steps", "4", "--ckpt-every", "2", "--keep", "2", "--out", str(b),
+                     "--resume-from", str(a)])  # in this process: the lock is an flock, held per open file
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err, err
+        errors = _error_lines(err)
+        assert len(errors) == 1 and "--resume-from" in errors[0], err
         assert f"{a} is in use by another run (pid {os.getpid()} on host {socket.gethostname()}" in errors[0], errors[0]
         assert _tree(a) == before
 
@@ -381,14 +394,15 @@ def test_metrics_are_never_written_through_a_planted_link(tmp_path):
     assert victim.read_text() == "keep me\n"
 
 
-def test_out_below_a_file_is_one_line_before_the_compile(tmp_path):
+def test_out_below_a_file_is_one_line_before_the_compile(tmp_path, capsys):
     blocker = tmp_path / "afile"
     blocker.write_text("not a directory\n")
+    capsys.readouterr()
     start = time.monotonic()
-    proc = subprocess.run(_train("--steps", "2", "--out", str(blocker / "run")), env=_env(), capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    errors = _error_lines(proc.stderr)
+    code = main(["train", *TINY, "--steps", "2", "--out", str(blocker / "run")])  # in this process
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    errors = _error_lines(err)
     assert len(errors) == 1 and f"--out: cannot write the run directory {blocker / 'run'}: {blocker} is a file" in errors[0]
     assert time.monotonic() - start < 15  # no compile (the tiny step alone takes longer on 2 loaded cores)
 
