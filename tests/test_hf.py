@@ -123,6 +123,21 @@ def _reference_logits(directory: Path, tokens: np.ndarray) -> np.ndarray:
         return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
+@pytest.fixture(scope="module")
+def reference_logits(checkpoints, tokens) -> dict[str, np.ndarray]:
+    """transformers' f32 logits of each checkpoint on ``tokens``, computed once: the logits test and
+    the export test compare with the same numbers (read-only: nothing writes into them)."""
+    cache: dict[str, np.ndarray] = {}
+
+    def get(name: str) -> np.ndarray:
+        if name not in cache:
+            cache[name] = _reference_logits(checkpoints[name], tokens)
+            cache[name].flags.writeable = False
+        return cache[name]
+
+    return get
+
+
 def _placed(directory: Path, strategy: str, mesh: dict[str, int]):
     pretrained = open_pretrained(directory)
     model = trainable(pretrained.model_config)
@@ -130,12 +145,27 @@ def _placed(directory: Path, strategy: str, mesh: dict[str, int]):
     return pretrained, model, layout, load_params(pretrained, layout.param_shardings())
 
 
+@pytest.fixture(scope="module")
+def zero3_placed(checkpoints):
+    """Each checkpoint imported once under zero3 on 8 devices, shared by the fine-tuning, greedy and
+    export tests (none donates or changes the parameters: `Program.init_from` copies them into
+    the state the step donates)."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str) -> tuple:
+        if name not in cache:
+            cache[name] = _placed(checkpoints[name], "zero3", {"fsdp": 8})
+        return cache[name]
+
+    return get
+
+
 CASES = [("dp", {"data": 1}), ("zero3", {"fsdp": 8}), ("fsdp_tp", {"fsdp": 4, "tensor": 2})]
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
-def test_logits_equal_transformers_on_one_and_eight_devices(checkpoints, tokens, name):
-    expected = _reference_logits(checkpoints[name], tokens)
+def test_logits_equal_transformers_on_one_and_eight_devices(checkpoints, tokens, reference_logits, name):
+    expected = reference_logits(name)
     assert np.abs(expected).max() > 0.1  # logits of a scale the 1e-4 bound means something at
     pretrained = open_pretrained(checkpoints[name])
     model = trainable(pretrained.model_config)
@@ -207,14 +237,14 @@ def test_one_process_slices_each_shard_and_converts_it_without_collectives(check
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
-def test_a_zero3_fine_tuning_step_equals_plain_jit(checkpoints, tokens, name):
+def test_a_zero3_fine_tuning_step_equals_plain_jit(zero3_placed, tokens, name):
     """The imported weights, one AdamW step under zero3 on 8 devices, against the same step written
     with jax.jit + optax on the module's own parameters (no shardlib in the step). The two are
     different programs, so the gradients differ by float32 summation noise |dg| ~ 1e-8; Adam's first
     step moves a parameter by lr g / (|g| + eps), which turns that into up to lr |dg| / eps: eps is
     1e-3 so that stays 1e-8, under the bound, for a gradient near zero (at eps 1e-5 one of Gemma 3's
     8192 wo entries came out 1.2e-6 apart from exactly this)."""
-    pretrained, model, layout, params = _placed(checkpoints[name], "zero3", {"fsdp": 8})
+    pretrained, model, layout, params = zero3_placed(name)
     tx = optax.adamw(1e-3, eps=1e-3)
     program = build(model, tx, layout)
     batch = {"inputs": np.tile(tokens, (4, 1)), "targets": np.roll(np.tile(tokens, (4, 1)), -1, axis=1)}
@@ -241,33 +271,33 @@ def test_a_zero3_fine_tuning_step_equals_plain_jit(checkpoints, tokens, name):
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
-def test_greedy_generation_equals_transformers(checkpoints, tokens, name):
+def test_greedy_generation_equals_transformers(checkpoints, tokens, zero3_placed, name):
     reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32)
     prompt = tokens[:, :6]
     with torch.no_grad():
         want = reference.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=10, do_sample=False,
                                   eos_token_id=None, pad_token_id=0).numpy()
-    pretrained, _, _, params = _placed(checkpoints[name], "zero3", {"fsdp": 8})
+    pretrained, _, _, params = zero3_placed(name)
     got = generate(from_params(pretrained.model_config, params), prompt, 10, rng=jax.random.key(0), temperature=0.0)
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
-def test_export_round_trip_is_bit_exact_and_loads_in_transformers(checkpoints, tokens, tmp_path, name):
+def test_export_round_trip_is_bit_exact_and_loads_in_transformers(zero3_placed, reference_logits, tokens, tmp_path,
+                                                                  name):
     """HF -> shardlib (zero3 shards) -> HF in f32: every tensor equal bit for bit, the index names
     each shard, and transformers' logits of the export equal those of the original."""
-    source = checkpoints[name]
-    pretrained, _, _, params = _placed(source, "zero3", {"fsdp": 8})
+    pretrained, _, _, params = zero3_placed(name)
     out = tmp_path / "export"
     written = save_pretrained(params, pretrained.model_config, out, hf_config=pretrained.hf_config,
                               architecture=pretrained.architecture.name, dtype="f32", max_shard_bytes=40_000)
     assert written.files > 1 and (out / "model.safetensors.index.json").is_file()
     exported = open_pretrained(out)
-    for name, file in pretrained.files.items():
-        original, copy = file.read(name), exported.files[name].read(name)
-        assert original.dtype == copy.dtype and np.array_equal(original.view(np.uint32), copy.view(np.uint32)), name
+    for tensor, file in pretrained.files.items():
+        original, copy = file.read(tensor), exported.files[tensor].read(tensor)
+        assert original.dtype == copy.dtype and np.array_equal(original.view(np.uint32), copy.view(np.uint32)), tensor
     assert set(exported.files) == set(pretrained.files)
-    np.testing.assert_array_equal(_reference_logits(out, tokens), _reference_logits(source, tokens))
+    np.testing.assert_array_equal(_reference_logits(out, tokens), reference_logits(name))
 
 
 @pytest.mark.parametrize("size", list(LLAMA32_SIZES))
@@ -278,7 +308,6 @@ def test_llama_3_2_configs_read_as_transformers_computes_them(size):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from shardlib.models.configs import param_count
-    from shardlib.models.gpt import rope_frequencies
 
     fields, count = LLAMA32_SIZES[size]
     config = {**LLAMA32, **fields}
@@ -286,8 +315,16 @@ def test_llama_3_2_configs_read_as_transformers_computes_them(size):
     assert gpt.tie_embeddings and gpt.head_dim == fields["head_dim"] and param_count(gpt) == count
     expected, scale = ROPE_INIT_FUNCTIONS["llama3"](transformers.LlamaConfig(**config), "cpu")
     assert scale == 1.0
-    np.testing.assert_allclose(np.asarray(rope_frequencies(gpt.head_dim, gpt.rope_theta, gpt.rope_scaling)),
+    np.testing.assert_allclose(np.asarray(_frequencies(gpt.head_dim, gpt.rope_theta, gpt.rope_scaling)),
                                expected.numpy(), rtol=1e-6)
+
+
+def _frequencies(head_dim: int, theta: float, scaling):
+    """`rope_frequencies` as the model computes it, inside a compiled program (one compile, not one
+    per operation run eagerly)."""
+    from shardlib.models.gpt import rope_frequencies
+
+    return jax.jit(rope_frequencies, static_argnums=(0, 1, 2))(head_dim, theta, scaling)
 
 
 ROPES = {  # rope_parameters of each scaling transformers computes, with non-default knobs where it has them
@@ -306,8 +343,6 @@ def test_rope_scalings_equal_transformers(rope, tokens, tmp_path):
     transformers' within 1e-4 in f32, and the export's config.json reads back to the same scaling."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from shardlib.models.gpt import rope_frequencies
-
     torch.manual_seed(0)
     hf_config = transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 1}, head_dim=32, rope_parameters=ROPES[rope])
     model = transformers.LlamaForCausalLM(hf_config)
@@ -315,7 +350,7 @@ def test_rope_scalings_equal_transformers(rope, tokens, tmp_path):
     pretrained, module, _, params = _placed(tmp_path, "dp", {"data": 1})
     gpt = pretrained.model_config
     inv_freq, attention = ROPE_INIT_FUNCTIONS[ROPES[rope]["rope_type"]](hf_config, "cpu")
-    np.testing.assert_allclose(np.asarray(rope_frequencies(gpt.head_dim, gpt.rope_theta, gpt.rope_scaling)),
+    np.testing.assert_allclose(np.asarray(_frequencies(gpt.head_dim, gpt.rope_theta, gpt.rope_scaling)),
                                inv_freq.numpy(), rtol=1e-6)
     assert gpt.rope_scaling.attention_factor == pytest.approx(attention, rel=1e-12)
     logits = np.asarray(jax.jit(module.apply)(params, jnp.asarray(tokens)))
@@ -433,10 +468,10 @@ def test_an_moe_model_born_in_shardlib_exports_as_mixtral(tokens, tmp_path):
 
     config = MoEConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=16, n_experts=4,
                        top_k=2, dropless=True, remat=False)
-    with nnx.use_eager_sharding(False):
-        model = MoEGPT(config, rngs=nnx.Rngs(1))
+    with nnx.use_eager_sharding(False):  # initialised and run in compiled programs, not op by op
+        model = nnx.jit(lambda: MoEGPT(config, rngs=nnx.Rngs(1)))()
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    got = np.asarray(model(jnp.asarray(tokens)))
+    got = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(tokens)))
     written = save_pretrained(params, config, tmp_path / "mixtral", dtype="f32")
     assert written.architecture == "MixtralForCausalLM"
     assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in open_pretrained(tmp_path / "mixtral").files
@@ -451,12 +486,11 @@ def test_completion_only_loss_counts_the_masked_targets(tokens):
     """``loss_mask`` makes the loss the mean over the counted targets, as written out by hand."""
     from shardlib.models import build as build_gpt, get_config
 
-    with nnx.use_eager_sharding(False):
-        model = build_gpt(get_config("tiny"))
+    model = nnx.jit(lambda: build_gpt(get_config("tiny")))()  # compiled once, not op by op
     mask = np.zeros(tokens.shape, np.float32)
     mask[:, 10:] = 1.0
     batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1), "loss_mask": mask}
-    loss, _ = next_token_loss(model, batch)
-    logp = np.asarray(jax.nn.log_softmax(model(tokens)), np.float64)
+    loss, logits = nnx.jit(lambda m, b: (next_token_loss(m, b)[0], m(b["inputs"])))(model, batch)
+    logp = np.asarray(jax.nn.log_softmax(logits), np.float64)
     ce = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
     np.testing.assert_allclose(float(loss), (ce * mask).sum() / mask.sum(), rtol=1e-5)

@@ -39,9 +39,17 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 # ---------------------------------------------------------------- the JSON document
 
 
-def test_plan_json_is_one_document_with_stable_keys(capsys):
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory) -> str:
+    """A plan cache for the JSON test and the plot test, which both plan tiny's zero3 on 8 devices
+    at batch 8: the second reads the first's compile back instead of compiling it again (every
+    figure of a read-back row is the compiled one's: `test_a_rerun_plan_reads_its_compiles_back`)."""
+    return str(tmp_path_factory.mktemp("plan-cache"))
+
+
+def test_plan_json_is_one_document_with_stable_keys(capsys, shared_cache):
     code, out, err = run_cli(capsys, "plan", "--model", "tiny", "--devices", "8", "--strategy", "zero3",
-                             "--batch-size", "16", "--json")
+                             "--batch-size", "8", "--json", "--cache-dir", shared_cache)
     assert code == 0, err
     doc = json.loads(out)  # exactly one JSON document on stdout
     assert set(doc) == DOC_KEYS
@@ -214,14 +222,14 @@ def test_more_devices_than_the_process_has_says_how_to_get_them():
         plan("tiny", 16, ["dp"])
 
 
-def test_plot_draws_memory_and_step_time_against_chips(tmp_path):
+def test_plot_draws_memory_and_step_time_against_chips(tmp_path, shared_cache):
     """`plan --plot`: a line per strategy over the plans' chip counts (zero3 planned on 4 and 8 devices)."""
     from shardlib.tools.plan_report import plan_document
     from shardlib.tools.plan_plot import plot_plans
 
     documents = []
     for devices in (4, 8):
-        planner = Planner("tiny", devices, batch_size=8)
+        planner = Planner("tiny", devices, batch_size=8, cache_dir=shared_cache)
         rows = planner.run(["zero3"])
         documents.append(plan_document(planner, rows, []))
     path = plot_plans(documents, str(tmp_path / "chips.png"))
