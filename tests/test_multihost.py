@@ -162,10 +162,9 @@ def test_launch_prefixes_lines_and_returns_first_failure(capsys, tmp_path):
 
 def test_launch_kills_processes_that_ignore_sigterm(capsys):
     # Process 2 dies by SIGKILL; the others ignore SIGTERM (as JAX's preemption notifier does).
+    # Killed, not done: left alone they would exit 0 when their sleep ends.
     script = 'trap "" TERM; if [ "$SHARDLIB_PROCESS_ID" = 2 ]; then sleep 0.3; kill -9 $$; fi; sleep 60'
-    start = time.monotonic()
     assert launch.launch(["bash", "-c", script], 3, 1, grace_s=1) == 128 + 9
-    assert time.monotonic() - start < 30
     err = capsys.readouterr().err
     assert re.search(r"process 2 \(pid \d+\) failed first: killed by SIGKILL \(signal 9\)", err)
     assert "process 0 killed by SIGKILL" in err and "process 1 killed by SIGKILL" in err
