@@ -131,6 +131,19 @@ def test_rules_that_name_none_of_the_models_axes_are_warned_about():
         make_layout(model, "tp", make_mesh({"fsdp": 2, "tensor": 4}))
 
 
+def test_dp_over_a_pipeline_is_not_told_to_add_rules():
+    """dp keeps every tensor whole by design; over pipe x data its only rule is the stack's split over
+    pipe, which the mesh adds: no 'has no rule for the model's axis names' advice (it would make dp ZeRO-3)."""
+    import warnings
+
+    from shardlib.models import get_config, trainable
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplicationWarning)
+        layout = make_layout(trainable(get_config("tiny")), "dp", make_mesh({"pipe": 2, "data": 4}))
+    assert layout.params["blocks"]["attn"]["wq"].spec[0] == "pipe"
+
+
 def test_unknown_names_hint_a_rule_and_a_stacks_layers_name_is_not_the_users():
     """Flax's guide writes (None, "model"): the hint maps it, rather than naming the strategy that just
     failed; the "layers" name the adapters give an nn.scan stack is no name the user wrote."""

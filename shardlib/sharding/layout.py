@@ -459,8 +459,10 @@ def _unknown_names(abstract: Any, logical: Any, strategy: Strategy) -> list[str]
 
 def _unmatched_names(logical: Any, strategy: Strategy, mesh: Mesh) -> str | None:
     """A model whose axis names no rule of the strategy knows is laid out by the fallback alone:
-    the sentence that says so and what to write, or None."""
-    known = lambda s: {name for name, _ in s.param_rules + s.state_rules}
+    the sentence that says so and what to write, or None. The pipeline's and experts' rules, which a
+    mesh with those axes adds to any strategy, are not the strategy's own: dp over pipe x data has none."""
+    added = {name for name, _ in PIPE_RULES + EXPERT_RULES}
+    known = lambda s: {name for name, _ in s.param_rules + s.state_rules} - added
     leaves = jax.tree.leaves(logical, is_leaf=rules_lib.is_names)
     # A stack's "layers" axis (named by the adapters for nn.scan stacks) is never split: not the user's name
     names = {n for leaf in leaves if leaf is not None for n in leaf if n is not None} - set(rules_lib.AUTO_SHARD_SKIP)
