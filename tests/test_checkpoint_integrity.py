@@ -109,6 +109,39 @@ def test_digest_is_the_same_on_any_mesh_and_catches_one_bit(saved):
     ckpt.verify(6, {"params": state.params})  # the untouched values pass
 
 
+def _fmix32(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def _documented_digest(x: np.ndarray) -> str:
+    """checkpoint_digests' formula, in NumPy (uint64 arithmetic masked to 32 bits): the sum over
+    elements of fmix32((row-major index * golden + seed) ^ the element's bits), for both seeds."""
+    if x.dtype == np.bool_:
+        x = x.astype(np.int32)  # as the digest reads sub-byte and bool values
+    bits = x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]).reshape(-1).astype(np.uint64)
+    position = (np.arange(bits.size, dtype=np.uint64) * 0x9E3779B9) & 0xFFFFFFFF
+    lanes = [int(_fmix32(((position + seed) & 0xFFFFFFFF) ^ bits).sum() & 0xFFFFFFFF) for seed in (0x3C6EF372, 0xA54FF53A)]
+    return f"{lanes[0]:08x}{lanes[1]:08x}"
+
+
+def test_digests_are_the_documented_position_hash_on_any_sharding():
+    """The values every saved checkpoint's digests were written with (a change of the formula would
+    fail every checkpoint saved before it): each array's digest, sharded over 8 devices or on one,
+    is NumPy's computation of the formula in checkpoint_digests' docstring."""
+    rng = np.random.default_rng(0)
+    mesh = make_mesh({"fsdp": 8})
+    values = {"f32": rng.standard_normal((8, 6)).astype(np.float32),
+              "bf16": rng.standard_normal((5, 7)).astype(jax.numpy.bfloat16),
+              "i8": rng.integers(-128, 128, (3, 4, 2), dtype=np.int8), "bool": rng.random(9) > 0.5}
+    tree = {name: jax.numpy.asarray(value) for name, value in values.items()}
+    tree["f32"] = jax.device_put(values["f32"], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp")))
+    assert digest_hex(*digest_arrays(tree)) == {name: _documented_digest(value) for name, value in values.items()}
+
+
 def test_bit_flip_in_a_data_file_falls_back_to_the_previous_checkpoint(work, caplog):
     directory, copies, program = work
     _flip_bit(_largest_data_file(directory / "6"))

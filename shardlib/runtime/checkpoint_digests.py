@@ -67,8 +67,9 @@ def _array_digest(x: jax.Array) -> jax.Array:
         index = index + lax.broadcasted_iota(jnp.uint32, words.shape, axis) * np.uint32(stride & 0xFFFFFFFF)
         stride *= words.shape[axis]
     position = index * _GOLDEN
-    lanes = [jnp.sum(_fmix32((position + seed) ^ words), dtype=jnp.uint32) for seed in _SEEDS]
-    return jnp.stack(lanes)
+    # both seeds in one pass: a trailing axis of 2 (half the ops to compile of a loop over them)
+    lanes = _fmix32((position[..., None] + np.array(_SEEDS)) ^ words[..., None])
+    return jnp.sum(lanes, axis=tuple(range(words.ndim)), dtype=jnp.uint32)
 
 
 def _digest_all(leaves: list[jax.Array]) -> jax.Array:
