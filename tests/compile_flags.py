@@ -1,8 +1,8 @@
 """XLA:CPU flags (and a JAX setting, `ENV`) that only make the tests' small programs compile
 faster, for the test process and every process it starts (a CLI run, a worker): no LLVM
 optimisation passes, the elemental emitters instead of the fusion emitters (about 3x less
-compile time for the same values), and one LLVM module a program (below). Set where a test clears XLA_FLAGS so that the CLI sets up its
-own devices.
+compile time for the same values), and one LLVM module a program (below). Set where a test
+clears XLA_FLAGS so that the CLI sets up its own devices.
 
 Users compile with XLA's defaults: ``SHARDLIB_TEST_DEFAULT_FLAGS=1`` leaves these out everywhere
 (`FAST` is empty), and `.ci/run` runs the structural and memory tests marked ``xla_defaults``

@@ -26,6 +26,7 @@ import pytest
 
 from shardlib import build, make_layout, make_mesh
 from shardlib.models import GPTConfig, trainable
+from shardlib.runtime.checkpoint_digests import digest_all
 from shardlib.step.precision import get_precision
 from shardlib.tools.hardware import HARDWARE
 from shardlib.tools.hlo import collective_stats
@@ -186,6 +187,20 @@ def test_tpu_bf16_attention_at_8192_tokens_on_v5p_is_the_kernel_in_linear_memory
     text = compiled.as_text()
     assert re.search(rf"bf16\[[0-9,]*{heads},{seq},{head_dim}\][^\n]*custom_call_target=\"tpu_custom_call\"", text)
     assert memory_stats(compiled).temp_bytes < seq * seq * 2  # one head's scores, bf16
+
+
+def test_tpu_checkpoint_digests_hash_each_shard_without_an_array_sized_temporary(chips):
+    """A save's digests (`shardlib.runtime.checkpoint_digests`) over a 96 MiB-a-chip state on the
+    8 chips: each lane's hash fuses into its reduction, so the temporaries stay under 1 MiB. (A
+    one-pass form over both seeds, a trailing axis of 2, held 128 MiB a chip here.)"""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = make_mesh({"fsdp": N}, devices=chips)
+    rows = NamedSharding(mesh, PartitionSpec("fsdp"))
+    leaves = [jax.ShapeDtypeStruct((32768, 4096), dtype, sharding=rows) for dtype in (jnp.float32, jnp.bfloat16)]
+    compiled = jax.jit(digest_all, out_shardings=NamedSharding(mesh, PartitionSpec())).lower(leaves).compile()
+    assert memory_stats(compiled).argument_bytes == 96 * 2**20
+    assert memory_stats(compiled).temp_bytes < 2**20
 
 
 def test_the_cpu_construct_is_seen_where_the_cpu_policy_builds_it(chips):
