@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlib import build, make_layout, make_mesh
 from shardlib.models import GPTConfig, trainable
@@ -193,12 +194,10 @@ def test_tpu_checkpoint_digests_hash_each_shard_without_an_array_sized_temporary
     """A save's digests (`shardlib.runtime.checkpoint_digests`) over a 96 MiB-a-chip state on the
     8 chips: each lane's hash fuses into its reduction, so the temporaries stay under 1 MiB. (A
     one-pass form over both seeds, a trailing axis of 2, held 128 MiB a chip here.)"""
-    from jax.sharding import NamedSharding, PartitionSpec
-
     mesh = make_mesh({"fsdp": N}, devices=chips)
-    rows = NamedSharding(mesh, PartitionSpec("fsdp"))
+    rows = NamedSharding(mesh, P("fsdp"))
     leaves = [jax.ShapeDtypeStruct((32768, 4096), dtype, sharding=rows) for dtype in (jnp.float32, jnp.bfloat16)]
-    compiled = jax.jit(digest_all, out_shardings=NamedSharding(mesh, PartitionSpec())).lower(leaves).compile()
+    compiled = jax.jit(digest_all, out_shardings=NamedSharding(mesh, P())).lower(leaves).compile()
     assert memory_stats(compiled).argument_bytes == 96 * 2**20
     assert memory_stats(compiled).temp_bytes < 2**20
 
@@ -374,8 +373,6 @@ def test_hlo_reader_reads_memory_spaces(chips):
 def test_hlo_reader_names_a_reduce_scatter_run_as_an_all_reduce(chips):
     """A reduce-scatter whose per-chip result is not whole (8, 128) tiles XLA:TPU runs as a full
     all-reduce and a slice: the reader counts the all-reduce it is, marked ``scattered``."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
     mesh = jax.sharding.Mesh(np.array(chips), ("d",))
 
     def stats_of(shape):
@@ -394,8 +391,6 @@ def test_hlo_reader_names_an_all_gather_run_as_an_all_reduce(chips):
     """Over the 64 chips of a v5e 8x8 slice XLA:TPU runs an all-gather as an all-reduce of a
     zero-filled buffer each chip wrote its shard into (over 8 chips, as an all-gather): the reader
     counts the all-reduce, marked ``gathered``."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
     from shardlib.runtime.devices import topology_devices
 
     def stats_of(devices):
